@@ -1,0 +1,264 @@
+"""Allreduce sweep, OSU / nccl-tests style: the hand-written ring against the library's Allreduce.
+
+    syncsgd bench allreduce                          # threads backend, 2 thread ranks
+    mpiexec -n 2 syncsgd bench allreduce --json a.json --csv a.csv
+    python benchmarks/allreduce.py --max-bytes 1M    # the same, run as a script
+
+Method: for each message size, check once that every algorithm gives the same sum, warm up, then
+time `--batches` batches of iterations, the algorithms interleaved batch by batch (this machine is
+shared and noisy: comparing numbers taken minutes apart measures the neighbours). A batch's per-op
+time is the slowest rank's; the median over batches is quoted. busbw = algbw * 2(P-1)/P, the
+nccl-tests convention, so a bandwidth-optimal allreduce reads as the link speed at any P.
+
+On the threads backend the baseline ("mpi") is `ThreadComm.Allreduce`, a plain NumPy sum of all
+ranks' buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from syncsgd.comm import ThreadComm, constants, launch
+from syncsgd.files import write_text
+from syncsgd.ring import ring_allreduce
+
+BASELINE = "mpi"
+MMAP_THRESHOLD = 32 << 20  # glibc's largest dynamic mmap threshold: bigger mallocs get fresh pages
+
+
+def algorithms(comm: Any) -> dict[str, Callable[[np.ndarray], Any]]:
+    """The allreduce implementations to compare, each summing a buffer in place."""
+    mpi = constants(comm)
+    return {
+        "ring": lambda buf: ring_allreduce(buf, comm),
+        BASELINE: lambda buf: comm.Allreduce(mpi.IN_PLACE, buf, op=mpi.SUM),
+    }
+
+
+def parse_bytes(text: str) -> int:
+    """'8', '64K', '1M', '64MiB' -> bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = cleaned[-1:] if cleaned[-1:] in units else ""
+    try:
+        value = int(cleaned[: len(cleaned) - len(unit)]) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 8, 64K, 1M)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return value
+
+
+def message_sizes(min_bytes: int, max_bytes: int, itemsize: int) -> list[int]:
+    """Powers of two from min_bytes to max_bytes, each at least one element."""
+    sizes, size = [], max(itemsize, 1 << (max(min_bytes, 1) - 1).bit_length())
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def slowest(comm: Any, seconds: float) -> float:
+    """The largest value of `seconds` over all ranks."""
+    mpi = constants(comm)
+    value = np.array([seconds])
+    comm.Allreduce(mpi.IN_PLACE, value, op=mpi.MAX)
+    return float(value[0])
+
+
+def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iters: int) -> float:
+    """Per-op seconds of `iters` back-to-back calls, as seen by the slowest rank."""
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        op(buf)
+    return slowest(comm, (time.perf_counter() - start) / iters)
+
+
+def check_agreement(comm: Any, ops: dict[str, Callable], count: int, dtype: np.dtype) -> None:
+    """Every algorithm must produce bitwise the baseline's sum of small integers."""
+    rank = comm.Get_rank()
+    data = ((np.arange(count) * 7 + rank * 3) % 64).astype(dtype)
+    expected = data.copy()
+    ops[BASELINE](expected)
+    for name, op in ops.items():
+        result = data.copy()
+        op(result)
+        if not np.array_equal(result, expected):
+            raise RuntimeError(f"{name} allreduce disagrees with {BASELINE} at {count} elements")
+
+
+def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]) -> list[dict]:
+    """Time every algorithm at every size; call `report` with each finished row."""
+    size = comm.Get_size()
+    dtype = np.dtype(options.dtype)
+    ops = algorithms(comm)
+    rows = []
+    for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
+        count = nbytes // dtype.itemsize
+        check_agreement(comm, ops, count, dtype)
+        buf = np.zeros(count, dtype)  # zeros: sums stay finite and free of denormals
+        # Warm up, and size the batches so that one takes about --batch-seconds.
+        warm = max(time_batch(comm, op, buf, options.warmup) for op in ops.values())
+        iters = int(min(max(options.batch_seconds / max(warm, 1e-9), 1), options.max_iters))
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for batch in range(options.batches):
+            order = list(ops) if batch % 2 == 0 else list(reversed(ops))  # ABBA interleaving
+            for name in order:
+                times[name].append(time_batch(comm, ops[name], buf, iters))
+        baseline = statistics.median(times[BASELINE])
+        for name in ops:
+            seconds = statistics.median(times[name])
+            algbw = nbytes / seconds / 1e9
+            row = {
+                "size_bytes": nbytes,
+                "count": count,
+                "dtype": dtype.name,
+                "algorithm": name,
+                "time_us": seconds * 1e6,
+                "algbw_GBps": algbw,
+                "busbw_GBps": algbw * 2 * (size - 1) / size,
+                # the same ratio as busbw / busbw_mpi, but defined at P = 1 too
+                "vs_mpi": baseline / seconds,
+                "iters": iters,
+                "batches": options.batches,
+            }
+            rows.append(row)
+            report(row)
+    return rows
+
+
+COLUMNS = ("size_bytes", "count", "dtype", "algorithm", "time_us", "algbw_GBps", "busbw_GBps",
+           "vs_mpi")  # fmt: skip
+HEADER = (
+    f"{'size (B)':>12} {'count':>10} {'dtype':>7} {'algorithm':>10} {'time (us)':>11} "
+    f"{'algbw GB/s':>11} {'busbw GB/s':>11} {'vs mpi':>7}"
+)
+
+
+def format_row(row: dict) -> str:
+    return (
+        f"{row['size_bytes']:>12} {row['count']:>10} {row['dtype']:>7} {row['algorithm']:>10} "
+        f"{row['time_us']:>11.2f} {row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f} "
+        f"{row['vs_mpi']:>7.2f}"
+    )
+
+
+def library_name(comm: Any) -> str:
+    if isinstance(comm, ThreadComm):
+        return "threads backend: comm.Allreduce is a NumPy sum of all ranks' buffers"
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().strip().splitlines()[0]
+
+
+def run(comm: Any, options: argparse.Namespace) -> list[dict] | None:
+    """The sweep on one rank; rank 0 prints the table and writes the files."""
+    master_process = comm.Get_rank() == 0
+    backend = "threads" if isinstance(comm, ThreadComm) else "mpi"
+    if master_process:
+        print(f"# allreduce sweep: {comm.Get_size()} ranks, {backend} backend, {options.dtype}")
+        print(f"# baseline '{BASELINE}': {library_name(comm)}")
+        print(HEADER, flush=True)
+
+    def report(row: dict) -> None:
+        if master_process:
+            print(format_row(row), flush=True)
+
+    rows = sweep(comm, options, report)
+    if not master_process:
+        return None
+    if backend == "mpi" and any(r["size_bytes"] > MMAP_THRESHOLD for r in rows):
+        print(
+            f"# note: above {MMAP_THRESHOLD >> 20} MiB the MPI library's Allreduce may pay for "
+            "fresh memory (glibc mmap) on every call while the ring reuses its cached scratch; "
+            "a ratio above 1 there is not a win of the algorithm"
+        )
+    result = {
+        "benchmark": "allreduce",
+        "backend": backend,
+        "ranks": comm.Get_size(),
+        "dtype": options.dtype,
+        "baseline": library_name(comm),
+        "command": sys.argv,
+        "rows": rows,
+    }
+    if options.json:
+        write_text(options.json, json.dumps(result, indent=1) + "\n")
+    if options.csv:
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=list(rows[0]) if rows else list(COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text(options.csv, text.getvalue())
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `syncsgd bench allreduce`."""
+    parser.add_argument("--ranks", type=positive_int, default=None,
+                        help="thread ranks (threads backend; default 2); under mpiexec, -n decides")
+    parser.add_argument("--backend", choices=("auto", "threads", "mpi"), default="auto",
+                        help="auto: MPI under mpiexec/srun, threads otherwise")
+    parser.add_argument("--dtype", choices=("float64", "float32", "int64"), default="float64")
+    parser.add_argument("--min-bytes", type=parse_bytes, default=8, help="smallest size (8)")
+    parser.add_argument("--max-bytes", type=parse_bytes, default=64 << 20,
+                        help="largest size (64M)")
+    parser.add_argument("--batches", type=positive_int, default=7,
+                        help="timed batches per algorithm and size; the median is quoted (7)")
+    parser.add_argument("--batch-seconds", type=positive_float, default=0.02,
+                        help="target duration of one batch (0.02)")
+    parser.add_argument("--warmup", type=positive_int, default=5, help="warm-up calls (5)")
+    parser.add_argument("--max-iters", type=positive_int, default=2000,
+                        help="most calls in one batch (2000)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")  # fmt: skip
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def main(options: argparse.Namespace) -> int:
+    """Run the sweep on the backend the options ask for."""
+    if options.min_bytes > options.max_bytes:
+        raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
+    ranks = options.ranks
+    if ranks is None and options.backend != "mpi":
+        from syncsgd.comm import resolve_backend
+
+        ranks = 2 if resolve_backend(options.backend) == "threads" else None
+    launch(run, options, backend=options.backend, ranks=ranks)
+    return 0
+
+
+if __name__ == "__main__":
+    from syncsgd.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", "allreduce", *sys.argv[1:]]))

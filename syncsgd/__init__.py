@@ -1,0 +1,14 @@
+"""syncsgd: a reference simulator of synchronous data-parallel SGD with a hand-written ring allreduce."""
+
+from syncsgd.comm import DeadlockError, RankAborted, ThreadComm, run_threads
+from syncsgd.ring import TraceEvent, ring_allreduce
+
+__version__ = "0.1.0"
+__all__ = [
+    "DeadlockError",
+    "RankAborted",
+    "ThreadComm",
+    "TraceEvent",
+    "ring_allreduce",
+    "run_threads",
+]
