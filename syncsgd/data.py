@@ -1,0 +1,420 @@
+"""Data sets, the order in which SGD visits their samples, and the split of a batch over ranks.
+
+Sources (SPEC §5): synthetic Gaussian blobs or a random-MLP teacher for classification, a random
+linear or MLP teacher plus noise for regression, `.npz` files (arrays `X`, `y`) and `.csv` files
+(last column the target). Every source is generated or parsed in float64 and then cast to the
+requested dtype, so a float32 data set is the float64 one rounded.
+
+Sample order (SPEC §5): steps per epoch S = N // B (the tail is dropped); epoch e visits the
+samples in the order `epoch_order(N, e, seed, shuffle)`; step t is position j = t mod S of epoch
+e = t // S and its global batch is `order[j*B:(j+1)*B]`. Every rank computes the same order from
+the same arguments, so no communication is needed. The global batch is then split contiguously,
+`numpy.array_split` style.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import os
+import zipfile
+
+import numpy as np
+
+SOURCES = (
+    "synthetic-classification",
+    "synthetic-regression",
+    "synthetic-classification-mlp",
+    "synthetic-regression-mlp",
+)
+LOSSES = ("xent", "mse")
+DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
+
+BLOB_DISTANCE = 4.0  # typical distance between two blob centres, in noise standard deviations
+TEACHER_HIDDEN = 32  # width of the hidden layer of the random MLP teachers
+LABEL_NOISE = 0.1  # standard deviation of the noise added to regression targets
+
+
+def load_data(
+    source: str = "synthetic-classification",
+    *,
+    samples: int = 2048,
+    features: int = 32,
+    classes: int | None = None,
+    loss: str = "xent",
+    seed: int = 0,
+    dtype: str | np.dtype = "float64",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Load or generate a data set: X (N, D) in `dtype`, y int64 (N,) (xent) or (N, K) in `dtype`.
+
+    `classes` is the number of classes (xent) or of regression outputs (mse); None means 4 for
+    classification, 1 for regression, and for files whatever the file holds. Integer targets in a
+    `.npz` file are class labels (one-hot encoded for mse); float targets are regression targets,
+    which `xent` accepts only if every value is a non-negative integer. A `.csv` target column is
+    read as floats, so with mse it is one regression output. X is C-contiguous.
+    """
+    float_dtype = _float_dtype(dtype)
+    _check_choice("loss", loss, LOSSES)
+    if not isinstance(source, str | os.PathLike):
+        raise ValueError(f"data source must be a name or a path, not {source!r}")
+    source = os.fspath(source)
+    suffix = os.path.splitext(source)[1].lower()
+    if suffix in (".npz", ".csv"):
+        if classes is not None:
+            _check_positive_int("classes", classes)
+        X, y, is_labels = _read_npz(source) if suffix == ".npz" else _read_csv(source)
+        return _finish(source, X, y, is_labels, classes, loss, float_dtype)
+    if source not in SOURCES:
+        raise ValueError(
+            f"unknown data source {source!r}: expected one of {', '.join(SOURCES)}, "
+            "or a path ending in .npz or .csv"
+        )
+    is_labels = "classification" in source
+    if loss == "xent" and not is_labels:
+        raise ValueError(
+            f"data source {source!r} has real-valued targets; cross-entropy needs class labels "
+            "(use loss 'mse')"
+        )
+    _check_positive_int("samples", samples)
+    _check_positive_int("features", features)
+    default_classes = 4 if is_labels else 1
+    n_classes = default_classes if classes is None else _check_positive_int("classes", classes)
+    _check_seed(seed)
+    X, y = _SYNTHETIC[source](np.random.default_rng(seed), samples, features, n_classes)
+    return _finish(source, X, y, is_labels, n_classes, loss, float_dtype)
+
+
+def n_outputs(y: np.ndarray, loss: str) -> int:
+    """The number of model outputs K for targets y: max label + 1 (xent) or y's width (mse)."""
+    _check_choice("loss", loss, LOSSES)
+    if loss == "xent":
+        if y.ndim != 1:
+            raise ValueError(f"xent needs 1-D integer labels, got targets of shape {y.shape}")
+        return int(y.max()) + 1 if y.size else 1
+    if y.ndim != 2:
+        raise ValueError(f"mse needs 2-D targets (N, K), got shape {y.shape}")
+    return int(y.shape[1])
+
+
+def steps_per_epoch(n_samples: int, batch_size: int) -> int:
+    """Number of full global batches in one epoch, N // B (the tail is dropped)."""
+    n = _check_positive_int("number of samples", n_samples)
+    batch = _index("batch size", batch_size)
+    if batch <= 0:
+        raise ValueError(f"batch size must be positive, got {batch}")
+    if batch > n:
+        raise ValueError(f"batch size {batch} is larger than the data set ({n} samples)")
+    return n // batch
+
+
+def epoch_order(n_samples: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    """The order (int64, a permutation of 0..N-1) in which epoch `epoch` visits the samples."""
+    return _cached_order(
+        _check_positive_int("number of samples", n_samples),
+        _check_nonnegative_int("epoch", epoch),
+        _check_seed(seed),
+        bool(shuffle),
+    ).copy()
+
+
+def global_batch(
+    step: int, n_samples: int, batch_size: int, seed: int, shuffle: bool
+) -> np.ndarray:
+    """Indices (int64, length B) of the samples of global batch `step` (0-based), on every rank."""
+    per_epoch = steps_per_epoch(n_samples, batch_size)
+    epoch, position = divmod(_check_nonnegative_int("step", step), per_epoch)
+    order = _cached_order(int(n_samples), epoch, _check_seed(seed), bool(shuffle))
+    batch = int(batch_size)
+    return order[position * batch : (position + 1) * batch].copy()
+
+
+def shard(global_batch: np.ndarray, rank: int, size: int) -> np.ndarray:
+    """Rank `rank`'s contiguous part of the batch, as `np.array_split(global_batch, size)[rank]`.
+
+    The first len % size ranks get one sample more; with more ranks than samples the last ranks get
+    an empty shard. Returns a view.
+    """
+    size = _check_positive_int("number of ranks", size)
+    rank = _index("rank", rank)
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is out of range for {size} ranks")
+    base, extra = divmod(len(global_batch), size)
+    start = rank * base + min(rank, extra)
+    stop = start + base + (1 if rank < extra else 0)
+    return global_batch[start:stop]
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_order(n_samples: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    """`epoch_order` computed once per epoch and shared by all thread ranks (read-only)."""
+    if shuffle:
+        order = np.random.default_rng([seed, epoch]).permutation(n_samples).astype(np.int64)
+    else:
+        order = np.arange(n_samples, dtype=np.int64)
+    order.flags.writeable = False
+    return order
+
+
+# --- synthetic sources (float64; labels int64) ------------------------------------------------
+
+
+def _blobs(rng: np.random.Generator, n: int, d: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian blobs: k centres about BLOB_DISTANCE apart, unit-variance noise around them."""
+    centres = rng.normal(size=(k, d)) * (BLOB_DISTANCE / math.sqrt(2 * d))
+    labels = rng.integers(0, k, size=n)
+    X = centres[labels] + rng.normal(size=(n, d))
+    return X, labels.astype(np.int64)
+
+
+def _linear_teacher(
+    rng: np.random.Generator, n: int, d: int, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Regression targets of a random linear map plus Gaussian noise."""
+    X = rng.normal(size=(n, d))
+    weights = rng.normal(size=(d, k)) / math.sqrt(d)
+    bias = rng.normal(size=k)
+    y = X @ weights + bias + LABEL_NOISE * rng.normal(size=(n, k))
+    return X, y
+
+
+def _mlp_teacher(rng: np.random.Generator, d: int, k: int, X: np.ndarray) -> np.ndarray:
+    """Outputs of a random one-hidden-layer tanh network at the inputs X."""
+    w_hidden = rng.normal(size=(d, TEACHER_HIDDEN)) * math.sqrt(2.0 / d)
+    b_hidden = rng.normal(size=TEACHER_HIDDEN) * 0.5
+    w_out = rng.normal(size=(TEACHER_HIDDEN, k)) * math.sqrt(2.0 / TEACHER_HIDDEN)
+    b_out = rng.normal(size=k) * 0.1
+    return np.tanh(X @ w_hidden + b_hidden) @ w_out + b_out
+
+
+def _mlp_classes(rng: np.random.Generator, n: int, d: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Labels = argmax of a random MLP teacher's outputs."""
+    X = rng.normal(size=(n, d))
+    return X, np.argmax(_mlp_teacher(rng, d, k, X), axis=1).astype(np.int64)
+
+
+def _mlp_regression(
+    rng: np.random.Generator, n: int, d: int, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Targets = a random MLP teacher's outputs plus Gaussian noise."""
+    X = rng.normal(size=(n, d))
+    y = _mlp_teacher(rng, d, k, X)
+    return X, y + LABEL_NOISE * rng.normal(size=y.shape)
+
+
+_SYNTHETIC = {
+    "synthetic-classification": _blobs,
+    "synthetic-regression": _linear_teacher,
+    "synthetic-classification-mlp": _mlp_classes,
+    "synthetic-regression-mlp": _mlp_regression,
+}
+
+
+# --- files ------------------------------------------------------------------------------------
+
+
+def _check_file(path: str) -> None:
+    """ValueError unless `path` is an existing regular file."""
+    if not os.path.exists(path):
+        raise ValueError(f"data file {path} does not exist")
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path} is not a regular file")
+
+
+def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Arrays X and y of an .npz file (no pickles); y holds labels if its dtype is integer."""
+    _check_file(path)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            missing = [key for key in ("X", "y") if key not in archive.files]
+            if missing:
+                found = ", ".join(archive.files) or "nothing"
+                raise ValueError(f"{path} has no array {missing[0]!r} (found: {found})")
+            X, y = archive["X"], archive["y"]
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path} is not a readable .npz file: {exc}") from None
+    except ValueError as exc:
+        if str(exc).startswith(path):
+            raise
+        raise ValueError(f"{path} is not a readable .npz file: {exc}") from None
+    for name, array in (("X", X), ("y", y)):
+        if array.dtype.kind not in "biuf":
+            raise ValueError(f"{path}: array {name!r} holds {array.dtype}, not real numbers")
+    return X, y, y.dtype.kind in "biu"
+
+
+def _read_csv(path: str) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Features and target column of a .csv file; a non-numeric first line is a header."""
+    _check_file(path)
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            lines = handle.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a readable text file: {exc}") from None
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    if numbered and not _is_numeric_row(numbered[0][1]):
+        numbered = numbered[1:]  # the header
+    if not numbered:
+        raise ValueError(f"{path} has no samples")
+    try:
+        table = np.loadtxt(
+            [line for _, line in numbered], delimiter=",", dtype=np.float64, ndmin=2, comments=None
+        )
+    except ValueError as exc:
+        _raise_csv_problem(path, numbered)
+        raise ValueError(f"{path} is not a valid CSV file of numbers: {exc}") from None
+    if table.shape[1] < 2:
+        raise ValueError(f"{path} needs at least two columns (features, then the target)")
+    return table[:, :-1], table[:, -1], False
+
+
+def _is_numeric_row(line: str) -> bool:
+    """True if every comma-separated field of `line` parses as a float."""
+    try:
+        [float(field) for field in line.split(",")]
+    except ValueError:
+        return False
+    return True
+
+
+def _raise_csv_problem(path: str, numbered: list[tuple[int, str]]) -> None:
+    """Raise a ValueError naming the first malformed line of a CSV file (if one is found)."""
+    width = len(numbered[0][1].split(","))
+    for number, line in numbered:
+        fields = line.split(",")
+        if len(fields) != width:
+            raise ValueError(
+                f"{path} line {number}: {len(fields)} columns, but the first data line has {width}"
+            )
+        for field in fields:
+            try:
+                float(field)
+            except ValueError:
+                message = f"{path} line {number}: {field.strip()!r} is not a number"
+                raise ValueError(message) from None
+
+
+# --- validation and conversion ----------------------------------------------------------------
+
+
+def _finish(
+    source: str,
+    X: np.ndarray,
+    y: np.ndarray,
+    is_labels: bool,
+    classes: int | None,
+    loss: str,
+    dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check shapes and values, convert targets for the loss, and cast to `dtype`."""
+    if X.ndim != 2:
+        raise ValueError(f"{source}: X must be 2-D (samples, features), got shape {X.shape}")
+    if y.ndim == 0 or y.ndim > 2:
+        raise ValueError(f"{source}: y must be 1-D or 2-D, got shape {y.shape}")
+    if len(X) != len(y):
+        raise ValueError(f"{source}: X has {len(X)} samples but y has {len(y)}")
+    if len(X) == 0:
+        raise ValueError(f"{source} has no samples")
+    if X.shape[1] == 0:
+        raise ValueError(f"{source} has no features")
+    X = np.ascontiguousarray(X, dtype=dtype)
+    if not np.isfinite(X).all():
+        raise ValueError(f"{source}: X contains NaN or infinite values (in {dtype})")
+    if y.dtype.kind == "f" and not np.isfinite(y).all():
+        raise ValueError(f"{source}: y contains NaN or infinite values")
+    if loss == "xent":
+        return X, _labels(source, y, classes)
+    if is_labels:
+        labels = _labels(source, y, classes)
+        n_classes = classes if classes is not None else int(labels.max()) + 1
+        return X, np.eye(n_classes, dtype=dtype)[labels]
+    targets = y.reshape(len(y), -1) if y.ndim == 1 else y
+    if classes is not None and targets.shape[1] != classes:
+        raise ValueError(
+            f"{source} has {targets.shape[1]} regression output(s), "
+            f"but classes={classes} was asked for"
+        )
+    targets = np.ascontiguousarray(targets, dtype=dtype)
+    if not np.isfinite(targets).all():
+        raise ValueError(f"{source}: y contains values too large for {dtype}")
+    return X, targets
+
+
+def _labels(source: str, y: np.ndarray, classes: int | None) -> np.ndarray:
+    """y as int64 class labels in [0, classes); ValueError naming the first bad label."""
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise ValueError(
+            f"{source}: cross-entropy needs one integer label per sample, got targets of shape "
+            f"{y.shape} (use loss 'mse' for multi-output targets)"
+        )
+    if y.dtype.kind == "f":
+        fractional = np.flatnonzero(y != np.round(y))
+        if fractional.size:
+            raise ValueError(
+                f"{source}: label {y[fractional[0]]!r} of sample {fractional[0]} is not an integer "
+                "(cross-entropy needs class labels; use loss 'mse' for regression)"
+            )
+    negative = np.flatnonzero(y < 0)
+    if negative.size:
+        raise ValueError(f"{source}: label {y[negative[0]]} of sample {negative[0]} is negative")
+    if classes is not None:
+        too_large = np.flatnonzero(y >= classes)
+        if too_large.size:
+            raise ValueError(
+                f"{source}: label {y[too_large[0]]} of sample {too_large[0]} is out of range "
+                f"for {classes} classes"
+            )
+    if y.max() >= 2**31:
+        raise ValueError(f"{source}: label {y.max()} is too large to be a class index")
+    return y.astype(np.int64)
+
+
+def _float_dtype(dtype: str | np.dtype) -> np.dtype:
+    """`dtype` as a NumPy dtype, float64 or float32."""
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in DTYPES:
+        raise ValueError(f"dtype must be float64 or float32, not {dtype!r}")
+    return resolved
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    """`value` if it is one of `choices`, else a ValueError listing them."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _index(name: str, value: int) -> int:
+    """`value` as a Python int; ValueError for floats, bools and other non-integers."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, not {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, not {value!r}") from None
+
+
+def _check_positive_int(name: str, value: int) -> int:
+    """`value` as an int >= 1."""
+    number = _index(name, value)
+    if number < 1:
+        raise ValueError(f"{name} must be positive, got {number}")
+    return number
+
+
+def _check_nonnegative_int(name: str, value: int) -> int:
+    """`value` as an int >= 0."""
+    number = _index(name, value)
+    if number < 0:
+        raise ValueError(f"{name} must not be negative, got {number}")
+    return number
+
+
+def _check_seed(seed: int) -> int:
+    """`seed` as an int >= 0 (what numpy.random.default_rng accepts)."""
+    return _check_nonnegative_int("seed", seed)
