@@ -1,0 +1,324 @@
+"""Numba kernels: loss and the SUM of per-sample gradients of an MLP over one micro-batch.
+
+The training loop divides the allreduced sum by the global batch size once, so these kernels return
+sums, never means. Every kernel is `@njit(nogil=True, cache=True)`, so thread ranks compute in
+parallel.
+
+Structure of one gradient call (m samples, L layers, every array a view into a workspace that
+`Gradient.__init__` allocated once):
+  forward_       a[l+1] = act(a[l] @ W[l] + b[l])       (np.dot -> BLAS, then one fused loop)
+  *_loss_delta_  loss sum and delta = d(sum of losses)/d logits, in one pass over the logits
+  backward_      gW[l] = a[l]^T @ delta, gb[l] = column sums of delta,
+                 delta <- (delta @ W[l]^T) * act'(a[l])  (ping-pong between two delta buffers)
+The matrix products sum over samples inside BLAS, whose blocking may depend on m; every per-layer
+function takes whole (m, n) blocks, so a batch-invariant variant (exact mode) can call them one
+sample at a time and add the per-sample gradients in a fixed order instead.
+
+np.dot inside Numba needs SciPy's BLAS (`scipy.linalg.cython_blas`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from syncsgd.model import MLP, describe
+
+RELU, TANH = 0, 1
+ACTIVATION_CODES = {"relu": RELU, "tanh": TANH}
+EVALUATE_CHUNK = 1024  # samples per forward pass in `evaluate`
+
+# Columns of the int64 layer table handed to the kernels, one row per layer.
+FAN_IN, FAN_OUT, W_OFFSET, B_OFFSET, WIDTH_BEFORE = range(5)
+
+
+def layer_table(model: MLP) -> np.ndarray:
+    """Per layer: fan_in, fan_out, offsets of W and b, summed widths of the earlier layers."""
+    offsets = {name: offset for name, _, offset in model.layout()}
+    table = np.zeros((model.n_layers, 5), dtype=np.int64)
+    width_before = 0
+    for layer, (fan_in, fan_out) in enumerate(model.layer_shapes()):
+        table[layer] = (fan_in, fan_out, offsets[f"W{layer}"], offsets[f"b{layer}"], width_before)
+        width_before += fan_out
+    return table
+
+
+@njit(nogil=True, cache=True)
+def matrix(flat, start, rows, cols):
+    """A (rows, cols) C-contiguous view of flat[start : start + rows * cols]."""
+    return flat[start : start + rows * cols].reshape(rows, cols)
+
+
+@njit(nogil=True, cache=True)
+def layer_input(X, activations, layers, layer, m):
+    """The (m, fan_in) input of `layer`: X for layer 0, else the previous layer's output."""
+    if layer == 0:
+        return X
+    previous = layer - 1
+    return matrix(activations, m * layers[previous, WIDTH_BEFORE], m, layers[previous, FAN_OUT])
+
+
+@njit(nogil=True, cache=True)
+def dense_forward_(inputs, W, b, outputs, activation, is_last):
+    """outputs = act(inputs @ W + b), act the identity on the last layer."""
+    np.dot(inputs, W, outputs)
+    m, n = outputs.shape
+    zero = outputs.dtype.type(0)
+    # One fused pass for bias and activation; the branch is hoisted out of the loops.
+    if is_last:
+        for i in range(m):
+            for j in range(n):
+                outputs[i, j] += b[j]
+    elif activation == RELU:
+        for i in range(m):
+            for j in range(n):
+                outputs[i, j] = max(outputs[i, j] + b[j], zero)
+    else:
+        for i in range(m):
+            for j in range(n):
+                outputs[i, j] = np.tanh(outputs[i, j] + b[j])
+
+
+@njit(nogil=True, cache=True)
+def forward_(params, layers, activation, X, activations):
+    """Runs every layer on the m rows of X; returns the (m, K) logits view of `activations`."""
+    m = X.shape[0]
+    n_layers = layers.shape[0]
+    outputs = matrix(activations, 0, m, layers[0, FAN_OUT])
+    for layer in range(n_layers):
+        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
+        W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
+        b = params[layers[layer, B_OFFSET] : layers[layer, B_OFFSET] + fan_out]
+        outputs = matrix(activations, m * layers[layer, WIDTH_BEFORE], m, fan_out)
+        inputs = layer_input(X, activations, layers, layer, m)
+        dense_forward_(inputs, W, b, outputs, activation, layer == n_layers - 1)
+    return outputs
+
+
+@njit(nogil=True, cache=True)
+def xent_loss_delta_(logits, labels, delta):
+    """Sum of softmax cross-entropies and count of argmax hits; delta = softmax - one_hot."""
+    m, k = logits.shape
+    loss_sum = 0.0
+    correct = 0
+    for i in range(m):
+        # Stable log-sum-exp: shift by the row maximum (the first one is the argmax).
+        best = 0
+        for j in range(1, k):
+            if logits[i, j] > logits[i, best]:
+                best = j
+        shift = logits[i, best]
+        total = logits.dtype.type(0)
+        for j in range(k):
+            delta[i, j] = np.exp(logits[i, j] - shift)
+            total += delta[i, j]
+        scale = logits.dtype.type(1) / total
+        for j in range(k):
+            delta[i, j] *= scale
+        label = labels[i]
+        delta[i, label] -= 1
+        loss_sum += np.float64(shift) + np.log(np.float64(total)) - np.float64(logits[i, label])
+        correct += best == label
+    return loss_sum, correct
+
+
+@njit(nogil=True, cache=True)
+def mse_loss_delta_(outputs, targets, delta):
+    """Sum over samples of mean_k (z - t)^2; delta = 2 (z - t) / K."""
+    m, k = outputs.shape
+    loss_sum = 0.0
+    two_over_k = outputs.dtype.type(2.0 / max(k, 1))
+    for i in range(m):
+        sample_sum = 0.0
+        for j in range(k):
+            error = outputs[i, j] - targets[i, j]
+            sample_sum += np.float64(error) * np.float64(error)
+            delta[i, j] = two_over_k * error
+        loss_sum += sample_sum / k
+    return loss_sum, 0
+
+
+@njit(nogil=True, cache=True)
+def backward_(params, layers, activation, X, activations, delta_a, delta_b, grad_out):
+    """Writes the summed gradient into grad_out, starting from the logits' delta in delta_a."""
+    m = X.shape[0]
+    n_layers = layers.shape[0]
+    delta = matrix(delta_a, 0, m, layers[n_layers - 1, FAN_OUT])
+    zero, one = delta_a.dtype.type(0), delta_a.dtype.type(1)
+    spare_is_b = True  # the delta of the layer below goes to the buffer not holding `delta`
+    for layer in range(n_layers - 1, -1, -1):
+        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
+        inputs = layer_input(X, activations, layers, layer, m)
+        grad_W = matrix(grad_out, layers[layer, W_OFFSET], fan_in, fan_out)
+        grad_b = grad_out[layers[layer, B_OFFSET] : layers[layer, B_OFFSET] + fan_out]
+        # Sums over the m samples: inside BLAS for W, in sample order for b.
+        np.dot(inputs.T, delta, grad_W)
+        grad_b[:] = 0
+        for i in range(m):
+            for j in range(fan_out):
+                grad_b[j] += delta[i, j]
+        if layer == 0:
+            break
+        W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
+        previous = matrix(delta_b if spare_is_b else delta_a, 0, m, fan_in)
+        np.dot(delta, W.T, previous)
+        # inputs holds act(z) of the layer below: relu' = (a > 0), tanh' = 1 - a^2.
+        if activation == RELU:
+            for i in range(m):
+                for j in range(fan_in):
+                    if inputs[i, j] <= zero:
+                        previous[i, j] = zero
+        else:
+            for i in range(m):
+                for j in range(fan_in):
+                    previous[i, j] *= one - inputs[i, j] * inputs[i, j]
+        spare_is_b = not spare_is_b
+        delta = previous
+
+
+@njit(nogil=True, cache=True)
+def xent_gradient_(params, layers, activation, X, labels, activations, delta_a, delta_b, grad_out):
+    """Cross-entropy: (loss sum, hits); grad_out = the sum of per-sample gradients."""
+    logits = forward_(params, layers, activation, X, activations)
+    delta = matrix(delta_a, 0, logits.shape[0], logits.shape[1])
+    loss_sum, correct = xent_loss_delta_(logits, labels, delta)
+    backward_(params, layers, activation, X, activations, delta_a, delta_b, grad_out)
+    return loss_sum, correct
+
+
+@njit(nogil=True, cache=True)
+def mse_gradient_(params, layers, activation, X, targets, activations, delta_a, delta_b, grad_out):
+    """Mean squared error: (loss sum, 0); grad_out = the sum of per-sample gradients."""
+    outputs = forward_(params, layers, activation, X, activations)
+    delta = matrix(delta_a, 0, outputs.shape[0], outputs.shape[1])
+    loss_sum, correct = mse_loss_delta_(outputs, targets, delta)
+    backward_(params, layers, activation, X, activations, delta_a, delta_b, grad_out)
+    return loss_sum, correct
+
+
+@njit(nogil=True, cache=True)
+def xent_loss_(params, layers, activation, X, labels, activations, delta_a):
+    """Cross-entropy (loss sum, hits) of a micro-batch, forward pass only."""
+    logits = forward_(params, layers, activation, X, activations)
+    delta = matrix(delta_a, 0, logits.shape[0], logits.shape[1])
+    return xent_loss_delta_(logits, labels, delta)
+
+
+@njit(nogil=True, cache=True)
+def mse_loss_(params, layers, activation, X, targets, activations, delta_a):
+    """Mean squared error (loss sum, 0) of a micro-batch, forward pass only."""
+    outputs = forward_(params, layers, activation, X, activations)
+    delta = matrix(delta_a, 0, outputs.shape[0], outputs.shape[1])
+    return mse_loss_delta_(outputs, targets, delta)
+
+
+class Gradient:
+    """Loss and SUM of per-sample gradients of a micro-batch, with workspaces allocated once.
+
+    One instance per thread: calls share the workspaces, so two threads need two instances.
+    """
+
+    def __init__(self, model: MLP, max_batch: int) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int | np.integer):
+            raise ValueError(f"max_batch must be an integer, got {max_batch!r}")
+        if max_batch < 0:
+            raise ValueError(f"max_batch must be >= 0, got {max_batch}")
+        self.model = model
+        self.max_batch = int(max_batch)
+        self._layers = layer_table(model)
+        self._activation = ACTIVATION_CODES[model.activation]
+        widest = max(model.sizes[1:])
+        self._activations = np.zeros(self.max_batch * sum(model.sizes[1:]), dtype=model.dtype)
+        self._delta_a = np.zeros(self.max_batch * widest, dtype=model.dtype)
+        self._delta_b = np.zeros(self.max_batch * widest, dtype=model.dtype)
+
+    def __call__(
+        self, params: np.ndarray, X: np.ndarray, y: np.ndarray, grad_out: np.ndarray
+    ) -> tuple[float, int]:
+        """(sum of losses, argmax hits); grad_out is overwritten with the summed gradient."""
+        self._check_flat("params", params)
+        self._check_flat("grad_out", grad_out)
+        if not grad_out.flags.writeable:
+            raise ValueError("grad_out is read-only")
+        X, y = self._check_batch(X, y)
+        kernel = xent_gradient_ if self.model.loss == "xent" else mse_gradient_
+        loss_sum, correct = kernel(
+            params,
+            self._layers,
+            self._activation,
+            X,
+            y,
+            self._activations,
+            self._delta_a,
+            self._delta_b,
+            grad_out,
+        )
+        return float(loss_sum), int(correct)
+
+    def loss(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        """(sum of losses, argmax hits) of the micro-batch, without the backward pass."""
+        self._check_flat("params", params)
+        X, y = self._check_batch(X, y)
+        kernel = xent_loss_ if self.model.loss == "xent" else mse_loss_
+        loss_sum, correct = kernel(
+            params, self._layers, self._activation, X, y, self._activations, self._delta_a
+        )
+        return float(loss_sum), int(correct)
+
+    def _check_flat(self, name: str, flat: np.ndarray) -> None:
+        """ValueError unless `flat` is a contiguous (n_params,) array of the model's dtype."""
+        model = self.model
+        if (
+            not isinstance(flat, np.ndarray)
+            or flat.shape != (model.n_params,)
+            or flat.dtype != model.dtype
+            or not flat.flags.c_contiguous
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous {model.dtype} array of shape ({model.n_params},), "
+                f"got {describe(flat)}"
+            )
+
+    def _check_batch(self, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """X and y as the kernels need them (C-contiguous, right dtypes), or a ValueError."""
+        model = self.model
+        features, outputs = model.sizes[0], model.sizes[-1]
+        X = np.ascontiguousarray(X, dtype=model.dtype)
+        if X.ndim != 2 or X.shape[1] != features:
+            raise ValueError(f"X must have shape (m, {features}), got shape {X.shape}")
+        m = X.shape[0]
+        if m > self.max_batch:
+            raise ValueError(f"micro-batch of {m} samples exceeds max_batch={self.max_batch}")
+        if model.loss == "xent":
+            y = np.asarray(y)
+            if y.shape != (m,) or (y.dtype.kind not in "iu" and m > 0):
+                raise ValueError(
+                    f"labels must be an integer array of shape ({m},), got {describe(y)}"
+                )
+            y = np.ascontiguousarray(y, dtype=np.int64)
+            # Checked here: an out-of-range label would index outside the kernel's arrays.
+            if m and (y.min() < 0 or y.max() >= outputs):
+                raise ValueError(f"labels must lie in [0, {outputs}), got {y.min()}..{y.max()}")
+        else:
+            y = np.ascontiguousarray(y, dtype=model.dtype)
+            if y.shape != (m, outputs):
+                raise ValueError(f"targets must have shape ({m}, {outputs}), got {y.shape}")
+        return X, y
+
+
+def evaluate(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(mean loss, accuracy) over all samples of X, y; accuracy is nan for mse."""
+    n_samples = len(X)
+    if n_samples == 0:
+        raise ValueError("evaluate needs at least one sample")
+    gradient = Gradient(model, min(n_samples, EVALUATE_CHUNK))
+    loss_sum = 0.0
+    correct = 0
+    for start in range(0, n_samples, EVALUATE_CHUNK):
+        chunk_loss, chunk_correct = gradient.loss(
+            params, X[start : start + EVALUATE_CHUNK], y[start : start + EVALUATE_CHUNK]
+        )
+        loss_sum += chunk_loss
+        correct += chunk_correct
+    accuracy = correct / n_samples if model.loss == "xent" else float("nan")
+    return loss_sum / n_samples, accuracy

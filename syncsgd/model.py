@@ -1,0 +1,165 @@
+"""The MLP family of SPEC §5: its shape, the layout of its one flat parameter buffer, and its init.
+
+Layout: W0 (fan_in x fan_out, row-major), b0, W1, b1, ... packed in this order in one flat
+contiguous buffer; gradients use the same layout, so the allreduce sums one buffer (fusion).
+Numba is not imported here: the CLI imports this module to build its parser.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ACTIVATIONS = ("relu", "tanh")
+LOSSES = ("xent", "mse")
+DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
+_PARAM_NAME = re.compile(r"[Wb]\d+")
+
+
+@dataclass(frozen=True)
+class MLP:
+    """Dense layers h = act(x W + b) with act on hidden layers only and a linear last layer."""
+
+    sizes: tuple[int, ...]  # (features, *hidden, outputs)
+    activation: str = "relu"
+    loss: str = "xent"
+    dtype: np.dtype = field(default=np.dtype(np.float64))
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.sizes)
+        if len(sizes) < 2:
+            raise ValueError(f"an MLP needs at least input and output sizes, got sizes={sizes}")
+        for size in sizes:
+            if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+                raise ValueError(f"layer sizes must be integers >= 1, got sizes={sizes}")
+        object.__setattr__(self, "sizes", tuple(int(size) for size in sizes))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r} (choose relu or tanh)")
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r} (choose xent or mse)")
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError:
+            raise ValueError(f"unknown dtype {self.dtype!r} (choose float64 or float32)") from None
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype} (choose float64 or float32)")
+        object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of dense layers (hidden layers + 1)."""
+        return len(self.sizes) - 1
+
+    @property
+    def n_params(self) -> int:
+        """Length of the flat parameter buffer."""
+        return sum(shape_size(shape) for _, shape, _ in self.layout())
+
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        """(fan_in, fan_out) of every dense layer, first to last."""
+        return [(self.sizes[layer], self.sizes[layer + 1]) for layer in range(self.n_layers)]
+
+    def param_names(self) -> list[str]:
+        """Names of the parameter arrays in buffer order: W0, b0, W1, b1, ..."""
+        return [name for name, _, _ in self.layout()]
+
+    def layout(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """(name, shape, offset into the flat buffer) of every parameter array, in buffer order."""
+        entries = []
+        offset = 0
+        for layer, (fan_in, fan_out) in enumerate(self.layer_shapes()):
+            for name, shape in ((f"W{layer}", (fan_in, fan_out)), (f"b{layer}", (fan_out,))):
+                entries.append((name, shape, offset))
+                offset += shape_size(shape)
+        return entries
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Views (no copies) into `flat` named W0, b0, ...; writing to a view writes to `flat`."""
+        if not isinstance(flat, np.ndarray) or flat.ndim != 1 or flat.shape[0] != self.n_params:
+            raise ValueError(
+                f"expected a flat array of {self.n_params} parameters, got {describe(flat)}"
+            )
+        if not flat.flags.c_contiguous:
+            raise ValueError("the flat parameter buffer must be contiguous")
+        return {
+            name: flat[offset : offset + shape_size(shape)].reshape(shape)
+            for name, shape, offset in self.layout()
+        }
+
+    def init_params(self, seed: int) -> np.ndarray:
+        """Seeded parameters: He-normal (relu) or Glorot-uniform (tanh) weights, zero biases."""
+        rng = np.random.default_rng(seed)
+        flat = np.zeros(self.n_params, dtype=self.dtype)
+        views = self.views(flat)
+        # Every layer is drawn in float64, in order W0, W1, ..., then cast: the same draws for both
+        # dtypes, so a float32 model starts from the rounded float64 one.
+        for layer, (fan_in, fan_out) in enumerate(self.layer_shapes()):
+            if self.activation == "relu":
+                weights = rng.standard_normal((fan_in, fan_out)) * np.sqrt(2.0 / fan_in)
+            else:
+                limit = np.sqrt(6.0 / (fan_in + fan_out))
+                weights = rng.uniform(-limit, limit, size=(fan_in, fan_out))
+            views[f"W{layer}"][...] = weights
+        return flat
+
+    def to_arrays(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Copies of the parameter arrays keyed W0, b0, ..., ready for np.savez."""
+        return {name: view.copy() for name, view in self.views(flat).items()}
+
+    def from_arrays(self, arrays: Mapping) -> np.ndarray:
+        """A flat buffer in this model's dtype from arrays keyed W0, b0, ... (e.g. an .npz file)."""
+        names = self.param_names()
+        extra = sorted(k for k in arrays.keys() if _PARAM_NAME.fullmatch(k) and k not in names)
+        if extra:
+            raise ValueError(
+                f"parameter {extra[0]!r} does not belong to a model with {self.n_layers} layers "
+                f"(sizes {','.join(map(str, self.sizes))})"
+            )
+        flat = np.empty(self.n_params, dtype=self.dtype)
+        views = self.views(flat)
+        for name, shape, _ in self.layout():
+            if name not in arrays:
+                raise ValueError(f"missing parameter {name!r} (expected shape {shape})")
+            value = np.asarray(arrays[name])
+            if value.shape != shape:
+                raise ValueError(f"parameter {name!r} has shape {value.shape}, expected {shape}")
+            if value.dtype.kind not in "fiu":
+                raise ValueError(f"parameter {name!r} has non-numeric dtype {value.dtype}")
+            if not np.all(np.isfinite(value)):
+                raise ValueError(f"parameter {name!r} contains NaN or infinity")
+            views[name][...] = value
+        return flat
+
+
+def shape_size(shape: tuple[int, ...]) -> int:
+    """Number of elements of an array of this shape."""
+    size = 1
+    for extent in shape:
+        size *= extent
+    return size
+
+
+def describe(value: object) -> str:
+    """A short description of an array-like for error messages."""
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
+
+
+def parse_hidden(text: str) -> tuple[int, ...]:
+    """Hidden layer sizes from a comma-separated list: '64,64' -> (64, 64), '' -> ()."""
+    if not text.strip():
+        return ()
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit()) or int(part) < 1:
+            raise ValueError(
+                f"hidden layer sizes must be positive integers separated by commas "
+                f"(e.g. 64,64 or '' for none), got {text!r}"
+            )
+        sizes.append(int(part))
+    return tuple(sizes)
