@@ -1,0 +1,224 @@
+"""The serial oracle: plain-NumPy large-batch SGD straight from SPEC §5, sharing no code under test.
+
+It does not import syncsgd (no kernels, no optimizer, no data order, no communicator): its forward
+and backward passes are whole-batch NumPy matmuls, and its sample order, learning-rate schedule and
+update are written out again from the spec. The integration tests train with syncsgd on P ranks and
+compare with `serial_sgd`. Parameters are dicts of arrays W0, b0, W1, b1, ...; W{l} has shape
+(fan_in, fan_out) and b{l} shape (fan_out,).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+
+def layer_count(params: Mapping[str, np.ndarray]) -> int:
+    """Number of dense layers in a parameter dict W0, b0, W1, b1, ..."""
+    count = 0
+    while f"W{count}" in params:
+        count += 1
+    if count == 0 or len(params) != 2 * count:
+        raise ValueError(f"parameters must be W0, b0, W1, b1, ...; got {sorted(params)}")
+    return count
+
+
+def forward(
+    params: Mapping[str, np.ndarray], X: np.ndarray, hidden_activation: str
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Logits of the MLP for the rows of X, and the input of every layer (for the backward pass)."""
+    inputs = []
+    h = X
+    layers = layer_count(params)
+    for layer in range(layers):
+        inputs.append(h)
+        z = h @ params[f"W{layer}"] + params[f"b{layer}"]
+        if layer == layers - 1:
+            return z, inputs  # the last layer is linear
+        h = np.maximum(z, 0) if hidden_activation == "relu" else np.tanh(z)
+    raise AssertionError("unreachable")
+
+
+def per_sample_losses(logits: np.ndarray, y: np.ndarray, loss: str) -> np.ndarray:
+    """Loss of every sample: softmax cross-entropy with integer labels, or mean squared error."""
+    if loss == "xent":
+        top = logits.max(axis=1, keepdims=True)
+        log_norm = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+        return log_norm - logits[np.arange(len(y)), y]
+    return ((logits - y) ** 2).mean(axis=1)
+
+
+def loss_and_grad(
+    params: Mapping[str, np.ndarray],
+    X: np.ndarray,
+    y: np.ndarray,
+    *,
+    hidden_activation: str,
+    loss: str,
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Mean loss over the batch and its gradient (dict like params), by whole-batch backprop."""
+    batch = len(X)
+    logits, inputs = forward(params, X, hidden_activation)
+    losses = per_sample_losses(logits, y, loss)
+    # d loss_i / d logits_i, per sample (not yet divided by the batch size)
+    if loss == "xent":
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        dz = shifted / shifted.sum(axis=1, keepdims=True)
+        dz[np.arange(batch), y] -= 1
+    else:
+        dz = 2 * (logits - y) / logits.shape[1]
+    sums: dict[str, np.ndarray] = {}
+    for layer in reversed(range(len(inputs))):
+        sums[f"W{layer}"] = inputs[layer].T @ dz
+        sums[f"b{layer}"] = dz.sum(axis=0)
+        if layer > 0:
+            dh = dz @ params[f"W{layer}"].T
+            h = inputs[layer]  # = act(z) of the layer below
+            dz = dh * (h > 0) if hidden_activation == "relu" else dh * (1 - h * h)
+    # the mean over the global batch: sum of per-sample gradients, divided once by B
+    grads = {name: sums[name] / batch for name in params}
+    return float(losses.sum()) / batch, grads
+
+
+def batch_indices(
+    step: int, n_samples: int, batch_size: int, seed: int, shuffle: bool
+) -> np.ndarray:
+    """Sample indices of global batch `step`: epoch step // (N // B), position step % (N // B)."""
+    per_epoch = n_samples // batch_size
+    epoch = step // per_epoch
+    position = step % per_epoch
+    if shuffle:
+        order = np.random.default_rng([seed, epoch]).permutation(n_samples)
+    else:
+        order = np.arange(n_samples)
+    return order[position * batch_size : (position + 1) * batch_size]
+
+
+def schedule_lr(
+    step: int,
+    *,
+    lr: float,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int = 1,
+    lr_scaling: str = "none",
+    base_batch: int = 256,
+    batch_size: int = 256,
+    noam_dim: int = 1,
+) -> float:
+    """Learning rate of 0-based step `step` (SPEC §5 and the formulas of issue 3)."""
+    if lr_scaling == "linear":
+        lr = lr * batch_size / base_batch
+    elif lr_scaling == "sqrt":
+        lr = lr * math.sqrt(batch_size / base_batch)
+    t = step + 1
+    if schedule == "constant":
+        return lr
+    if schedule == "warmup":
+        return lr * min(1.0, t / warmup_steps)
+    if schedule == "cosine":
+        warm = min(1.0, t / warmup_steps) if warmup_steps else 1.0
+        return lr * warm * (1 + math.cos(math.pi * step / total_steps)) / 2
+    if schedule == "noam":
+        return lr / math.sqrt(noam_dim) * min(1 / math.sqrt(t), t / warmup_steps**1.5)
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def sgd_update(
+    params: dict[str, np.ndarray],
+    grads: dict[str, np.ndarray],
+    velocity: dict[str, np.ndarray] | None,
+    *,
+    rate: float,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    clip_norm: float | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None, float]:
+    """One update (clip, weight decay, momentum, step); returns new params, velocity, grad norm."""
+    norm = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
+    dtype = next(iter(params.values())).dtype.type
+    if clip_norm is not None and norm > clip_norm:
+        grads = {k: g * dtype(clip_norm / norm) for k, g in grads.items()}
+    if weight_decay:
+        grads = {k: g + dtype(weight_decay) * params[k] for k, g in grads.items()}
+    if momentum:
+        if velocity is None:
+            velocity = {k: np.zeros_like(g) for k, g in grads.items()}
+        velocity = {k: dtype(momentum) * velocity[k] + g for k, g in grads.items()}
+        if nesterov:
+            directions = {k: g + dtype(momentum) * velocity[k] for k, g in grads.items()}
+        else:
+            directions = velocity
+    else:
+        directions = grads
+    params = {k: p - dtype(rate) * directions[k] for k, p in params.items()}
+    return params, velocity, norm
+
+
+def serial_sgd(
+    X: np.ndarray,
+    y: np.ndarray,
+    params: Mapping[str, np.ndarray],
+    *,
+    hidden_activation: str = "relu",
+    loss: str = "xent",
+    steps: int,
+    batch_size: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    lr: float,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    clip_norm: float | None = None,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    lr_scaling: str = "none",
+    base_batch: int = 256,
+    noam_dim: int = 1,
+    dtype: np.dtype | type = np.float64,
+) -> tuple[dict[str, np.ndarray], list[float]]:
+    """Large-batch SGD on one process; final params and the global-batch mean loss before each step.
+
+    `total_steps` (for the cosine schedule) defaults to `steps`.
+    """
+    if not 1 <= batch_size <= len(X):
+        raise ValueError(f"batch size {batch_size} must be in 1..{len(X)}")
+    float_type = np.dtype(dtype)
+    theta = {name: np.array(value, dtype=float_type) for name, value in params.items()}
+    X = np.asarray(X, dtype=float_type)
+    y = np.asarray(y, dtype=np.int64 if loss == "xent" else float_type)
+    velocity = None
+    losses = []
+    for step in range(steps):
+        rows = batch_indices(step, len(X), batch_size, seed, shuffle)
+        value, grads = loss_and_grad(
+            theta, X[rows], y[rows], hidden_activation=hidden_activation, loss=loss
+        )
+        losses.append(value)
+        rate = schedule_lr(
+            step,
+            lr=lr,
+            schedule=schedule,
+            warmup_steps=warmup_steps,
+            total_steps=steps if total_steps is None else total_steps,
+            lr_scaling=lr_scaling,
+            base_batch=base_batch,
+            batch_size=batch_size,
+            noam_dim=noam_dim,
+        )
+        theta, velocity, _ = sgd_update(
+            theta,
+            grads,
+            velocity,
+            rate=rate,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            clip_norm=clip_norm,
+        )
+    return theta, losses
