@@ -1,0 +1,183 @@
+"""Gradient kernel benchmark: the Numba gradient of an MLP against the same gradient in plain NumPy.
+
+    python benchmarks/kernels.py                        # MLP 784-256-256-10, relu, xent, batch 64
+    python benchmarks/kernels.py --sizes 32,64,4 --batch 16 --json k.json
+
+Method: both implementations are checked to give the same loss and gradient, warmed up (the first
+Numba call, compile or on-disk cache load, is timed and reported apart), then timed in `--batches`
+rounds; each round times every (dtype, implementation) pair for `--iters` calls, interleaved, so a
+noisy neighbour slows all of them alike. The median over rounds of the per-call time is quoted, and
+the ratio numpy / numba (> 1: Numba is faster). Both sides use BLAS with its default threads, as a
+user would run them (NumPy's own BLAS; Numba's np.dot calls SciPy's); set OPENBLAS_NUM_THREADS=1
+to compare single-threaded. Nothing is asserted: the machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from syncsgd.model import MLP, parse_hidden
+
+IMPLEMENTATIONS = ("numpy", "numba")
+WIDTHS = (8, 6, 10, 10, 12)  # table columns
+
+
+def numpy_gradient(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray, grad: np.ndarray):
+    """Plain NumPy: sum of cross-entropy losses of the batch, grad = sum of per-sample gradients."""
+    weights = model.views(params)
+    grads = model.views(grad)
+    activations = [X]
+    for layer in range(model.n_layers):
+        z = activations[-1] @ weights[f"W{layer}"] + weights[f"b{layer}"]
+        is_last = layer == model.n_layers - 1
+        activations.append(z if is_last else np.maximum(z, 0, out=z))
+    logits = activations[-1]
+    rows = np.arange(len(y))
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    total = exp.sum(axis=1, keepdims=True)
+    loss_sum = float(np.sum(np.log(total[:, 0]) - shifted[rows, y]))
+    delta = exp / total
+    delta[rows, y] -= 1
+    for layer in range(model.n_layers - 1, -1, -1):
+        # out= writes straight into the flat gradient: no temporary copy on the NumPy side either.
+        np.matmul(activations[layer].T, delta, out=grads[f"W{layer}"])
+        np.sum(delta, axis=0, out=grads[f"b{layer}"])
+        if layer:
+            delta = (delta @ weights[f"W{layer}"].T) * (activations[layer] > 0)
+    return loss_sum
+
+
+def setup(model: MLP, batch: int, seed: int):
+    """Parameters, a batch of data and labels, and a gradient buffer for `model`."""
+    rng = np.random.default_rng(seed)
+    params = model.init_params(seed)
+    X = rng.standard_normal((batch, model.sizes[0])).astype(model.dtype)
+    y = rng.integers(0, model.sizes[-1], batch)
+    return params, X, y, np.zeros(model.n_params, dtype=model.dtype)
+
+
+def run(options: argparse.Namespace) -> list[dict]:
+    """Times both implementations for every dtype; prints and returns one row per (dtype, impl)."""
+    started = time.perf_counter()
+    from syncsgd import kernels
+
+    import_seconds = time.perf_counter() - started
+    sizes = (options.features, *parse_hidden(options.hidden), options.classes)
+    calls = {}
+    first_call = {}
+    for dtype in options.dtypes:
+        model = MLP(sizes, "relu", "xent", np.dtype(dtype))
+        params, X, y, grad = setup(model, options.batch, options.seed)
+        gradient = kernels.Gradient(model, options.batch)
+        numba_grad = np.zeros_like(grad)
+        hits_before = sum(kernels.xent_gradient_.stats.cache_hits.values())
+        started = time.perf_counter()
+        numba_loss, _ = gradient(params, X, y, numba_grad)
+        first_call[dtype] = (
+            time.perf_counter() - started,
+            sum(kernels.xent_gradient_.stats.cache_hits.values()) > hits_before,
+        )
+        numpy_loss = numpy_gradient(model, params, X, y, grad)
+        tolerance = 1e-10 if model.dtype == np.float64 else 1e-4
+        scale = max(1.0, float(np.abs(grad).max()))
+        if abs(numba_loss - numpy_loss) > tolerance * max(1.0, abs(numpy_loss)) or not np.allclose(
+            numba_grad, grad, rtol=tolerance, atol=tolerance * scale
+        ):
+            raise ValueError(f"numba and numpy gradients disagree ({dtype})")
+        calls[dtype, "numpy"] = lambda m=model, p=params, x=X, t=y, g=grad: numpy_gradient(
+            m, p, x, t, g
+        )
+        calls[dtype, "numba"] = lambda f=gradient, p=params, x=X, t=y, g=numba_grad: f(p, x, t, g)
+
+    for call in calls.values():  # burn-in
+        for _ in range(options.warmup):
+            call()
+    samples = {key: [] for key in calls}
+    for _ in range(options.batches):
+        for key, call in calls.items():
+            started = time.perf_counter()
+            for _ in range(options.iters):
+                call()
+            samples[key].append((time.perf_counter() - started) / options.iters)
+
+    print(
+        f"MLP {'-'.join(map(str, sizes))} relu xent, micro-batch {options.batch}; "
+        f"import of syncsgd.kernels (numba) {import_seconds:.2f} s; median of {options.batches} "
+        f"rounds x {options.iters} calls; cores {os.cpu_count()}, "
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
+    )
+    header = ("dtype", "impl", "time (us)", "min (us)", "numpy/numba")
+    print(
+        " ".join(f"{name:>{width}}" for name, width in zip(header, WIDTHS, strict=True)),
+        " first call",
+    )
+    rows = []
+    for dtype in options.dtypes:
+        numba_median = statistics.median(samples[dtype, "numba"])
+        for impl in IMPLEMENTATIONS:
+            median = statistics.median(samples[dtype, impl])
+            row = {
+                "dtype": dtype,
+                "implementation": impl,
+                "sizes": list(sizes),
+                "batch": options.batch,
+                "median_us": median * 1e6,
+                "min_us": min(samples[dtype, impl]) * 1e6,
+                "ratio_numpy_over_numba": statistics.median(samples[dtype, "numpy"]) / numba_median,
+            }
+            note = ""
+            if impl == "numba":
+                seconds, cached = first_call[dtype]
+                row["first_call_s"] = seconds
+                row["first_call_cached"] = cached
+                note = f"{seconds:.3f} s ({'cache load' if cached else 'JIT compile'})"
+            rows.append(row)
+            print(
+                f"{dtype:>8} {impl:>6} {row['median_us']:>10.1f} {row['min_us']:>10.1f} "
+                f"{row['ratio_numpy_over_numba'] if impl == 'numba' else 1.0:>12.2f}  {note}"
+            )
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
+    parser.add_argument("--features", type=int, default=784, help="input size (784)")
+    parser.add_argument("--hidden", default="256,256", help="hidden sizes (256,256)")
+    parser.add_argument("--classes", type=int, default=10, help="output size (10)")
+    parser.add_argument("--batch", type=int, default=64, help="micro-batch size (64)")
+    parser.add_argument(
+        "--dtypes", type=lambda text: text.split(","), default=["float64", "float32"]
+    )
+    parser.add_argument("--batches", type=int, default=15, help="timed rounds (15)")
+    parser.add_argument("--iters", type=int, default=20, help="calls per round (20)")
+    parser.add_argument("--warmup", type=int, default=10, help="burn-in calls (10)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, run, and write the JSON file if asked."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    options = parser.parse_args(argv)
+    for name in ("features", "classes", "batch", "batches", "iters"):
+        if getattr(options, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    rows = run(options)
+    if options.json:
+        from syncsgd.files import write_text
+
+        write_text(options.json, json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
