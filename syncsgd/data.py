@@ -353,31 +353,33 @@ def _labels(source: str, y: np.ndarray, classes: int | None) -> np.ndarray:
         fractional = np.flatnonzero(y != np.round(y))
         if fractional.size:
             raise ValueError(
-                f"{source}: label {y[fractional[0]]!r} of sample {fractional[0]} is not an integer "
-                "(cross-entropy needs class labels; use loss 'mse' for regression)"
+                f"{source}: label {y[fractional[0]].item()} of sample {fractional[0]} is not an "
+                "integer (cross-entropy needs class labels; use loss 'mse' for regression)"
             )
     negative = np.flatnonzero(y < 0)
     if negative.size:
-        raise ValueError(f"{source}: label {y[negative[0]]} of sample {negative[0]} is negative")
+        raise ValueError(
+            f"{source}: label {y[negative[0]].item()} of sample {negative[0]} is negative"
+        )
     if classes is not None:
         too_large = np.flatnonzero(y >= classes)
         if too_large.size:
             raise ValueError(
-                f"{source}: label {y[too_large[0]]} of sample {too_large[0]} is out of range "
-                f"for {classes} classes"
+                f"{source}: label {y[too_large[0]].item()} of sample {too_large[0]} is out of "
+                f"range for {classes} classes"
             )
     if y.max() >= 2**31:
-        raise ValueError(f"{source}: label {y.max()} is too large to be a class index")
+        raise ValueError(f"{source}: label {y.max().item()} is too large to be a class index")
     return y.astype(np.int64)
 
 
 def _float_dtype(dtype: str | np.dtype) -> np.dtype:
-    """`dtype` as a NumPy dtype, float64 or float32."""
+    """`dtype` as a NumPy dtype, float64 or float32 (None is refused, not read as float64)."""
     try:
-        resolved = np.dtype(dtype)
+        resolved = None if dtype is None else np.dtype(dtype)
     except TypeError:
         resolved = None
-    if resolved not in DTYPES:
+    if resolved is None or resolved not in DTYPES:
         raise ValueError(f"dtype must be float64 or float32, not {dtype!r}")
     return resolved
 

@@ -105,9 +105,7 @@ class SGD:
     def __init__(self, config: OptimConfig, n_params: int, dtype: str | np.dtype) -> None:
         self.config = config
         self.n_params = _integer("n_params", n_params, low=0)
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be float64 or float32, not {dtype!r}")
+        self.dtype = _float_dtype(dtype)
         # all buffers are allocated here, once; step_ allocates nothing of size n_params
         self.velocity = np.zeros(self.n_params, dtype=self.dtype) if config.momentum > 0.0 else None
         self._scratch = np.empty(self.n_params, dtype=self.dtype)
@@ -200,6 +198,17 @@ def _integer(name: str, value: int, *, low: int) -> int:
     if number < low:
         raise ValueError(f"{name} must be >= {low}, got {number}")
     return number
+
+
+def _float_dtype(dtype: str | np.dtype) -> np.dtype:
+    """`dtype` as a NumPy dtype, float64 or float32 (None is refused, not read as float64)."""
+    try:
+        resolved = None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved not in DTYPES:
+        raise ValueError(f"dtype must be float64 or float32, not {dtype!r}")
+    return resolved
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
