@@ -1,7 +1,8 @@
-"""syncsgd: a reference simulator of synchronous data-parallel SGD with a hand-written ring allreduce."""
+"""syncsgd: synchronous data-parallel SGD with a hand-written ring allreduce."""
 
 from syncsgd.comm import DeadlockError, RankAborted, ThreadComm, run_threads
 from syncsgd.ring import TraceEvent, ring_allreduce
+from syncsgd.training import TrainConfig, TrainResult, train
 
 __version__ = "0.1.0"
 __all__ = [
@@ -9,6 +10,9 @@ __all__ = [
     "RankAborted",
     "ThreadComm",
     "TraceEvent",
+    "TrainConfig",
+    "TrainResult",
     "ring_allreduce",
     "run_threads",
+    "train",
 ]

@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from syncsgd.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (no usage dump) and exits with status 2."""
@@ -25,6 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
+    train = commands.add_parser(
+        "train", help="synchronous data-parallel SGD on P ranks (threads, or MPI under mpiexec)",
+        description="Train an MLP by synchronous data-parallel SGD; the result equals serial "
+        "large-batch SGD for any number of ranks.",
+    )  # fmt: skip
+    add_train_arguments(train)
+    train.set_defaults(run=run_train)
+
     bench = commands.add_parser("bench", help="benchmarks (OSU / nccl-tests style)")
     benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=_Parser)
     benchmarks.required = True
@@ -37,6 +47,152 @@ def build_parser() -> argparse.ArgumentParser:
     allreduce.add_arguments(sweep)
     sweep.set_defaults(run=allreduce.main)
     return parser
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `syncsgd train` (SPEC §7); every one has a default."""
+    from syncsgd.optim import LR_SCALINGS, SCHEDULES
+    from syncsgd.training import DATA_SOURCES, TrainConfig
+
+    d = TrainConfig()
+    run = parser.add_argument_group("ranks")
+    run.add_argument(
+        "--ranks",
+        type=positive_int,
+        default=None,
+        help="thread ranks (default 2); under mpiexec the world size is used",
+    )
+    run.add_argument(
+        "--backend",
+        choices=("auto", "threads", "mpi"),
+        default="auto",
+        help="auto: MPI under mpiexec/srun, threads otherwise (default auto)",
+    )
+    run.add_argument(
+        "--bucket-bytes",
+        type=nonnegative_int,
+        default=None,
+        help="allreduce buckets of about this many bytes; 0: one per layer "
+        "(default: one fused allreduce)",
+    )
+    source = parser.add_argument_group("data and model")
+    source.add_argument(
+        "--data",
+        default=d.data,
+        metavar="NAME|PATH",
+        help=f"{' | '.join(DATA_SOURCES)} | file.npz (X, y) | file.csv "
+        f"(last column the target) (default {d.data})",
+    )
+    source.add_argument(
+        "--samples",
+        type=positive_int,
+        default=d.samples,
+        help=f"synthetic samples (default {d.samples})",
+    )
+    source.add_argument(
+        "--features",
+        type=positive_int,
+        default=d.features,
+        help=f"synthetic features (default {d.features})",
+    )
+    source.add_argument(
+        "--classes",
+        type=positive_int,
+        default=None,
+        help="classes (xent) or outputs (mse) of synthetic data (default 4 / 1)",
+    )
+    source.add_argument(
+        "--hidden",
+        default=",".join(map(str, d.hidden)),
+        help='hidden layer widths, e.g. 64,64; "" for linear/softmax regression (default 64,64)',
+    )
+    source.add_argument("--activation", choices=("relu", "tanh"), default=d.activation)
+    source.add_argument("--loss", choices=("xent", "mse"), default=d.loss)
+    source.add_argument("--dtype", choices=("float64", "float32"), default=d.dtype)
+    source.add_argument("--init", metavar="PATH", help="start from W0, b0, ... in this .npz")
+    source.add_argument("--seed", type=nonnegative_int, default=d.seed)
+    source.add_argument(
+        "--no-shuffle",
+        dest="shuffle",
+        action="store_false",
+        help="visit the samples in order every epoch",
+    )
+    opt = parser.add_argument_group("optimization")
+    opt.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=d.batch_size,
+        help=f"global batch size, split over the ranks (default {d.batch_size})",
+    )
+    length = opt.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=positive_int, help="steps to take (default 100)")
+    length.add_argument("--epochs", type=positive_int, help="epochs to take instead of --steps")
+    opt.add_argument("--lr", type=positive_float, default=d.lr, help=f"(default {d.lr})")
+    opt.add_argument("--momentum", type=nonnegative_float, default=d.momentum)
+    opt.add_argument("--nesterov", action="store_true")
+    opt.add_argument("--weight-decay", type=nonnegative_float, default=d.weight_decay)
+    opt.add_argument(
+        "--clip-norm",
+        type=positive_float,
+        default=None,
+        help="clip the allreduced gradient to this global L2 norm",
+    )
+    opt.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
+    opt.add_argument("--warmup-steps", type=nonnegative_int, default=d.warmup_steps)
+    opt.add_argument(
+        "--lr-scaling",
+        choices=LR_SCALINGS,
+        default=d.lr_scaling,
+        help="scale --lr by B/base (linear) or sqrt(B/base) (default none)",
+    )
+    opt.add_argument(
+        "--base-batch",
+        type=positive_int,
+        default=d.base_batch,
+        help=f"the batch size --lr was tuned for (default {d.base_batch})",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--save", metavar="PATH", help="write the final parameters (.npz)")
+    out.add_argument("--log", metavar="PATH", help="write one JSON line per step")
+    out.add_argument("--quiet", action="store_true", help="print nothing but errors")  # fmt: skip
+
+
+def run_train(options: argparse.Namespace) -> int:
+    """`syncsgd train`: build the configuration, load the data, train on every rank."""
+    from syncsgd.comm import launch, resolve_backend
+    from syncsgd.model import parse_hidden
+    from syncsgd.training import TrainConfig, prepare, train_rank
+
+    for path in (options.save, options.log):
+        check_output_path(path)
+    config = TrainConfig(
+        data=options.data, samples=options.samples, features=options.features,
+        classes=options.classes, hidden=parse_hidden(options.hidden),
+        activation=options.activation, loss=options.loss, batch_size=options.batch_size,
+        steps=options.steps, epochs=options.epochs, lr=options.lr, momentum=options.momentum,
+        nesterov=options.nesterov, weight_decay=options.weight_decay,
+        clip_norm=options.clip_norm, schedule=options.schedule,
+        warmup_steps=options.warmup_steps, lr_scaling=options.lr_scaling,
+        base_batch=options.base_batch, seed=options.seed, shuffle=options.shuffle,
+        dtype=options.dtype, init=options.init, bucket_bytes=options.bucket_bytes,
+    )  # fmt: skip
+    backend = resolve_backend(options.backend)
+    ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
+    problem = prepare(config)
+    launch(train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
+           save_path=options.save, quiet=options.quiet)  # fmt: skip
+    return 0
+
+
+def check_output_path(path: str | None) -> None:
+    """Fail before any work if an output file could not be written at the end."""
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"cannot write {path}: directory {directory} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write {path}: it is a directory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _abort_mpi_job() -> None:
-    """Under MPI with several ranks, end the whole job so that no rank waits forever for this one."""
+    """Under MPI with several ranks, end the whole job so that no rank waits forever for this."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         world = mpi.COMM_WORLD

@@ -1,0 +1,373 @@
+"""Synchronous data-parallel SGD: the training loop every rank runs, read top to bottom.
+
+    syncsgd train --ranks 4                       # 4 thread ranks in this process
+    mpiexec -n 4 syncsgd train                    # 4 MPI processes
+    python -c "import syncsgd; print(syncsgd.train(ranks=4, steps=50).final_loss)"
+
+One step on every rank: global batch (same on every rank) -> this rank's shard -> the SUM of the
+shard's per-sample gradients (Numba kernels) -> ring allreduce of the sums -> divide once by the
+global batch size -> the same update on every rank. Because the allreduce leaves every rank with
+bitwise the same sum, every rank's parameters stay bitwise identical, step after step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, TextIO
+
+import numpy as np
+
+from syncsgd import data
+from syncsgd.comm import ThreadComm, launch
+from syncsgd.files import atomic_path
+from syncsgd.model import MLP
+from syncsgd.optim import SGD, OptimConfig
+from syncsgd.ring import ring_allreduce
+
+DATA_SOURCES = (
+    "synthetic-classification",
+    "synthetic-regression",
+    "synthetic-classification-mlp",
+    "synthetic-regression-mlp",
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines a training run (the options of `syncsgd train`)."""
+
+    data: str = "synthetic-classification"
+    samples: int = 4096
+    features: int = 32
+    classes: int | None = None  # classes (xent) or regression outputs (mse); None: from the data
+    hidden: tuple[int, ...] = (64, 64)
+    activation: str = "relu"
+    loss: str = "xent"
+    batch_size: int = 256
+    steps: int | None = None  # None: `epochs` epochs, or 100 steps if neither is given
+    epochs: int | None = None
+    lr: float = 0.1
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    clip_norm: float | None = None
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    lr_scaling: str = "none"
+    base_batch: int = 256
+    seed: int = 0
+    shuffle: bool = True
+    dtype: str = "float64"
+    init: str | None = None  # .npz with W0, b0, ... to start from instead of the seeded draw
+    bucket_bytes: int | None = None  # None: one fused allreduce; 0: one per layer; else buckets
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "features", "batch_size", "base_batch"):
+            _require(
+                getattr(self, name) >= 1, f"--{_flag(name)} must be >= 1, got {getattr(self, name)}"
+            )
+        for name in ("steps", "epochs", "classes"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"--{_flag(name)} must be >= 1, got {value}")
+        _require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
+        _require(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
+        _require(self.dtype in ("float64", "float32"), f"unknown --dtype {self.dtype!r}")
+        _require(self.activation in ("relu", "tanh"), f"unknown --activation {self.activation!r}")
+        _require(self.loss in ("xent", "mse"), f"unknown --loss {self.loss!r}")
+        _require(all(h >= 1 for h in self.hidden), f"--hidden sizes must be >= 1: {self.hidden}")
+        _require(
+            self.bucket_bytes is None or self.bucket_bytes >= 0,
+            f"--bucket-bytes must be >= 0, got {self.bucket_bytes}",
+        )
+        source = self.data
+        _require(
+            source in DATA_SOURCES or source.endswith((".npz", ".csv")),
+            f"unknown --data {source!r}: use one of {', '.join(DATA_SOURCES)} or a .npz/.csv path",
+        )
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class Problem:
+    """What every rank needs before the first step: the model, the data and the step count."""
+
+    config: TrainConfig
+    model: MLP
+    X: np.ndarray
+    y: np.ndarray
+    steps: int
+    optim: OptimConfig
+
+
+def prepare(config: TrainConfig) -> Problem:
+    """Load the data and build the model and optimizer settings that `config` describes."""
+    X, y = data.load_data(
+        config.data, samples=config.samples, features=config.features, classes=config.classes,
+        loss=config.loss, seed=config.seed, dtype=config.dtype,
+    )  # fmt: skip
+    n_samples = X.shape[0]
+    per_epoch = data.steps_per_epoch(n_samples, config.batch_size)
+    if config.steps is not None:
+        steps = config.steps
+    elif config.epochs is not None:
+        steps = config.epochs * per_epoch
+    else:
+        steps = 100
+    sizes = (X.shape[1], *config.hidden, data.n_outputs(y, config.loss))
+    model = MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype))
+    optim = OptimConfig(
+        lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
+        weight_decay=config.weight_decay, clip_norm=config.clip_norm, schedule=config.schedule,
+        warmup_steps=config.warmup_steps, total_steps=steps, lr_scaling=config.lr_scaling,
+        base_batch=config.base_batch, batch_size=config.batch_size,
+        noam_dim=max(config.hidden, default=sizes[0]),
+    )  # fmt: skip
+    return Problem(config, model, X, y, steps, optim)
+
+
+@dataclass
+class TrainResult:
+    """The outcome of a run on one rank (evaluation fields are filled on rank 0 only)."""
+
+    params: np.ndarray  # final flat parameters, identical on every rank
+    model: MLP
+    steps: int
+    losses: list[float] = field(default_factory=list)  # global-batch mean loss before each step
+    seconds: float = 0.0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    update_seconds: float = 0.0
+    final_loss: float | None = None  # mean loss over the whole data set after training
+    accuracy: float | None = None  # xent only
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The parameters as W0, b0, W1, b1, ... (copies)."""
+        return self.model.to_arrays(self.params)
+
+
+def bucket_slices(model: MLP, total: int, bucket_bytes: int | None) -> list[slice]:
+    """Cut the communication buffer into allreduce buckets of whole tensors, in parameter order.
+
+    None: one bucket (full fusion). 0: one bucket per layer (W and b together). Otherwise
+    consecutive tensors are grouped until a bucket holds at least `bucket_bytes`. The trailing
+    statistics slots ride with the last bucket.
+    """
+    if bucket_bytes is None:
+        return [slice(0, total)]
+    itemsize = model.dtype.itemsize
+    views = model.views(np.empty(model.n_params, model.dtype))
+    ends, start, filled = [], 0, 0
+    for name in model.param_names():
+        filled += views[name].size
+        per_layer_done = bucket_bytes == 0 and name.startswith("b")
+        if per_layer_done or (bucket_bytes > 0 and (filled - start) * itemsize >= bucket_bytes):
+            ends.append(filled)
+            start = filled
+    if not ends or ends[-1] != model.n_params:
+        ends.append(model.n_params)
+    ends[-1] = total
+    return [slice(a, b) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+Allreduce = Callable[[np.ndarray, Any], Any]
+
+
+def train_rank(
+    comm: Any,
+    problem: Problem,
+    *,
+    allreduce: Allreduce = ring_allreduce,
+    log_path: str | None = None,
+    save_path: str | None = None,
+    quiet: bool = True,
+) -> TrainResult:
+    """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary."""
+    from syncsgd.kernels import Gradient, evaluate  # imports Numba: only when training
+
+    config, model, X, y = problem.config, problem.model, problem.X, problem.y
+    rank, size = comm.Get_rank(), comm.Get_size()
+    master_process = rank == 0
+    n_samples, global_batch_size = X.shape[0], config.batch_size
+
+    # Parameters: drawn (or loaded) on rank 0 and broadcast, so every rank starts from its bits.
+    params = np.empty(model.n_params, model.dtype)
+    if master_process:
+        params[:] = initial_params(model, config)
+    comm.Bcast(params, root=0)
+
+    # One communication buffer: the gradient sum, then (loss sum, correct count); one allreduce.
+    comm_buffer = np.zeros(model.n_params + 2, model.dtype)
+    grad_sum, stats = comm_buffer[: model.n_params], comm_buffer[model.n_params :]
+    buckets = bucket_slices(model, comm_buffer.size, config.bucket_bytes)
+    largest_shard = -(-global_batch_size // size)
+    gradient = Gradient(model, largest_shard)
+    X_shard = np.empty((largest_shard, X.shape[1]), X.dtype)
+    y_shard = np.empty((largest_shard, *y.shape[1:]), y.dtype)
+    sgd = SGD(problem.optim, model.n_params, model.dtype)
+
+    result = TrainResult(params, model, problem.steps)
+    progress = _progress(problem.steps, enabled=master_process and not quiet)
+    with _log_file(log_path if master_process else None) as log:
+        started = time.perf_counter()
+        for step in range(problem.steps):
+            t0 = time.perf_counter()
+            global_batch = data.global_batch(
+                step, n_samples, global_batch_size, config.seed, config.shuffle
+            )
+            shard = data.shard(global_batch, rank, size)
+            m = shard.size
+            np.take(X, shard, axis=0, out=X_shard[:m])
+            np.take(y, shard, axis=0, out=y_shard[:m])
+            loss_sum, correct = gradient(params, X_shard[:m], y_shard[:m], grad_sum)
+            stats[0], stats[1] = loss_sum, correct
+            t1 = time.perf_counter()
+            for bucket in buckets:
+                allreduce(comm_buffer[bucket], comm)
+            t2 = time.perf_counter()
+            # The one place where the sum over the global batch becomes its mean: divide once by B,
+            # after the allreduce (averaging per-rank means would weigh uneven shards wrongly).
+            loss = float(stats[0]) / global_batch_size
+            grad = grad_sum
+            grad /= global_batch_size
+            info = sgd.step_(params, grad, step)
+            t3 = time.perf_counter()
+
+            result.losses.append(loss)
+            result.compute_seconds += t1 - t0
+            result.comm_seconds += t2 - t1
+            result.update_seconds += t3 - t2
+            if log is not None:
+                record = {
+                    "step": step, "epoch": step // (n_samples // global_batch_size),
+                    "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
+                    "seconds": t3 - t0, "comm_seconds": t2 - t1,
+                }  # fmt: skip
+                log.write(json.dumps(record) + "\n")
+            if progress is not None:
+                progress(step, loss)
+        result.seconds = time.perf_counter() - started
+    if progress is not None:
+        progress(None, None)
+
+    if master_process:
+        result.final_loss, accuracy = evaluate(model, params, X, y)
+        result.accuracy = None if config.loss != "xent" else accuracy
+        if save_path is not None:
+            save_params(save_path, result)
+        if not quiet:
+            backend = "threads" if isinstance(comm, ThreadComm) else "MPI"
+            print(summary(result, size, backend), flush=True)
+    return result
+
+
+def initial_params(model: MLP, config: TrainConfig) -> np.ndarray:
+    """The seeded draw of SPEC §5, or the parameters stored in `config.init`."""
+    if config.init is None:
+        return model.init_params(config.seed)
+    return model.from_arrays(load_npz(config.init))
+
+
+def load_npz(path: str) -> dict[str, np.ndarray]:
+    """All arrays of an .npz file, loaded without pickle; ValueError for a missing or bad file."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except FileNotFoundError:
+        raise ValueError(f"no such file: {path}") from None
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"cannot read {path} as .npz: {exc}") from None
+
+
+def save_params(path: str, result: TrainResult) -> None:
+    """Write the final parameters as W0, b0, W1, b1, ... to an .npz file, atomically."""
+    with atomic_path(path) as tmp:
+        np.savez(tmp, **result.arrays())
+
+
+@contextlib.contextmanager
+def _log_file(path: str | None) -> Iterator[TextIO | None]:
+    """A JSON-lines file that appears, complete, at `path` when the run ends (None: no log)."""
+    if path is None:
+        yield None
+        return
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        yield handle
+
+
+def _progress(total: int, *, enabled: bool) -> Callable[[int | None, float | None], None] | None:
+    """A progress bar on a terminal (tqdm if installed): call (step, loss), then (None, None)."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        bar = tqdm(total=total, unit="step", leave=False, file=sys.stderr)
+
+        def update(step: int | None, loss: float | None) -> None:
+            if step is None:
+                bar.close()
+            else:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+        return update
+    every = max(total // 50, 1)
+
+    def update(step: int | None, loss: float | None) -> None:
+        if step is None:
+            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+        elif step % every == 0 or step == total - 1:
+            print(
+                f"\rstep {step + 1}/{total}  loss {loss:.4f}", end="", file=sys.stderr, flush=True
+            )
+
+    return update
+
+
+def summary(result: TrainResult, comm_size: int, backend: str) -> str:
+    """One line: final loss, accuracy, steps/s and the share of time spent in the allreduce."""
+    rate = result.steps / result.seconds if result.seconds > 0 else math.inf
+    share = result.comm_seconds / result.seconds if result.seconds > 0 else 0.0
+    accuracy = "" if result.accuracy is None else f", accuracy {result.accuracy:.4f}"
+    return (
+        f"trained {result.steps} steps on {comm_size} rank{'s' * (comm_size != 1)} ({backend}): "
+        f"final loss {result.final_loss:.6g}{accuracy}, {rate:.1f} steps/s, "
+        f"{100 * share:.1f}% of the time in the allreduce"
+    )
+
+
+def train(config: TrainConfig | None = None, *, ranks: int = 1, backend: str = "threads",
+          log: str | None = None, **options: Any) -> TrainResult:  # fmt: skip
+    """Train on `ranks` thread ranks (or this MPI rank) and return rank 0's result.
+
+    >>> result = syncsgd.train(ranks=4, steps=50, hidden=(32,))
+    >>> result.final_loss, result.arrays()["W0"].shape
+    """
+    config = replace(config or TrainConfig(), **options)
+    problem = prepare(config)  # loaded once, shared read-only by the thread ranks
+    results = launch(train_rank, problem, backend=backend, ranks=ranks, log_path=log)
+    return results[0]
+
+
+__all__ = ["Problem", "TrainConfig", "TrainResult", "prepare", "save_params", "train", "train_rank"]
+
+if __name__ == "__main__":  # pragma: no cover - the CLI is the way in
+    from syncsgd.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))
