@@ -378,19 +378,29 @@ def _is_in_place(buf: Any) -> bool:
     return mpi is not None and buf is mpi.IN_PLACE
 
 
+_CONSTANTS: dict[type, SimpleNamespace] = {}  # per communicator type: built once, then looked up
+
+
 def constants(comm: Any) -> SimpleNamespace:
     """The constants (SUM, MAX, MIN, IN_PLACE, ANY_SOURCE, ANY_TAG, Status) that fit `comm`."""
+    try:
+        return _CONSTANTS[type(comm)]  # the collectives call this on every call: keep it cheap
+    except KeyError:
+        pass
     if isinstance(comm, ThreadComm):
-        return SimpleNamespace(
+        found = SimpleNamespace(
             SUM=SUM, MAX=MAX, MIN=MIN, IN_PLACE=IN_PLACE,
             ANY_SOURCE=ANY_SOURCE, ANY_TAG=ANY_TAG, Status=Status,
         )  # fmt: skip
-    from mpi4py import MPI
+    else:
+        from mpi4py import MPI
 
-    return SimpleNamespace(
-        SUM=MPI.SUM, MAX=MPI.MAX, MIN=MPI.MIN, IN_PLACE=MPI.IN_PLACE,
-        ANY_SOURCE=MPI.ANY_SOURCE, ANY_TAG=MPI.ANY_TAG, Status=MPI.Status,
-    )  # fmt: skip
+        found = SimpleNamespace(
+            SUM=MPI.SUM, MAX=MPI.MAX, MIN=MPI.MIN, IN_PLACE=MPI.IN_PLACE,
+            ANY_SOURCE=MPI.ANY_SOURCE, ANY_TAG=MPI.ANY_TAG, Status=MPI.Status,
+        )  # fmt: skip
+    _CONSTANTS[type(comm)] = found
+    return found
 
 
 def run_threads(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:

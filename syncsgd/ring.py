@@ -11,18 +11,24 @@ then copied, so every rank ends with bitwise the same array.
 Agreement for free: every message's MPI tag carries a signature of the sender's buffer (length mod
 4096 and dtype) and a "something is wrong" flag. A rank whose left neighbour's signature or message
 size differs from its own, or whose own buffer is unusable, raises the flag in every later message,
-and the flag travels around the whole ring before the 2(P-1) steps end (a mismatch is seen in step 0,
-and it needs at most P-1 hops). All ranks always take part in all 2(P-1) steps, so every rank raises
-the same kind of error - no rank is left waiting, and no rank returns a silently wrong sum - at the
-cost of no extra message. (Lengths that differ by a multiple of 4096 on more than 2048 ranks could
-slip past the step-0 check; the byte counts of later steps still catch most of them.)
+and the flag travels around the whole ring before the 2(P-1) steps end (a mismatch is seen in step
+0, and it needs at most P-1 hops). All ranks always take part in all 2(P-1) steps, so every rank
+raises the same kind of error - no rank is left waiting, and no rank returns a silently wrong sum -
+at the cost of no extra message. (Lengths that differ by a multiple of 4096 on more than 2048 ranks
+could slip past the step-0 check; the byte counts of later steps still catch most of them.)
 
 Receives use `ANY_TAG` from the left neighbour: do not leave point-to-point messages from the left
 neighbour unreceived on `comm` across the call (or give the ring its own `comm.Dup()`).
+
+Speed: at small sizes the cost is Python's, not the network's, so everything that depends only on
+(length, P, rank) - the chunk slices of every step - is computed once and cached
+(`ring_schedule`), the scratch chunk is cached per thread and dtype, and a step that agrees with
+its neighbour costs one `Sendrecv`, two status reads and two integer comparisons.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -37,6 +43,7 @@ SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int6
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES)}
 _NO_DTYPE = 3  # the code of an unusable buffer
 _LENGTH_MODULUS = 4096  # signature = (length mod 4096) * 4 + dtype code < 2**14; tag < 2**15
+_NOTHING = np.empty(0, np.uint8)  # what a rank with an unusable buffer sends and receives
 
 
 class TraceEvent(NamedTuple):
@@ -57,10 +64,42 @@ class TraceEvent(NamedTuple):
 Trace = Callable[[TraceEvent], Any]
 
 
+class RingStep(NamedTuple):
+    """One step of one rank: the chunk sent to the right, the chunk received from the left."""
+
+    send_chunk: int
+    recv_chunk: int
+    send: slice  # elements of the flattened buffer that go right
+    recv: slice  # elements of the flattened buffer that the incoming chunk belongs to
+
+
 def chunk_bounds(length: int, parts: int) -> list[int]:
     """Start of each of `parts` chunks of `length` elements, plus `length`, as numpy.array_split."""
     base, extra = divmod(length, parts)
     return [c * base + min(c, extra) for c in range(parts + 1)]
+
+
+class RingSchedule(NamedTuple):
+    """Everything one rank's ring allreduce needs that depends only on (length, P, rank)."""
+
+    right: int  # the neighbour we send to
+    left: int  # the neighbour we receive from
+    reduce_scatter: tuple[RingStep, ...]  # P-1 steps
+    allgather: tuple[RingStep, ...]  # P-1 steps
+
+
+@functools.lru_cache(maxsize=256)
+def ring_schedule(length: int, size: int, rank: int) -> RingSchedule:
+    """The steps of `rank` in a ring allreduce of `length` elements over `size` ranks (cached)."""
+    bounds = chunk_bounds(length, size)
+    chunk = [slice(bounds[c], bounds[c + 1]) for c in range(size)]
+
+    def step(send_chunk: int, recv_chunk: int) -> RingStep:
+        return RingStep(send_chunk, recv_chunk, chunk[send_chunk], chunk[recv_chunk])
+
+    reduce_scatter = tuple(step((rank - s) % size, (rank - s - 1) % size) for s in range(size - 1))
+    allgather = tuple(step((rank + 1 - s) % size, (rank - s) % size) for s in range(size - 1))
+    return RingSchedule((rank + 1) % size, (rank - 1) % size, reduce_scatter, allgather)
 
 
 def buffer_problem(buf: Any) -> str | None:
@@ -69,21 +108,26 @@ def buffer_problem(buf: Any) -> str | None:
         return f"ring_allreduce needs a NumPy array, got {type(buf).__name__}"
     if buf.dtype not in _DTYPE_CODE:
         return f"ring_allreduce does not support dtype {buf.dtype} (use float32, float64 or int64)"
-    if not buf.flags.c_contiguous:
+    flags = buf.flags
+    if not flags.c_contiguous:
         return "ring_allreduce needs a C-contiguous array (np.ascontiguousarray makes one)"
-    if not buf.flags.writeable:
+    if not flags.writeable:
         return "ring_allreduce reduces in place, but the array is read-only"
     return None
 
 
-_cache = threading.local()  # one scratch buffer per thread: each thread rank has its own
+_cache = threading.local()  # scratch arrays per thread: each thread rank has its own
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """A byte buffer of at least `nbytes`, reused across calls and grown when too small."""
-    scratch = getattr(_cache, "scratch", None)
-    if scratch is None or scratch.size < nbytes:
-        scratch = _cache.scratch = np.empty(max(nbytes, 64), dtype=np.uint8)
+def _scratch(dtype: np.dtype, count: int) -> np.ndarray:
+    """This thread's scratch array of `dtype`, at least `count` long; reused across calls."""
+    try:
+        arrays = _cache.arrays
+    except AttributeError:
+        arrays = _cache.arrays = {}
+    scratch = arrays.get(dtype)
+    if scratch is None or scratch.size < count:
+        scratch = arrays[dtype] = np.empty(max(count, 8), dtype)
     return scratch
 
 
@@ -99,6 +143,25 @@ def _is_truncation(exc: BaseException) -> bool:
     )
 
 
+def _flag_truncation(exc: Exception, tag: int) -> int:
+    """A message longer than the receive buffer means the buffers differ: raise the flag."""
+    if not _is_truncation(exc):
+        raise exc
+    return tag | 1
+
+
+def _disagree(
+    tag: int, status: Any, incoming: np.ndarray, left: int, mismatch: str
+) -> tuple[int, str]:
+    """Our next tag and mismatch note, after the left neighbour's message showed a problem."""
+    received = status.Get_tag()
+    signature, their_signature = tag >> 1, received >> 1
+    wrong = their_signature != signature or status.Get_count() != incoming.nbytes
+    if wrong and not mismatch:
+        mismatch = f"rank {left} has " + _describe_signature(their_signature, signature)
+    return tag | (received & 1) | wrong, mismatch
+
+
 def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) -> np.ndarray:
     """Sum `buf` over all ranks of `comm` in place by a ring allreduce and return it."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -107,96 +170,81 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         if problem:
             raise ValueError(problem)
         return buf
-    right, left = (rank + 1) % size, (rank - 1) % size
-    mpi = constants(comm)
-    status = mpi.Status()
-
     if problem:  # take part with empty messages and the flag raised, then report it
-        flat = raw = np.empty(0, np.uint8)
-        itemsize, signature, bounds = 1, _NO_DTYPE, [0] * (size + 1)
-        scratch = flat
+        flat, signature = _NOTHING, _NO_DTYPE
     else:
-        flat = buf.reshape(-1)
-        raw = flat.view(np.uint8)
-        itemsize = buf.dtype.itemsize
-        signature = (flat.size % _LENGTH_MODULUS) * 4 + _DTYPE_CODE[buf.dtype]
-        bounds = chunk_bounds(flat.size, size)
-        largest_chunk = bounds[1] - bounds[0]  # the first chunk is never smaller than the others
-        scratch = _scratch(largest_chunk * itemsize)[: largest_chunk * itemsize].view(buf.dtype)
-    flag = 1 if problem else 0  # the "something is wrong" bit, carried in the lowest tag bit
-    mismatch = ""  # what this rank saw of its left neighbour, if anything was wrong
-
-    def exchange(send: tuple[int, int], recv_into: np.ndarray) -> None:
-        """Send elements send[0]:send[1] right while receiving from the left; check agreement."""
-        nonlocal flag, mismatch
-        outgoing = raw[send[0] * itemsize : send[1] * itemsize]
-        incoming = recv_into.view(np.uint8)
-        try:
-            comm.Sendrecv(
-                outgoing, dest=right, sendtag=signature << 1 | flag,
-                recvbuf=incoming, source=left, recvtag=mpi.ANY_TAG, status=status,
-            )  # fmt: skip
-        except Exception as exc:  # a longer message than expected: the buffers differ
-            if not _is_truncation(exc):
-                raise
-            tag, count = status.Get_tag(), -1
-        else:
-            tag, count = status.Get_tag(), status.Get_count()
-        if (tag >> 1 != signature or count != incoming.size) and not mismatch:
-            mismatch = _describe_mismatch(buf, problem, rank, left, tag >> 1)
-        flag |= (tag & 1) | (tag >> 1 != signature) | (count != incoming.size)
+        flat = buf.ravel()  # a view, since buf is C-contiguous
+        signature = (flat.size % _LENGTH_MODULUS) * 4 + _DTYPE_CODE[flat.dtype]
+    right, left, reduce_scatter, allgather = ring_schedule(flat.size, size, rank)
+    scratch = _scratch(flat.dtype, -(-flat.size // size))  # the largest chunk: the first
+    mpi = constants(comm)
+    any_tag, status = mpi.ANY_TAG, mpi.Status()
+    tag = signature << 1 | (1 if problem else 0)  # the lowest bit: "something is wrong"
+    mismatch = ""
 
     # Reduce-scatter: after step s, the chunk received has been summed over s + 2 ranks.
-    for step in range(size - 1):
-        send_chunk, recv_chunk = (rank - step) % size, (rank - step - 1) % size
-        send = bounds[send_chunk], bounds[send_chunk + 1]
-        recv = bounds[recv_chunk], bounds[recv_chunk + 1]
+    for step, (_, _, send, recv) in enumerate(reduce_scatter):
         start = time.perf_counter() if trace is not None else 0.0
-        incoming = scratch[: recv[1] - recv[0]]
-        exchange(send, incoming)
-        target = flat[recv[0] : recv[1]]
-        np.add(target, incoming, out=target)
+        target = flat[recv]
+        incoming = scratch[: target.size]
+        try:
+            comm.Sendrecv(flat[send], right, tag, incoming, left, any_tag, status)
+        except Exception as exc:  # a message longer than `incoming`: the buffers differ
+            tag = _flag_truncation(exc, tag)
+        if status.Get_tag() != tag or status.Get_count() != incoming.nbytes:
+            tag, mismatch = _disagree(tag, status, incoming, left, mismatch)
+        np.add(target, incoming, out=target)  # target = own partial sum + left's partial sum
         if trace is not None:
-            trace(TraceEvent("reduce-scatter", step, rank, send_chunk, recv_chunk, send, recv,
-                             (send[1] - send[0]) * itemsize, start, time.perf_counter()))  # fmt: skip
+            trace(_event("reduce-scatter", step, rank, reduce_scatter[step], flat, start))
 
     # Allgather: pass the finished chunks around; each arrives straight in its place.
-    for step in range(size - 1):
-        send_chunk, recv_chunk = (rank + 1 - step) % size, (rank - step) % size
-        send = bounds[send_chunk], bounds[send_chunk + 1]
-        recv = bounds[recv_chunk], bounds[recv_chunk + 1]
+    for step, (_, _, send, recv) in enumerate(allgather):
         start = time.perf_counter() if trace is not None else 0.0
-        exchange(send, flat[recv[0] : recv[1]])
+        incoming = flat[recv]
+        try:
+            comm.Sendrecv(flat[send], right, tag, incoming, left, any_tag, status)
+        except Exception as exc:  # a message longer than `incoming`: the buffers differ
+            tag = _flag_truncation(exc, tag)
+        if status.Get_tag() != tag or status.Get_count() != incoming.nbytes:
+            tag, mismatch = _disagree(tag, status, incoming, left, mismatch)
         if trace is not None:
-            trace(TraceEvent("allgather", step, rank, send_chunk, recv_chunk, send, recv,
-                             (send[1] - send[0]) * itemsize, start, time.perf_counter()))  # fmt: skip
+            trace(_event("allgather", step, rank, allgather[step], flat, start))
 
-    if flag:
-        raise ValueError(
-            problem
-            or mismatch
-            or f"ring_allreduce: another rank passed a different or unusable buffer "
-            f"(rank {rank} has {_describe(buf)}); the result is not a sum"
-        )
+    if tag & 1:
+        raise ValueError(problem or _disagreement(buf, rank, mismatch))
     return buf
 
 
-def _describe(buf: np.ndarray) -> str:
-    return f"{buf.size} x {buf.dtype}"
+def _event(phase: str, step: int, rank: int, ring_step: RingStep, flat: np.ndarray,
+           start: float) -> TraceEvent:  # fmt: skip
+    """The trace event of a finished step."""
+    send, recv = ring_step.send, ring_step.recv
+    return TraceEvent(
+        phase, step, rank, ring_step.send_chunk, ring_step.recv_chunk,
+        (send.start, send.stop), (recv.start, recv.stop),
+        (send.stop - send.start) * flat.itemsize, start, time.perf_counter(),
+    )  # fmt: skip
 
 
-def _describe_mismatch(buf: Any, problem: str | None, rank: int, left: int, theirs: int) -> str:
-    """One line saying how this rank's buffer and its left neighbour's disagree."""
-    if problem:
-        return problem
-    their_dtype = theirs & 3
-    if their_dtype == _NO_DTYPE:
-        what = "an unusable buffer"
-    elif their_dtype != _DTYPE_CODE[buf.dtype]:
-        what = f"dtype {SUPPORTED_DTYPES[their_dtype]}"
-    else:
-        what = "a different length"
+def _describe_signature(signature: int, mine: int) -> str:
+    """How a neighbour's buffer signature (length mod 4096, dtype code) differs from ours."""
+    dtype = signature & 3
+    if dtype == _NO_DTYPE:
+        return "an unusable buffer"
+    if dtype != mine & 3:
+        return f"dtype {SUPPORTED_DTYPES[dtype]}"
+    return "a different length"
+
+
+def _disagreement(buf: np.ndarray, rank: int, mismatch: str) -> str:
+    """One line saying that the ranks' buffers differ, as far as this rank can tell."""
+    mine = f"rank {rank} has {buf.dtype} of length {buf.size}"
+    if mismatch:
+        return (
+            f"ring_allreduce: the ranks' buffers differ: {mine}, {mismatch}; "
+            "every rank must pass the same length and dtype"
+        )
     return (
-        f"ring_allreduce: the ranks' buffers differ: rank {rank} has {_describe(buf)}, "
-        f"rank {left} has {what}; every rank must pass the same length and dtype"
+        f"ring_allreduce: another rank passed a different or unusable buffer ({mine}); "
+        "the result is not a sum"
     )
