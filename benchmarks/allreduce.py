@@ -53,7 +53,9 @@ def parse_bytes(text: str) -> int:
     try:
         value = int(cleaned[: len(cleaned) - len(unit)]) * units[unit]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 8, 64K, 1M)") from None
+        raise argparse.ArgumentTypeError(
+            f"not a size in bytes: {text!r} (e.g. 8, 64K, 1M)"
+        ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
     return value
@@ -206,21 +208,39 @@ def run(comm: Any, options: argparse.Namespace) -> list[dict] | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench allreduce`."""
-    parser.add_argument("--ranks", type=positive_int, default=None,
-                        help="thread ranks (threads backend; default 2); under mpiexec, -n decides")
-    parser.add_argument("--backend", choices=("auto", "threads", "mpi"), default="auto",
-                        help="auto: MPI under mpiexec/srun, threads otherwise")
+    parser.add_argument(
+        "--ranks",
+        type=positive_int,
+        default=None,
+        help="thread ranks (threads backend; default 2); under mpiexec, -n decides",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "threads", "mpi"),
+        default="auto",
+        help="auto: MPI under mpiexec/srun, threads otherwise",
+    )
     parser.add_argument("--dtype", choices=("float64", "float32", "int64"), default="float64")
     parser.add_argument("--min-bytes", type=parse_bytes, default=8, help="smallest size (8)")
-    parser.add_argument("--max-bytes", type=parse_bytes, default=64 << 20,
-                        help="largest size (64M)")
-    parser.add_argument("--batches", type=positive_int, default=7,
-                        help="timed batches per algorithm and size; the median is quoted (7)")
-    parser.add_argument("--batch-seconds", type=positive_float, default=0.02,
-                        help="target duration of one batch (0.02)")
+    parser.add_argument(
+        "--max-bytes", type=parse_bytes, default=64 << 20, help="largest size (64M)"
+    )
+    parser.add_argument(
+        "--batches",
+        type=positive_int,
+        default=7,
+        help="timed batches per algorithm and size; the median is quoted (7)",
+    )
+    parser.add_argument(
+        "--batch-seconds",
+        type=positive_float,
+        default=0.02,
+        help="target duration of one batch (0.02)",
+    )
     parser.add_argument("--warmup", type=positive_int, default=5, help="warm-up calls (5)")
-    parser.add_argument("--max-iters", type=positive_int, default=2000,
-                        help="most calls in one batch (2000)")
+    parser.add_argument(
+        "--max-iters", type=positive_int, default=2000, help="most calls in one batch (2000)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")  # fmt: skip
 
