@@ -127,7 +127,10 @@ def prepare(config: TrainConfig) -> Problem:
         steps = config.epochs * per_epoch
     else:
         steps = 100
-    sizes = (X.shape[1], *config.hidden, data.n_outputs(y, config.loss))
+    outputs = data.n_outputs(y, config.loss)  # xent: max label + 1, which --classes may raise
+    if config.loss == "xent" and config.classes is not None:
+        outputs = max(outputs, config.classes)
+    sizes = (X.shape[1], *config.hidden, outputs)
     model = MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype))
     optim = OptimConfig(
         lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from oracle import serial_sgd
 
 from syncsgd import TrainConfig, run_threads, train
 from syncsgd.model import MLP
 from syncsgd.training import bucket_slices, prepare, train_rank
-from tests.oracle import serial_sgd
 
 # Documented tolerances of SPEC §6 (default float mode), relative to the largest parameter.
 TOLERANCE = {"float64": 1e-9, "float32": 2e-4}
