@@ -1,0 +1,316 @@
+"""The Numba kernels against a per-sample plain-NumPy reference and against finite differences.
+
+Tolerances: float64 kernels match the float64 reference to rtol 1e-10 (loss) and atol 1e-10 x the
+largest gradient entry. float32 kernels are compared with the float64 reference run on the same
+(float32) inputs, to 2e-4 relative (loss) and 2e-4 x (1 + the largest gradient entry) absolute: the
+micro-batches and layers here are at most 16 wide, so float32 rounding (6e-8 per operation) stays
+orders of magnitude below that.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from syncsgd.kernels import EVALUATE_CHUNK, Gradient, evaluate
+from syncsgd.model import MLP
+
+TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-4}
+
+
+def unpack(sizes, flat):
+    """Weights and biases from the flat buffer, by the documented layout (W0, b0, W1, b1, ...)."""
+    weights, biases, offset = [], [], 0
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=False):
+        weights.append(flat[offset : offset + fan_in * fan_out].reshape(fan_in, fan_out))
+        offset += fan_in * fan_out
+        biases.append(flat[offset : offset + fan_out])
+        offset += fan_out
+    return weights, biases
+
+
+def reference(model, params, X, y):
+    """(loss sum, hits, gradient sum) in float64, one sample at a time with outer products."""
+    weights, biases = unpack(model.sizes, params.astype(np.float64))
+    loss_sum, hits = 0.0, 0
+    grads_W = [np.zeros_like(W) for W in weights]
+    grads_b = [np.zeros_like(b) for b in biases]
+    for i in range(len(X)):
+        inputs = [X[i].astype(np.float64)]
+        for layer, (W, b) in enumerate(zip(weights, biases, strict=True)):
+            z = inputs[-1] @ W + b
+            if layer < len(weights) - 1:
+                z = np.maximum(z, 0) if model.activation == "relu" else np.tanh(z)
+            inputs.append(z)
+        logits = inputs.pop()
+        if model.loss == "xent":
+            top = logits.max()
+            log_total = top + np.log(np.sum(np.exp(logits - top)))
+            loss_sum += log_total - logits[y[i]]
+            hits += int(np.argmax(logits) == y[i])
+            delta = np.exp(logits - log_total)
+            delta[y[i]] -= 1
+        else:
+            error = logits - y[i].astype(np.float64)
+            loss_sum += np.mean(error**2)
+            delta = 2 * error / len(error)
+        for layer in range(len(weights) - 1, -1, -1):
+            grads_W[layer] += np.outer(inputs[layer], delta)
+            grads_b[layer] += delta
+            if layer:
+                a = inputs[layer]
+                slope = (a > 0).astype(float) if model.activation == "relu" else 1 - a**2
+                delta = (weights[layer] @ delta) * slope
+    flat = [part for W, b in zip(grads_W, grads_b, strict=True) for part in (W.ravel(), b)]
+    return loss_sum, hits, np.concatenate(flat)
+
+
+def make_batch(model, m, seed, scale=1.0):
+    """Random inputs and targets for `model` (labels for xent, floats for mse)."""
+    rng = np.random.default_rng(seed)
+    X = (scale * rng.standard_normal((m, model.sizes[0]))).astype(model.dtype)
+    if model.loss == "xent":
+        y = rng.integers(0, model.sizes[-1], m)
+    else:
+        y = rng.standard_normal((m, model.sizes[-1])).astype(model.dtype)
+    return X, y
+
+
+def perturbed_params(model, seed):
+    """Initial parameters with random biases too, so that bias paths are exercised."""
+    params = model.init_params(seed)
+    rng = np.random.default_rng(seed + 1)
+    params += (0.1 * rng.standard_normal(model.n_params)).astype(model.dtype)
+    return params
+
+
+def assert_matches_reference(model, params, X, y, loss_sum, hits, grad):
+    """Kernel results against the reference at the dtype's tolerance."""
+    ref_loss, ref_hits, ref_grad = reference(model, params, X, y)
+    tolerance = TOLERANCE[model.dtype]
+    assert loss_sum == pytest.approx(ref_loss, rel=tolerance, abs=tolerance)
+    if model.dtype == np.float64:
+        assert hits == ref_hits
+    else:  # a float32 argmax may flip on a near tie
+        assert abs(hits - ref_hits) <= 1
+    scale = 1 + np.abs(ref_grad).max()
+    np.testing.assert_allclose(grad, ref_grad, rtol=0, atol=tolerance * scale)
+
+
+ACTIVATIONS = ["relu", "tanh"]
+LOSSES = ["xent", "mse"]
+HIDDEN = [(), (6,), (5, 4), (4, 3, 5)]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("hidden", HIDDEN, ids=lambda h: f"hidden{len(h)}")
+@pytest.mark.parametrize("m", [0, 1, 7])
+def test_gradient_matches_reference(activation, loss, hidden, m):
+    model = MLP((5, *hidden, 3), activation, loss)
+    params = perturbed_params(model, 1)
+    X, y = make_batch(model, m, 2)
+    grad = np.full(model.n_params, np.nan)  # must be overwritten, not accumulated into
+    loss_sum, hits = Gradient(model, 8)(params, X, y, grad)
+    assert isinstance(loss_sum, float) and isinstance(hits, int)
+    assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
+    if m == 0:
+        assert loss_sum == 0.0 and hits == 0 and not grad.any()
+    if loss == "mse":
+        assert hits == 0
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("hidden", HIDDEN, ids=lambda h: f"hidden{len(h)}")
+def test_gradient_matches_central_differences(activation, loss, hidden):
+    model = MLP((4, *hidden, 3), activation, loss)
+    params = perturbed_params(model, 3)
+    X, y = make_batch(model, 5, 4)
+    gradient = Gradient(model, 5)
+    grad = np.empty(model.n_params)
+    gradient(params, X, y, grad)
+    step = 1e-6
+    numeric = np.empty(model.n_params)
+    for k in range(model.n_params):
+        shifted = params.copy()
+        shifted[k] += step
+        above, _ = gradient.loss(shifted, X, y)
+        shifted[k] -= 2 * step
+        below, _ = gradient.loss(shifted, X, y)
+        numeric[k] = (above - below) / (2 * step)
+    np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 16), min_size=2, max_size=5).map(tuple),
+    m=st.integers(0, 16),
+    spare=st.integers(0, 3),
+    activation=st.sampled_from(ACTIVATIONS),
+    loss=st.sampled_from(LOSSES),
+    dtype=st.sampled_from([np.float64, np.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_gradient_matches_reference_for_any_shape(sizes, m, spare, activation, loss, dtype, seed):
+    model = MLP(sizes, activation, loss, dtype)
+    params = perturbed_params(model, seed)
+    X, y = make_batch(model, m, seed)
+    grad = np.full(model.n_params, 123, dtype=dtype)
+    loss_sum, hits = Gradient(model, m + spare)(params, X, y, grad)
+    assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
+
+
+def test_workspaces_are_reused_across_micro_batch_sizes():
+    model = MLP((6, 8, 5, 4), "tanh", "xent")
+    params = perturbed_params(model, 5)
+    gradient = Gradient(model, 9)
+    grad = np.empty(model.n_params)
+    for m in (9, 2, 0, 9, 5):
+        X, y = make_batch(model, m, m)
+        loss_sum, hits = gradient(params, X, y, grad)
+        assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_cross_entropy_is_stable_for_huge_logits(dtype):
+    model = MLP((3, 4), "relu", "xent", dtype)
+    params = perturbed_params(model, 0)
+    X, y = make_batch(model, 6, 1, scale=1e4)  # logits of order 1e4: exp would overflow
+    grad = np.empty(model.n_params, dtype=dtype)
+    loss_sum, hits = Gradient(model, 6)(params, X, y, grad)
+    assert np.isfinite(loss_sum) and np.all(np.isfinite(grad))
+    assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_tie_counts_the_first_maximum_as_argmax_does(dtype):
+    model = MLP((3, 4, 3), "relu", "xent", dtype)
+    params = np.zeros(model.n_params, dtype=dtype)  # every logit is 0: a three-way tie
+    X, _ = make_batch(model, 3, 0)
+    grad = np.empty(model.n_params, dtype=dtype)
+    labels = np.array([0, 0, 2])
+    loss_sum, hits = Gradient(model, 3)(params, X, labels, grad)
+    assert hits == 2  # the samples labelled 0, as np.argmax picks the first maximum
+    assert loss_sum == pytest.approx(3 * np.log(3), rel=TOLERANCE[model.dtype])
+    assert_matches_reference(model, params, X, labels, loss_sum, hits, grad)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_evaluate_matches_reference(loss):
+    model = MLP((3, 5, 4), "relu", loss)
+    params = perturbed_params(model, 2)
+    n_samples = EVALUATE_CHUNK + 37  # more than one chunk
+    X, y = make_batch(model, n_samples, 3)
+    mean_loss, accuracy = evaluate(model, params, X, y)
+    ref_loss, ref_hits, _ = reference(model, params, X, y)
+    assert mean_loss == pytest.approx(ref_loss / n_samples, rel=1e-10)
+    if loss == "xent":
+        assert accuracy == ref_hits / n_samples
+    else:
+        assert np.isnan(accuracy)
+
+
+def test_evaluate_rejects_an_empty_data_set():
+    model = MLP((3, 2))
+    with pytest.raises(ValueError, match="at least one sample"):
+        evaluate(model, model.init_params(0), np.zeros((0, 3)), np.zeros(0, dtype=np.int64))
+
+
+def test_threads_with_their_own_instances_get_their_own_results():
+    model = MLP((6, 12, 3), "relu", "xent")
+    params = perturbed_params(model, 0)
+    batches = [make_batch(model, 10, seed) for seed in range(4)]
+    results = [None] * len(batches)
+
+    def work(index):
+        grad = np.empty(model.n_params)
+        gradient = Gradient(model, 10)
+        for _ in range(20):
+            loss_sum, hits = gradient(params, *batches[index], grad)
+        results[index] = (loss_sum, hits, grad)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for (X, y), (loss_sum, hits, grad) in zip(batches, results, strict=True):
+        assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
+
+
+def test_inputs_are_converted_when_harmless():
+    model = MLP((3, 2), "tanh", "xent", np.float32)
+    params = perturbed_params(model, 0)
+    X64, y = make_batch(MLP((3, 2), "tanh", "xent"), 4, 0)  # float64 inputs, int32 labels
+    grad = np.empty(model.n_params, dtype=np.float32)
+    loss_sum, hits = Gradient(model, 4)(params, np.asfortranarray(X64), y.astype(np.int32), grad)
+    assert_matches_reference(model, params, X64.astype(np.float32), y, loss_sum, hits, grad)
+
+
+def read_only(array):
+    """`array`, made read-only."""
+    array.flags.writeable = False
+    return array
+
+
+def bad_call(name):
+    """Arguments for one invalid call on an MLP (3, 2) xent with max_batch 4."""
+    model = MLP((3, 2))
+    args = {
+        "params": model.init_params(0),
+        "X": np.zeros((2, 3)),
+        "y": np.array([0, 1]),
+        "grad_out": np.zeros(model.n_params),
+    }
+    changes = {
+        "short-params": ("params", np.zeros(5)),
+        "float32-params": ("params", np.zeros(model.n_params, dtype=np.float32)),
+        "read-only-grad": ("grad_out", read_only(np.zeros(model.n_params))),
+        "X-features": ("X", np.zeros((2, 4))),
+        "X-1d": ("X", np.zeros(3)),
+        "too-many": ("X", np.zeros((5, 3))),
+        "label-too-big": ("y", np.array([0, 2])),
+        "label-negative": ("y", np.array([-1, 0])),
+        "label-float": ("y", np.array([0.0, 1.0])),
+        "label-count": ("y", np.array([0])),
+    }
+    key, value = changes[name]
+    args[key] = value
+    return model, args
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("short-params", r"params must be a contiguous float64 array of shape \(8,\)"),
+        ("float32-params", "params must be a contiguous float64 array"),
+        ("read-only-grad", "grad_out is read-only"),
+        ("X-features", r"X must have shape \(m, 3\)"),
+        ("X-1d", r"X must have shape \(m, 3\)"),
+        ("too-many", "exceeds max_batch=4"),
+        ("label-too-big", r"labels must lie in \[0, 2\)"),
+        ("label-negative", r"labels must lie in \[0, 2\)"),
+        ("label-float", "labels must be an integer array"),
+        ("label-count", r"labels must be an integer array of shape \(2,\)"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(name, message):
+    model, args = bad_call(name)
+    with pytest.raises(ValueError, match=message):
+        Gradient(model, 4)(**args)
+
+
+def test_mse_targets_must_match_the_outputs():
+    model = MLP((3, 2), loss="mse")
+    with pytest.raises(ValueError, match=r"targets must have shape \(2, 2\)"):
+        Gradient(model, 4)(model.init_params(0), np.zeros((2, 3)), np.zeros(2), np.zeros(8))
+
+
+@pytest.mark.parametrize("max_batch", [-1, 2.5, True])
+def test_max_batch_is_validated(max_batch):
+    with pytest.raises(ValueError, match="max_batch"):
+        Gradient(MLP((3, 2)), max_batch)
