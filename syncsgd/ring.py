@@ -143,20 +143,19 @@ def _is_truncation(exc: BaseException) -> bool:
     )
 
 
-def _flag_truncation(exc: Exception, tag: int) -> int:
-    """A message longer than the receive buffer means the buffers differ: raise the flag."""
+def _truncated(exc: Exception) -> int:
+    """The byte count to report for a failed receive: -1 if the message was too long, else raise."""
     if not _is_truncation(exc):
         raise exc
-    return tag | 1
+    return -1  # a message longer than the receive buffer: the buffers differ
 
 
 def _disagree(
-    tag: int, status: Any, incoming: np.ndarray, left: int, mismatch: str
+    tag: int, received: int, count_agrees: bool, left: int, mismatch: str
 ) -> tuple[int, str]:
     """Our next tag and mismatch note, after the left neighbour's message showed a problem."""
-    received = status.Get_tag()
     signature, their_signature = tag >> 1, received >> 1
-    wrong = their_signature != signature or status.Get_count() != incoming.nbytes
+    wrong = their_signature != signature or not count_agrees
     if wrong and not mismatch:
         mismatch = f"rank {left} has " + _describe_signature(their_signature, signature)
     return tag | (received & 1) | wrong, mismatch
@@ -189,10 +188,12 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         incoming = scratch[: target.size]
         try:
             comm.Sendrecv(flat[send], right, tag, incoming, left, any_tag, status)
-        except Exception as exc:  # a message longer than `incoming`: the buffers differ
-            tag = _flag_truncation(exc, tag)
-        if status.Get_tag() != tag or status.Get_count() != incoming.nbytes:
-            tag, mismatch = _disagree(tag, status, incoming, left, mismatch)
+            count = status.Get_count()
+        except Exception as exc:
+            count = _truncated(exc)
+        if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
+            agrees = count == incoming.nbytes
+            tag, mismatch = _disagree(tag, status.Get_tag(), agrees, left, mismatch)
         np.add(target, incoming, out=target)  # target = own partial sum + left's partial sum
         if trace is not None:
             trace(_event("reduce-scatter", step, rank, reduce_scatter[step], flat, start))
@@ -203,10 +204,12 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         incoming = flat[recv]
         try:
             comm.Sendrecv(flat[send], right, tag, incoming, left, any_tag, status)
-        except Exception as exc:  # a message longer than `incoming`: the buffers differ
-            tag = _flag_truncation(exc, tag)
-        if status.Get_tag() != tag or status.Get_count() != incoming.nbytes:
-            tag, mismatch = _disagree(tag, status, incoming, left, mismatch)
+            count = status.Get_count()
+        except Exception as exc:
+            count = _truncated(exc)
+        if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
+            agrees = count == incoming.nbytes
+            tag, mismatch = _disagree(tag, status.Get_tag(), agrees, left, mismatch)
         if trace is not None:
             trace(_event("allgather", step, rank, allgather[step], flat, start))
 

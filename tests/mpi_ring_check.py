@@ -1,0 +1,175 @@
+"""Ring allreduce checks that run on every rank of any communicator (thread ranks or MPI).
+
+The thread tests import these functions; under `mpiexec -n P python tests/mpi_ring_check.py` they
+run on `MPI.COMM_WORLD`, print `ok` on rank 0 and exit 0, or abort the whole job with exit status 1
+on the first failure (an assertion on one rank must not leave the other ranks waiting).
+
+    --mismatch        the last rank passes a longer buffer than the others: every rank must
+                      raise ValueError, print it, and the job must end (not hang)
+    --fail-on-rank K  rank K fails on purpose: the job must exit non-zero, not hang
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+import numpy as np
+
+from syncsgd.comm import constants
+from syncsgd.ring import TraceEvent, ring_allreduce
+
+DTYPES = ("float64", "float32", "int64")
+
+
+def rank_data(
+    rank: int, shape: tuple[int, ...], dtype: str, integers: bool, seed: int
+) -> np.ndarray:
+    """The buffer rank `rank` contributes: small integers (exact sums) or random floats."""
+    rng = np.random.default_rng([seed, rank])
+    if integers or dtype == "int64":
+        return rng.integers(-1000, 1000, size=shape).astype(dtype)
+    return rng.uniform(-1.0, 1.0, size=shape).astype(dtype)
+
+
+def naive_sum(arrays: list[np.ndarray]) -> np.ndarray:
+    """Sum of the ranks' buffers, one after the other, in float64 or int64."""
+    wide = np.int64 if arrays[0].dtype.kind == "i" else np.float64
+    total = np.zeros(arrays[0].shape, wide)
+    for array in arrays:
+        total = total + array.astype(wide)
+    return total
+
+
+def same_on_every_rank(comm: Any, array: np.ndarray) -> bool:
+    """True on every rank when every rank's `array` has rank 0's bits (its bytes, compared)."""
+    mine = np.frombuffer(array.tobytes(), np.uint8)
+    root = mine.copy()
+    comm.Bcast(root, root=0)
+    agree = np.array([np.array_equal(mine, root)], np.int64)
+    every = np.zeros(1, np.int64)
+    comm.Allreduce(agree, every, op=constants(comm).MIN)
+    return bool(every[0])
+
+
+def check_sum(
+    comm: Any, shape: tuple[int, ...], dtype: str, integers: bool, seed: int = 0
+) -> np.ndarray:
+    """The ring's sum equals a naive sum (exactly for integer data) and is the same on all ranks."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = rank_data(rank, shape, dtype, integers, seed)
+    expected = naive_sum([rank_data(r, shape, dtype, integers, seed) for r in range(size)])
+    result = ring_allreduce(buf, comm)
+    assert result is buf, "ring_allreduce must return the buffer it reduced in place"
+    assert buf.shape == tuple(shape) and buf.dtype == np.dtype(dtype)
+    where = f"rank {rank} of {size}, shape {shape}, {dtype}"
+    if integers or dtype == "int64":
+        assert np.array_equal(buf, expected), f"{where}: integer-valued sum is not exact"
+    else:
+        tolerance = 1e-5 if dtype == "float32" else 1e-12
+        assert np.allclose(buf, expected, rtol=tolerance, atol=tolerance * size), where
+    assert same_on_every_rank(comm, buf), f"{where}: ranks hold different bits"
+    return buf
+
+
+def check_trace(comm: Any, length: int, dtype: str = "float64") -> list[TraceEvent]:
+    """2(P-1) events per rank, in phase order, with array_split's chunks and the right bytes."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    events: list[TraceEvent] = []
+    ring_allreduce(np.ones(length, dtype), comm, trace=events.append)
+    assert len(events) == 2 * (size - 1), f"rank {rank}: {len(events)} events"
+    # The chunks of numpy.array_split, the independent reference for the ranges.
+    pieces = np.array_split(np.arange(length), size)
+    chunk_range = [(int(p[0]), int(p[-1]) + 1) if p.size else None for p in pieces]
+    itemsize = np.dtype(dtype).itemsize
+    phases = ["reduce-scatter"] * (size - 1) + ["allgather"] * (size - 1)
+    for index, event in enumerate(events):
+        step = index % (size - 1)
+        assert (event.phase, event.step, event.rank) == (phases[index], step, rank), event
+        if event.phase == "reduce-scatter":
+            sent, received = (rank - step) % size, (rank - step - 1) % size
+        else:
+            sent, received = (rank + 1 - step) % size, (rank - step) % size
+        assert (event.send_chunk, event.recv_chunk) == (sent, received), event
+        for chunk, (start, stop) in ((sent, event.send_range), (received, event.recv_range)):
+            expected = chunk_range[chunk]
+            assert (start, stop) == expected or (expected is None and start == stop), event
+        assert event.nbytes == (event.send_range[1] - event.send_range[0]) * itemsize, event
+        assert event.start <= event.end, event
+    # Reduce-scatter receives every chunk but this rank's own; allgather then fills in every
+    # chunk but the one this rank finished: together with it they cover the whole buffer.
+    gathered = np.zeros(length, np.int64)
+    for event in events[size - 1 :]:
+        gathered[event.recv_range[0] : event.recv_range[1]] += 1
+    if size > 1:
+        finished = chunk_range[(rank + 1) % size]
+        if finished is not None:
+            gathered[finished[0] : finished[1]] += 1
+    assert size == 1 or np.all(gathered == 1), f"rank {rank}: allgather does not cover the buffer"
+    reduced = {event.recv_chunk for event in events[: size - 1]}
+    assert reduced == set(range(size)) - {rank}, f"rank {rank}: reduce-scatter got {reduced}"
+    return events
+
+
+def check_rejected_everywhere(comm: Any, make_buffer: Any) -> str:
+    """Every rank raises ValueError for its buffer `make_buffer(rank, size)`; return the message."""
+    buf = make_buffer(comm.Get_rank(), comm.Get_size())
+    try:
+        ring_allreduce(buf, comm)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"rank {comm.Get_rank()}: ring_allreduce accepted a bad buffer")
+    assert message and "\n" not in message, f"not a one-line message: {message!r}"
+    return message
+
+
+def longer_on_last_rank(rank: int, size: int) -> np.ndarray:
+    """Five elements, but 4096 more on the last rank: same signature, different chunk sizes."""
+    return np.ones(5 + 4096 * (rank == size - 1 and size > 1))
+
+
+def standard_cases(size: int) -> list[tuple[tuple[int, ...], str, bool]]:
+    """The (shape, dtype, integer-valued) cases run under MPI: edge lengths around P, shapes."""
+    lengths = sorted({0, 1, max(size - 1, 0), size, size + 1, 2 * size + 3, 1000, 4099})
+    cases = [((n,), dtype, True) for n in lengths for dtype in DTYPES]
+    cases += [((n,), dtype, False) for n in (1, 7, 4099) for dtype in ("float64", "float32")]
+    cases += [((3, 5), "float64", True), ((2, 3, 4), "int64", True), ((), "float32", True)]
+    cases += [((4, 0), "float64", True), ((1 << 16,), "float64", False)]
+    return cases
+
+
+def main(argv: list[str]) -> int:
+    """Run the checks on MPI.COMM_WORLD; any failure aborts every rank with exit status 1."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        if "--fail-on-rank" in argv:
+            if rank == int(argv[argv.index("--fail-on-rank") + 1]):
+                raise AssertionError("failing on purpose")
+            ring_allreduce(np.zeros(10), comm)  # the other ranks wait here for the failed one
+        elif "--mismatch" in argv:
+            if size == 1:
+                raise SystemExit("--mismatch needs at least 2 ranks")
+            message = check_rejected_everywhere(comm, longer_on_last_rank)
+            print(f"rank {rank}: ValueError: {message}", flush=True)
+        else:
+            for shape, dtype, integers in standard_cases(size):
+                check_sum(comm, shape, dtype, integers, seed=len(shape) + sum(shape))
+            for length in sorted({0, 1, size - 1, size + 2, 37}):
+                check_trace(comm, length)
+        comm.Barrier()
+    except BaseException:
+        sys.stderr.write(f"rank {rank} of {size} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        comm.Abort(1)
+    if rank == 0:
+        print(f"ok: {size} ranks", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
