@@ -38,14 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks (OSU / nccl-tests style)")
     benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=_Parser)
     benchmarks.required = True
-    from syncsgd.benchmarks import allreduce
+    from syncsgd.benchmarks import allreduce, step
 
-    sweep = benchmarks.add_parser(
-        "allreduce", help="ring vs the library's Allreduce, 8 B to 64 MiB",
-        description=allreduce.__doc__.split("\n")[0],
-    )  # fmt: skip
-    allreduce.add_arguments(sweep)
-    sweep.set_defaults(run=allreduce.main)
+    for module, name, summary in (
+        (allreduce, "allreduce", "ring vs the library's Allreduce, 8 B to 64 MiB"),
+        (step, "step", "training-step time split into compute, allreduce and update, P = 1..N"),
+    ):
+        sub = benchmarks.add_parser(name, help=summary, description=module.__doc__.split("\n")[0])
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.main)
     return parser
 
 
