@@ -14,15 +14,23 @@ The matrix products sum over samples inside BLAS, whose blocking may depend on m
 function takes whole (m, n) blocks, so a batch-invariant variant (exact mode) can call them one
 sample at a time and add the per-sample gradients in a fixed order instead.
 
-np.dot inside Numba needs SciPy's BLAS (`scipy.linalg.cython_blas`).
+np.dot inside Numba calls SciPy's BLAS (`scipy.linalg.cython_blas`, imported on the first call).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 from numba import njit
 
 from syncsgd.model import MLP, describe
+
+if importlib.util.find_spec("scipy") is None:
+    raise ImportError(
+        "syncsgd's Numba kernels need SciPy: np.dot inside Numba calls SciPy's BLAS "
+        "(pip install scipy)"
+    )
 
 RELU, TANH = 0, 1
 ACTIVATION_CODES = {"relu": RELU, "tanh": TANH}
