@@ -155,7 +155,8 @@ def main(argv: list[str]) -> int:
             if size == 1:
                 raise SystemExit("--mismatch needs at least 2 ranks")
             message = check_rejected_everywhere(comm, longer_on_last_rank)
-            print(f"rank {rank}: ValueError: {message}", flush=True)
+            sys.stdout.write(f"rank {rank}: ValueError: {message}\n")  # one write: no interleaving
+            sys.stdout.flush()
         else:
             for shape, dtype, integers in standard_cases(size):
                 check_sum(comm, shape, dtype, integers, seed=len(shape) + sum(shape))

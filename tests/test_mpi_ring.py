@@ -1,0 +1,36 @@
+"""The ring allreduce's checks under a real `mpiexec -n P`, with timeouts so a deadlock fails."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import requires_mpi, run_mpiexec
+
+WORKER = os.path.join(os.path.dirname(__file__), "mpi_ring_check.py")
+
+pytestmark = [requires_mpi, pytest.mark.timeout(180)]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
+def test_ring_checks_pass_under_mpiexec(ranks):
+    # P > 2 is oversubscribed on 2 cores (MPICH busy-polls), hence the generous timeout.
+    done = run_mpiexec(ranks, [WORKER], timeout=30 + 10 * ranks)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"ok: {ranks} ranks" in done.stdout
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_mismatched_lengths_raise_on_every_rank_under_mpiexec(ranks):
+    done = run_mpiexec(ranks, [WORKER, "--mismatch"], timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "ValueError" in line]
+    assert sorted(int(line.split()[1].rstrip(":")) for line in lines) == list(range(ranks))
+    assert any("different length" in line for line in lines), done.stdout
+
+
+def test_a_failing_rank_ends_the_mpi_job_instead_of_hanging():
+    done = run_mpiexec(2, [WORKER, "--fail-on-rank", "1"], timeout=60)
+    assert done.returncode != 0
+    assert "failing on purpose" in done.stderr
+    assert "ok:" not in done.stdout
