@@ -438,8 +438,11 @@ def run_threads(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
         # The rank that caused the failure, not the ranks that were merely released by it.
         primary = [(r, e) for r, e in failed if not isinstance(e, RankAborted)]
         rank, exc = (primary or failed)[0]
+        note = f"(raised on rank {rank} of {world.size}, threads backend)"
         if hasattr(exc, "add_note"):
-            exc.add_note(f"(raised on rank {rank} of {world.size}, threads backend)")
+            exc.add_note(note)
+        else:  # Python 3.10: the same attribute, which tracebacks there do not print
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
         raise exc
     return results
 
