@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd train` (SPEC §7); every one has a default."""
     from syncsgd.optim import LR_SCALINGS, SCHEDULES
+    from syncsgd.pitfalls import PITFALLS
     from syncsgd.training import DATA_SOURCES, TrainConfig
 
     d = TrainConfig()
@@ -152,6 +153,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.base_batch,
         help=f"the batch size --lr was tuned for (default {d.base_batch})",
     )
+    repro = parser.add_argument_group("reproducibility")
+    repro.add_argument("--exact", action="store_true",
+                       help="bitwise the same parameters for every number of ranks")
+    repro.add_argument("--pitfall", choices=PITFALLS, default=None,
+                       help="deliberately do what real systems get wrong (see syncsgd.pitfalls)")
+    repro.add_argument("--checkpoint", metavar="DIR", help="write checkpoints to DIR")
+    repro.add_argument("--checkpoint-every", type=positive_int, metavar="K",
+                       help="a checkpoint every K steps (default: after the last step only)")
+    repro.add_argument("--resume", metavar="DIR", help="resume from DIR's latest checkpoint")
     out = parser.add_argument_group("output")
     out.add_argument("--save", metavar="PATH", help="write the final parameters (.npz)")
     out.add_argument("--log", metavar="PATH", help="write one JSON line per step")
@@ -176,10 +186,14 @@ def run_train(options: argparse.Namespace) -> int:
         warmup_steps=options.warmup_steps, lr_scaling=options.lr_scaling,
         base_batch=options.base_batch, seed=options.seed, shuffle=options.shuffle,
         dtype=options.dtype, init=options.init, bucket_bytes=options.bucket_bytes,
+        exact=options.exact, pitfall=options.pitfall, checkpoint=options.checkpoint,
+        checkpoint_every=options.checkpoint_every, resume=options.resume,
     )  # fmt: skip
     backend = resolve_backend(options.backend)
     ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
     problem = prepare(config)
+    if config.checkpoint is not None:
+        os.makedirs(config.checkpoint, exist_ok=True)
     launch(train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
            save_path=options.save, quiet=options.quiet)  # fmt: skip
     return 0

@@ -13,21 +13,24 @@ bitwise the same sum, every rank's parameters stay bitwise identical, step after
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
 
 import numpy as np
 
-from syncsgd import data
-from syncsgd.comm import ThreadComm, launch
+from syncsgd import checkpoint, data, pitfalls
+from syncsgd.checkpoint import Checkpoint
+from syncsgd.comm import ThreadComm, constants, launch
 from syncsgd.files import atomic_path
 from syncsgd.model import MLP
 from syncsgd.optim import SGD, OptimConfig
+from syncsgd.pitfalls import PITFALLS
 from syncsgd.ring import ring_allreduce
 
 DATA_SOURCES = (
@@ -66,6 +69,11 @@ class TrainConfig:
     dtype: str = "float64"
     init: str | None = None  # .npz with W0, b0, ... to start from instead of the seeded draw
     bucket_bytes: int | None = None  # None: one fused allreduce; 0: one per layer; else buckets
+    exact: bool = False  # bitwise the same result for every number of ranks (SPEC §6)
+    pitfall: str | None = None  # one of PITFALLS: do deliberately what real systems get wrong
+    checkpoint: str | None = None  # directory to write checkpoints to
+    checkpoint_every: int | None = None  # steps between checkpoints (default: only at the end)
+    resume: str | None = None  # directory to resume from (its latest checkpoint)
 
     def __post_init__(self) -> None:
         for name in ("samples", "features", "batch_size", "base_batch"):
@@ -84,6 +92,22 @@ class TrainConfig:
         _require(
             self.bucket_bytes is None or self.bucket_bytes >= 0,
             f"--bucket-bytes must be >= 0, got {self.bucket_bytes}",
+        )
+        _require(
+            self.pitfall is None or self.pitfall in PITFALLS,
+            f"unknown --pitfall {self.pitfall!r}: choose one of {', '.join(PITFALLS)}",
+        )
+        _require(
+            self.pitfall != "local-clip" or self.clip_norm is not None,
+            "--pitfall local-clip needs --clip-norm",
+        )
+        _require(
+            self.checkpoint_every is None or self.checkpoint_every >= 1,
+            f"--checkpoint-every must be >= 1, got {self.checkpoint_every}",
+        )
+        _require(
+            self.checkpoint_every is None or self.checkpoint is not None,
+            "--checkpoint-every needs --checkpoint DIR",
         )
         source = self.data
         _require(
@@ -111,6 +135,9 @@ class Problem:
     y: np.ndarray
     steps: int
     optim: OptimConfig
+    fingerprint: str  # SHA-256 of everything that determines the trajectory (not P, not steps)
+    start: Checkpoint | None = None  # the state to resume from
+    init: np.ndarray | None = None  # parameters from --init
 
 
 def prepare(config: TrainConfig) -> Problem:
@@ -134,12 +161,42 @@ def prepare(config: TrainConfig) -> Problem:
     model = MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype))
     optim = OptimConfig(
         lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
-        weight_decay=config.weight_decay, clip_norm=config.clip_norm, schedule=config.schedule,
+        weight_decay=config.weight_decay, schedule=config.schedule,
         warmup_steps=config.warmup_steps, total_steps=steps, lr_scaling=config.lr_scaling,
         base_batch=config.base_batch, batch_size=config.batch_size,
         noam_dim=max(config.hidden, default=sizes[0]),
+        clip_norm=None if config.pitfall == "local-clip" else config.clip_norm,  # clipped per rank
     )  # fmt: skip
-    return Problem(config, model, X, y, steps, optim)
+    problem = Problem(config, model, X, y, steps, optim, fingerprint(config, X, y, steps))
+    if config.init is not None:
+        problem.init = model.from_arrays(load_npz(config.init))
+    if config.resume is not None:
+        path = checkpoint.latest(config.resume)
+        problem.start = checkpoint.load(path, problem.fingerprint, model.n_params, model.dtype)
+        _require(
+            problem.start.step <= steps,
+            f"{path} is at step {problem.start.step}, beyond --steps {steps}",
+        )
+    return problem
+
+
+def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:
+    """A digest of the data and of every option that changes the trajectory.
+
+    Left out: the number of ranks (the result does not depend on it), the run length (a resumed run
+    may go further; only the cosine schedule depends on it, so it is kept then), where the first
+    parameters came from, outputs, and the allreduce buckets.
+    """
+    ignored = {"steps", "epochs", "init", "checkpoint", "checkpoint_every", "resume",
+               "bucket_bytes"}  # fmt: skip
+    options = {k: v for k, v in asdict(config).items() if k not in ignored}
+    if config.schedule == "cosine":
+        options["total_steps"] = steps
+    digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
+    for array in (X, y):
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -156,6 +213,7 @@ class TrainResult:
     update_seconds: float = 0.0
     final_loss: float | None = None  # mean loss over the whole data set after training
     accuracy: float | None = None  # xent only
+    digests: list[bytes] = field(default_factory=list)  # per step, if asked for (verify)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The parameters as W0, b0, W1, b1, ... (copies)."""
@@ -197,55 +255,72 @@ def train_rank(
     log_path: str | None = None,
     save_path: str | None = None,
     quiet: bool = True,
+    record_digests: bool = False,
 ) -> TrainResult:
     """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary."""
-    from syncsgd.kernels import Gradient, evaluate  # imports Numba: only when training
+    from syncsgd.kernels import evaluate  # imports Numba: only when training
 
     config, model, X, y = problem.config, problem.model, problem.X, problem.y
     rank, size = comm.Get_rank(), comm.Get_size()
     master_process = rank == 0
-    n_samples, global_batch_size = X.shape[0], config.batch_size
+    n_samples, n_params = X.shape[0], model.n_params
+    check_agreement(comm, problem)
 
-    # Parameters: drawn (or loaded) on rank 0 and broadcast, so every rank starts from its bits.
-    params = np.empty(model.n_params, model.dtype)
+    # Parameters: chosen on rank 0 and broadcast, so every rank starts from the same bits.
+    params = np.empty(n_params, model.dtype)
     if master_process:
-        params[:] = initial_params(model, config)
+        params[:] = first_params(problem)
     comm.Bcast(params, root=0)
+    sgd = SGD(problem.optim, n_params, model.dtype)
+    first_step = 0
+    if problem.start is not None:
+        sgd.load_state_arrays(problem.start.optimizer)
+        first_step = problem.start.step
 
-    # One communication buffer: the gradient sum, then (loss sum, correct count); one allreduce.
-    comm_buffer = np.zeros(model.n_params + 2, model.dtype)
-    grad_sum, stats = comm_buffer[: model.n_params], comm_buffer[model.n_params :]
+    # One communication buffer: the gradient sum, then (loss sum, correct count); one allreduce
+    # (or one per bucket). Exact mode carries its exact float64 representation, whatever the dtype.
+    largest_shard = -(-config.batch_size // size)
+    local_gradient = (ExactLocalGradient if config.exact else FloatLocalGradient)(
+        model, largest_shard, config.batch_size
+    )
+    comm_buffer = np.zeros(n_params + 2, local_gradient.buffer_dtype)
+    grad_sum, stats = comm_buffer[:n_params], comm_buffer[n_params:]
+    grad = np.empty(n_params, model.dtype)  # the mean gradient of the global batch
     buckets = bucket_slices(model, comm_buffer.size, config.bucket_bytes)
-    largest_shard = -(-global_batch_size // size)
-    gradient = Gradient(model, largest_shard)
+    if config.pitfall == "fp32-allreduce":
+        allreduce = pitfalls.allreduce_in_float32(allreduce)
     X_shard = np.empty((largest_shard, X.shape[1]), X.dtype)
     y_shard = np.empty((largest_shard, *y.shape[1:]), y.dtype)
-    sgd = SGD(problem.optim, model.n_params, model.dtype)
+    order_seed = pitfalls.order_seed(config.pitfall, config.seed, rank)
 
     result = TrainResult(params, model, problem.steps)
-    progress = _progress(problem.steps, enabled=master_process and not quiet)
+    progress = _progress(problem.steps - first_step, enabled=master_process and not quiet)
     with _log_file(log_path if master_process else None) as log:
         started = time.perf_counter()
-        for step in range(problem.steps):
+        for step in range(first_step, problem.steps):
             t0 = time.perf_counter()
             global_batch = data.global_batch(
-                step, n_samples, global_batch_size, config.seed, config.shuffle
+                step, n_samples, config.batch_size, order_seed, config.shuffle
             )
+            if config.pitfall == "pad-duplicate":
+                global_batch = pitfalls.pad_duplicate(global_batch, size)
             shard = data.shard(global_batch, rank, size)
             m = shard.size
             np.take(X, shard, axis=0, out=X_shard[:m])
             np.take(y, shard, axis=0, out=y_shard[:m])
-            loss_sum, correct = gradient(params, X_shard[:m], y_shard[:m], grad_sum)
-            stats[0], stats[1] = loss_sum, correct
+            local_gradient(comm, params, X_shard[:m], y_shard[:m], comm_buffer)
+            if config.pitfall is not None:
+                pitfalls.contribution_(config.pitfall, grad_sum, m, len(global_batch), size,
+                                       config.clip_norm)  # fmt: skip
             t1 = time.perf_counter()
             for bucket in buckets:
                 allreduce(comm_buffer[bucket], comm)
             t2 = time.perf_counter()
             # The one place where the sum over the global batch becomes its mean: divide once by B,
             # after the allreduce (averaging per-rank means would weigh uneven shards wrongly).
-            loss = float(stats[0]) / global_batch_size
-            grad = grad_sum
-            grad /= global_batch_size
+            batch_size = len(global_batch)
+            loss = float(stats[0]) / batch_size
+            np.divide(grad_sum, batch_size, out=grad)
             info = sgd.step_(params, grad, step)
             t3 = time.perf_counter()
 
@@ -253,15 +328,20 @@ def train_rank(
             result.compute_seconds += t1 - t0
             result.comm_seconds += t2 - t1
             result.update_seconds += t3 - t2
+            if record_digests:
+                result.digests.append(hashlib.blake2b(params.tobytes(), digest_size=16).digest())
             if log is not None:
                 record = {
-                    "step": step, "epoch": step // (n_samples // global_batch_size),
+                    "step": step, "epoch": step // (n_samples // config.batch_size),
                     "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
                     "seconds": t3 - t0, "comm_seconds": t2 - t1,
                 }  # fmt: skip
                 log.write(json.dumps(record) + "\n")
             if progress is not None:
-                progress(step, loss)
+                progress(step - first_step, loss)
+            if master_process and checkpoint_due(config, step + 1, problem.steps):
+                state = Checkpoint(step + 1, params, sgd.state_arrays())
+                checkpoint.save(config.checkpoint, state, problem.fingerprint)
         result.seconds = time.perf_counter() - started
     if progress is not None:
         progress(None, None)
@@ -277,11 +357,80 @@ def train_rank(
     return result
 
 
-def initial_params(model: MLP, config: TrainConfig) -> np.ndarray:
-    """The seeded draw of SPEC §5, or the parameters stored in `config.init`."""
-    if config.init is None:
-        return model.init_params(config.seed)
-    return model.from_arrays(load_npz(config.init))
+class FloatLocalGradient:
+    """Float mode: the Numba kernels' sum of per-sample gradients, in the model's dtype."""
+
+    def __init__(self, model: MLP, max_batch: int, global_batch: int) -> None:
+        from syncsgd.kernels import Gradient
+
+        self.kernel = Gradient(model, max_batch)
+        self.buffer_dtype = model.dtype
+        self.n_params = model.n_params
+
+    def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                 sums: np.ndarray) -> None:  # fmt: skip
+        """Fill `sums` with [gradient sum..., loss sum, correct count] of this shard."""
+        loss_sum, correct = self.kernel(params, X, y, sums[: self.n_params])
+        sums[self.n_params], sums[self.n_params + 1] = loss_sum, correct
+
+
+class ExactLocalGradient:
+    """Exact mode: batch-invariant kernels, sums extracted at a fixed point all ranks agree on.
+
+    The per-layer bounds of the products are MAX-reduced over all ranks first, so every rank (and
+    every P) extracts at the same fixed point; then every partial sum, in the rank and in the ring,
+    is exact, and the result does not depend on how the batch was split (see syncsgd.exact).
+    """
+
+    def __init__(self, model: MLP, max_batch: int, global_batch: int) -> None:
+        from syncsgd.exact import ExactGradient
+
+        self.kernel = ExactGradient(model, max_batch)
+        self.bounds = np.zeros(self.kernel.bound_count, np.float64)
+        self.global_batch = global_batch
+        self.buffer_dtype = np.dtype(np.float64)
+        self.n_params = model.n_params
+
+    def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                 sums: np.ndarray) -> None:  # fmt: skip
+        """Fill `sums` with [exact gradient sum..., exact loss sum, correct count]."""
+        correct = self.kernel.local_pass(params, X, y, self.bounds)
+        mpi = constants(comm)
+        comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)  # agree on the fixed point
+        self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.n_params + 1])
+        sums[self.n_params + 1] = correct
+
+
+def checkpoint_due(config: TrainConfig, steps_done: int, total_steps: int) -> bool:
+    """Write a checkpoint every --checkpoint-every steps, and always after the last step."""
+    if config.checkpoint is None:
+        return False
+    every = config.checkpoint_every
+    return steps_done == total_steps or (every is not None and steps_done % every == 0)
+
+
+def check_agreement(comm: Any, problem: Problem) -> None:
+    """Stop every rank with one message if the ranks were started with different options or data."""
+    mine = np.frombuffer(bytes.fromhex(problem.fingerprint), np.uint8).copy()
+    root = mine.copy()
+    comm.Bcast(root, root=0)
+    differs = np.array([0 if np.array_equal(mine, root) else 1], np.int64)
+    mpi = constants(comm)
+    comm.Allreduce(mpi.IN_PLACE, differs, op=mpi.MAX)
+    if differs[0]:
+        raise ValueError(
+            "the ranks were started with different options or data (their configuration "
+            "fingerprints differ from rank 0's); start every rank with the same command and files"
+        )
+
+
+def first_params(problem: Problem) -> np.ndarray:
+    """Where training starts: the checkpoint resumed, the --init file, or the seeded draw."""
+    if problem.start is not None:
+        return problem.start.params
+    if problem.init is not None:
+        return problem.init
+    return problem.model.init_params(problem.config.seed)
 
 
 def load_npz(path: str) -> dict[str, np.ndarray]:

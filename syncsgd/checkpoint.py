@@ -1,0 +1,102 @@
+"""Checkpoints: the whole training state in one `.npz`, written atomically, verified when read.
+
+A checkpoint holds the parameters, the optimizer state (the momentum buffer, if any), the number of
+steps taken, a fingerprint of everything else that determines the run (model, data, optimizer,
+seed, exact mode, ...), and a SHA-256 checksum of all of it. No random-generator state is needed:
+the sample order of every epoch is a pure function of (seed, epoch), so the step number alone says
+where the run is. A run resumed from step k therefore repeats the uninterrupted run exactly - and in
+exact mode also on a different number of ranks, since nothing in the state depends on P.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from syncsgd.files import atomic_path
+
+_NAME = re.compile(r"ckpt-(\d{8,})\.npz$")
+FORMAT = "syncsgd-checkpoint-1"
+
+
+@dataclass
+class Checkpoint:
+    """The training state after `step` steps."""
+
+    step: int
+    params: np.ndarray
+    optimizer: dict[str, np.ndarray]
+
+
+def path_for(directory: str, step: int) -> str:
+    """Where the checkpoint after `step` steps lives."""
+    return os.path.join(directory, f"ckpt-{step:08d}.npz")
+
+
+def checksum(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of `arrays`, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def save(directory: str, state: Checkpoint, fingerprint: str) -> str:
+    """Write `state` to `directory` atomically (temp file + rename); return the path."""
+    arrays = {
+        "format": np.array(FORMAT),
+        "step": np.array(state.step, dtype=np.int64),
+        "params": state.params,
+        "fingerprint": np.array(fingerprint),
+        **{f"optimizer.{name}": value for name, value in state.optimizer.items()},
+    }
+    arrays["checksum"] = np.array(checksum(arrays))
+    path = path_for(directory, state.step)
+    with atomic_path(path) as tmp:
+        np.savez(tmp, **arrays)
+    return path
+
+
+def latest(directory: str) -> str:
+    """The path of the checkpoint with the most steps in `directory`."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"--resume {directory}: no such directory")
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(directory, "ckpt-*.npz"))
+             if (m := _NAME.search(p))]  # fmt: skip
+    if not found:
+        raise ValueError(f"--resume {directory}: no checkpoint (ckpt-NNNNNNNN.npz) in it")
+    return max(found)[1]
+
+
+def load(path: str, fingerprint: str, n_params: int, dtype: np.dtype) -> Checkpoint:
+    """Read and verify a checkpoint; ValueError if it is corrupt or belongs to another run."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except Exception as exc:  # noqa: BLE001 - OSError, BadZipFile, EOFError, ValueError, ...
+        raise ValueError(f"checkpoint {path} is corrupt or unreadable: {exc}") from None
+    missing = {"format", "step", "params", "fingerprint", "checksum"} - set(arrays)
+    if missing or str(arrays["format"]) != FORMAT:
+        raise ValueError(f"{path} is not a syncsgd checkpoint (missing {sorted(missing)})")
+    stored = str(arrays.pop("checksum"))
+    if checksum(arrays) != stored:
+        raise ValueError(f"checkpoint {path} is corrupt: its checksum does not match its contents")
+    if str(arrays["fingerprint"]) != fingerprint:
+        raise ValueError(
+            f"checkpoint {path} belongs to a different run (model, data or training options "
+            f"differ); resume with the options it was written with"
+        )
+    params = arrays["params"]
+    if params.shape != (n_params,) or params.dtype != dtype:
+        raise ValueError(f"checkpoint {path} holds {params.shape} {params.dtype} parameters, "
+                         f"expected ({n_params},) {dtype}")  # fmt: skip
+    optimizer = {k.removeprefix("optimizer."): v for k, v in arrays.items()
+                 if k.startswith("optimizer.")}  # fmt: skip
+    return Checkpoint(int(arrays["step"]), params, optimizer)
