@@ -20,6 +20,8 @@ np.dot inside Numba calls SciPy's BLAS (`scipy.linalg.cython_blas`, imported on 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import numpy as np
 from numba import njit
@@ -32,12 +34,29 @@ if importlib.util.find_spec("scipy") is None:
         "(pip install scipy)"
     )
 
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 RELU, TANH = 0, 1
 ACTIVATION_CODES = {"relu": RELU, "tanh": TANH}
 EVALUATE_CHUNK = 1024  # samples per forward pass in `evaluate`
 
 # Columns of the int64 layer table handed to the kernels, one row per layer.
 FAN_IN, FAN_OUT, W_OFFSET, B_OFFSET, WIDTH_BEFORE = range(5)
+
+
+def limit_blas_threads(threads: int = 1) -> bool:
+    """Ask the kernels' BLAS for `threads` threads; False if it is loaded already or the user chose.
+
+    SciPy's OpenBLAS reads OPENBLAS_NUM_THREADS once, when Numba first calls it (the first kernel
+    call); call this before. A multi-threaded OpenBLAS called from several thread ranks at once
+    serializes them, so the threads backend wants one BLAS thread per rank. A thread count the user
+    set in the environment wins. NumPy's own BLAS, loaded with NumPy, is not affected.
+    """
+    if "scipy.linalg.cython_blas" in sys.modules:
+        return False
+    if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
+        return False
+    os.environ["OPENBLAS_NUM_THREADS"] = str(int(threads))
+    return True
 
 
 def layer_table(model: MLP) -> np.ndarray:

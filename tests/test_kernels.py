@@ -9,6 +9,9 @@ orders of magnitude below that.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -314,3 +317,35 @@ def test_mse_targets_must_match_the_outputs():
 def test_max_batch_is_validated(max_batch):
     with pytest.raises(ValueError, match="max_batch"):
         Gradient(MLP((3, 2)), max_batch)
+
+
+LIMIT_THEN_CALL = """
+import numpy as np
+from syncsgd.kernels import Gradient, limit_blas_threads
+from syncsgd.model import MLP
+first = limit_blas_threads(1)
+model = MLP((3, 2))
+Gradient(model, 1)(model.init_params(0), np.zeros((1, 3)), np.zeros(1, int), np.zeros(8))
+print(first, limit_blas_threads(1), __import__("os").environ.get("OPENBLAS_NUM_THREADS"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        ({}, "True False 1"),
+        ({"OPENBLAS_NUM_THREADS": "2"}, "False False 2"),
+        ({"OMP_NUM_THREADS": "2"}, "False False None"),
+    ],
+    ids=["unset", "openblas-set", "omp-set"],
+)
+def test_limit_blas_threads_only_before_the_blas_loads_and_if_unset(preset, expected):
+    from syncsgd.kernels import BLAS_THREAD_VARIABLES
+
+    env = {k: v for k, v in os.environ.items() if k not in BLAS_THREAD_VARIABLES}
+    command = [sys.executable, "-c", LIMIT_THEN_CALL]
+    done = subprocess.run(
+        command, env={**env, **preset}, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == expected.split()
