@@ -54,3 +54,11 @@ def _integer(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def rank_list(text: str) -> list[int]:
+    """A comma-separated list of positive integers, e.g. 1,2,3,4,8."""
+    values = [positive_int(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a list like 1,2,4, got {text!r}")
+    return values

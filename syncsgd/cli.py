@@ -7,7 +7,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from syncsgd.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
+from syncsgd.argtypes import (
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    rank_list,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,6 +41,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     train.set_defaults(run=run_train)
 
+    check = commands.add_parser(
+        "verify", help="train on P = 1, 2, 3, ... ranks and compare each with serial SGD",
+        description="Train the same model on several numbers of thread ranks and compare the "
+        "final parameters with the serial run: max |Δθ|, ULPs, bitwise, SHA-256, first step "
+        "that differs. Exit status 1 if a run that should match does not.",
+    )  # fmt: skip
+    check.add_argument(
+        "--ranks",
+        type=rank_list,
+        default=[1, 2, 3, 4, 8],
+        help="numbers of ranks to compare, e.g. 1,2,3,4,8 (the default)",
+    )
+    check.add_argument(
+        "--tolerance",
+        type=positive_float,
+        default=None,
+        help="relative tolerance in float mode (default 1e-9 float64, 1e-4 float32)",
+    )
+    check.add_argument("--json", metavar="PATH", help="write the table as JSON")
+    add_train_arguments(check, single_run=False)
+    check.set_defaults(run=run_verify)
+
     bench = commands.add_parser("bench", help="benchmarks (OSU / nccl-tests style)")
     benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=_Parser)
     benchmarks.required = True
@@ -50,26 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `syncsgd train` (SPEC §7); every one has a default."""
+def add_train_arguments(parser: argparse.ArgumentParser, *, single_run: bool = True) -> None:
+    """The options of `syncsgd train` (SPEC §7); every one has a default.
+
+    `single_run=False` (verify) leaves out the choice of ranks and backend, and the outputs.
+    """
     from syncsgd.optim import LR_SCALINGS, SCHEDULES
     from syncsgd.pitfalls import PITFALLS
     from syncsgd.training import DATA_SOURCES, TrainConfig
 
     d = TrainConfig()
     run = parser.add_argument_group("ranks")
-    run.add_argument(
-        "--ranks",
-        type=positive_int,
-        default=None,
-        help="thread ranks (default 2); under mpiexec the world size is used",
-    )
-    run.add_argument(
-        "--backend",
-        choices=("auto", "threads", "mpi"),
-        default="auto",
-        help="auto: MPI under mpiexec/srun, threads otherwise (default auto)",
-    )
+    if single_run:
+        add_rank_arguments(run)
     run.add_argument(
         "--bucket-bytes",
         type=nonnegative_int,
@@ -154,13 +175,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the batch size --lr was tuned for (default {d.base_batch})",
     )
     repro = parser.add_argument_group("reproducibility")
-    repro.add_argument("--exact", action="store_true",
-                       help="bitwise the same parameters for every number of ranks")
-    repro.add_argument("--pitfall", choices=PITFALLS, default=None,
-                       help="deliberately do what real systems get wrong (see syncsgd.pitfalls)")
+    repro.add_argument(
+        "--exact", action="store_true", help="bitwise the same parameters for every number of ranks"
+    )
+    repro.add_argument(
+        "--pitfall",
+        choices=PITFALLS,
+        default=None,
+        help="deliberately do what real systems get wrong (see syncsgd.pitfalls)",
+    )
+    if not single_run:
+        return
     repro.add_argument("--checkpoint", metavar="DIR", help="write checkpoints to DIR")
-    repro.add_argument("--checkpoint-every", type=positive_int, metavar="K",
-                       help="a checkpoint every K steps (default: after the last step only)")
+    repro.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        metavar="K",
+        help="a checkpoint every K steps (default: after the last step only)",
+    )
     repro.add_argument("--resume", metavar="DIR", help="resume from DIR's latest checkpoint")
     out = parser.add_argument_group("output")
     out.add_argument("--save", metavar="PATH", help="write the final parameters (.npz)")
@@ -168,15 +200,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--quiet", action="store_true", help="print nothing but errors")  # fmt: skip
 
 
-def run_train(options: argparse.Namespace) -> int:
-    """`syncsgd train`: build the configuration, load the data, train on every rank."""
-    from syncsgd.comm import launch, resolve_backend
-    from syncsgd.model import parse_hidden
-    from syncsgd.training import TrainConfig, prepare, train_rank
+def add_rank_arguments(group: argparse._ArgumentGroup) -> None:
+    """--ranks and --backend, as train and the benchmarks take them."""
+    group.add_argument(
+        "--ranks",
+        type=positive_int,
+        default=None,
+        help="thread ranks (default 2); under mpiexec the world size is used",
+    )
+    group.add_argument(
+        "--backend",
+        choices=("auto", "threads", "mpi"),
+        default="auto",
+        help="auto: MPI under mpiexec/srun, threads otherwise (default auto)",
+    )
 
-    for path in (options.save, options.log):
-        check_output_path(path)
-    config = TrainConfig(
+
+def config_from_options(options: argparse.Namespace):  # -> TrainConfig (imported lazily)
+    """The TrainConfig that the parsed options of train or verify describe."""
+    from syncsgd.model import parse_hidden
+    from syncsgd.training import TrainConfig
+
+    return TrainConfig(
         data=options.data, samples=options.samples, features=options.features,
         classes=options.classes, hidden=parse_hidden(options.hidden),
         activation=options.activation, loss=options.loss, batch_size=options.batch_size,
@@ -186,9 +231,29 @@ def run_train(options: argparse.Namespace) -> int:
         warmup_steps=options.warmup_steps, lr_scaling=options.lr_scaling,
         base_batch=options.base_batch, seed=options.seed, shuffle=options.shuffle,
         dtype=options.dtype, init=options.init, bucket_bytes=options.bucket_bytes,
-        exact=options.exact, pitfall=options.pitfall, checkpoint=options.checkpoint,
-        checkpoint_every=options.checkpoint_every, resume=options.resume,
+        exact=options.exact, pitfall=options.pitfall,
+        checkpoint=getattr(options, "checkpoint", None),
+        checkpoint_every=getattr(options, "checkpoint_every", None),
+        resume=getattr(options, "resume", None),
     )  # fmt: skip
+
+
+def run_verify(options: argparse.Namespace) -> int:
+    """`syncsgd verify`: the table of SPEC §6."""
+    from syncsgd import verify
+
+    return verify.main(config_from_options(options), options.ranks, options.tolerance,
+                       options.json)  # fmt: skip
+
+
+def run_train(options: argparse.Namespace) -> int:
+    """`syncsgd train`: build the configuration, load the data, train on every rank."""
+    from syncsgd.comm import launch, resolve_backend
+    from syncsgd.training import prepare, train_rank
+
+    for path in (options.save, options.log):
+        check_output_path(path)
+    config = config_from_options(options)
     backend = resolve_backend(options.backend)
     ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
     problem = prepare(config)
