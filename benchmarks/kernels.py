@@ -9,7 +9,10 @@ rounds; each round times every (dtype, implementation) pair for `--iters` calls,
 noisy neighbour slows all of them alike. The median over rounds of the per-call time is quoted, and
 the ratio numpy / numba (> 1: Numba is faster). Both sides use BLAS with its default threads, as a
 user would run them (NumPy's own BLAS; Numba's np.dot calls SciPy's); set OPENBLAS_NUM_THREADS=1
-to compare single-threaded. Nothing is asserted: the machines are shared and noisy.
+to compare single-threaded. `--thread-ranks T` also times the batch split over T concurrent
+thread ranks (each its own `Gradient`), as the threads backend runs them: a multi-threaded
+OpenBLAS serializes concurrent callers, so compare with and without OPENBLAS_NUM_THREADS=1
+(see `syncsgd.kernels.limit_blas_threads`). Nothing is asserted: the machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -144,7 +148,64 @@ def run(options: argparse.Namespace) -> list[dict]:
                 f"{dtype:>8} {impl:>6} {row['median_us']:>10.1f} {row['min_us']:>10.1f} "
                 f"{row['ratio_numpy_over_numba'] if impl == 'numba' else 1.0:>12.2f}  {note}"
             )
+    if options.thread_ranks > 1:
+        rows += thread_rank_rows(options, sizes, kernels)
     return rows
+
+
+def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...], kernels) -> list[dict]:
+    """Strong scaling: the batch split over T thread ranks, each with its own Gradient."""
+    counts = (1, options.thread_ranks)
+    steps = {}
+    for dtype in options.dtypes:
+        model = MLP(sizes, "relu", "xent", np.dtype(dtype))
+        params, X, y, _ = setup(model, options.batch, options.seed)
+        for count in counts:
+            shards = np.array_split(np.arange(options.batch), count)
+            ranks = [
+                (kernels.Gradient(model, len(shard)), X[shard], y[shard], np.empty_like(params))
+                for shard in shards
+            ]
+            steps[dtype, count] = lambda ranks=ranks, p=params: run_thread_ranks(
+                ranks, p, options.iters
+            )
+    for step in steps.values():
+        step()  # burn-in
+    samples = {key: [] for key in steps}
+    for _ in range(options.batches):
+        for key, step in steps.items():
+            samples[key].append(step())
+    print(
+        f"thread ranks, micro-batch {options.batch} split over T threads, numba only "
+        f"(median per step, us)"
+    )
+    rows = []
+    for dtype in options.dtypes:
+        one = statistics.median(samples[dtype, 1])
+        for count in counts:
+            median = statistics.median(samples[dtype, count])
+            rows.append(
+                {"dtype": dtype, "implementation": "numba", "thread_ranks": count,
+                 "batch": options.batch, "median_us": median * 1e6, "speedup": one / median}
+            )  # fmt: skip
+            print(f"{dtype:>8} T={count:<3} {median * 1e6:>10.1f}   speed-up {one / median:.2f}")
+    return rows
+
+
+def run_thread_ranks(ranks: list, params: np.ndarray, iters: int) -> float:
+    """Seconds per step of `iters` gradient calls on every thread rank at once."""
+
+    def work(gradient, X, y, grad):
+        for _ in range(iters):
+            gradient(params, X, y, grad)
+
+    threads = [threading.Thread(target=work, args=rank) for rank in ranks]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return (time.perf_counter() - started) / iters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +221,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="calls per round (20)")
     parser.add_argument("--warmup", type=int, default=10, help="burn-in calls (10)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--thread-ranks", type=int, default=0, metavar="T",
+        help="also time the batch split over T concurrent thread ranks (off)",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
 
 
