@@ -257,8 +257,6 @@ def run_train(options: argparse.Namespace) -> int:
     backend = resolve_backend(options.backend)
     ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
     problem = prepare(config)
-    if config.checkpoint is not None:
-        os.makedirs(config.checkpoint, exist_ok=True)
     launch(train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
            save_path=options.save, quiet=options.quiet)  # fmt: skip
     return 0

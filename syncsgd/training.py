@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -170,6 +171,8 @@ def prepare(config: TrainConfig) -> Problem:
     problem = Problem(config, model, X, y, steps, optim, fingerprint(config, X, y, steps))
     if config.init is not None:
         problem.init = model.from_arrays(load_npz(config.init))
+    if config.checkpoint is not None:
+        os.makedirs(config.checkpoint, exist_ok=True)  # fail now rather than after the first steps
     if config.resume is not None:
         path = checkpoint.latest(config.resume)
         problem.start = checkpoint.load(path, problem.fingerprint, model.n_params, model.dtype)
