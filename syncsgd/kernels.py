@@ -2,7 +2,7 @@
 
 The training loop divides the allreduced sum by the global batch size once, so these kernels return
 sums, never means. Every kernel is `@njit(nogil=True, cache=True)`, so thread ranks compute in
-parallel.
+parallel (given one BLAS thread per rank: see `limit_blas_threads`).
 
 Structure of one gradient call (m samples, L layers, every array a view into a workspace that
 `Gradient.__init__` allocated once):

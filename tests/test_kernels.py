@@ -254,6 +254,16 @@ def test_inputs_are_converted_when_harmless():
     assert_matches_reference(model, params, X64.astype(np.float32), y, loss_sum, hits, grad)
 
 
+def test_read_only_inputs_are_accepted():
+    model = MLP((3, 4, 2), "relu", "xent")
+    params = read_only(perturbed_params(model, 0))
+    X, y = (read_only(array) for array in make_batch(model, 5, 0))
+    grad = np.empty(model.n_params)
+    loss_sum, hits = Gradient(model, 5)(params, X, y, grad)
+    assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
+    assert evaluate(model, params, X, y) == pytest.approx((loss_sum / 5, hits / 5), rel=1e-12)
+
+
 def read_only(array):
     """`array`, made read-only."""
     array.flags.writeable = False
