@@ -20,6 +20,7 @@ import argparse
 import csv
 import io
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,12 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.comm import ThreadComm, constants, launch
+from syncsgd.argtypes import positive_float, positive_int
+from syncsgd.comm import ThreadComm, constants, launch, resolve_backend
 from syncsgd.files import write_text
 from syncsgd.ring import ring_allreduce
 
 BASELINE = "mpi"
 MMAP_THRESHOLD = 32 << 20  # glibc's largest dynamic mmap threshold: bigger mallocs get fresh pages
+# The bar (issue 2), both ratios taken in the same run: the ring's time at 8 B at most 3x the MPI
+# library's, and its busbw at least 0.95x the library's at every size from 1 MiB.
+LATENCY_BAR, LATENCY_AT, BUSBW_BAR, BUSBW_FROM = 3.0, 8, 0.95, 1 << 20
 
 
 def algorithms(comm: Any) -> dict[str, Callable[[np.ndarray], Any]]:
@@ -156,6 +161,45 @@ def format_row(row: dict) -> str:
     )
 
 
+def performance_bar(rows: list[dict]) -> dict | None:
+    """The ring's time ratio at 8 B and its worst busbw ratio from 1 MiB, against the bar."""
+    ring = {row["size_bytes"]: row for row in rows if row["algorithm"] == "ring"}
+    smallest = min(ring, default=None)
+    if smallest is None or smallest > LATENCY_AT:
+        smallest = latency = None  # the sweep has no latency-sized message
+    else:
+        latency = 1 / ring[smallest]["vs_mpi"]  # ring time / baseline time
+    large = [row for size, row in ring.items() if size >= BUSBW_FROM]
+    worst = min(large, key=lambda row: row["vs_mpi"]) if large else None
+    if latency is None and worst is None:
+        return None
+    return {
+        "latency_bytes": smallest,
+        "latency_ratio": latency,
+        "latency_met": latency is None or latency <= LATENCY_BAR,
+        "busbw_worst_bytes": worst["size_bytes"] if worst else None,
+        "busbw_worst_ratio": worst["vs_mpi"] if worst else None,
+        "busbw_met": worst is None or worst["vs_mpi"] >= BUSBW_BAR,
+    }
+
+
+def describe_bar(bar: dict) -> str:
+    """The bar's verdict in one line."""
+    verdict = {True: "met", False: "MISSED"}
+    parts = []
+    if bar["latency_bytes"] is not None:
+        parts.append(
+            f"ring/mpi time at {bar['latency_bytes']} B = {bar['latency_ratio']:.2f}x "
+            f"(<= {LATENCY_BAR:g}x: {verdict[bar['latency_met']]})"
+        )
+    if bar["busbw_worst_bytes"] is not None:
+        parts.append(
+            f"worst ring/mpi busbw from {BUSBW_FROM >> 20} MiB = {bar['busbw_worst_ratio']:.2f}x "
+            f"at {bar['busbw_worst_bytes']} B (>= {BUSBW_BAR:g}x: {verdict[bar['busbw_met']]})"
+        )
+    return "# bar: " + "; ".join(parts)
+
+
 def library_name(comm: Any) -> str:
     if isinstance(comm, ThreadComm):
         return "threads backend: comm.Allreduce is a NumPy sum of all ranks' buffers"
@@ -164,8 +208,8 @@ def library_name(comm: Any) -> str:
     return MPI.Get_library_version().strip().splitlines()[0]
 
 
-def run(comm: Any, options: argparse.Namespace) -> list[dict] | None:
-    """The sweep on one rank; rank 0 prints the table and writes the files."""
+def run(comm: Any, options: argparse.Namespace) -> dict | None:
+    """The sweep on one rank; rank 0 prints the table, writes the files and returns the rows."""
     master_process = comm.Get_rank() == 0
     backend = "threads" if isinstance(comm, ThreadComm) else "mpi"
     if master_process:
@@ -186,6 +230,10 @@ def run(comm: Any, options: argparse.Namespace) -> list[dict] | None:
             "fresh memory (glibc mmap) on every call while the ring reuses its cached scratch; "
             "a ratio above 1 there is not a win of the algorithm"
         )
+    # The bar compares with an MPI library; on threads the baseline is only a NumPy sum.
+    bar = performance_bar(rows) if backend == "mpi" else None
+    if bar:
+        print(describe_bar(bar), flush=True)
     result = {
         "benchmark": "allreduce",
         "backend": backend,
@@ -194,6 +242,7 @@ def run(comm: Any, options: argparse.Namespace) -> list[dict] | None:
         "baseline": library_name(comm),
         "command": sys.argv,
         "rows": rows,
+        "bar": bar,
     }
     if options.json:
         write_text(options.json, json.dumps(result, indent=1) + "\n")
@@ -203,7 +252,7 @@ def run(comm: Any, options: argparse.Namespace) -> list[dict] | None:
         writer.writeheader()
         writer.writerows(rows)
         write_text(options.csv, text.getvalue())
-    return rows
+    return {"rows": rows, "bar": bar}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,40 +291,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-iters", type=positive_int, default=2000, help="most calls in one batch (2000)"
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")  # fmt: skip
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
+    parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit with status 1 if the ring misses the bar (MPI backend): time at 8 B "
+        f"<= {LATENCY_BAR:g}x MPI's, busbw >= {BUSBW_BAR:g}x MPI's from 1 MiB",
+    )
 
 
 def main(options: argparse.Namespace) -> int:
     """Run the sweep on the backend the options ask for."""
     if options.min_bytes > options.max_bytes:
         raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
+    for path in (options.json, options.csv):
+        if path:
+            check_writable(path)
     ranks = options.ranks
     if ranks is None and options.backend != "mpi":
-        from syncsgd.comm import resolve_backend
-
         ranks = 2 if resolve_backend(options.backend) == "threads" else None
-    launch(run, options, backend=options.backend, ranks=ranks)
+    result = launch(run, options, backend=options.backend, ranks=ranks)[0]
+    bar = result and result["bar"]
+    if options.check and bar and not (bar["latency_met"] and bar["busbw_met"]):
+        print("syncsgd: the ring missed the performance bar", file=sys.stderr)
+        return 1
     return 0
+
+
+def check_writable(path: str) -> None:
+    """Fail before the sweep, not after it, if an output file cannot be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"cannot write {path}: directory {directory} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"cannot write {path}: it is a directory")
 
 
 if __name__ == "__main__":

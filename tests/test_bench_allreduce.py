@@ -1,0 +1,134 @@
+"""Smoke test of `syncsgd bench allreduce` on the threads backend: table, JSON, CSV, bad options."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from syncsgd.benchmarks import allreduce
+
+from syncsgd.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+QUICK = ["--batches", "2", "--batch-seconds", "0.001", "--warmup", "1", "--max-iters", "3"]
+
+
+def syncsgd_command() -> list[str]:
+    """The installed console script, or the module behind it."""
+    script = os.path.join(os.path.dirname(sys.executable), "syncsgd")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "syncsgd.cli"]
+
+
+def test_sweep_prints_a_table_and_writes_json_and_csv(tmp_path, capsys):
+    json_path, csv_path = tmp_path / "sweep.json", tmp_path / "sweep.csv"
+    argv = ["bench", "allreduce", "--ranks", "3", "--max-bytes", "64", "--dtype", "float32",
+            "--json", str(json_path), "--csv", str(csv_path), *QUICK]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "# allreduce sweep: 3 ranks, threads backend, float32"
+
+    result = json.loads(json_path.read_text())
+    assert (result["backend"], result["ranks"], result["dtype"]) == ("threads", 3, "float32")
+    rows = result["rows"]
+    sizes = [8, 16, 32, 64]
+    assert [(row["size_bytes"], row["algorithm"]) for row in rows] == [
+        (size, name) for size in sizes for name in ("ring", "mpi")
+    ]
+    for row in rows:
+        assert row["count"] == row["size_bytes"] // 4 and row["dtype"] == "float32"
+        assert row["time_us"] > 0
+        assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * 2 / 3)  # 2(P-1)/P
+    for ring, baseline in zip(rows[::2], rows[1::2], strict=True):
+        assert baseline["vs_mpi"] == 1.0
+        assert ring["vs_mpi"] == pytest.approx(baseline["time_us"] / ring["time_us"])
+    # one table line per row, with the same numbers
+    lines = [
+        line.split() for line in table if line and not line.startswith(("#", " " * 4 + "size"))
+    ]
+    assert [(int(f[0]), f[3]) for f in lines] == [(r["size_bytes"], r["algorithm"]) for r in rows]
+
+    with open(csv_path, newline="") as handle:
+        records = list(csv.DictReader(handle))
+    assert len(records) == len(rows)
+    for record, row in zip(records, rows, strict=True):
+        assert (
+            int(record["size_bytes"]) == row["size_bytes"]
+            and record["algorithm"] == row["algorithm"]
+        )
+        assert float(record["time_us"]) == pytest.approx(row["time_us"])
+
+
+def test_message_sizes_and_byte_parsing():
+    assert allreduce.message_sizes(8, 64, 8) == [8, 16, 32, 64]
+    assert allreduce.message_sizes(1, 10, 4) == [4, 8]  # at least one element
+    assert allreduce.message_sizes(5, 40, 8) == [8, 16, 32]  # up to the next power of two
+    assert allreduce.parse_bytes("64K") == 64 << 10
+    assert allreduce.parse_bytes("1MiB") == 1 << 20
+    assert allreduce.parse_bytes(" 2m ") == 2 << 20
+    assert allreduce.parse_bytes("8B") == 8
+
+
+def test_performance_bar_verdicts():
+    def rows(latency_vs, busbw_vs):
+        made = [{"size_bytes": 8, "algorithm": "ring", "vs_mpi": latency_vs}]
+        made += [{"size_bytes": 1 << s, "algorithm": "ring", "vs_mpi": v} for s, v in busbw_vs]
+        return made + [{"size_bytes": 8, "algorithm": "mpi", "vs_mpi": 1.0}]
+
+    met = allreduce.performance_bar(rows(0.5, [(20, 0.96), (21, 1.3)]))
+    assert met["latency_ratio"] == 2.0 and met["latency_met"] and met["busbw_met"]
+    assert "MISSED" not in allreduce.describe_bar(met)
+    slow = allreduce.performance_bar(rows(0.25, [(20, 0.96), (22, 0.94)]))
+    assert not slow["latency_met"] and not slow["busbw_met"]
+    assert slow["busbw_worst_bytes"] == 1 << 22
+    assert allreduce.describe_bar(slow).count("MISSED") == 2
+    # sizes below 1 MiB do not count for the bandwidth bar
+    assert allreduce.performance_bar(rows(0.5, [(19, 0.5)]))["busbw_met"]
+
+
+@pytest.mark.parametrize(
+    "bad_options, words",
+    [
+        (["--max-bytes", "0"], "--max-bytes"),
+        (["--max-bytes", "lots"], "not a size in bytes"),
+        (["--min-bytes", "-8"], "--min-bytes"),
+        (["--batches", "0"], "--batches"),
+        (["--batch-seconds", "nan"], "--batch-seconds"),
+        (["--ranks", "two"], "--ranks"),
+        (["--dtype", "int32"], "--dtype"),
+        (["--backend", "gloo"], "--backend"),
+        (["--min-bytes", "1M", "--max-bytes", "8"], "exceeds --max-bytes"),
+        (["--json", "/no/such/directory/x.json"], "does not exist"),
+    ],
+)
+def test_bad_options_give_one_line_on_stderr(bad_options, words, capsys):
+    try:
+        status = main(["bench", "allreduce", "--max-bytes", "16", *QUICK, *bad_options])
+    except SystemExit as exc:  # argparse rejects the value itself
+        status = exc.code
+    captured = capsys.readouterr()
+    assert status not in (0, None)
+    assert captured.err.count("\n") == 1 and words in captured.err, captured.err
+    assert captured.out == ""
+
+
+def test_console_script_runs_and_rejects_bad_input(tmp_path):
+    json_path = tmp_path / "sweep.json"
+    ok = subprocess.run(
+        [*syncsgd_command(), "bench", "allreduce", "--max-bytes", "16", *QUICK,
+         "--json", str(json_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "ring" in ok.stdout and json.loads(json_path.read_text())["rows"]
+    bad = subprocess.run(
+        [*syncsgd_command(), "bench", "allreduce", "--max-bytes", "-1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and bad.stdout == ""
+    assert len(bad.stderr.splitlines()) == 1 and "Traceback" not in bad.stderr
