@@ -104,7 +104,7 @@ def run(options: argparse.Namespace) -> list[dict]:
     for call in calls.values():  # burn-in
         for _ in range(options.warmup):
             call()
-    samples = {key: [] for key in calls}
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
     for _ in range(options.batches):
         for key, call in calls.items():
             started = time.perf_counter()
@@ -171,7 +171,7 @@ def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...], kernel
             )
     for step in steps.values():
         step()  # burn-in
-    samples = {key: [] for key in steps}
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
     for _ in range(options.batches):
         for key, step in steps.items():
             samples[key].append(step())

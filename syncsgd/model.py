@@ -68,7 +68,7 @@ class MLP:
 
     def layout(self) -> list[tuple[str, tuple[int, ...], int]]:
         """(name, shape, offset into the flat buffer) of every parameter array, in buffer order."""
-        entries = []
+        entries: list[tuple[str, tuple[int, ...], int]] = []
         offset = 0
         for layer, (fan_in, fan_out) in enumerate(self.layer_shapes()):
             for name, shape in ((f"W{layer}", (fan_in, fan_out)), (f"b{layer}", (fan_out,))):
