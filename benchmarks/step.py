@@ -47,6 +47,7 @@ SCALINGS = ("weak", "strong")
 OVERHEAD_BAR = 0.05  # the distributed machinery may add at most 5% at P = 1
 HELP_BAR_S, TRAIN_BAR_S = 0.5, 10.0  # `syncsgd --help` and `syncsgd train --ranks 4` wall times
 PARTS = ("compute", "allreduce", "update", "step")
+PIECE_BATCHES, PIECE_CALLS = 9, 100  # timing of the pieces of the step that the bare loop lacks
 
 
 def int_list(text: str) -> list[int]:
@@ -195,26 +196,81 @@ def overhead(comm: Any, options: argparse.Namespace, problem: Problem) -> dict:
     bare = BareLoop(problem)
     trained = train_rank(comm, problem, quiet=True)  # also the burn-in of both loops
     bare_params, _ = bare.run()
-    bitwise_equal = bool(np.array_equal(trained.params, bare_params))
-    if not bitwise_equal:
+    if not np.array_equal(trained.params, bare_params):
         raise RuntimeError("the bare loop does not reproduce train_rank's parameters bitwise")
-    runs: dict[str, list[list[float]]] = {"train_rank": [], "bare": []}
-    for repeat in range(options.repeats):
-        order = ("train_rank", "bare") if repeat % 2 == 0 else ("bare", "train_rank")
+    runs: dict[str, list[list[float]]] = {"train": [], "bare": []}
+    for repeat in range(options.overhead_repeats):
+        order = ("train", "bare") if repeat % 2 == 0 else ("bare", "train")
         for name in order:
-            timed = per_step_seconds(comm, problem) if name == "train_rank" else bare.run()[1]
+            timed = per_step_seconds(comm, problem) if name == "train" else bare.run()[1]
             runs[name].append(timed)
-    ratios = [t[-1] / b[-1] for t, b in zip(runs["train_rank"], runs["bare"], strict=True)]
+    ratios = [t[-1] / b[-1] for t, b in zip(runs["train"], runs["bare"], strict=True)]
     row: dict[str, Any] = {"batch": problem.config.batch_size, "steps": problem.steps}
     for name, samples in runs.items():
         for index, part in enumerate(PARTS):
             row[f"{name}_{part}_ms"] = statistics.median(run[index] for run in samples) * 1e3
+        row[f"{name}_step_min_ms"] = min(run[-1] for run in samples) * 1e3
     row["ratio"] = statistics.median(ratios)  # median of the paired (interleaved) ratios
     row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
+    row["ratio_of_minima"] = row["train_step_min_ms"] / row["bare_step_min_ms"]
     row["overhead_pct"] = (row["ratio"] - 1) * 100
     row["within_bar"] = row["ratio"] <= 1 + OVERHEAD_BAR
-    row["bitwise_equal"] = bitwise_equal
+    row["bitwise_equal"] = True
+    row["pieces"] = machinery_pieces(comm, problem, row["bare_step_min_ms"] / 1e3)
     return row
+
+
+def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> list[dict]:
+    """Each line of train_rank's step that the bare loop does differently, timed on its own.
+
+    The pieces mirror syncsgd/training.py's loop: the batch indices (`data.global_batch` and
+    `data.shard` against a slice of the epoch's order), the allreduce (a no-op at P = 1) and the
+    update (`SGD.step_` against `lr * grad` subtracted). The kernels, the gather and `grad /= B`
+    are the same lines on both sides. Best of interleaved batches, in microseconds per call.
+    """
+    from syncsgd.optim import SGD
+    from syncsgd.ring import ring_allreduce
+
+    config, model = problem.config, problem.model
+    n_samples, batch, lr = problem.X.shape[0], config.batch_size, config.lr
+    per_epoch = n_samples // batch
+    order = data.epoch_order(n_samples, 0, config.seed, config.shuffle)
+    comm_buffer = np.zeros(model.n_params + 2, model.dtype)
+    grad = comm_buffer[: model.n_params]
+    grad[:] = np.random.default_rng(config.seed).normal(0, 1e-3, model.n_params)
+    params = model.init_params(config.seed)
+    scratch = np.empty_like(params)
+    sgd = SGD(problem.optim, model.n_params, model.dtype)
+
+    def global_batch(i: int) -> np.ndarray:
+        position = i % per_epoch  # steady state inside one epoch (both sides permute per epoch)
+        return data.shard(data.global_batch(position, n_samples, batch, config.seed, True), 0, 1)
+
+    def bare_update(i: int) -> None:
+        np.multiply(grad, lr, out=scratch)
+        params.__isub__(scratch)
+
+    pieces = {
+        "batch indices": (global_batch, lambda i: order[(i % per_epoch) * batch :][:batch]),
+        "allreduce (P=1)": (lambda i: ring_allreduce(comm_buffer, comm), lambda i: None),
+        "update": (lambda i: sgd.step_(params, grad, i), bare_update),
+    }
+    rows = []
+    for name, (train_piece, bare_piece) in pieces.items():
+        best = {"train": np.inf, "bare": np.inf}
+        for repeat in range(PIECE_BATCHES):
+            for side in ("train", "bare") if repeat % 2 == 0 else ("bare", "train"):
+                call = train_piece if side == "train" else bare_piece
+                started = time.perf_counter()
+                for i in range(PIECE_CALLS):
+                    call(i)
+                best[side] = min(best[side], (time.perf_counter() - started) / PIECE_CALLS)
+        extra = best["train"] - best["bare"]
+        rows.append({
+            "piece": name, "train_us": best["train"] * 1e6, "bare_us": best["bare"] * 1e6,
+            "extra_us": extra * 1e6, "extra_pct": 100 * extra / bare_step_seconds,
+        })  # fmt: skip
+    return rows
 
 
 # --- the command-line timings ------------------------------------------------------------------
@@ -244,8 +300,12 @@ def cli_timings(runs: int) -> list[dict]:
     command = syncsgd_command()
     rows = []
     for args, bar in ((["--help"], HELP_BAR_S), (["train", "--ranks", "4"], TRAIN_BAR_S)):
-        time_command(command + args, 1)  # warm: Numba's on-disk cache, the OS's file cache
-        seconds = time_command(command + args, runs)
+        try:
+            time_command(command + args, 1)  # warm: Numba's on-disk cache, the OS's file cache
+            seconds = time_command(command + args, runs)
+        except RuntimeError as exc:
+            rows.append({"command": " ".join(["syncsgd", *args]), "error": str(exc)})
+            continue
         rows.append({
             "command": " ".join(["syncsgd", *args]), "median_s": statistics.median(seconds),
             "min_s": min(seconds), "max_s": max(seconds), "runs": runs, "bar_s": bar,
@@ -287,16 +347,31 @@ def add_speedups(rows: list[dict]) -> None:
             row["speedup"] = row["efficiency"] = None
 
 
+OVERHEAD_HEADER = (
+    f"{'batch':>6} {'bare cmp':>9} {'train cmp':>9} {'trainallr':>9} {'bare upd':>9} "
+    f"{'train upd':>9} {'bare step':>9} {'trainstep':>9} {'ratio':>7} {'range':>13} "
+    f"{'best/best':>9}"
+)
+
+
 def print_overhead(row: dict) -> None:
     verdict = "within" if row["within_bar"] else "ABOVE"
     print(
-        f"{row['batch']:>6} {row['bare_compute_ms']:>9.3f} {row['train_rank_compute_ms']:>9.3f} "
-        f"{row['train_rank_allreduce_ms']:>9.3f} {row['bare_update_ms']:>9.3f} "
-        f"{row['train_rank_update_ms']:>9.3f} {row['bare_step_ms']:>9.3f} "
-        f"{row['train_rank_step_ms']:>9.3f} {row['ratio']:>7.3f} "
-        f"{row['ratio_min']:>6.3f}-{row['ratio_max']:<6.3f} {verdict} the 5% bar",
+        f"{row['batch']:>6} {row['bare_compute_ms']:>9.3f} {row['train_compute_ms']:>9.3f} "
+        f"{row['train_allreduce_ms']:>9.3f} {row['bare_update_ms']:>9.3f} "
+        f"{row['train_update_ms']:>9.3f} {row['bare_step_ms']:>9.3f} "
+        f"{row['train_step_ms']:>9.3f} {row['ratio']:>7.3f} "
+        f"{row['ratio_min']:>6.3f}-{row['ratio_max']:<6.3f} {row['ratio_of_minima']:>9.3f}  "
+        f"{verdict} the 5% bar",
         flush=True,
     )
+    for piece in row["pieces"]:
+        print(
+            f"#   {piece['piece']:>16}: train {piece['train_us']:8.1f} us, bare "
+            f"{piece['bare_us']:8.1f} us, extra {piece['extra_us']:8.1f} us = "
+            f"{piece['extra_pct']:5.2f}% of the bare step",
+            flush=True,
+        )
 
 
 def write_outputs(options: argparse.Namespace, result: dict) -> None:
@@ -372,6 +447,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_list,
         default=[64, 256],
         help="batch sizes of the P = 1 overhead check (64,256)",
+    )
+    parser.add_argument(
+        "--overhead-repeats",
+        type=positive_int,
+        default=15,
+        help="interleaved runs of each side of the overhead check (15)",
     )
     parser.add_argument(
         "--no-overhead", dest="overhead", action="store_false", help="skip the P = 1 overhead check"
@@ -461,10 +542,11 @@ def main(options: argparse.Namespace) -> int:
             "called directly; cmp = compute, allr = allreduce, upd = update; interleaved runs"
         )
         say(
-            f"{'batch':>6} {'bare cmp':>9} {'train cmp':>9} {'trainallr':>9} {'bare upd':>9} "
-            f"{'train upd':>9} {'bare step':>9} {'trainstep':>9} {'ratio':>7} {'range':>13}",
-            flush=True,
+            "# ratio: median of the paired train/bare step ratios (range: all pairs); best/best: "
+            "fastest train run over fastest bare run; under each batch, the pieces of the step "
+            f"that differ, timed alone (best of {PIECE_BATCHES} x {PIECE_CALLS} calls)"
         )
+        say(OVERHEAD_HEADER, flush=True)
         for batch in options.overhead_batch:
             problem = prepare(train_config(options, batch))
             overhead_rows.append(call(overhead, 1, problem))
@@ -479,6 +561,9 @@ def main(options: argparse.Namespace) -> int:
             print(f"# command line: median of {options.cli_runs} runs after one warm-up run")
             for row in cli_timings(options.cli_runs):
                 cli_rows.append(row)
+                if "error" in row:
+                    print(f"{row['command']:>28}: FAILED: {row['error']}", flush=True)
+                    continue
                 verdict = "within" if row["within_bar"] else "ABOVE"
                 print(
                     f"{row['command']:>28}: {row['median_s']:.3f} s (min {row['min_s']:.3f}, "
