@@ -172,7 +172,8 @@ class BareLoop:
             t0 = time.perf_counter()
             epoch, position = divmod(step, per_epoch)
             if epoch != order_epoch:  # one permutation per epoch, as SPEC §5 defines it
-                order, order_epoch = data.epoch_order(n_samples, epoch, config.seed, True), epoch
+                order = data.epoch_order(n_samples, epoch, config.seed, config.shuffle)
+                order_epoch = epoch
             indices = order[position * batch : (position + 1) * batch]
             np.take(X, indices, axis=0, out=self.X_batch)
             np.take(y, indices, axis=0, out=self.y_batch)
@@ -244,14 +245,19 @@ def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> l
 
     def global_batch(i: int) -> np.ndarray:
         position = i % per_epoch  # steady state inside one epoch (both sides permute per epoch)
-        return data.shard(data.global_batch(position, n_samples, batch, config.seed, True), 0, 1)
+        indices = data.global_batch(position, n_samples, batch, config.seed, config.shuffle)
+        return data.shard(indices, 0, 1)
+
+    def bare_indices(i: int) -> np.ndarray:
+        position = i % per_epoch
+        return order[position * batch : (position + 1) * batch]
 
     def bare_update(i: int) -> None:
         np.multiply(grad, lr, out=scratch)
-        params.__isub__(scratch)
+        np.subtract(params, scratch, out=params)
 
     pieces = {
-        "batch indices": (global_batch, lambda i: order[(i % per_epoch) * batch :][:batch]),
+        "batch indices": (global_batch, bare_indices),
         "allreduce (P=1)": (lambda i: ring_allreduce(comm_buffer, comm), lambda i: None),
         "update": (lambda i: sgd.step_(params, grad, i), bare_update),
     }
