@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from syncsgd.argtypes import (
     nonnegative_float,
@@ -194,6 +196,11 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, single_run: bool = T
         help="a checkpoint every K steps (default: after the last step only)",
     )
     repro.add_argument("--resume", metavar="DIR", help="resume from DIR's latest checkpoint")
+    repro.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip a step whose loss or gradient is not finite instead of stopping",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--save", metavar="PATH", help="write the final parameters (.npz)")
     out.add_argument("--log", metavar="PATH", help="write one JSON line per step")
@@ -235,6 +242,7 @@ def config_from_options(options: argparse.Namespace):  # -> TrainConfig (importe
         checkpoint=getattr(options, "checkpoint", None),
         checkpoint_every=getattr(options, "checkpoint_every", None),
         resume=getattr(options, "resume", None),
+        skip_nonfinite=getattr(options, "skip_nonfinite", False),
     )  # fmt: skip
 
 
@@ -251,14 +259,48 @@ def run_train(options: argparse.Namespace) -> int:
     from syncsgd.comm import launch, resolve_backend
     from syncsgd.training import prepare, train_rank
 
-    for path in (options.save, options.log):
-        check_output_path(path)
-    config = config_from_options(options)
-    backend = resolve_backend(options.backend)
+    try:
+        for path in (options.save, options.log):
+            check_output_path(path)
+        config = config_from_options(options)
+        backend = resolve_backend(options.backend)
+        problem = prepare(config)
+    except ValueError as exc:
+        exc.uniform = True  # every rank fails here alike, before any communication
+        raise
     ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
-    problem = prepare(config)
-    launch(train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
-           save_path=options.save, quiet=options.quiet)  # fmt: skip
+    with graceful_stop():
+        launch(train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
+               save_path=options.save, quiet=options.quiet)  # fmt: skip
+    return 0
+
+
+@contextlib.contextmanager
+def graceful_stop() -> Iterator[None]:
+    """First Ctrl-C or SIGTERM: every rank finishes its step, then all stop. Second: stop now."""
+    from syncsgd.training import stop_requested
+
+    def request_stop(signum: int, frame: object) -> None:
+        if stop_requested.is_set():
+            raise KeyboardInterrupt
+        stop_requested.set()
+        if launcher_rank() == 0:
+            print("syncsgd: stopping after this step (again to stop at once)", file=sys.stderr)
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stop_requested.clear()
+
+
+def launcher_rank() -> int:
+    """This process's rank as the MPI launcher announced it (0 when not launched by MPI)."""
+    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
     return 0
 
 
@@ -276,18 +318,28 @@ def check_output_path(path: str | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `syncsgd` console script."""
     options = build_parser().parse_args(argv)
+    from syncsgd.training import Interrupted
+
     try:
         return options.run(options)
+    except Interrupted as exc:  # raised on every rank at the same step
+        if launcher_rank() == 0:
+            print(f"syncsgd: {exc}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print("syncsgd: interrupted", file=sys.stderr)
+        _abort_mpi_job()
         return 130
     except (ValueError, OSError, RuntimeError) as exc:
         if options.debug:
             raise
-        rank = getattr(exc, "__notes__", None)
-        where = f" {rank[-1]}" if rank and os.environ.get("SYNCSGD_VERBOSE_ERRORS") else ""
-        print(f"syncsgd: error: {exc}{where}", file=sys.stderr)
-        _abort_mpi_job()
+        uniform = getattr(exc, "uniform", False)  # raised alike on every rank: say it once
+        if not uniform or launcher_rank() == 0:
+            rank = getattr(exc, "__notes__", None)
+            where = f" {rank[-1]}" if rank and os.environ.get("SYNCSGD_VERBOSE_ERRORS") else ""
+            print(f"syncsgd: error: {exc}{where}", file=sys.stderr)
+        if not uniform:
+            _abort_mpi_job()
         return 1
 
 

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -30,7 +31,7 @@ from syncsgd.checkpoint import Checkpoint
 from syncsgd.comm import ThreadComm, constants, launch
 from syncsgd.files import atomic_path
 from syncsgd.model import MLP
-from syncsgd.optim import SGD, OptimConfig
+from syncsgd.optim import SGD, OptimConfig, learning_rate
 from syncsgd.pitfalls import PITFALLS
 from syncsgd.ring import ring_allreduce
 
@@ -75,6 +76,7 @@ class TrainConfig:
     checkpoint: str | None = None  # directory to write checkpoints to
     checkpoint_every: int | None = None  # steps between checkpoints (default: only at the end)
     resume: str | None = None  # directory to resume from (its latest checkpoint)
+    skip_nonfinite: bool = False  # skip a step whose loss or gradient is not finite, not stop
 
     def __post_init__(self) -> None:
         for name in ("samples", "features", "batch_size", "base_batch"):
@@ -191,7 +193,7 @@ def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -
     parameters came from, outputs, and the allreduce buckets.
     """
     ignored = {"steps", "epochs", "init", "checkpoint", "checkpoint_every", "resume",
-               "bucket_bytes"}  # fmt: skip
+               "bucket_bytes", "skip_nonfinite"}  # fmt: skip
     options = {k: v for k, v in asdict(config).items() if k not in ignored}
     if config.schedule == "cosine":
         options["total_steps"] = steps
@@ -217,6 +219,7 @@ class TrainResult:
     final_loss: float | None = None  # mean loss over the whole data set after training
     accuracy: float | None = None  # xent only
     digests: list[bytes] = field(default_factory=list)  # per step, if asked for (verify)
+    skipped_steps: list[int] = field(default_factory=list)  # non-finite steps (--skip-nonfinite)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The parameters as W0, b0, W1, b1, ... (copies)."""
@@ -280,14 +283,16 @@ def train_rank(
         sgd.load_state_arrays(problem.start.optimizer)
         first_step = problem.start.step
 
-    # One communication buffer: the gradient sum, then (loss sum, correct count); one allreduce
-    # (or one per bucket). Exact mode carries its exact float64 representation, whatever the dtype.
+    # One communication buffer: the gradient sum, then the loss sum, the count of correct
+    # predictions and the number of ranks asked to stop (so that all ranks stop at the same step);
+    # one allreduce (or one per bucket). Exact mode carries its exact float64 representation,
+    # whatever the model's dtype.
     largest_shard = -(-config.batch_size // size)
     local_gradient = (ExactLocalGradient if config.exact else FloatLocalGradient)(
         model, largest_shard, config.batch_size
     )
-    comm_buffer = np.zeros(n_params + 2, local_gradient.buffer_dtype)
-    grad_sum, stats = comm_buffer[:n_params], comm_buffer[n_params:]
+    comm_buffer = np.zeros(n_params + 3, local_gradient.buffer_dtype)
+    grad_sum, stats = comm_buffer[:n_params], comm_buffer[n_params:]  # loss sum, correct, stop
     grad = np.empty(n_params, model.dtype)  # the mean gradient of the global batch
     buckets = bucket_slices(model, comm_buffer.size, config.bucket_bytes)
     if config.pitfall == "fp32-allreduce":
@@ -315,6 +320,7 @@ def train_rank(
             if config.pitfall is not None:
                 pitfalls.contribution_(config.pitfall, grad_sum, m, len(global_batch), size,
                                        config.clip_norm)  # fmt: skip
+            stats[2] = 1 if stop_requested.is_set() else 0
             t1 = time.perf_counter()
             for bucket in buckets:
                 allreduce(comm_buffer[bucket], comm)
@@ -324,7 +330,18 @@ def train_rank(
             batch_size = len(global_batch)
             loss = float(stats[0]) / batch_size
             np.divide(grad_sum, batch_size, out=grad)
-            info = sgd.step_(params, grad, step)
+            # Every rank holds the same allreduced numbers, so every rank decides alike.
+            finite = math.isfinite(loss) and math.isfinite(float(np.dot(grad, grad)))
+            if finite:
+                info = sgd.step_(params, grad, step)
+            elif config.skip_nonfinite:
+                info = {"lr": learning_rate(problem.optim, step), "grad_norm": math.nan}
+                result.skipped_steps.append(step)
+            else:
+                raise ValueError(
+                    f"non-finite loss or gradient at step {step} (loss {loss}); lower --lr, "
+                    f"set --clip-norm, or pass --skip-nonfinite to skip such steps"
+                )
             t3 = time.perf_counter()
 
             result.losses.append(loss)
@@ -342,9 +359,13 @@ def train_rank(
                 log.write(json.dumps(record) + "\n")
             if progress is not None:
                 progress(step - first_step, loss)
-            if master_process and checkpoint_due(config, step + 1, problem.steps):
-                state = Checkpoint(step + 1, params, sgd.state_arrays())
-                checkpoint.save(config.checkpoint, state, problem.fingerprint)
+            stopping = stats[2] > 0
+            if master_process and (checkpoint_due(config, step + 1, problem.steps) or stopping):
+                if config.checkpoint is not None:
+                    state = Checkpoint(step + 1, params, sgd.state_arrays())
+                    checkpoint.save(config.checkpoint, state, problem.fingerprint)
+            if stopping:
+                raise Interrupted(step + 1, config.checkpoint)
         result.seconds = time.perf_counter() - started
     if progress is not None:
         progress(None, None)
@@ -402,6 +423,19 @@ class ExactLocalGradient:
         comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)  # agree on the fixed point
         self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.n_params + 1])
         sums[self.n_params + 1] = correct
+
+
+# Set by the command line's SIGINT/SIGTERM handlers; the ranks agree through the allreduce.
+stop_requested = threading.Event()
+
+
+class Interrupted(Exception):
+    """Training stopped early on request (Ctrl-C or SIGTERM), at the end of a step."""
+
+    def __init__(self, steps_done: int, checkpoint_dir: str | None) -> None:
+        where = f"; checkpoint written to {checkpoint_dir}" if checkpoint_dir else ""
+        super().__init__(f"interrupted after step {steps_done}{where}")
+        self.steps_done = steps_done
 
 
 def checkpoint_due(config: TrainConfig, steps_done: int, total_steps: int) -> bool:
