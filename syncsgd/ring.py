@@ -20,15 +20,15 @@ could slip past the step-0 check; the byte counts of later steps still catch mos
 Receives use `ANY_TAG` from the left neighbour: do not leave point-to-point messages from the left
 neighbour unreceived on `comm` across the call (or give the ring its own `comm.Dup()`).
 
-Speed: at small sizes the cost is Python's, not the network's, so everything that depends only on
-(length, P, rank) - the chunk slices of every step - is computed once and cached
-(`ring_schedule`), the scratch chunk is cached per thread and dtype, and a step that agrees with
-its neighbour costs one `Sendrecv`, two status reads and two integer comparisons.
+Speed: at small sizes the cost is Python's, not the network's. So everything that depends only on
+(length, dtype, P, rank) - neighbours, tag, the slices of every step, the scratch views chunks
+arrive in - is computed once per thread and kept in a `RingPlan`; scratch is allocated when a plan
+needs more than this thread has, never per call or per step; and a step that agrees with its
+neighbour costs one `Sendrecv`, two status reads, two integer comparisons and the add.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -71,6 +71,17 @@ class RingStep(NamedTuple):
     recv_chunk: int
     send: slice  # elements of the flattened buffer that go right
     recv: slice  # elements of the flattened buffer that the incoming chunk belongs to
+    into: np.ndarray | None  # reduce-scatter: the scratch view the chunk arrives in; else None
+
+
+class RingPlan(NamedTuple):
+    """Everything a rank's ring allreduce needs that depends only on (length, dtype, P, rank)."""
+
+    right: int  # the neighbour we send to
+    left: int  # the neighbour we receive from
+    tag: int  # the tag of our messages while nothing is wrong: our buffer's signature << 1
+    reduce_scatter: tuple[RingStep, ...]  # P-1 steps
+    allgather: tuple[RingStep, ...]  # P-1 steps
 
 
 def chunk_bounds(length: int, parts: int) -> list[int]:
@@ -79,27 +90,21 @@ def chunk_bounds(length: int, parts: int) -> list[int]:
     return [c * base + min(c, extra) for c in range(parts + 1)]
 
 
-class RingSchedule(NamedTuple):
-    """Everything one rank's ring allreduce needs that depends only on (length, P, rank)."""
-
-    right: int  # the neighbour we send to
-    left: int  # the neighbour we receive from
-    reduce_scatter: tuple[RingStep, ...]  # P-1 steps
-    allgather: tuple[RingStep, ...]  # P-1 steps
-
-
-@functools.lru_cache(maxsize=256)
-def ring_schedule(length: int, size: int, rank: int) -> RingSchedule:
-    """The steps of `rank` in a ring allreduce of `length` elements over `size` ranks (cached)."""
+def make_plan(length: int, dtype: np.dtype, size: int, rank: int, scratch: np.ndarray) -> RingPlan:
+    """The neighbours, the tag and every step of `rank`, receiving into `scratch` to reduce."""
     bounds = chunk_bounds(length, size)
     chunk = [slice(bounds[c], bounds[c + 1]) for c in range(size)]
 
-    def step(send_chunk: int, recv_chunk: int) -> RingStep:
-        return RingStep(send_chunk, recv_chunk, chunk[send_chunk], chunk[recv_chunk])
+    def step(send_chunk: int, recv_chunk: int, reduce: bool) -> RingStep:
+        recv = chunk[recv_chunk]
+        into = scratch[: recv.stop - recv.start] if reduce else None
+        return RingStep(send_chunk, recv_chunk, chunk[send_chunk], recv, into)
 
-    reduce_scatter = tuple(step((rank - s) % size, (rank - s - 1) % size) for s in range(size - 1))
-    allgather = tuple(step((rank + 1 - s) % size, (rank - s) % size) for s in range(size - 1))
-    return RingSchedule((rank + 1) % size, (rank - 1) % size, reduce_scatter, allgather)
+    steps = range(size - 1)
+    reduce_scatter = tuple(step((rank - s) % size, (rank - s - 1) % size, True) for s in steps)
+    allgather = tuple(step((rank + 1 - s) % size, (rank - s) % size, False) for s in steps)
+    signature = (length % _LENGTH_MODULUS) * 4 + _DTYPE_CODE.get(dtype, _NO_DTYPE)
+    return RingPlan((rank + 1) % size, (rank - 1) % size, signature << 1, reduce_scatter, allgather)
 
 
 def buffer_problem(buf: Any) -> str | None:
@@ -116,19 +121,25 @@ def buffer_problem(buf: Any) -> str | None:
     return None
 
 
-_cache = threading.local()  # scratch arrays per thread: each thread rank has its own
+_local = threading.local()  # per thread (each thread rank has its own): scratch arrays and plans
+_MAX_PLANS = 64  # plans kept per thread; more distinct buffer sizes start the cache afresh
 
 
-def _scratch(dtype: np.dtype, count: int) -> np.ndarray:
-    """This thread's scratch array of `dtype`, at least `count` long; reused across calls."""
+def ring_plan(length: int, dtype: np.dtype, size: int, rank: int) -> RingPlan:
+    """This thread's plan for a ring allreduce of `length` x `dtype`; built once, then reused."""
     try:
-        arrays = _cache.arrays
-    except AttributeError:
-        arrays = _cache.arrays = {}
-    scratch = arrays.get(dtype)
-    if scratch is None or scratch.size < count:
-        scratch = arrays[dtype] = np.empty(max(count, 8), dtype)
-    return scratch
+        return _local.plans[length, dtype, size, rank]
+    except (AttributeError, KeyError):
+        pass
+    if not hasattr(_local, "plans") or len(_local.plans) >= _MAX_PLANS:
+        _local.plans, _local.scratch = {}, {}
+    largest = -(-length // size)  # the first chunk is the largest
+    scratch = _local.scratch.get(dtype)
+    if scratch is None or scratch.size < largest:
+        scratch = _local.scratch[dtype] = np.empty(largest, dtype)
+        _local.plans = {}  # older plans receive into the smaller scratch: let them go
+    plan = _local.plans[length, dtype, size, rank] = make_plan(length, dtype, size, rank, scratch)
+    return plan
 
 
 def _is_truncation(exc: BaseException) -> bool:
@@ -151,11 +162,12 @@ def _truncated(exc: Exception) -> int:
 
 
 def _disagree(
-    tag: int, received: int, count_agrees: bool, left: int, mismatch: str
+    tag: int, status: Any, count: int, incoming: np.ndarray, left: int, mismatch: str
 ) -> tuple[int, str]:
     """Our next tag and mismatch note, after the left neighbour's message showed a problem."""
+    received = status.Get_tag()
     signature, their_signature = tag >> 1, received >> 1
-    wrong = their_signature != signature or not count_agrees
+    wrong = their_signature != signature or count != incoming.nbytes
     if wrong and not mismatch:
         mismatch = f"rank {left} has " + _describe_signature(their_signature, signature)
     return tag | (received & 1) | wrong, mismatch
@@ -169,37 +181,34 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         if problem:
             raise ValueError(problem)
         return buf
+    flat = _NOTHING if problem else buf.ravel()  # ravel: a view, since buf is C-contiguous
+    right, left, tag, reduce_scatter, allgather = ring_plan(flat.size, flat.dtype, size, rank)
     if problem:  # take part with empty messages and the flag raised, then report it
-        flat, signature = _NOTHING, _NO_DTYPE
-    else:
-        flat = buf.ravel()  # a view, since buf is C-contiguous
-        signature = (flat.size % _LENGTH_MODULUS) * 4 + _DTYPE_CODE[flat.dtype]
-    right, left, reduce_scatter, allgather = ring_schedule(flat.size, size, rank)
-    scratch = _scratch(flat.dtype, -(-flat.size // size))  # the largest chunk: the first
+        tag |= 1
     mpi = constants(comm)
     any_tag, status = mpi.ANY_TAG, mpi.Status()
-    tag = signature << 1 | (1 if problem else 0)  # the lowest bit: "something is wrong"
-    mismatch = ""
+    mismatch = ""  # how the left neighbour's buffer differs from ours, once seen
 
     # Reduce-scatter: after step s, the chunk received has been summed over s + 2 ranks.
-    for step, (_, _, send, recv) in enumerate(reduce_scatter):
+    for step, (_, _, send, recv, incoming) in enumerate(reduce_scatter):
         start = time.perf_counter() if trace is not None else 0.0
-        target = flat[recv]
-        incoming = scratch[: target.size]
         try:
             comm.Sendrecv(flat[send], right, tag, incoming, left, any_tag, status)
             count = status.Get_count()
         except Exception as exc:
             count = _truncated(exc)
         if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
-            agrees = count == incoming.nbytes
-            tag, mismatch = _disagree(tag, status.Get_tag(), agrees, left, mismatch)
-        np.add(target, incoming, out=target)  # target = own partial sum + left's partial sum
+            tag, mismatch = _disagree(tag, status, count, incoming, left, mismatch)
+        target = flat[recv]
+        if target.size == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
+            target[0] += incoming[0]
+        else:
+            np.add(target, incoming, out=target)  # own partial sum + the left neighbour's
         if trace is not None:
             trace(_event("reduce-scatter", step, rank, reduce_scatter[step], flat, start))
 
     # Allgather: pass the finished chunks around; each arrives straight in its place.
-    for step, (_, _, send, recv) in enumerate(allgather):
+    for step, (_, _, send, recv, _) in enumerate(allgather):
         start = time.perf_counter() if trace is not None else 0.0
         incoming = flat[recv]
         try:
@@ -208,8 +217,7 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         except Exception as exc:
             count = _truncated(exc)
         if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
-            agrees = count == incoming.nbytes
-            tag, mismatch = _disagree(tag, status.Get_tag(), agrees, left, mismatch)
+            tag, mismatch = _disagree(tag, status, count, incoming, left, mismatch)
         if trace is not None:
             trace(_event("allgather", step, rank, allgather[step], flat, start))
 

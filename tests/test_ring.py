@@ -217,6 +217,21 @@ class TestRingWorld5(RingChecks):
     SIZE = 5
 
 
+def test_many_sizes_in_one_thread_grow_and_evict_the_cached_plans():
+    lengths = [*range(0, 80), 5000, 3, 70000, 2, 5000]  # more than the cache holds, up and down
+
+    def sums(comm):
+        for length in lengths:
+            for dtype in ("float64", "int64"):
+                buf = np.arange(length, dtype=dtype) + comm.rank
+                ring_allreduce(buf, comm)
+                expected = 3 * np.arange(length, dtype=dtype) + 3  # ranks 0 + 1 + 2
+                assert np.array_equal(buf, expected), (length, dtype)
+        return True
+
+    assert run_threads(3, sums) == [True] * 3
+
+
 def test_lengths_that_differ_by_a_multiple_of_4096_are_caught_by_the_byte_counts():
     # Same tag signature (length mod 4096) on every rank: only the message sizes can tell.
     messages = run_threads(
