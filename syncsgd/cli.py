@@ -270,8 +270,15 @@ def run_train(options: argparse.Namespace) -> int:
         raise
     ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
     with graceful_stop():
-        launch(train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
-               save_path=options.save, quiet=options.quiet)  # fmt: skip
+        [result, *_] = launch(
+            train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
+            save_path=options.save, quiet=options.quiet,
+        )  # fmt: skip
+    if result.stopped_after is not None:  # every rank stopped after the same step
+        if launcher_rank() == 0:
+            where = f"; checkpoint written to {config.checkpoint}" if config.checkpoint else ""
+            print(f"syncsgd: interrupted after step {result.stopped_after}{where}", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -318,14 +325,8 @@ def check_output_path(path: str | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `syncsgd` console script."""
     options = build_parser().parse_args(argv)
-    from syncsgd.training import Interrupted
-
     try:
         return options.run(options)
-    except Interrupted as exc:  # raised on every rank at the same step
-        if launcher_rank() == 0:
-            print(f"syncsgd: {exc}", file=sys.stderr)
-        return 130
     except KeyboardInterrupt:
         print("syncsgd: interrupted", file=sys.stderr)
         _abort_mpi_job()

@@ -220,6 +220,7 @@ class TrainResult:
     accuracy: float | None = None  # xent only
     digests: list[bytes] = field(default_factory=list)  # per step, if asked for (verify)
     skipped_steps: list[int] = field(default_factory=list)  # non-finite steps (--skip-nonfinite)
+    stopped_after: int | None = None  # steps done when a stop was requested (Ctrl-C, SIGTERM)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The parameters as W0, b0, W1, b1, ... (copies)."""
@@ -365,7 +366,8 @@ def train_rank(
                     state = Checkpoint(step + 1, params, sgd.state_arrays())
                     checkpoint.save(config.checkpoint, state, problem.fingerprint)
             if stopping:
-                raise Interrupted(step + 1, config.checkpoint)
+                result.stopped_after = step + 1
+                break
         result.seconds = time.perf_counter() - started
     if progress is not None:
         progress(None, None)
@@ -373,9 +375,9 @@ def train_rank(
     if master_process:
         result.final_loss, accuracy = evaluate(model, params, X, y)
         result.accuracy = None if config.loss != "xent" else accuracy
-        if save_path is not None:
+        if save_path is not None and result.stopped_after is None:
             save_params(save_path, result)
-        if not quiet:
+        if not quiet and result.stopped_after is None:
             backend = "threads" if isinstance(comm, ThreadComm) else "MPI"
             print(summary(result, size, backend), flush=True)
     return result
@@ -427,15 +429,6 @@ class ExactLocalGradient:
 
 # Set by the command line's SIGINT/SIGTERM handlers; the ranks agree through the allreduce.
 stop_requested = threading.Event()
-
-
-class Interrupted(Exception):
-    """Training stopped early on request (Ctrl-C or SIGTERM), at the end of a step."""
-
-    def __init__(self, steps_done: int, checkpoint_dir: str | None) -> None:
-        where = f"; checkpoint written to {checkpoint_dir}" if checkpoint_dir else ""
-        super().__init__(f"interrupted after step {steps_done}{where}")
-        self.steps_done = steps_done
 
 
 def checkpoint_due(config: TrainConfig, steps_done: int, total_steps: int) -> bool:

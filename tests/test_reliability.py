@@ -1,0 +1,155 @@
+"""Issue 7: no hangs, no half-written files, clear errors: signals, non-finite steps, mismatched
+ranks, a rank that dies, and fuzzed data files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import mpiexec_path, requires_mpi
+from hypothesis import given
+from hypothesis import strategies as st
+
+from syncsgd import TrainConfig, train
+from syncsgd.data import load_data
+
+LONG = ["--samples", "512", "--features", "8", "--hidden", "16", "--batch-size", "32",
+        "--steps", "1000000", "--quiet"]  # fmt: skip
+
+
+def start(args: list[str], mpi_ranks: int | None = None) -> subprocess.Popen:
+    """Start syncsgd in its own process group (so a test can signal the whole job)."""
+    command = [sys.executable, "-m", "syncsgd.cli", *args]
+    if mpi_ranks is not None:
+        command = [mpiexec_path(), "-n", str(mpi_ranks), *command]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def wait_for(path: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} did not appear within {timeout} s")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_all_ranks_after_a_step_with_a_checkpoint(tmp_path, signum):
+    ckpt = tmp_path / "ckpt"
+    job = start(["train", "--ranks", "3", *LONG, "--checkpoint", str(ckpt),
+                 "--checkpoint-every", "20", "--save", str(tmp_path / "p.npz")])  # fmt: skip
+    wait_for(str(ckpt / "ckpt-00000020.npz"))
+    job.send_signal(signum)
+    try:
+        _, stderr = job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail("the run did not stop within 30 s of the signal")
+    assert job.returncode == 130
+    assert "interrupted after step" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "p.npz").exists()  # no final parameters from an unfinished run
+    steps = sorted(int(name[5:13]) for name in os.listdir(ckpt))
+    last = int(stderr.split("interrupted after step ")[1].split(";")[0])
+    assert steps[-1] == last  # a checkpoint of the very step it stopped after
+    assert not [name for name in os.listdir(ckpt) if name.startswith(".tmp")]
+
+
+def test_non_finite_training_stops_with_the_step_or_skips_it():
+    config = TrainConfig(samples=200, features=4, hidden=(8,), batch_size=20, steps=30,
+                         lr=1e6, loss="mse", data="synthetic-regression")  # fmt: skip
+    with pytest.raises(ValueError, match=r"non-finite loss or gradient at step \d+"):
+        train(config, ranks=3)
+    result = train(config, ranks=3, skip_nonfinite=True)
+    assert result.skipped_steps and len(result.losses) == 30
+    serial = train(config, ranks=1, skip_nonfinite=True, exact=True)
+    assert train(config, ranks=4, skip_nonfinite=True, exact=True).skipped_steps == (
+        serial.skipped_steps
+    )
+
+
+@requires_mpi
+def test_ranks_started_with_different_options_all_stop_with_one_message():
+    common = ["-m", "syncsgd.cli", "train", "--samples", "600", "--steps", "5"]
+    command = [mpiexec_path(), "-n", "1", sys.executable, *common, "--lr", "0.1", ":",
+               "-n", "1", sys.executable, *common, "--lr", "0.2"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "different options or data" in done.stderr and "Traceback" not in done.stderr
+
+
+def rank_processes(marker: str) -> list[int]:
+    """Python processes whose command line holds `marker` (the ranks, not the launcher)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                argv = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in argv and b"syncsgd.cli" in argv and b"mpiexec" not in argv[0]:
+            found.append(int(entry))
+    return found
+
+
+@requires_mpi
+def test_a_rank_that_dies_ends_the_whole_job(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = start(["train", *LONG, "--checkpoint", str(ckpt), "--checkpoint-every", "10"],
+                mpi_ranks=2)  # fmt: skip
+    try:
+        wait_for(str(ckpt / "ckpt-00000010.npz"), timeout=90)
+        victims = [pid for pid in rank_processes(str(ckpt)) if pid != job.pid]
+        assert victims, "no rank processes found"
+        os.kill(victims[-1], signal.SIGKILL)
+        job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail("the job did not end within 60 s of a rank's death")
+    assert job.returncode != 0
+
+
+@given(content=st.binary(max_size=300))
+def test_random_bytes_as_data_files_are_clean_errors(tmp_path_factory, content):
+    directory = tmp_path_factory.mktemp("fuzz")
+    for name in ("data.npz", "data.csv"):
+        path = directory / name
+        path.write_bytes(content)
+        try:
+            X, y = load_data(str(path))
+        except ValueError as exc:
+            assert str(exc) and "\n" not in str(exc)
+        else:  # bytes that happen to be a valid CSV must give a valid data set
+            assert X.ndim == 2 and len(X) == len(y) and np.isfinite(X).all()
+
+
+@given(
+    rows=st.integers(0, 6),
+    columns=st.integers(0, 4),
+    y_shape=st.sampled_from(["match", "short", "2d", "scalar"]),
+    dtype=st.sampled_from(["float64", "int64", "bool", "complex128", "U3"]),
+    nan=st.booleans(),
+)
+def test_npz_files_of_any_shape_load_or_fail_cleanly(tmp_path_factory, rows, columns, y_shape,
+                                                     dtype, nan):  # fmt: skip
+    X = np.ones((rows, columns)).astype(dtype)
+    if nan and dtype == "float64" and X.size:
+        X.flat[0] = np.nan
+    y = {"match": np.zeros(rows, np.int64), "short": np.zeros(max(rows - 1, 0), np.int64),
+         "2d": np.zeros((rows, 2)), "scalar": np.array(3)}[y_shape]  # fmt: skip
+    path = tmp_path_factory.mktemp("npz") / "data.npz"
+    np.savez(path, X=X, y=y)
+    try:
+        X_loaded, y_loaded = load_data(str(path), loss="xent")
+    except ValueError as exc:
+        assert str(exc) and "\n" not in str(exc)
+    else:
+        assert X_loaded.shape == (rows, columns) and len(y_loaded) == rows
+        assert np.isfinite(X_loaded).all()
