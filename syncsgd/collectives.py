@@ -1,0 +1,496 @@
+"""More allreduce algorithms beside the ring: naive, recursive doubling, Rabenseifner, binary tree.
+
+Each has the ring's contract (`syncsgd.ring`): SUM in place on a C-contiguous float32, float64 or
+int64 array of any shape, any number of ranks P >= 1, any length (0, fewer elements than ranks,
+not divisible by P), every rank ends with bitwise the same array, and `trace` gets one
+`TraceEvent` per message operation. `allreduce(buf, comm, algorithm)` picks one by name.
+
+How each works (Thakur, Rabenseifner and Gropp 2005, "Optimization of collective communication
+operations in MPICH"; r = P - p', p' the largest power of two <= P, L = log2 p'):
+
+- naive: every rank sends its buffer to rank 0, which adds them in rank order; rank 0 then sends
+  the sum to every rank in turn (point to point, not `Bcast`). 2(P-1) messages of n on rank 0.
+- recursive doubling (MPIR_Allreduce_intra_recursive_doubling): L steps in which ranks whose
+  (renumbered) ranks differ in bit k swap their whole buffers and add. When P is not a power of
+  two, first the even ranks below 2r send their buffer to the odd rank above them and sit out
+  ("fold"); at the end the odd ranks send them the result ("unfold").
+- Rabenseifner (MPIR_Allreduce_intra_reduce_scatter_allgather): the same fold, then a
+  recursive-halving reduce-scatter over p' chunks (step k: partners differ in bit k, each keeps one
+  half of its current window of chunks and sends the other half), then a recursive-doubling
+  allgather that retraces the steps backwards, then the unfold. MPICH uses it only when
+  length >= p'; here any length works (chunks may be empty).
+- tree: a binary tree in heap order (the children of rank i are 2i+1 and 2i+2). Each rank adds
+  its left then its right child's subtree sum to its own buffer and sends the result to its
+  parent; rank 0 then sends the total down the same tree.
+
+Same bits everywhere: in naive, tree and Rabenseifner each element is summed at one place, in one
+order, and then only copied. In recursive doubling every rank adds, so partners add in one order,
+the lower rank's data first (IEEE addition is commutative, so this only pins NaN payloads).
+
+Trace events: `phase` is "reduce"/"broadcast" (naive, tree), "exchange" (recursive doubling),
+"reduce-scatter"/"allgather" (Rabenseifner) or "fold"/"unfold" (the non-power-of-two pre and post
+steps); `step` counts within the phase (naive: the non-root rank involved, minus one; tree: the
+round, by depth, so a parent has one event per child in a round). Chunks index the algorithm's
+partition of the flattened buffer: one chunk, 0, the whole buffer (naive, tree, recursive
+doubling), or the p' chunks of `chunk_bounds(length, p')` (Rabenseifner: the first chunk of the
+range moved). Nothing sent or received in an event: chunk -1 and range (0, 0). `schedule()` gives
+the same steps with the peers, for teaching views.
+
+Agreement, as in the ring, at the cost of no extra message: every message's tag carries a
+signature of the sender's buffer (length mod 4096, dtype) and a "something is wrong" flag; a rank
+raises the flag in all later messages when its buffer is unusable or a message it receives has
+another signature or size. Every message pattern here depends on P alone, so all ranks always take
+all steps, and the flag reaches every rank: the messages that carry the sum to a rank form a
+spanning tree of all ranks in which a rank receives before it sends on, so a disagreement on any
+edge is seen on it and travels on to the root of that tree. Then every rank raises ValueError.
+`allreduce` with "mpi" or "auto" first agrees with one extra `Allreduce(MAX)` of five int64s
+(usable, length, -length, dtype, -dtype) - one latency-bound collective more - because the library
+would hang or silently misbehave on mismatched buffers, and "auto" must make the same choice on
+every rank. Every rank must pass the same `algorithm`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from syncsgd.comm import constants
+from syncsgd.ring import (  # the private names: the ring's agreement check, shared
+    _DTYPE_CODE,
+    _LENGTH_MODULUS,
+    _NO_DTYPE,
+    _NOTHING,
+    SUPPORTED_DTYPES,
+    Trace,
+    TraceEvent,
+    _disagree,
+    _disagreement,
+    _truncated,
+    buffer_problem,
+    chunk_bounds,
+    make_plan,
+    ring_allreduce,
+)
+
+ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree", "mpi", "auto")
+# MPICH 3.x (MPIR_Allreduce_intra_auto) uses recursive doubling up to this many bytes, the default
+# of MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE, and Rabenseifner above it. (MPICH 4 and 5 moved the
+# choice to a JSON table whose default cut is 8 bytes, with shared-memory algorithms below.)
+SHORT_MESSAGE_BYTES = 2048
+# alpha/beta: the bytes whose transfer costs as much as sending one more message. Used to pick the
+# ring over Rabenseifner for long messages on non-power-of-two P (see choose_algorithm).
+LATENCY_BYTES = 64 * 1024
+
+COPY, ADD_OWN_FIRST, ADD_INCOMING_FIRST = 0, 1, 2  # what a step does with the data it receives
+_NONE = slice(0, 0)
+
+
+class CollectiveStep(NamedTuple):
+    """One message operation of one rank: a send, a receive, or both at once (`Sendrecv`)."""
+
+    phase: str
+    step: int
+    send_to: int  # -1: nothing sent
+    recv_from: int  # -1: nothing received
+    send_chunk: int  # -1: nothing sent
+    recv_chunk: int  # -1: nothing received
+    send: slice  # elements of the flattened buffer sent
+    recv: slice  # elements of the flattened buffer the received data belongs to
+    combine: int  # COPY into place, or add: own + incoming or incoming + own
+
+
+def _send(phase: str, step: int, peer: int, chunk: int, where: slice) -> CollectiveStep:
+    """A step that only sends."""
+    return CollectiveStep(phase, step, peer, -1, chunk, -1, where, _NONE, COPY)
+
+
+def _recv(
+    phase: str, step: int, peer: int, chunk: int, where: slice, combine: int
+) -> CollectiveStep:
+    """A step that only receives."""
+    return CollectiveStep(phase, step, -1, peer, -1, chunk, _NONE, where, combine)
+
+
+def _added_in_order(rank: int, peer: int) -> int:
+    """Add the lower rank's data first, so that both partners compute the same bits."""
+    return ADD_INCOMING_FIRST if peer < rank else ADD_OWN_FIRST
+
+
+# -- schedules: each rank's steps, which depend only on (length, P, rank) and are cached ----------
+
+
+@functools.lru_cache(maxsize=256)
+def naive_schedule(length: int, size: int, rank: int) -> tuple[CollectiveStep, ...]:
+    """Reduce to rank 0 in rank order, then rank 0 sends the sum to each rank in turn."""
+    whole = slice(0, length)
+    if rank == 0:  # step s: the message of rank s + 1
+        reduce = [_recv("reduce", s, s + 1, 0, whole, ADD_OWN_FIRST) for s in range(size - 1)]
+        return (*reduce, *(_send("broadcast", s, s + 1, 0, whole) for s in range(size - 1)))
+    return _send("reduce", rank - 1, 0, 0, whole), _recv("broadcast", rank - 1, 0, 0, whole, COPY)
+
+
+@functools.lru_cache(maxsize=256)
+def tree_schedule(length: int, size: int, rank: int) -> tuple[CollectiveStep, ...]:
+    """Binary-tree reduce to rank 0 (own, then left, then right subtree), binary-tree broadcast."""
+    whole = slice(0, length)
+    children = [child for child in (2 * rank + 1, 2 * rank + 2) if child < size]
+    parent = (rank - 1) // 2
+    depth, height = (rank + 1).bit_length() - 1, size.bit_length() - 1  # height: deepest depth
+    # Reduce round t: ranks at depth height - t send to their parents; broadcast round t: ranks at
+    # depth t send to their children.
+    steps = [_recv("reduce", height - depth - 1, c, 0, whole, ADD_OWN_FIRST) for c in children]
+    if rank:
+        steps += [_send("reduce", height - depth, parent, 0, whole)]
+        steps += [_recv("broadcast", depth - 1, parent, 0, whole, COPY)]
+    steps += [_send("broadcast", depth, child, 0, whole) for child in children]
+    return tuple(steps)
+
+
+def _folding(size: int, rank: int) -> tuple[int, int, int]:
+    """(p', r, this rank's number among the p' ranks or -1) of MPICH's non-power-of-two fold."""
+    pof2 = 1 << (size.bit_length() - 1)
+    extra = size - pof2
+    if rank < 2 * extra:
+        return pof2, extra, -1 if rank % 2 == 0 else rank // 2
+    return pof2, extra, rank - extra
+
+
+def _real_rank(newrank: int, extra: int) -> int:
+    """The rank of comm whose number among the p' folded ranks is `newrank`."""
+    return newrank * 2 + 1 if newrank < extra else newrank + extra
+
+
+def _fold(phase: str, rank: int, extra: int, whole: slice) -> list[CollectiveStep]:
+    """The non-power-of-two pre ("fold") or post ("unfold") step of the first 2r ranks."""
+    if rank >= 2 * extra:
+        return []
+    even = rank % 2 == 0
+    if phase == "fold":  # even ranks hand their data to the odd rank above: lower rank first
+        if even:
+            return [_send(phase, 0, rank + 1, 0, whole)]
+        return [_recv(phase, 0, rank - 1, 0, whole, ADD_INCOMING_FIRST)]
+    if even:  # unfold: the odd rank returns the result
+        return [_recv(phase, 0, rank + 1, 0, whole, COPY)]
+    return [_send(phase, 0, rank - 1, 0, whole)]
+
+
+@functools.lru_cache(maxsize=256)
+def recursive_doubling_schedule(length: int, size: int, rank: int) -> tuple[CollectiveStep, ...]:
+    """Fold, log2(p') whole-buffer exchanges with the partner in bit k, unfold (as MPICH)."""
+    whole = slice(0, length)
+    pof2, extra, newrank = _folding(size, rank)
+    steps = _fold("fold", rank, extra, whole)
+    if newrank >= 0:
+        for k in range(pof2.bit_length() - 1):
+            peer = _real_rank(newrank ^ (1 << k), extra)
+            combine = _added_in_order(rank, peer)
+            steps.append(CollectiveStep("exchange", k, peer, peer, 0, 0, whole, whole, combine))
+    return tuple(steps + _fold("unfold", rank, extra, whole))
+
+
+@functools.lru_cache(maxsize=256)
+def rabenseifner_schedule(length: int, size: int, rank: int) -> tuple[CollectiveStep, ...]:
+    """Fold, recursive-halving reduce-scatter, recursive-doubling allgather, unfold (as MPICH)."""
+    whole = slice(0, length)
+    pof2, extra, newrank = _folding(size, rank)
+    steps = _fold("fold", rank, extra, whole)
+    if newrank >= 0:
+        bounds = chunk_bounds(length, pof2)
+        levels = pof2.bit_length() - 1
+
+        def elements(first: int, stop: int) -> slice:
+            return slice(bounds[first], bounds[stop])
+
+        lo, hi = 0, pof2  # the window of chunks this rank is still responsible for
+        for k in range(levels):  # partners at distance 1 first, as MPICH
+            peer = _real_rank(newrank ^ (1 << k), extra)
+            mid = (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if newrank >> k & 1 == 0 else ((mid, hi), (lo, mid))
+            moved, kept = elements(*give), elements(*keep)
+            combine = _added_in_order(rank, peer)
+            steps.append(
+                CollectiveStep(
+                    "reduce-scatter", k, peer, peer, give[0], keep[0], moved, kept, combine
+                )
+            )
+            lo, hi = keep
+        for step, k in enumerate(reversed(range(levels))):  # the same partners, backwards
+            peer = _real_rank(newrank ^ (1 << k), extra)
+            width = hi - lo
+            other = (hi, hi + width) if newrank >> k & 1 == 0 else (lo - width, lo)
+            mine, theirs = elements(lo, hi), elements(*other)
+            steps.append(
+                CollectiveStep("allgather", step, peer, peer, lo, other[0], mine, theirs, COPY)
+            )
+            lo, hi = min(lo, other[0]), max(hi, other[1])
+    return tuple(steps + _fold("unfold", rank, extra, whole))
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_steps(length: int, size: int, rank: int) -> tuple[CollectiveStep, ...]:
+    """The ring's steps (`ring.make_plan`) in this module's form."""
+    unused_scratch = np.empty(-(-length // size), np.uint8)
+    right, left, _, reduce_scatter, allgather = make_plan(
+        length, _NOTHING.dtype, size, rank, unused_scratch
+    )
+    return tuple(
+        CollectiveStep(phase, step, right, left, s.send_chunk, s.recv_chunk, s.send, s.recv, how)
+        for phase, steps, how in (
+            ("reduce-scatter", reduce_scatter, ADD_OWN_FIRST),
+            ("allgather", allgather, COPY),
+        )
+        for step, s in enumerate(steps)
+    )
+
+
+_SCHEDULES: dict[str, Callable[[int, int, int], tuple[CollectiveStep, ...]]] = {
+    "ring": _ring_steps,
+    "naive": naive_schedule,
+    "recursive-doubling": recursive_doubling_schedule,
+    "rabenseifner": rabenseifner_schedule,
+    "tree": tree_schedule,
+}
+
+
+def schedule(algorithm: str, length: int, size: int, rank: int) -> tuple[CollectiveStep, ...]:
+    """The steps `rank` takes in a hand-written allreduce of `length` elements on `size` ranks."""
+    try:
+        steps_of = _SCHEDULES[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"no schedule for allreduce algorithm {algorithm!r} (choose {', '.join(_SCHEDULES)})"
+        ) from None
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a communicator of size {size}")
+    return steps_of(length, size, rank)
+
+
+# -- running a schedule ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(schedule_of: Callable, length: int, size: int, rank: int) -> tuple[tuple, int]:
+    """This rank's steps, and the most elements any of them receives into scratch to add them."""
+    steps = schedule_of(length, size, rank)
+    return steps, max((s.recv.stop - s.recv.start for s in steps if s.combine != COPY), default=0)
+
+
+_local = threading.local()  # per thread (each thread rank has its own): scratch arrays by dtype
+
+
+def _scratch(dtype: np.dtype, count: int) -> np.ndarray:
+    """This thread's scratch array of `dtype`, at least `count` long; reused across calls."""
+    try:
+        arrays = _local.arrays
+    except AttributeError:
+        arrays = _local.arrays = {}
+    scratch = arrays.get(dtype)
+    if scratch is None or scratch.size < count:
+        scratch = arrays[dtype] = np.empty(max(count, 8), dtype)
+    return scratch
+
+
+def _renamed(message: str, name: str) -> str:
+    """A message of `ring.py`'s buffer checks, naming the function the user called."""
+    return message.replace("ring_allreduce", name)
+
+
+def _run(name: str, schedule_of: Callable, buf: np.ndarray, comm: Any, trace: Trace | None):
+    """Take this rank's steps of a schedule on `buf`; raise on every rank if any buffer is wrong."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    problem = buffer_problem(buf)
+    if size == 1:
+        if problem:
+            raise ValueError(_renamed(problem, name))
+        return buf
+    if problem:  # take part with empty messages and the flag raised, then report it
+        flat, signature = _NOTHING, _NO_DTYPE
+    else:
+        flat = buf.ravel()  # a view, since buf is C-contiguous
+        signature = (flat.size % _LENGTH_MODULUS) * 4 + _DTYPE_CODE[flat.dtype]
+    steps, scratch_length = _plan(schedule_of, flat.size, size, rank)
+    scratch = _scratch(flat.dtype, scratch_length)
+    mpi = constants(comm)
+    any_tag, status = mpi.ANY_TAG, mpi.Status()
+    tag = signature << 1 | (1 if problem else 0)  # the lowest bit: "something is wrong"
+    mismatch = ""
+    for step in steps:
+        start = time.perf_counter() if trace is not None else 0.0
+        if step.recv_from < 0:
+            comm.Send(flat[step.send], step.send_to, tag)
+        else:
+            target = flat[step.recv]
+            incoming = target if step.combine == COPY else scratch[: target.size]
+            try:
+                if step.send_to < 0:
+                    comm.Recv(incoming, step.recv_from, any_tag, status)
+                else:
+                    comm.Sendrecv(
+                        flat[step.send],
+                        step.send_to,
+                        tag,
+                        incoming,
+                        step.recv_from,
+                        any_tag,
+                        status,
+                    )
+                count = status.Get_count()
+            except Exception as exc:
+                count = _truncated(exc)
+            if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
+                tag, mismatch = _disagree(tag, status, count, incoming, step.recv_from, mismatch)
+            # The lower rank's partial sum first: with the order fixed, partners get the same bits.
+            if step.combine == COPY:
+                pass
+            elif target.size == 1:  # NumPy's ufuncs take a slow path for one-element outputs
+                target[0] = (
+                    target[0] + incoming[0]
+                    if step.combine == ADD_OWN_FIRST
+                    else incoming[0] + target[0]
+                )
+            elif step.combine == ADD_OWN_FIRST:
+                np.add(target, incoming, out=target)
+            else:
+                np.add(incoming, target, out=target)
+        if trace is not None:
+            trace(_event(step, rank, flat.itemsize, start))
+    if tag & 1:
+        raise ValueError(_renamed(problem or _disagreement(buf, rank, mismatch), name))
+    return buf
+
+
+def _event(step: CollectiveStep, rank: int, itemsize: int, start: float) -> TraceEvent:
+    """The trace event of a finished step."""
+    send, recv = step.send, step.recv
+    return TraceEvent(
+        step.phase, step.step, rank, step.send_chunk, step.recv_chunk,
+        (send.start, send.stop), (recv.start, recv.stop),
+        (send.stop - send.start) * itemsize, start, time.perf_counter(),
+    )  # fmt: skip
+
+
+# -- the algorithms -------------------------------------------------------------------------------
+
+
+def naive_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) -> np.ndarray:
+    """Sum `buf` over all ranks in place: reduce to rank 0 in rank order, then send it back."""
+    return _run("naive_allreduce", naive_schedule, buf, comm, trace)
+
+
+def recursive_doubling_allreduce(
+    buf: np.ndarray, comm: Any, *, trace: Trace | None = None
+) -> np.ndarray:
+    """Sum `buf` over all ranks in place by log2(P) whole-buffer exchanges (any P, as MPICH)."""
+    return _run("recursive_doubling_allreduce", recursive_doubling_schedule, buf, comm, trace)
+
+
+def rabenseifner_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) -> np.ndarray:
+    """Sum `buf` over all ranks in place: recursive-halving reduce-scatter, doubling allgather."""
+    return _run("rabenseifner_allreduce", rabenseifner_schedule, buf, comm, trace)
+
+
+def tree_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) -> np.ndarray:
+    """Sum `buf` over all ranks in place: binary-tree reduce to rank 0, binary-tree broadcast."""
+    return _run("tree_allreduce", tree_schedule, buf, comm, trace)
+
+
+_HAND_WRITTEN: dict[str, Callable[..., np.ndarray]] = {
+    "ring": ring_allreduce,
+    "naive": naive_allreduce,
+    "recursive-doubling": recursive_doubling_allreduce,
+    "rabenseifner": rabenseifner_allreduce,
+    "tree": tree_allreduce,
+}
+
+
+def choose_algorithm(nbytes: int, count: int, size: int) -> str:
+    """The algorithm "auto" uses for `count` elements of `nbytes` bytes in all on `size` ranks.
+
+    As MPICH 3.x's MPIR_Allreduce_intra_auto: recursive doubling for short messages (at most
+    SHORT_MESSAGE_BYTES = 2048 bytes) and whenever there are fewer elements than p' (the largest
+    power of two <= P, the number of chunks Rabenseifner cuts), because there latency wins: it
+    sends log2(p') messages where Rabenseifner sends twice as many. Longer messages on a power of
+    two: Rabenseifner, which sends 2(p'-1)/p' of the buffer instead of log2(p') buffers, in
+    2 log2(p') messages. Longer messages on other P: Rabenseifner's fold and unfold send the
+    whole buffer twice more, about 2n extra bytes, while the ring sends 2(P-1)/P n bytes in
+    2(P-1) messages; so the ring when the bytes it saves outweigh its extra messages, each
+    worth LATENCY_BYTES (alpha/beta) of transfer, else Rabenseifner.
+    """
+    pof2 = 1 << (max(size, 1).bit_length() - 1)
+    if nbytes <= SHORT_MESSAGE_BYTES or count < pof2:
+        return "recursive-doubling"
+    if pof2 == size:
+        return "rabenseifner"
+    levels = pof2.bit_length() - 1
+    extra_messages = 2 * (size - 1) - 2 * (levels + 1)
+    bytes_saved = nbytes * (2 + 2 * (pof2 - 1) / pof2 - 2 * (size - 1) / size)
+    return "ring" if bytes_saved >= extra_messages * LATENCY_BYTES else "rabenseifner"
+
+
+def _agree(buf: Any, comm: Any, name: str) -> None:
+    """Raise ValueError on every rank unless all buffers are usable and of one length and dtype."""
+    problem = buffer_problem(buf)
+    if comm.Get_size() == 1:
+        if problem:
+            raise ValueError(_renamed(problem, name))
+        return
+    length = 0 if problem else buf.size
+    code = _NO_DTYPE if problem else _DTYPE_CODE[buf.dtype]
+    mine = np.array([problem is not None, length, -length, code, -code], np.int64)
+    every = np.empty_like(mine)
+    comm.Allreduce(mine, every, op=constants(comm).MAX)  # the extra collective: 40 bytes
+    if problem:
+        raise ValueError(_renamed(problem, name))
+    if every[0]:
+        raise ValueError(
+            f"{name}: another rank passed an unusable buffer (rank {comm.Get_rank()} has "
+            f"{buf.dtype} of length {buf.size}); the result is not a sum"
+        )
+    if every[1] != -every[2] or every[3] != -every[4]:
+        dtypes = sorted({SUPPORTED_DTYPES[-every[4]].name, SUPPORTED_DTYPES[every[3]].name})
+        raise ValueError(
+            f"{name}: the ranks' buffers differ: lengths {-every[2]} to {every[1]}, "
+            f"dtypes {' and '.join(dtypes)}; every rank must pass the same length and dtype"
+        )
+
+
+def _library_allreduce(buf: np.ndarray, comm: Any, trace: Trace | None) -> np.ndarray:
+    """The communicator's own `Allreduce(IN_PLACE, buf, SUM)`, after the agreement check."""
+    _agree(buf, comm, "allreduce")
+    start = time.perf_counter() if trace is not None else 0.0
+    mpi = constants(comm)
+    comm.Allreduce(mpi.IN_PLACE, buf, op=mpi.SUM)
+    if trace is not None:
+        whole = (0, buf.size)  # the library's steps are hidden: one event for the whole call
+        event = TraceEvent(
+            "allreduce", 0, comm.Get_rank(), 0, 0, whole, whole, buf.nbytes, start,
+            time.perf_counter(),
+        )  # fmt: skip
+        trace(event)
+    return buf
+
+
+def allreduce(
+    buf: np.ndarray, comm: Any, algorithm: str = "ring", *, trace: Trace | None = None
+) -> np.ndarray:
+    """Sum `buf` over all ranks of `comm` in place with the named algorithm and return it.
+
+    `algorithm` is one of ALGORITHMS: a hand-written one, "mpi" (the communicator's own
+    `Allreduce`, the baseline), or "auto" (see `choose_algorithm`). Every rank must pass the same.
+    """
+    if algorithm in _HAND_WRITTEN:
+        return _HAND_WRITTEN[algorithm](buf, comm, trace=trace)
+    if algorithm == "mpi":
+        return _library_allreduce(buf, comm, trace)
+    if algorithm == "auto":
+        _agree(buf, comm, "allreduce")
+        chosen = choose_algorithm(buf.nbytes, buf.size, comm.Get_size())
+        return _HAND_WRITTEN[chosen](buf, comm, trace=trace)
+    raise ValueError(
+        f"unknown allreduce algorithm {algorithm!r} (choose one of {', '.join(ALGORITHMS)})"
+    )
