@@ -75,7 +75,7 @@ def _bytes_of(buf: Any, *, writable: bool) -> np.ndarray:
             raise ValueError("message buffers must be C-contiguous")
         if writable and not buf.flags.writeable:
             raise ValueError("receive buffer is read-only")
-        return buf.reshape(-1).view(np.uint8)
+        return buf.view(np.ndarray).reshape(-1).view(np.uint8)  # np.matrix stays 2-D otherwise
     view = memoryview(buf)
     if writable and view.readonly:
         raise ValueError("receive buffer is read-only")

@@ -181,7 +181,10 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         if problem:
             raise ValueError(problem)
         return buf
-    flat = _NOTHING if problem else buf.ravel()  # ravel: a view, since buf is C-contiguous
+    if problem:
+        flat = _NOTHING
+    else:  # a flat view of the same memory (plain ndarray: np.matrix & co. stay 2-D when raveled)
+        flat = (buf if type(buf) is np.ndarray else buf.view(np.ndarray)).ravel()
     right, left, tag, reduce_scatter, allgather = ring_plan(flat.size, flat.dtype, size, rank)
     if problem:  # take part with empty messages and the flag raised, then report it
         tag |= 1

@@ -217,6 +217,19 @@ class TestRingWorld5(RingChecks):
     SIZE = 5
 
 
+def test_ndarray_subclasses_are_reduced_in_place(tmp_path):
+    def reduce_subclasses(comm):
+        matrix = np.asmatrix(np.arange(6.0).reshape(2, 3) * (comm.rank + 1))  # stays 2-D on ravel
+        mapped = np.memmap(tmp_path / f"rank{comm.rank}.bin", np.int64, "w+", shape=(7,))
+        mapped[:] = np.arange(7) - comm.rank
+        assert ring_allreduce(matrix, comm) is matrix and ring_allreduce(mapped, comm) is mapped
+        return np.asarray(matrix).copy(), np.asarray(mapped).copy()
+
+    for matrix, mapped in run_threads(3, reduce_subclasses):
+        assert np.array_equal(matrix, np.arange(6.0).reshape(2, 3) * 6)
+        assert np.array_equal(mapped, 3 * np.arange(7) - 3)
+
+
 def test_many_sizes_in_one_thread_grow_and_evict_the_cached_plans():
     lengths = [*range(0, 80), 5000, 3, 70000, 2, 5000]  # more than the cache holds, up and down
 
