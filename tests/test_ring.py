@@ -217,6 +217,7 @@ class TestRingWorld5(RingChecks):
     SIZE = 5
 
 
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 def test_ndarray_subclasses_are_reduced_in_place(tmp_path):
     def reduce_subclasses(comm):
         matrix = np.asmatrix(np.arange(6.0).reshape(2, 3) * (comm.rank + 1))  # stays 2-D on ravel
