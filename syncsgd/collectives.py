@@ -274,10 +274,18 @@ def schedule(algorithm: str, length: int, size: int, rank: int) -> tuple[Collect
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(schedule_of: Callable, length: int, size: int, rank: int) -> tuple[tuple, int]:
-    """This rank's steps, and the most elements any of them receives into scratch to add them."""
+def _plan(schedule_of: Callable, length: int, itemsize: int, size: int, rank: int) -> tuple:
+    """This rank's steps, the bytes each sends and receives, and the scratch elements it needs."""
     steps = schedule_of(length, size, rank)
-    return steps, max((s.recv.stop - s.recv.start for s in steps if s.combine != COPY), default=0)
+    byte_ranges = tuple(
+        (
+            slice(step.send.start * itemsize, step.send.stop * itemsize),
+            slice(step.recv.start * itemsize, step.recv.stop * itemsize),
+        )
+        for step in steps
+    )
+    scratch = max((s.recv.stop - s.recv.start for s in steps if s.combine != COPY), default=0)
+    return steps, byte_ranges, scratch
 
 
 _local = threading.local()  # per thread (each thread rank has its own): scratch arrays by dtype
@@ -313,55 +321,52 @@ def _run(name: str, schedule_of: Callable, buf: np.ndarray, comm: Any, trace: Tr
     else:
         flat = buf.ravel()  # a view, since buf is C-contiguous
         signature = (flat.size % _LENGTH_MODULUS) * 4 + _DTYPE_CODE[flat.dtype]
-    steps, scratch_length = _plan(schedule_of, flat.size, size, rank)
+    steps, byte_ranges, scratch_length = _plan(schedule_of, flat.size, flat.itemsize, size, rank)
     scratch = _scratch(flat.dtype, scratch_length)
+    # Messages travel as bytes: MPICH aborts the job when a message is not a whole number of the
+    # receiving buffer's elements (float32 sent, float64 expected), where we want a ValueError.
+    raw, raw_scratch = flat.view(np.uint8), scratch.view(np.uint8)
     mpi = constants(comm)
     any_tag, status = mpi.ANY_TAG, mpi.Status()
     tag = signature << 1 | (1 if problem else 0)  # the lowest bit: "something is wrong"
     mismatch = ""
-    for step in steps:
+    for step, (send, recv) in zip(steps, byte_ranges, strict=True):
         start = time.perf_counter() if trace is not None else 0.0
         if step.recv_from < 0:
-            comm.Send(flat[step.send], step.send_to, tag)
+            comm.Send(raw[send], step.send_to, tag)
         else:
-            target = flat[step.recv]
-            incoming = target if step.combine == COPY else scratch[: target.size]
+            incoming = raw[recv] if step.combine == COPY else raw_scratch[: recv.stop - recv.start]
             try:
                 if step.send_to < 0:
                     comm.Recv(incoming, step.recv_from, any_tag, status)
                 else:
-                    comm.Sendrecv(
-                        flat[step.send],
-                        step.send_to,
-                        tag,
-                        incoming,
-                        step.recv_from,
-                        any_tag,
-                        status,
-                    )
+                    source = step.recv_from
+                    comm.Sendrecv(raw[send], step.send_to, tag, incoming, source, any_tag, status)
                 count = status.Get_count()
             except Exception as exc:
                 count = _truncated(exc)
             if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
                 tag, mismatch = _disagree(tag, status, count, incoming, step.recv_from, mismatch)
-            # The lower rank's partial sum first: with the order fixed, partners get the same bits.
-            if step.combine == COPY:
-                pass
-            elif target.size == 1:  # NumPy's ufuncs take a slow path for one-element outputs
-                target[0] = (
-                    target[0] + incoming[0]
-                    if step.combine == ADD_OWN_FIRST
-                    else incoming[0] + target[0]
-                )
-            elif step.combine == ADD_OWN_FIRST:
-                np.add(target, incoming, out=target)
-            else:
-                np.add(incoming, target, out=target)
+            if step.combine != COPY:
+                _add_(flat[step.recv], scratch, step.combine)
         if trace is not None:
             trace(_event(step, rank, flat.itemsize, start))
     if tag & 1:
         raise ValueError(_renamed(problem or _disagreement(buf, rank, mismatch), name))
     return buf
+
+
+def _add_(target: np.ndarray, scratch: np.ndarray, combine: int) -> None:
+    """Add the data received into `scratch` to `target`, the lower rank's partial sum first."""
+    incoming = scratch[: target.size]
+    if target.size == 1:  # NumPy's ufuncs take a slow path for one-element outputs
+        # The order of the operands is fixed, so partners that both add get the same bits.
+        own = target[0]
+        target[0] = own + incoming[0] if combine == ADD_OWN_FIRST else incoming[0] + own
+    elif combine == ADD_OWN_FIRST:
+        np.add(target, incoming, out=target)
+    else:
+        np.add(incoming, target, out=target)
 
 
 def _event(step: CollectiveStep, rank: int, itemsize: int, start: float) -> TraceEvent:
@@ -451,11 +456,19 @@ def _agree(buf: Any, comm: Any, name: str) -> None:
             f"{name}: another rank passed an unusable buffer (rank {comm.Get_rank()} has "
             f"{buf.dtype} of length {buf.size}); the result is not a sum"
         )
-    if every[1] != -every[2] or every[3] != -every[4]:
-        dtypes = sorted({SUPPORTED_DTYPES[-every[4]].name, SUPPORTED_DTYPES[every[3]].name})
+    shortest, longest, first_dtype, last_dtype = -every[2], every[1], -every[4], every[3]
+    differences = []
+    if shortest != longest:
+        differences.append(f"lengths from {shortest} to {longest}")
+    if first_dtype != last_dtype:
+        differences.append(
+            f"dtypes {SUPPORTED_DTYPES[first_dtype]} and {SUPPORTED_DTYPES[last_dtype]}"
+        )
+    if differences:
         raise ValueError(
-            f"{name}: the ranks' buffers differ: lengths {-every[2]} to {every[1]}, "
-            f"dtypes {' and '.join(dtypes)}; every rank must pass the same length and dtype"
+            f"{name}: the ranks' buffers differ ({' and '.join(differences)}; rank "
+            f"{comm.Get_rank()} has {buf.dtype} of length {buf.size}); every rank must pass "
+            "the same length and dtype"
         )
 
 

@@ -1,0 +1,208 @@
+"""Checks of `syncsgd.collectives` that run on every rank of any communicator (threads or MPI).
+
+The thread tests import these functions; under `mpiexec -n P python tests/mpi_collectives_check.py`
+they run on `MPI.COMM_WORLD` for every algorithm, print `ok` on rank 0 and exit 0, or abort the
+whole job with exit status 1 on the first failure (one failing rank must not leave others waiting).
+
+    --mismatch      for every algorithm, the last rank passes a longer buffer, then a float32
+                    one, then a read-only one: every rank must raise ValueError each time and
+                    print `rank R: ALGORITHM: ValueError: ...`; the job must end (not hang)
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+import numpy as np
+from mpi_ring_check import DTYPES, naive_sum, rank_data, same_on_every_rank
+
+from syncsgd.collectives import ALGORITHMS, allreduce
+from syncsgd.ring import TraceEvent
+
+HAND_WRITTEN = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
+
+
+def check_sum(
+    comm: Any, algorithm: str, shape: tuple[int, ...], dtype: str, integers: bool, seed: int = 0
+) -> np.ndarray:
+    """The sum equals a naive sum (exactly for integer data) and is the same on every rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = rank_data(rank, shape, dtype, integers, seed)
+    expected = naive_sum([rank_data(r, shape, dtype, integers, seed) for r in range(size)])
+    result = allreduce(buf, comm, algorithm)
+    where = f"{algorithm}: rank {rank} of {size}, shape {shape}, {dtype}"
+    assert result is buf, f"{where}: the buffer reduced in place must be returned"
+    assert buf.shape == tuple(shape) and buf.dtype == np.dtype(dtype), where
+    if integers or dtype == "int64":
+        assert np.array_equal(buf, expected), f"{where}: integer-valued sum is not exact"
+    else:
+        tolerance = 1e-5 if dtype == "float32" else 1e-12
+        assert np.allclose(buf, expected, rtol=tolerance, atol=tolerance * size), where
+    assert same_on_every_rank(comm, buf), f"{where}: ranks hold different bits"
+    return buf
+
+
+def folding(rank: int, size: int) -> tuple[int, bool, bool]:
+    """(log2 p', folded, sits out): MPICH's non-power-of-two pre-step, from its description."""
+    levels = size.bit_length() - 1
+    extra = size - (1 << levels)
+    folded = rank < 2 * extra
+    return levels, folded, folded and rank % 2 == 0
+
+
+def expected_phases(algorithm: str, rank: int, size: int) -> list[tuple[str, int]]:
+    """The (phase, step) of every event `rank` should report, in order (an independent list)."""
+    if size == 1:
+        return []
+    if algorithm == "ring":
+        return [(phase, s) for phase in ("reduce-scatter", "allgather") for s in range(size - 1)]
+    if algorithm == "naive":
+        if rank == 0:
+            return [(phase, s) for phase in ("reduce", "broadcast") for s in range(size - 1)]
+        return [("reduce", rank - 1), ("broadcast", rank - 1)]
+    if algorithm == "tree":  # heap order: rank i's children are 2i+1, 2i+2
+        depth, height = int(np.log2(rank + 1)), int(np.log2(size))
+        children = sum(child < size for child in (2 * rank + 1, 2 * rank + 2))
+        up = [("reduce", height - depth - 1)] * children + [("reduce", height - depth)] * (rank > 0)
+        return up + [("broadcast", depth - 1)] * (rank > 0) + [("broadcast", depth)] * children
+    levels, folded, sits_out = folding(rank, size)
+    fold, unfold = [("fold", 0)] * folded, [("unfold", 0)] * folded
+    if sits_out:
+        return fold + unfold
+    if algorithm == "recursive-doubling":
+        return fold + [("exchange", k) for k in range(levels)] + unfold
+    assert algorithm == "rabenseifner", algorithm
+    halving = [("reduce-scatter", k) for k in range(levels)]
+    return fold + halving + [("allgather", k) for k in range(levels)] + unfold
+
+
+def check_trace(comm: Any, algorithm: str, length: int, dtype: str = "float64") -> list[TraceEvent]:
+    """The events follow the algorithm's steps, with consistent ranges and bytes."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    events: list[TraceEvent] = []
+    allreduce(np.ones(length, dtype), comm, algorithm, trace=events.append)
+    where = f"{algorithm}: rank {rank} of {size}, length {length}"
+    phases = [(event.phase, event.step) for event in events]
+    assert phases == expected_phases(algorithm, rank, size), f"{where}: {phases}"
+    itemsize = np.dtype(dtype).itemsize
+    for event in events:
+        assert event.rank == rank, (where, event)
+        for chunk, (start, stop) in ((event.send_chunk, event.send_range),
+                                     (event.recv_chunk, event.recv_range)):  # fmt: skip
+            assert 0 <= start <= stop <= length, (where, event)
+            assert chunk >= 0 or start == stop, (where, event)
+        assert event.nbytes == (event.send_range[1] - event.send_range[0]) * itemsize, event
+        assert event.start <= event.end, event
+        assert event.send_chunk >= 0 or event.recv_chunk >= 0, f"{where}: an empty step {event}"
+    whole = (0, length)
+    if algorithm in ("naive", "tree", "recursive-doubling"):  # whole buffers only
+        for event in events:
+            assert whole in (event.send_range, event.recv_range), (where, event)
+    if algorithm == "rabenseifner" and not folding(rank, size)[2]:
+        check_halving_and_doubling(events, length, size, where)
+    return events
+
+
+def check_halving_and_doubling(events: list[TraceEvent], length: int, size: int, where: str):
+    """Reduce-scatter halves the range kept; allgather then fills in all of the rest once."""
+    halving = [event for event in events if event.phase == "reduce-scatter"]
+    kept = (0, length)
+    for event in halving:
+        sent, received = event.send_range, event.recv_range
+        # The range kept so far, cut in two: one half sent, the other received and kept.
+        assert sent[1] == received[0] or received[1] == sent[0], (where, event)
+        assert min(sent[0], received[0]) == kept[0], (where, event)
+        assert max(sent[1], received[1]) == kept[1], (where, event)
+        kept = received
+    pof2 = 1 << (size.bit_length() - 1)
+    pieces = np.array_split(np.arange(length), pof2)
+    assert kept[1] - kept[0] in {piece.size for piece in pieces}, f"{where}: kept {kept}"
+    covered = np.zeros(length, np.int64)
+    covered[kept[0] : kept[1]] += 1
+    for event in events:
+        if event.phase == "allgather":
+            covered[event.recv_range[0] : event.recv_range[1]] += 1
+    assert np.all(covered == 1), f"{where}: allgather does not fill the buffer exactly once"
+
+
+def check_rejected_everywhere(comm: Any, algorithm: str, make_buffer: Any) -> str:
+    """Every rank raises a one-line ValueError for `make_buffer(rank, size)`; return the message."""
+    buf = make_buffer(comm.Get_rank(), comm.Get_size())
+    try:
+        allreduce(buf, comm, algorithm)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"rank {comm.Get_rank()}: {algorithm} accepted a bad buffer")
+    assert message and "\n" not in message, f"not a one-line message: {message!r}"
+    return message
+
+
+def longer_on_last_rank(rank: int, size: int) -> np.ndarray:
+    """Five elements, but 4096 more on the last rank: same tag signature, different sizes."""
+    return np.ones(5 + 4096 * (rank == size - 1 and size > 1))
+
+
+def float32_on_last_rank(rank: int, size: int) -> np.ndarray:
+    """Seven float64 elements, but float32 on the last rank."""
+    return np.ones(7, np.float32 if rank == size - 1 else np.float64)
+
+
+def read_only_on_last_rank(rank: int, size: int) -> np.ndarray:
+    """Six zeros, read-only on the last rank."""
+    buf = np.zeros(6)
+    buf.flags.writeable = rank != size - 1
+    return buf
+
+
+MISMATCHES = (longer_on_last_rank, float32_on_last_rank, read_only_on_last_rank)
+
+
+def sum_cases(size: int) -> list[tuple[tuple[int, ...], str, bool]]:
+    """The (shape, dtype, integer-valued) cases run under MPI: lengths around P and p', shapes."""
+    lengths = sorted({0, 1, size - 1, size, size + 1, 2 * size + 3, 1000, 4099} - {-1})
+    cases = [((n,), dtype, True) for n in lengths for dtype in DTYPES]
+    cases += [((n,), dtype, False) for n in (7, 4099) for dtype in ("float64", "float32")]
+    return cases + [((3, 5), "float64", True), ((), "int64", True), ((4, 0), "float32", True)]
+
+
+def main(argv: list[str]) -> int:
+    """Run the checks on MPI.COMM_WORLD; any failure aborts every rank with exit status 1."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        if "--mismatch" in argv:
+            if size == 1:
+                raise SystemExit("--mismatch needs at least 2 ranks")
+            lines = []
+            for algorithm in ALGORITHMS:
+                for make_buffer in MISMATCHES:
+                    if algorithm == "ring" and make_buffer is float32_on_last_rank:
+                        continue  # ring.py receives typed data: MPICH aborts (reported)
+                    message = check_rejected_everywhere(comm, algorithm, make_buffer)
+                    lines.append(f"rank {rank}: {algorithm}: ValueError: {message}\n")
+            sys.stdout.write("".join(lines))  # one write: no interleaving
+            sys.stdout.flush()
+        else:
+            for algorithm in ALGORITHMS:
+                for index, (shape, dtype, integers) in enumerate(sum_cases(size)):
+                    check_sum(comm, algorithm, shape, dtype, integers, seed=index)
+            for algorithm in HAND_WRITTEN:
+                for length in sorted({0, 1, size + 2, 37}):
+                    check_trace(comm, algorithm, length)
+        comm.Barrier()
+    except BaseException:
+        sys.stderr.write(f"rank {rank} of {size} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        comm.Abort(1)
+    if rank == 0:
+        print(f"ok: {size} ranks", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
