@@ -1,0 +1,654 @@
+"""Exact mode (SPEC §6): gradient sums whose bits do not depend on how the batch is split.
+
+The promise: with `--exact`, the final parameters are bitwise the same for every number of ranks
+P >= 1, any sharding (uneven, P > B with empty shards) and both backends. Float mode cannot give
+that: float addition is not associative, so the ring's order of summing rank sums, and the order
+in which BLAS sums the samples inside a rank, both leak into the last bits. Exact mode removes both
+sources of order dependence.
+
+1. Batch-invariant per-sample passes. A sample's activations, loss and deltas must not depend on
+   how many samples share its micro-batch or where it sits. BLAS does not promise that (its
+   blocking and kernel choice depend on the matrix shape), so the products are Numba loops in
+   which every output element is accumulated in one fixed order:
+       z[i, j] = (sum over k = 0, 1, ..., K-1 of x[i, k] * W[k, j]) + b[j]
+   looped as block of k / four rows / four k steps / j: the inner j loop vectorizes, four rows
+   share each loaded row of W, four k steps share each load and store of the output, and still
+   every element goes through acc = acc + x[i, k] * W[k, j] for k = 0, 1, ... in that order,
+   whether its row is one of four or a leftover row: tiling changes no element's order. Delta
+   propagation is the same loop on a transposed copy of W (delta_prev[i, k] = sum over
+   ascending j of delta[i, j] * W[k, j]). The kernels are compiled WITHOUT fastmath, so LLVM may
+   neither reassociate these sums nor contract a multiply and an add into one FMA. Softmax,
+   cross-entropy and MSE are per row, as in `syncsgd.kernels`. A float32 model runs this pass in
+   float32.
+
+2. An order-independent sum of per-sample terms, within and across ranks, by error-free
+   extraction to a fixed point agreed by an allreduce-MAX. Every gradient element is a sum over
+   the global batch of per-sample terms v_i (a[i, k] * delta[i, j] for a weight, delta[i, j] for a
+   bias, the sample's loss for the loss). `local_pass` records, per layer, the peaks max|a| (the
+   layer's input) and max|delta| (its output delta) over the rank's shard, and the peak loss; the
+   training loop MAX-allreduces this small float64 vector, so every rank holds the GLOBAL peaks,
+   which do not depend on P. Slot s (W_l, b_l or the loss) then has a bound v_s on every term
+   (A_l * D_l, D_l, or the peak loss); the peaks are reduced before they are multiplied, so the
+   product, and with it every bit below, is the same for every P. With B the global batch size,
+       E_s = the least integer with 2^E_s >= 2 * B * v_s    (clamped to [-1022, 1022])
+       M_s = 1.5 * 2^E_s,   hi(v) = (M_s + v) - M_s
+   For |v| <= v_s <= 2^(E_s - 1), M_s + v lies in [2^E_s, 2^(E_s + 1)), so it is rounded to a
+   multiple of ulp(M_s) = 2^(E_s - 52) and the subtraction is exact (Sterbenz): hi(v) is v
+   rounded to the nearest multiple of 2^(E_s - 52). A sum of at most B such values stays below
+   2^(E_s - 1) + B * 2^(E_s - 53) < 2^(E_s + 1) in magnitude, so every partial sum is an integer
+   times 2^(E_s - 52) below 2^53 times that unit: exactly representable in float64. Every float64
+   addition of these values is therefore exact, and ANY order gives the same bits: the samples
+   inside a rank (tiled freely for the cache), and the rank sums inside the ring allreduce,
+   which carries them in float64 unchanged.
+
+Why this choice. Int64 fixed point at the same agreed scale would work too, but needs a
+float->int conversion per term and an int64 ring buffer next to the float one; binned summation
+(ReproBLAS) keeps more bits but costs several extractions per term and a custom reduction
+operator in the ring, where plain SUM no longer suffices. One extraction per term reuses the
+float64 SUM ring as it is, and its error (below) is far under float32 resolution and comparable
+to the rounding error of an ordinary float64 sum of B terms. Inside a rank the weight sums count
+ulps instead of adding floats: M_s + v and M_s share a binade, where the bit pattern grows by one
+per ulp, so hi(v) / ulp(M_s) = bits(M_s + v) - bits(M_s) exactly. These int64 counts (a bitcast,
+no conversion) are summed on integer lanes and turned into float64 once per element at the end:
+the same exact sums, with one float addition per term instead of three.
+
+Error bound (`exactness_bound`). Each extraction moves a term by at most ulp(M_s) / 2 =
+2^(E_s - 53), so the extracted sum of B terms differs from their exact sum by at most
+B * 2^(E_s - 53), and the mean by at most 2^(E_s - 53). E_s is least, so 2^(E_s - 1) < 2 B v_s
+(unless v_s is below the underflow clamp, where the bound is 2^-1075 and every term is already a
+multiple of the unit), and the mean's error is below 4 B v_s 2^-53 = B * v_s * 2^-51 per element.
+The terms themselves: for a float32 model the float32 factors are widened and their float64
+product is exact; for a float64 model a[i, k] * delta[i, j] is rounded once, by at most
+2^-53 * v_s (or 2^-1075 below the normal range), which adds 2^-53 * v_s + 2^-1075 to the weight
+slots' bound. So, per element,
+    |exact-mode mean - exact mean of this pass's per-sample terms|
+        <= 2^(E_s - 53)  (+ 2^-53 v_s + 2^-1075 for the weights of a float64 model)
+and the training loop's final division by B rounds once more (half an ulp of the result).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, types
+from numba.extending import intrinsic
+
+from syncsgd.kernels import (
+    ACTIVATION_CODES,
+    B_OFFSET,
+    FAN_IN,
+    FAN_OUT,
+    RELU,
+    W_OFFSET,
+    WIDTH_BEFORE,
+    layer_input,
+    layer_table,
+    matrix,
+)
+from syncsgd.model import MLP, describe
+
+PRODUCT_BLOCK_BYTES = 262144  # rows of W used together by a product: they stay in the L2 cache
+ACCUMULATOR_TILE_BYTES = 16384  # weight-sum rows extracted together: they stay in the L1 cache
+MIN_EXPONENT, MAX_EXPONENT = -1022, 1022  # keep M = 1.5 * 2^E and ulp(M) = 2^(E-52) in float64
+UNIT_BITS = 52  # ulp(M) = 2^(E - 52)
+
+
+@njit(nogil=True, cache=True)
+def fixed_order_product_(x, W, out):
+    """out[i, j] = sum over ascending k of x[i, k] * W[k, j], the same order for any row count.
+
+    Every element goes through the same operations, acc = acc + x[i, k] * W[k, j] for k = 0, 1,
+    ..., whether its row is one of a group of four (the fast path: four rows share each loaded row
+    of W, four k steps share each load and store of the output) or a leftover row. No term is
+    skipped, so a NaN or infinity in W reaches the output wherever its row of x sits.
+    """
+    m, depth = x.shape
+    n = W.shape[1]
+    zero = out.dtype.type(0)
+    for i in range(m):
+        for j in range(n):
+            out[i, j] = zero
+    block = max(4, PRODUCT_BLOCK_BYTES // max(n * W.itemsize, 1) // 4 * 4)  # a block of W in L2
+    for k_start in range(0, depth, block):  # blocks in ascending k: each element's order is kept
+        k_stop = min(k_start + block, depth)
+        for i in range(0, m - 3, 4):
+            r0, r1, r2, r3 = out[i], out[i + 1], out[i + 2], out[i + 3]
+            k = k_start
+            while k + 4 <= k_stop:
+                w0, w1, w2, w3 = W[k], W[k + 1], W[k + 2], W[k + 3]
+                f00, f01, f02, f03 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
+                f10, f11, f12, f13 = x[i + 1, k], x[i + 1, k + 1], x[i + 1, k + 2], x[i + 1, k + 3]
+                f20, f21, f22, f23 = x[i + 2, k], x[i + 2, k + 1], x[i + 2, k + 2], x[i + 2, k + 3]
+                f30, f31, f32, f33 = x[i + 3, k], x[i + 3, k + 1], x[i + 3, k + 2], x[i + 3, k + 3]
+                for j in range(n):
+                    v0, v1, v2, v3 = w0[j], w1[j], w2[j], w3[j]
+                    r0[j] = (((r0[j] + f00 * v0) + f01 * v1) + f02 * v2) + f03 * v3
+                    r1[j] = (((r1[j] + f10 * v0) + f11 * v1) + f12 * v2) + f13 * v3
+                    r2[j] = (((r2[j] + f20 * v0) + f21 * v1) + f22 * v2) + f23 * v3
+                    r3[j] = (((r3[j] + f30 * v0) + f31 * v1) + f32 * v2) + f33 * v3
+                k += 4
+            for tail in range(k, k_stop):
+                for row in range(i, i + 4):
+                    add_scaled_row_(out[row], x[row, tail], W[tail])
+        for row in range(m - m % 4, m):  # leftover rows, one term at a time
+            for k in range(k_start, k_stop):
+                add_scaled_row_(out[row], x[row, k], W[k])
+
+
+@njit(nogil=True, cache=True)
+def add_scaled_row_(row, factor, weights):
+    """row += factor * weights, element by element (one rounding for the product, one for +)."""
+    for j in range(row.shape[0]):
+        row[j] += factor * weights[j]
+
+
+@njit(nogil=True, cache=True)
+def forward_exact_(params, layers, activation, X, activations):
+    """Every layer on the m rows of X with fixed-order products; returns the (m, K) logits."""
+    m = X.shape[0]
+    n_layers = layers.shape[0]
+    outputs = matrix(activations, 0, m, layers[0, FAN_OUT])
+    for layer in range(n_layers):
+        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
+        W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
+        b = params[layers[layer, B_OFFSET] : layers[layer, B_OFFSET] + fan_out]
+        outputs = matrix(activations, m * layers[layer, WIDTH_BEFORE], m, fan_out)
+        fixed_order_product_(layer_input(X, activations, layers, layer, m), W, outputs)
+        zero = outputs.dtype.type(0)
+        # The bias is added after the k-sum, then the activation: per element, no cross-row work.
+        if layer == n_layers - 1:
+            for i in range(m):
+                for j in range(fan_out):
+                    outputs[i, j] += b[j]
+        elif activation == RELU:
+            for i in range(m):
+                for j in range(fan_out):
+                    outputs[i, j] = max(outputs[i, j] + b[j], zero)
+        else:
+            for i in range(m):
+                for j in range(fan_out):
+                    outputs[i, j] = np.tanh(outputs[i, j] + b[j])
+    return outputs
+
+
+@njit(nogil=True, cache=True)
+def xent_sample_losses_(logits, labels, delta, losses):
+    """Per-sample softmax cross-entropy into `losses` (float64); delta = softmax - one_hot; hits."""
+    m, k = logits.shape
+    correct = 0
+    for i in range(m):
+        best = 0  # the first maximum, as np.argmax
+        for j in range(1, k):
+            if logits[i, j] > logits[i, best]:
+                best = j
+        shift = logits[i, best]
+        total = logits.dtype.type(0)
+        for j in range(k):
+            delta[i, j] = np.exp(logits[i, j] - shift)
+            total += delta[i, j]
+        scale = logits.dtype.type(1) / total
+        for j in range(k):
+            delta[i, j] *= scale
+        label = labels[i]
+        delta[i, label] -= 1
+        losses[i] = np.float64(shift) + np.log(np.float64(total)) - np.float64(logits[i, label])
+        correct += best == label
+    return correct
+
+
+@njit(nogil=True, cache=True)
+def mse_sample_losses_(outputs, targets, delta, losses):
+    """Per-sample mean over outputs of (z - t)^2 into `losses` (float64); delta = 2 (z - t) / K."""
+    m, k = outputs.shape
+    two_over_k = outputs.dtype.type(2.0 / max(k, 1))
+    for i in range(m):
+        sample_sum = 0.0
+        for j in range(k):
+            error = outputs[i, j] - targets[i, j]
+            sample_sum += np.float64(error) * np.float64(error)
+            delta[i, j] = two_over_k * error
+        losses[i] = sample_sum / k
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def backward_exact_(params, layers, activation, X, activations, deltas, transposed):
+    """Per-sample deltas of every layer, from the logits' delta, with fixed-order products."""
+    m = X.shape[0]
+    zero, one = deltas.dtype.type(0), deltas.dtype.type(1)
+    for layer in range(layers.shape[0] - 1, 0, -1):
+        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
+        W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
+        W_T = matrix(transposed, 0, fan_out, fan_in)  # once per call: the inner loop runs along k
+        for k in range(fan_in):
+            for j in range(fan_out):
+                W_T[j, k] = W[k, j]
+        delta = matrix(deltas, m * layers[layer, WIDTH_BEFORE], m, fan_out)
+        previous = matrix(deltas, m * layers[layer - 1, WIDTH_BEFORE], m, fan_in)
+        fixed_order_product_(delta, W_T, previous)
+        inputs = layer_input(X, activations, layers, layer, m)  # act(z) of the layer below
+        if activation == RELU:
+            for i in range(m):
+                for j in range(fan_in):
+                    if inputs[i, j] <= zero:
+                        previous[i, j] = zero
+        else:
+            for i in range(m):
+                for j in range(fan_in):
+                    previous[i, j] *= one - inputs[i, j] * inputs[i, j]
+
+
+@njit(nogil=True, cache=True)
+def peak_magnitude(values):
+    """max |v| over a 1-D array, in float64; inf if any value is NaN or infinite (0 if empty)."""
+    peak = 0.0
+    for value in values:
+        magnitude = abs(np.float64(value))
+        if not magnitude <= peak:  # larger, or NaN
+            peak = magnitude if magnitude < np.inf else np.inf
+    return peak
+
+
+@njit(nogil=True, cache=True)
+def peaks_(layers, X, activations, deltas, losses, bounds_out):
+    """bounds_out = max|input| and max|delta| of every layer, then the largest loss."""
+    m = X.shape[0]
+    n_layers = layers.shape[0]
+    for layer in range(n_layers):
+        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
+        if layer == 0:
+            inputs = X.ravel()
+        else:
+            start = m * layers[layer - 1, WIDTH_BEFORE]
+            inputs = activations[start : start + m * fan_in]
+        start = m * layers[layer, WIDTH_BEFORE]
+        bounds_out[2 * layer] = peak_magnitude(inputs)
+        bounds_out[2 * layer + 1] = peak_magnitude(deltas[start : start + m * fan_out])
+    bounds_out[2 * n_layers] = peak_magnitude(losses[:m])
+
+
+@njit(nogil=True, cache=True)
+def xent_local_pass_(params, layers, activation, X, labels, activations, deltas, transposed,
+                     losses, bounds_out):  # fmt: skip
+    """Cross-entropy: forward, per-sample losses and deltas, backward, peaks; returns the hits."""
+    logits = forward_exact_(params, layers, activation, X, activations)
+    m, k = logits.shape
+    delta = matrix(deltas, m * layers[layers.shape[0] - 1, WIDTH_BEFORE], m, k)
+    correct = xent_sample_losses_(logits, labels, delta, losses[:m])
+    backward_exact_(params, layers, activation, X, activations, deltas, transposed)
+    peaks_(layers, X, activations, deltas, losses, bounds_out)
+    return correct
+
+
+@njit(nogil=True, cache=True)
+def mse_local_pass_(params, layers, activation, X, targets, activations, deltas, transposed,
+                    losses, bounds_out):  # fmt: skip
+    """Mean squared error: forward, per-sample losses and deltas, backward, peaks; returns 0."""
+    outputs = forward_exact_(params, layers, activation, X, activations)
+    m, k = outputs.shape
+    delta = matrix(deltas, m * layers[layers.shape[0] - 1, WIDTH_BEFORE], m, k)
+    mse_sample_losses_(outputs, targets, delta, losses[:m])
+    backward_exact_(params, layers, activation, X, activations, deltas, transposed)
+    peaks_(layers, X, activations, deltas, losses, bounds_out)
+    return 0
+
+
+@intrinsic
+def float_bits(typingctx, value):
+    """The IEEE-754 bit pattern of a float64, as an int64 (a bitcast: no instruction at all)."""
+    if value != types.float64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.int64))
+
+    return types.int64(types.float64), codegen
+
+
+@njit(nogil=True, cache=True)
+def extract_outer_sum_(A, D, magic, unit, sums, counts):
+    """sums[k, j] = sum over samples i of hi(A[i, k] * D[i, j]), hi(v) = (magic + v) - magic.
+
+    D is float64 (float32 deltas are widened first). magic + v and magic lie in one binade, where
+    the bit pattern grows by one per ulp, so hi(v) / unit = bits(magic + v) - bits(magic): the
+    sums are kept as int64 counts of `unit` = ulp(magic), which runs on integer lanes instead of
+    two more float additions, and gives the same exact sum as float64 would.
+    """
+    m, depth = A.shape
+    n = D.shape[1]
+    magic_bits = float_bits(magic)
+    # Exact sums may be taken in any order: a tile of rows of `counts` stays in the L1 cache
+    # while the samples' delta rows stream past it, four samples per load and store.
+    tile = accumulator_rows(n)
+    for start in range(0, depth, tile):
+        stop = min(start + tile, depth)
+        for row in range(stop - start):
+            for j in range(n):
+                counts[row, j] = 0
+        for i in range(0, m - 3, 4):
+            d0, d1, d2, d3 = D[i], D[i + 1], D[i + 2], D[i + 3]
+            for k in range(start, stop):
+                f0, f1 = np.float64(A[i, k]), np.float64(A[i + 1, k])
+                f2, f3 = np.float64(A[i + 2, k]), np.float64(A[i + 3, k])
+                if f0 == 0.0 and f1 == 0.0 and f2 == 0.0 and f3 == 0.0:
+                    continue  # every product extracts to 0
+                row = counts[k - start]
+                for j in range(n):
+                    # The products of widened float32 factors are exact.
+                    c0 = float_bits(magic + f0 * d0[j]) - magic_bits
+                    c1 = float_bits(magic + f1 * d1[j]) - magic_bits
+                    c2 = float_bits(magic + f2 * d2[j]) - magic_bits
+                    c3 = float_bits(magic + f3 * d3[j]) - magic_bits
+                    row[j] += (c0 + c1) + (c2 + c3)
+        for i in range(m - m % 4, m):
+            delta = D[i]
+            for k in range(start, stop):
+                factor = np.float64(A[i, k])
+                if factor == 0.0:
+                    continue
+                row = counts[k - start]
+                for j in range(n):
+                    row[j] += float_bits(magic + factor * delta[j]) - magic_bits
+        for k in range(start, stop):
+            for j in range(n):
+                sums[k, j] = np.float64(counts[k - start, j]) * unit  # |count| < 2^53: exact
+
+
+@njit(nogil=True, cache=True)
+def accumulator_rows(n):
+    """Rows of an (n wide) int64 accumulator tile that fit ACCUMULATOR_TILE_BYTES."""
+    return max(1, ACCUMULATOR_TILE_BYTES // (8 * max(n, 1)))
+
+
+@njit(nogil=True, cache=True)
+def extract_column_sum_(D, magic, sums):
+    """sums[j] = sum over samples i of hi(D[i, j])."""
+    m, n = D.shape
+    for j in range(n):
+        sums[j] = 0.0
+    for i in range(m):
+        for j in range(n):
+            sums[j] += (magic + np.float64(D[i, j])) - magic
+
+
+@njit(nogil=True, cache=True)
+def accumulate_(layers, X, activations, deltas, losses, magics, units, widened, counts, sums_out):
+    """Extracted per-sample gradient sums in the flat layout, then the extracted loss sum."""
+    m = X.shape[0]
+    n_layers = layers.shape[0]
+    for layer in range(n_layers):
+        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
+        inputs = layer_input(X, activations, layers, layer, m)
+        delta = matrix(deltas, m * layers[layer, WIDTH_BEFORE], m, fan_out)
+        wide_delta = matrix(widened, 0, m, fan_out)
+        for i in range(m):  # float64 deltas once, not once per product
+            for j in range(fan_out):
+                wide_delta[i, j] = delta[i, j]
+        sums_W = matrix(sums_out, layers[layer, W_OFFSET], fan_in, fan_out)
+        tile = matrix(counts, 0, accumulator_rows(fan_out), fan_out)
+        extract_outer_sum_(inputs, wide_delta, magics[2 * layer], units[2 * layer], sums_W, tile)
+        b_offset = layers[layer, B_OFFSET]
+        extract_column_sum_(
+            wide_delta, magics[2 * layer + 1], sums_out[b_offset : b_offset + fan_out]
+        )
+    magic = magics[2 * n_layers]
+    loss_sum = 0.0
+    for i in range(m):
+        loss_sum += (magic + losses[i]) - magic
+    sums_out[sums_out.shape[0] - 1] = loss_sum
+
+
+def slot_bounds(bounds: np.ndarray) -> np.ndarray:
+    """Per slot (W0, b0, W1, b1, ..., loss): the bound v_s on |term|, from the agreed peaks."""
+    bounds = np.asarray(bounds, dtype=np.float64)
+    values = bounds.copy()
+    with np.errstate(over="ignore"):  # an overflow to inf is reported by extraction_exponents
+        values[0:-1:2] = bounds[0:-1:2] * bounds[1:-1:2]  # max|a_l| * max|delta_l|, after the MAX
+    return values
+
+
+def extraction_exponents(bounds: np.ndarray, global_batch: int) -> np.ndarray:
+    """E_s per slot: the least integer with 2^E_s >= 2 * B * v_s, clamped to [-1022, 1022].
+
+    ValueError for a non-finite peak (a NaN or infinity in the pass) or a bound beyond float64.
+    """
+    if not np.all(np.isfinite(bounds)):
+        raise ValueError(
+            "non-finite gradient in exact mode: a NaN or infinity appeared in the inputs, "
+            "activations, deltas or losses (diverging training? lower --lr)"
+        )
+    exponents = np.empty(len(bounds), dtype=np.int64)
+    for slot, value in enumerate(slot_bounds(bounds)):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"gradient too large for exact mode: a term bound of {value} overflows float64"
+            )
+        if value == 0.0:
+            exponents[slot] = MIN_EXPONENT
+            continue
+        numerator, denominator = float(value).as_integer_ratio()  # denominator = 2^d, exact
+        target = 2 * global_batch * numerator
+        # 2^(E + d) >= target  <=>  E + d >= bit_length(target - 1)
+        exponent = (target - 1).bit_length() - (denominator.bit_length() - 1)
+        if exponent > MAX_EXPONENT:
+            raise ValueError(
+                f"gradient too large for exact mode: term bound {value:.3g} times 2 x batch "
+                f"{global_batch} exceeds the float64 range"
+            )
+        exponents[slot] = max(exponent, MIN_EXPONENT)
+    return exponents
+
+
+def exactness_bound(model: MLP, bounds: np.ndarray, global_batch: int) -> np.ndarray:
+    """Per element (flat layout, then the loss): the bound on |exact-mode mean - exact mean|.
+
+    The exact mean is that of the per-sample terms this pass computed; the bound is
+    2^(E_s - 53), plus 2^-53 * v_s + 2^-1075 for the weights of a float64 model (the rounded
+    product); 2^(E_s - 53) < B * v_s * 2^-51 unless v_s is below the clamp (module docstring).
+    """
+    bounds = _checked_bounds(model, bounds)
+    global_batch = _checked_batch(global_batch)
+    per_slot = np.ldexp(1.0, extraction_exponents(bounds, global_batch) - (UNIT_BITS + 1))
+    if model.dtype == np.float64:
+        per_slot[0:-1:2] += np.ldexp(slot_bounds(bounds)[0:-1:2], -53) + 2.0**-1075
+    per_element = np.empty(model.n_params + 1)
+    for slot, (_, shape, offset) in enumerate(model.layout()):
+        per_element[offset : offset + math.prod(shape)] = per_slot[slot]
+    per_element[-1] = per_slot[-1]
+    return per_element
+
+
+class ExactGradient:
+    """Exact-mode gradient in two phases around the MAX-allreduce of the bounds.
+
+    Per step on every rank: `local_pass` (per-sample forward/backward of the shard, fills the
+    local peaks), MAX-allreduce of the peaks (float64, `bound_count` long), `accumulate` (the
+    extracted sums), SUM-allreduce of the float64 sums, divide once by B. Workspaces are
+    allocated once; one instance per thread.
+    """
+
+    def __init__(self, model: MLP, max_batch: int) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int | np.integer):
+            raise ValueError(f"max_batch must be an integer, got {max_batch!r}")
+        if max_batch < 0:
+            raise ValueError(f"max_batch must be >= 0, got {max_batch}")
+        self.model = model
+        self.max_batch = int(max_batch)
+        self._layers = layer_table(model)
+        self._activation = ACTIVATION_CODES[model.activation]
+        widths = sum(model.sizes[1:])
+        self._inputs = np.zeros(self.max_batch * model.sizes[0], dtype=model.dtype)
+        self._activations = np.zeros(self.max_batch * widths, dtype=model.dtype)
+        self._deltas = np.zeros(self.max_batch * widths, dtype=model.dtype)
+        transposed = max((a * b for a, b in model.layer_shapes()[1:]), default=0)
+        self._transposed = np.zeros(transposed, dtype=model.dtype)
+        self._losses = np.zeros(self.max_batch, dtype=np.float64)
+        self._widened = np.zeros(self.max_batch * max(model.sizes[1:]), dtype=np.float64)
+        tiles = (accumulator_rows(fan_out) * fan_out for _, fan_out in model.layer_shapes())
+        self._counts = np.zeros(max(tiles), dtype=np.int64)
+        self._local_bounds = np.zeros(self.bound_count)
+        self._m: int | None = None  # samples of the last local_pass; None before the first
+
+    @property
+    def bound_count(self) -> int:
+        """Length of the bounds vector: max|a_l|, max|delta_l| per layer, then the peak loss."""
+        return 2 * self.model.n_layers + 1
+
+    def local_pass(
+        self, params: np.ndarray, X: np.ndarray, y: np.ndarray, bounds_out: np.ndarray
+    ) -> int:
+        """Per-sample pass over the shard into the workspaces; returns the argmax hits (xent).
+
+        bounds_out (float64, `bound_count`) receives, per layer, max|input| and max|delta| over
+        the shard, then the largest per-sample loss; inf where a NaN or infinity appeared, so
+        that after the MAX-allreduce every rank's `accumulate` raises the same ValueError.
+        """
+        _check_flat(self.model, "params", params)
+        _check_bounds_buffer(self.bound_count, bounds_out)
+        X, y = self._check_batch(X, y)
+        m = X.shape[0]
+        inputs = self._inputs[: m * self.model.sizes[0]].reshape(X.shape)
+        inputs[...] = X  # a copy: the caller may reuse its shard buffer before `accumulate`
+        self._m = None  # a failed pass must not leave stale workspaces to accumulate
+        kernel = xent_local_pass_ if self.model.loss == "xent" else mse_local_pass_
+        correct = kernel(
+            params, self._layers, self._activation, inputs, y, self._activations, self._deltas,
+            self._transposed, self._losses, bounds_out,
+        )  # fmt: skip
+        self._local_bounds[:] = bounds_out
+        self._m = m
+        return int(correct)
+
+    def accumulate(self, bounds: np.ndarray, global_batch: int, sums_out: np.ndarray) -> None:
+        """sums_out (float64, n_params + 1) = extracted per-sample gradient sums, then loss sum.
+
+        `bounds` are the MAX-allreduced peaks of every rank and `global_batch` is B; both must be
+        the same on every rank. The result is exact, so summing it over ranks in any order (the
+        float64 ring allreduce) gives the same bits for every sharding of the global batch.
+        """
+        if self._m is None:
+            raise ValueError("accumulate needs a successful local_pass first")
+        model = self.model
+        bounds = _checked_bounds(model, bounds)
+        global_batch = _checked_batch(global_batch)
+        if (
+            not isinstance(sums_out, np.ndarray)
+            or sums_out.shape != (model.n_params + 1,)
+            or sums_out.dtype != np.float64
+            or not sums_out.flags.c_contiguous
+            or not sums_out.flags.writeable
+        ):
+            raise ValueError(
+                f"sums_out must be a writable contiguous float64 array of shape "
+                f"({model.n_params + 1},), got {describe(sums_out)}"
+            )
+        if global_batch < self._m:
+            raise ValueError(
+                f"global batch {global_batch} is smaller than this rank's shard of {self._m}"
+            )
+        exponents = extraction_exponents(bounds, global_batch)  # raises for NaN or infinity
+        if np.any(bounds < self._local_bounds):
+            raise ValueError(
+                "bounds are below this rank's own peaks: MAX-allreduce the local_pass bounds "
+                "of every rank before accumulate"
+            )
+        magics = np.ldexp(1.5, exponents)  # M_s = 1.5 * 2^E_s
+        units = np.ldexp(1.0, exponents - UNIT_BITS)  # ulp(M_s)
+        m = self._m
+        accumulate_(
+            self._layers, self._inputs[: m * model.sizes[0]].reshape(m, model.sizes[0]),
+            self._activations, self._deltas, self._losses, magics, units, self._widened,
+            self._counts, sums_out,
+        )  # fmt: skip
+
+    def sample_terms(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        """Views of the last pass: each layer's (m, fan_in) input and (m, fan_out) delta; losses."""
+        if self._m is None:
+            raise ValueError("no local_pass has run yet")
+        m, model = self._m, self.model
+        inputs = [self._inputs[: m * model.sizes[0]].reshape(m, model.sizes[0])]
+        deltas = []
+        for layer, (_, fan_out) in enumerate(model.layer_shapes()):
+            start = m * int(self._layers[layer, WIDTH_BEFORE])
+            deltas.append(self._deltas[start : start + m * fan_out].reshape(m, fan_out))
+            if layer < model.n_layers - 1:
+                inputs.append(self._activations[start : start + m * fan_out].reshape(m, fan_out))
+        return inputs, deltas, self._losses[:m]
+
+    def _check_batch(self, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """X and y as the kernels need them (C-contiguous, right dtypes), or a ValueError."""
+        model = self.model
+        features, outputs = model.sizes[0], model.sizes[-1]
+        X = np.ascontiguousarray(X, dtype=model.dtype)
+        if X.ndim != 2 or X.shape[1] != features:
+            raise ValueError(f"X must have shape (m, {features}), got shape {X.shape}")
+        m = X.shape[0]
+        if m > self.max_batch:
+            raise ValueError(f"micro-batch of {m} samples exceeds max_batch={self.max_batch}")
+        if model.loss == "xent":
+            y = np.asarray(y)
+            if y.shape != (m,) or (y.dtype.kind not in "iu" and m > 0):
+                raise ValueError(
+                    f"labels must be an integer array of shape ({m},), got {describe(y)}"
+                )
+            y = np.ascontiguousarray(y, dtype=np.int64)
+            if m and (y.min() < 0 or y.max() >= outputs):
+                raise ValueError(f"labels must lie in [0, {outputs}), got {y.min()}..{y.max()}")
+        else:
+            y = np.ascontiguousarray(y, dtype=model.dtype)
+            if y.shape != (m, outputs):
+                raise ValueError(f"targets must have shape ({m}, {outputs}), got {y.shape}")
+        return X, y
+
+
+def _check_flat(model: MLP, name: str, flat: np.ndarray) -> None:
+    """ValueError unless `flat` is a contiguous (n_params,) array of the model's dtype."""
+    if (
+        not isinstance(flat, np.ndarray)
+        or flat.shape != (model.n_params,)
+        or flat.dtype != model.dtype
+        or not flat.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"{name} must be a contiguous {model.dtype} array of shape ({model.n_params},), "
+            f"got {describe(flat)}"
+        )
+
+
+def _check_bounds_buffer(count: int, bounds_out: np.ndarray) -> None:
+    """ValueError unless bounds_out is a writable contiguous float64 array of `count` entries."""
+    if (
+        not isinstance(bounds_out, np.ndarray)
+        or bounds_out.shape != (count,)
+        or bounds_out.dtype != np.float64
+        or not bounds_out.flags.c_contiguous
+        or not bounds_out.flags.writeable
+    ):
+        raise ValueError(
+            f"bounds_out must be a writable contiguous float64 array of shape ({count},), "
+            f"got {describe(bounds_out)}"
+        )
+
+
+def _checked_bounds(model: MLP, bounds: np.ndarray) -> np.ndarray:
+    """The agreed peaks as a float64 array of 2 * n_layers + 1 entries >= 0 (NaN/inf pass)."""
+    count = 2 * model.n_layers + 1
+    if not isinstance(bounds, np.ndarray) or bounds.shape != (count,):
+        raise ValueError(f"bounds must be an array of shape ({count},), got {describe(bounds)}")
+    bounds = bounds.astype(np.float64, copy=False)
+    if np.any(bounds < 0):
+        raise ValueError("bounds must be >= 0 (they are peaks of absolute values)")
+    return bounds
+
+
+def _checked_batch(global_batch: int) -> int:
+    """The global batch size as a positive int, or a ValueError."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int | np.integer):
+        raise ValueError(f"global_batch must be an integer, got {global_batch!r}")
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    return int(global_batch)
+
+
+__all__ = ["ExactGradient", "exactness_bound", "extraction_exponents", "slot_bounds"]
