@@ -1,0 +1,616 @@
+"""The α-β-γ (Hockney) cost model of allreduce algorithms: `syncsgd model`.
+
+A message of n bytes between two ranks costs α + nβ (latency α in seconds, β seconds per byte),
+and reducing n bytes locally costs nγ. Every algorithm's time is a·α + b·nβ + c·nγ, with
+coefficients a, b, c that depend only on P. Costs of the algorithms other than the ring are those
+of Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH",
+International Journal of High Performance Computing Applications 19(1):49-66, 2005; the ring is
+their ring reduce-scatter followed by their ring allgather (Patarasuk and Yuan, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations", J. Parallel Distrib. Comput. 69(2), 2009):
+
+    ring                2(P-1)α + 2(P-1)/P·nβ + (P-1)/P·nγ
+    naive               2(P-1)α + 2(P-1)·nβ   + (P-1)·nγ        linear reduce to a root + broadcast
+    recursive-doubling  L(α + nβ + nγ)                           + pre/post if P is not 2^L
+    rabenseifner        2Lα     + 2(p'-1)/p'·nβ + (p'-1)/p'·nγ   + pre/post if P is not 2^L
+    tree                2⌈log2 P⌉(α + nβ) + ⌈log2 P⌉·nγ         binomial-tree reduce + broadcast
+
+where p' = 2^L is the largest power of two ≤ P, L = log2 p'. When P is not a power of two, MPICH
+first folds the r = P - p' extra ranks into their neighbours (α + nβ + nγ) and sends them the result
+at the end (α + nβ), so both algorithms pay 2α + 2nβ + nγ more.
+
+Every time is linear in n, so two algorithms cross at most once, at n = Δ(fixed) / Δ(per byte),
+and the best algorithm by size is the lower envelope of the lines. `--fit bench.json` fits α, β, γ
+to a measured sweep (`syncsgd bench allreduce --json`) by non-negative least squares on relative
+errors. Defaults: α = 2 µs and β = 1/12.5e9 s/B (a 100 Gb/s network), γ = 1e-10 s/B (summing
+float64 at 10 GB/s on one core; `np.add` of 8 MiB ran at 7.8 GB/s on the development machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from syncsgd.argtypes import rank_list
+from syncsgd.files import write_text
+
+ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
+DEFAULT_ALPHA = 2e-6  # seconds per message
+DEFAULT_BETA = 1 / 12.5e9  # seconds per byte: 100 Gb/s
+DEFAULT_GAMMA = 1e-10  # seconds per byte reduced: 10 GB/s
+DEFAULT_RANKS = (2, 8, 1024)
+DEFAULT_SIZES = (8, 1 << 10, 64 << 10, 1 << 20, 64 << 20)
+FIT_BAR_FROM = 64 << 10  # the issue's bar: predictions within 30% from 64 KiB
+
+
+class Params(NamedTuple):
+    """The machine: α seconds per message, β seconds per byte sent, γ seconds per byte reduced."""
+
+    alpha: float
+    beta: float
+    gamma: float
+
+
+class Cost(NamedTuple):
+    """An algorithm's time as a·α + b·nβ + c·nγ."""
+
+    a: float
+    b: float
+    c: float
+
+    def seconds(self, nbytes: float, params: Params) -> float:
+        """The predicted time of one allreduce of `nbytes` bytes."""
+        return self.a * params.alpha + nbytes * (self.b * params.beta + self.c * params.gamma)
+
+
+def cost(algorithm: str, ranks: int) -> Cost:
+    """The α, nβ, nγ coefficients of `algorithm` on `ranks` ranks (Thakur et al. 2005)."""
+    if isinstance(ranks, bool) or not isinstance(ranks, (int, np.integer)) or ranks < 1:
+        raise ValueError(f"the number of ranks must be a positive integer, got {ranks!r}")
+    p = int(ranks)
+    levels = p.bit_length() - 1  # L = floor(log2 P)
+    pow2 = 1 << levels  # p', the ranks left after folding in the extra ones
+    fold = 0 if pow2 == p else 1  # pre step α + nβ + nγ, post step α + nβ
+    depth = (p - 1).bit_length()  # ceil(log2 P), the height of a binomial tree
+    if algorithm == "ring":
+        return Cost(2 * (p - 1), 2 * (p - 1) / p, (p - 1) / p)
+    if algorithm == "naive":
+        return Cost(2 * (p - 1), 2 * (p - 1), p - 1)
+    if algorithm == "recursive-doubling":
+        return Cost(levels + 2 * fold, levels + 2 * fold, levels + fold)
+    if algorithm == "rabenseifner":
+        share = (pow2 - 1) / pow2
+        return Cost(2 * levels + 2 * fold, 2 * share + 2 * fold, share + fold)
+    if algorithm == "tree":
+        return Cost(2 * depth, 2 * depth, depth)
+    raise ValueError(f"unknown algorithm {algorithm!r} (choose from {', '.join(ALGORITHMS)})")
+
+
+def predict(algorithm: str, ranks: int, nbytes: float, params: Params) -> float:
+    """Predicted seconds of one allreduce of `nbytes` bytes on `ranks` ranks."""
+    return cost(algorithm, ranks).seconds(nbytes, params)
+
+
+# -- where one algorithm overtakes another --------------------------------------------------------
+
+
+class Crossover(NamedTuple):
+    """Above `nbytes` bytes, `faster` beats `slower` (below, the other way round)."""
+
+    ranks: int
+    nbytes: float
+    faster: str
+    slower: str
+
+
+class Region(NamedTuple):
+    """From `start` to `stop` bytes (stop None: no end) the fastest are `algorithms` (tied)."""
+
+    start: float
+    stop: float | None
+    algorithms: tuple[str, ...]
+
+
+def _line(algorithm: str, ranks: int, params: Params) -> tuple[float, float]:
+    """(seconds at n = 0, seconds per byte) of `algorithm`."""
+    c = cost(algorithm, ranks)
+    return c.a * params.alpha, c.b * params.beta + c.c * params.gamma
+
+
+def _same(x: float, y: float) -> bool:
+    return math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-300)
+
+
+def crossovers(ranks: int, params: Params, algorithms: Sequence[str] = ALGORITHMS
+               ) -> list[Crossover]:  # fmt: skip
+    """Every size at which one of `algorithms` overtakes another on `ranks` ranks, by size."""
+    found = []
+    for first, second in itertools.combinations(algorithms, 2):
+        fixed1, slope1 = _line(first, ranks, params)
+        fixed2, slope2 = _line(second, ranks, params)
+        if _same(slope1, slope2) or _same(fixed1, fixed2):
+            continue  # parallel lines never cross; lines that meet at n = 0 cross nowhere after
+        # fixed1 + n slope1 = fixed2 + n slope2
+        nbytes = (fixed2 - fixed1) / (slope1 - slope2)
+        if nbytes > 0:
+            faster, slower = (first, second) if slope1 < slope2 else (second, first)
+            found.append(Crossover(ranks, nbytes, faster, slower))
+    return sorted(found, key=lambda c: c.nbytes)
+
+
+def best_by_size(ranks: int, params: Params, algorithms: Sequence[str] = ALGORITHMS
+                 ) -> list[Region]:  # fmt: skip
+    """The fastest of `algorithms` from 0 bytes upwards: the lower envelope of the cost lines."""
+    if not algorithms:
+        raise ValueError("no algorithms to compare")
+    lines = {name: _line(name, ranks, params) for name in algorithms}
+    # Lines with the same (fixed, slope) are one line shared by several algorithms.
+    groups: list[tuple[float, float, tuple[str, ...]]] = []
+    for name, (fixed, slope) in lines.items():
+        for i, (f, s, names) in enumerate(groups):
+            if _same(f, fixed) and _same(s, slope):
+                groups[i] = (f, s, (*names, name))
+                break
+        else:
+            groups.append((fixed, slope, (name,)))
+    # At n = 0+ the smallest fixed cost wins, ties broken by the smaller slope.
+    current = min(groups, key=lambda g: (g[0], g[1]))
+    start, regions = 0.0, []
+    while True:
+        fixed, slope, names = current
+        # Lines with a smaller slope cut below the current one at n >= start (it is lowest there);
+        # the first to cut takes over, and of lines cutting at the same n the flattest.
+        cuts = [
+            (max((f - fixed) / (slope - s), start), s, group)
+            for group in groups
+            for f, s in [group[:2]]
+            if s < slope and not _same(s, slope)
+        ]
+        if not cuts:
+            regions.append(Region(start, None, names))
+            return regions
+        nbytes, _, current = min(cuts, key=lambda cut: (cut[0], cut[1]))
+        if nbytes > start:
+            regions.append(Region(start, nbytes, names))
+        start = nbytes
+
+
+# -- fitting α, β, γ to a measured sweep ----------------------------------------------------------
+
+PARAM_NAMES = ("alpha", "beta", "gamma")
+
+
+class Sample(NamedTuple):
+    """One measured allreduce: `algorithm` took `seconds` for `nbytes` bytes."""
+
+    algorithm: str
+    nbytes: int
+    seconds: float
+
+
+class FitRow(NamedTuple):
+    """A measurement next to the fitted model's prediction."""
+
+    algorithm: str
+    nbytes: int
+    measured: float  # seconds
+    predicted: float
+    relative_error: float  # (predicted - measured) / measured
+
+
+class Fit(NamedTuple):
+    """The outcome of `fit`: the parameters, which were fitted, and how well they predict."""
+
+    params: Params
+    fitted: tuple[str, ...]  # names from PARAM_NAMES
+    held: tuple[str, ...]
+    note: str  # why a parameter was held although not given, or ""
+    r_squared: float  # of the predicted against the measured times
+    rows: list[FitRow]
+
+
+def fit(samples: Sequence[Sample], ranks: int, held: dict[str, float] | None = None) -> Fit:
+    """Fit the parameters not in `held` to `samples` by non-negative least relative squares.
+
+    Each sample gives one equation a·α + b·nβ + c·nγ = t, divided by t so that an 8-byte message
+    counts as much as a 64 MiB one. The ring, naive, tree and (power-of-two) Rabenseifner costs all
+    scale β and γ as 2:1, so their samples alone fix only 2β + γ: then γ is held at the default
+    (or the --gamma given) and the note says so; recursive-doubling samples separate the two.
+    """
+    held = dict(held or {})
+    unknown = set(held) - set(PARAM_NAMES)
+    if unknown:
+        raise ValueError(f"unknown parameters {sorted(unknown)} (known: {PARAM_NAMES})")
+    if not samples:
+        raise ValueError("no measurements to fit")
+    if ranks < 2:
+        raise ValueError(
+            "a sweep on 1 rank cannot be fitted: a one-rank allreduce sends and adds nothing"
+        )
+    measured = np.array([s.seconds for s in samples], dtype=float)
+    if not np.all(np.isfinite(measured)) or np.any(measured <= 0):
+        raise ValueError("measured times must be positive and finite")
+    design = np.array(
+        [[c.a, c.b * s.nbytes, c.c * s.nbytes] for s in samples for c in [cost(s.algorithm, ranks)]]
+    )
+    weighted = design / measured[:, None]  # relative errors: every equation divided by its t
+    note = ""
+    free = [i for i, name in enumerate(PARAM_NAMES) if name not in held]
+    if not _independent(weighted[:, free]) and 2 in free:
+        held["gamma"] = DEFAULT_GAMMA
+        free.remove(2)
+        note = (
+            f"gamma held at {DEFAULT_GAMMA:g} s/B: these rows scale beta and gamma alike and fix "
+            "only 2*beta + gamma (give --gamma, or fit recursive-doubling rows too)"
+        )
+    if not _independent(weighted[:, free]):
+        names = ", ".join(PARAM_NAMES[i] for i in free)
+        raise ValueError(f"cannot fit {names}: the sweep needs at least two different sizes")
+    fixed = np.array([held.get(name, 0.0) for name in PARAM_NAMES])
+    rest = np.ones(len(samples)) - weighted @ fixed  # what the free parameters must explain
+    values = fixed.copy()
+    values[free] = _nnls(weighted[:, free], rest)
+    params = Params(*map(float, values))
+    predicted = design @ values
+    residual = float(np.sum((predicted - measured) ** 2))
+    spread = float(np.sum((measured - measured.mean()) ** 2))
+    rows = [
+        FitRow(s.algorithm, s.nbytes, s.seconds, float(p), float((p - s.seconds) / s.seconds))
+        for s, p in zip(samples, predicted, strict=True)
+    ]
+    return Fit(
+        params,
+        tuple(PARAM_NAMES[i] for i in free),
+        tuple(name for name in PARAM_NAMES if name in held),
+        note,
+        1 - residual / spread if spread > 0 else math.nan,
+        rows,
+    )
+
+
+def _independent(matrix: np.ndarray) -> bool:
+    """True if the columns of `matrix` are linearly independent (after scaling each to norm 1)."""
+    if matrix.shape[1] == 0:
+        return True
+    norms = np.linalg.norm(matrix, axis=0)
+    if np.any(norms == 0):
+        return False
+    return int(np.linalg.matrix_rank(matrix / norms, tol=1e-9)) == matrix.shape[1]
+
+
+def _nnls(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin |matrix x - target| over x >= 0, by trying every set of zero components (k <= 3)."""
+    k = matrix.shape[1]
+    best, best_residual = np.zeros(k), float(np.sum(target**2))
+    for size in range(1, k + 1):
+        for active in itertools.combinations(range(k), size):
+            cols = list(active)
+            x, *_ = np.linalg.lstsq(matrix[:, cols], target, rcond=None)
+            if np.any(x < 0):
+                continue  # the optimum with these components free lies outside x >= 0
+            candidate = np.zeros(k)
+            candidate[cols] = x
+            residual = float(np.sum((matrix @ candidate - target) ** 2))
+            if residual < best_residual:
+                best, best_residual = candidate, residual
+    return best
+
+
+def load_sweep(path: str, algorithms: Iterable[str] = ("ring",)) -> tuple[int, list[Sample]]:
+    """P and the samples of `algorithms` in a `syncsgd bench allreduce --json` file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except FileNotFoundError:
+        raise ValueError(f"cannot read {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("rows"), list):
+        raise ValueError(f"{path} is not the output of `syncsgd bench allreduce --json` (no rows)")
+    ranks = document.get("ranks")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"{path}: 'ranks' must be a positive integer, got {ranks!r}")
+    wanted = tuple(algorithms)
+    samples = []
+    for number, row in enumerate(document["rows"]):
+        if not isinstance(row, dict) or not {"size_bytes", "algorithm", "time_us"} <= row.keys():
+            raise ValueError(f"{path}: row {number} lacks size_bytes, algorithm or time_us")
+        if row["algorithm"] not in wanted:
+            continue
+        nbytes, micros = row["size_bytes"], row["time_us"]
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"{path}: row {number} has size_bytes {nbytes!r}")
+        if not isinstance(micros, (int, float)) or not math.isfinite(micros) or micros <= 0:
+            raise ValueError(f"{path}: row {number} has time_us {micros!r}")
+        samples.append(Sample(row["algorithm"], nbytes, micros * 1e-6))
+    if not samples:
+        present = sorted({str(row.get("algorithm")) for row in document["rows"]})
+        raise ValueError(
+            f"{path} has no rows of {', '.join(wanted)} (it has: {', '.join(present) or 'none'})"
+        )
+    return ranks, samples
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def parse_quantity(text: str) -> float:
+    """A number >= 0 such as 2e-6, or a quotient such as 1/12.5e9 or 1/(12.5e9)."""
+    parts = text.replace(" ", "").split("/")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        numbers = [float(part.removeprefix("(").removesuffix(")")) for part in parts]
+        value = numbers[0] / numbers[1] if len(numbers) == 2 else numbers[0]
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(
+            f"not a number: {text!r} (e.g. 2e-6 or 1/12.5e9)"
+        ) from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def size_list(text: str) -> list[int]:
+    """Comma-separated byte sizes such as 8,1K,1M,64M."""
+    from syncsgd.benchmarks.allreduce import parse_bytes
+
+    values = [parse_bytes(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected sizes like 8,1K,1M, got {text!r}")
+    return values
+
+
+def algorithm_list(text: str) -> list[str]:
+    """Comma-separated names from ALGORITHMS."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in ALGORITHMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown algorithm {', '.join(unknown) or repr(text)} (choose from "
+            f"{', '.join(ALGORITHMS)})"
+        )
+    return list(dict.fromkeys(names))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `syncsgd model`."""
+    parser.add_argument(
+        "--ranks",
+        type=rank_list,
+        default=list(DEFAULT_RANKS),
+        help="numbers of ranks to predict for (default 2,8,1024)",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=size_list,
+        default=list(DEFAULT_SIZES),
+        help="message sizes in bytes (default 8,1K,64K,1M,64M)",
+    )
+    parser.add_argument(
+        "--algorithms",
+        type=algorithm_list,
+        default=list(ALGORITHMS),
+        help=f"algorithms to compare (default {','.join(ALGORITHMS)})",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=parse_quantity,
+        default=None,
+        help=f"seconds per message (default {DEFAULT_ALPHA:g})",
+    )
+    parser.add_argument(
+        "--beta",
+        type=parse_quantity,
+        default=None,
+        help="seconds per byte sent (default 1/12.5e9: a 100 Gb/s network)",
+    )
+    parser.add_argument(
+        "--gamma",
+        type=parse_quantity,
+        default=None,
+        help=f"seconds per byte reduced (default {DEFAULT_GAMMA:g}: summing at 10 GB/s)",
+    )
+    parser.add_argument(
+        "--fit",
+        metavar="BENCH_JSON",
+        help="fit alpha, beta, gamma to a `syncsgd bench allreduce --json` sweep; "
+        "the ones given on the command line are held fixed",
+    )
+    parser.add_argument(
+        "--fit-algorithms",
+        type=algorithm_list,
+        default=["ring"],
+        help="the rows of the sweep to fit (default ring)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the predictions as JSON")
+
+
+def main(options: argparse.Namespace) -> int:
+    """`syncsgd model`: the prediction table, the crossovers and, with --fit, the fit."""
+    if options.json:
+        from syncsgd.cli import check_output_path
+
+        check_output_path(options.json)
+    given = {
+        name: getattr(options, name)
+        for name in PARAM_NAMES
+        if getattr(options, name, None) is not None
+    }
+    result: dict[str, Any] = {}
+    lines: list[str] = []
+    if options.fit:
+        sweep_ranks, samples = load_sweep(options.fit, options.fit_algorithms)
+        fitted = fit(samples, sweep_ranks, given)
+        params = fitted.params
+        lines += describe_fit(fitted, options.fit, sweep_ranks)
+        result["fit"] = fit_json(fitted, options.fit, sweep_ranks)
+    else:
+        defaults = {"alpha": DEFAULT_ALPHA, "beta": DEFAULT_BETA, "gamma": DEFAULT_GAMMA}
+        params = Params(**{**defaults, **given})
+    lines.append(describe_params(params))
+    lines += prediction_table(options.ranks, options.sizes, options.algorithms, params)
+    for ranks in options.ranks:
+        lines += describe_crossovers(ranks, params, options.algorithms)
+    print("\n".join(lines))
+    if options.json:
+        result.update(predictions_json(options.ranks, options.sizes, options.algorithms, params))
+        write_text(options.json, json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def format_seconds(seconds: float) -> str:
+    """3 significant digits in s, ms, us or ns."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns" if seconds > 0 else "0 s"
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes in B, KiB, MiB, GiB or TiB, 3 significant digits."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.3g} B"
+
+
+def describe_params(params: Params) -> str:
+    """One line with α, β, γ and the bandwidths they mean."""
+
+    def rate(per_byte: float) -> str:
+        return f" ({1 / per_byte / 1e9:.3g} GB/s)" if per_byte > 0 else ""
+
+    return (
+        f"# alpha = {format_seconds(params.alpha)} per message, beta = {params.beta:.3g} s/B"
+        f"{rate(params.beta)}, gamma = {params.gamma:.3g} s/B{rate(params.gamma)}"
+    )
+
+
+def prediction_table(ranks: Sequence[int], sizes: Sequence[int], algorithms: Sequence[str],
+                     params: Params) -> list[str]:  # fmt: skip
+    """Predicted time of every algorithm for every (P, size); '*' marks the fastest."""
+    widths = [max(len(name), 10) for name in algorithms]
+    header = f"{'ranks':>7} {'size':>9}  " + "  ".join(
+        f"{name:>{w}}" for name, w in zip(algorithms, widths, strict=True)
+    )
+    lines = [header + "  best"]
+    for p in ranks:
+        for nbytes in sizes:
+            times = [predict(name, p, nbytes, params) for name in algorithms]
+            fastest = min(times)
+            marks = ["*" if _same(t, fastest) else " " for t in times]
+            cells = "  ".join(
+                f"{format_seconds(t) + mark:>{w + 1}}"
+                for t, mark, w in zip(times, marks, widths, strict=True)
+            )
+            best = " = ".join(n for n, m in zip(algorithms, marks, strict=True) if m == "*")
+            lines.append(f"{p:>7} {format_bytes(nbytes):>9} {cells}  {best}")
+    return lines
+
+
+def describe_crossovers(ranks: int, params: Params, algorithms: Sequence[str]) -> list[str]:
+    """The fastest algorithm by size on `ranks` ranks, and every pairwise crossover."""
+    regions = best_by_size(ranks, params, algorithms)
+    envelope = " | ".join(
+        " = ".join(r.algorithms) + (f" up to {format_bytes(r.stop)}" if r.stop else " beyond")
+        for r in regions
+    )
+    if len(regions) == 1:
+        envelope = " = ".join(regions[0].algorithms) + " at every size"
+    lines = [f"# P = {ranks}: fastest: {envelope}"]
+    for c in crossovers(ranks, params, algorithms):
+        lines.append(f"#   {c.faster} overtakes {c.slower} above {format_bytes(c.nbytes)}")
+    return lines
+
+
+def describe_fit(result: Fit, path: str, ranks: int) -> list[str]:
+    """The fitted parameters, R², and each measurement next to its prediction."""
+    algorithms = ", ".join(dict.fromkeys(row.algorithm for row in result.rows))
+    fitted = ", ".join(result.fitted) or "nothing"
+    held = f"; held: {', '.join(result.held)}" if result.held else ""
+    lines = [
+        f"# fit to {len(result.rows)} {algorithms} rows of {path} (P = {ranks}): "
+        f"fitted {fitted}{held}"
+    ]
+    if result.note:
+        lines.append(f"# note: {result.note}")
+    lines.append(f"{'algorithm':>18} {'size':>9} {'measured':>10} {'predicted':>10} {'error':>7}")
+    for row in result.rows:
+        lines.append(
+            f"{row.algorithm:>18} {format_bytes(row.nbytes):>9} {format_seconds(row.measured):>10} "
+            f"{format_seconds(row.predicted):>10} {row.relative_error:>+7.1%}"
+        )
+    errors = [abs(row.relative_error) for row in result.rows]
+    large = [abs(row.relative_error) for row in result.rows if row.nbytes >= FIT_BAR_FROM]
+    summary = f"# R^2 = {result.r_squared:.4f}; |error| median {np.median(errors):.1%}, max "
+    summary += f"{max(errors):.1%}"
+    if large:
+        summary += f"; from {format_bytes(FIT_BAR_FROM)}: max {max(large):.1%}"
+    lines.append(summary)
+    return lines
+
+
+def fit_json(result: Fit, path: str, ranks: int) -> dict[str, Any]:
+    """The fit as a JSON-ready dict."""
+    large = [abs(row.relative_error) for row in result.rows if row.nbytes >= FIT_BAR_FROM]
+    return {
+        "source": path,
+        "ranks": ranks,
+        "params": result.params._asdict(),
+        "fitted": list(result.fitted),
+        "held": list(result.held),
+        "note": result.note,
+        "r_squared": None if math.isnan(result.r_squared) else result.r_squared,
+        "max_relative_error_from_64KiB": max(large) if large else None,
+        "rows": [
+            {
+                "algorithm": row.algorithm,
+                "size_bytes": row.nbytes,
+                "measured_s": row.measured,
+                "predicted_s": row.predicted,
+                "relative_error": row.relative_error,
+            }
+            for row in result.rows
+        ],  # fmt: skip
+    }
+
+
+def predictions_json(ranks: Sequence[int], sizes: Sequence[int], algorithms: Sequence[str],
+                     params: Params) -> dict[str, Any]:  # fmt: skip
+    """Predictions, the fastest algorithm by size, and crossovers, as a JSON-ready dict."""
+    rows = []
+    for p in ranks:
+        for nbytes in sizes:
+            times = {name: predict(name, p, nbytes, params) for name in algorithms}
+            fastest = min(times.values())
+            rows += [
+                {"ranks": p, "size_bytes": nbytes, "algorithm": name, "seconds": t,
+                 "best": _same(t, fastest)}
+                for name, t in times.items()
+            ]  # fmt: skip
+    return {
+        "params": params._asdict(),
+        "predictions": rows,
+        "fastest": [
+            {
+                "ranks": p,
+                "from_bytes": r.start,
+                "to_bytes": r.stop,
+                "algorithms": list(r.algorithms),
+            }
+            for p in ranks
+            for r in best_by_size(p, params, algorithms)
+        ],
+        "crossovers": [c._asdict() for p in ranks for c in crossovers(p, params, algorithms)],
+    }

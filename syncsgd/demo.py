@@ -1,0 +1,419 @@
+"""`syncsgd ring-demo`: every step of an allreduce on small integers, printed or drawn.
+
+    syncsgd ring-demo --ranks 3 --length 7
+    syncsgd ring-demo --ranks 4 --length 10 --png ring.png
+
+P thread ranks run the allreduce on int64 buffers. Rank r starts with 10**r in every element
+(for P <= 9), so each decimal digit of a partial sum says which ranks it already contains: 101 is
+ranks 0 and 2, and the final 111 is everyone; a 2 would be a rank counted twice. (For P > 9 rank
+r starts with r + 1.) The trace callback runs on each rank's thread right after each step, and
+copies the rank's buffer there; the steps are then printed in order, each rank's buffer with the
+chunk it just received in [brackets] (in colour on a terminal), with the chunk sent and to whom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from syncsgd.argtypes import nonnegative_int, positive_int
+from syncsgd.comm import run_threads
+from syncsgd.ring import chunk_bounds, ring_allreduce
+
+MAX_RANKS = 16  # a demo: 2(P-1) steps of P lines each
+MAX_LENGTH = 64
+DIGIT_RANKS = 9  # up to here rank r starts with 10**r, one decimal digit per rank
+NO_ALGORITHM_STEPS = ("mpi",)  # the library's own Allreduce: no steps to show
+
+ADDED = "\x1b[1;30;43m"  # bold black on yellow: the chunk just reduced
+COPIED = "\x1b[1;30;42m"  # bold black on green: a finished chunk just received
+DIM = "\x1b[2m"
+SENT = "\x1b[4m"  # underlined: the chunk just sent
+RESET = "\x1b[0m"
+
+
+class Snapshot(NamedTuple):
+    """A trace event and the rank's buffer right after that step."""
+
+    event: Any  # a syncsgd.ring.TraceEvent, or a collective's event with the same fields
+    buffer: np.ndarray
+
+
+class Demo(NamedTuple):
+    """A finished demo run: the buffers before, after each step, and at the end."""
+
+    algorithm: str
+    ranks: int
+    length: int
+    start: list[np.ndarray]  # per rank
+    steps: list[tuple[tuple[str, int], list[Snapshot]]]  # ((phase, step), events) in order
+    final: list[np.ndarray]  # per rank
+    expected: np.ndarray  # the NumPy sum of the starting buffers
+
+    @property
+    def correct(self) -> bool:
+        """True if every rank ends with exactly the NumPy sum."""
+        return all(np.array_equal(buf, self.expected) for buf in self.final)
+
+
+def starting_buffer(rank: int, ranks: int, length: int) -> np.ndarray:
+    """Rank `rank`'s buffer: 10**rank everywhere (one digit per rank), or rank + 1 for P > 9."""
+    value = 10**rank if ranks <= DIGIT_RANKS else rank + 1
+    return np.full(length, value, dtype=np.int64)
+
+
+def contributors(values: np.ndarray, ranks: int) -> np.ndarray:
+    """The share of the final sum in each element: ranks counted / P (P <= 9), else value / sum."""
+    if ranks > DIGIT_RANKS:
+        return values / (ranks * (ranks + 1) // 2)
+    digits = (values[:, None] // 10 ** np.arange(ranks)) % 10
+    return np.count_nonzero(digits, axis=1) / ranks
+
+
+def resolve_allreduce(algorithm: str) -> Callable[..., Any]:
+    """The function `f(buf, comm, *, trace)` that runs `algorithm`."""
+    if algorithm == "ring":
+        return ring_allreduce
+    if algorithm in NO_ALGORITHM_STEPS:
+        raise ValueError(f"{algorithm} is the library's own Allreduce: it has no steps to show")
+    try:
+        from syncsgd import collectives  # type: ignore[attr-defined]
+    except ImportError:
+        raise ValueError(f"unknown algorithm {algorithm!r}: only ring is available") from None
+    known = [name for name in getattr(collectives, "ALGORITHMS", ()) if name not in ("mpi",)]
+    if algorithm not in known:
+        raise ValueError(f"unknown algorithm {algorithm!r} (choose from {', '.join(known)})")
+    return functools.partial(collectives.allreduce, algorithm=algorithm)
+
+
+def _rank_run(comm: Any, allreduce: Callable[..., Any], length: int
+              ) -> tuple[np.ndarray, list[Snapshot], np.ndarray]:  # fmt: skip
+    """One rank: the starting buffer, a snapshot after every step, and the result."""
+    buf = starting_buffer(comm.Get_rank(), comm.Get_size(), length)
+    start = buf.copy()
+    snapshots: list[Snapshot] = []
+
+    def trace(event: Any) -> None:
+        snapshots.append(Snapshot(event, buf.copy()))  # runs on this rank's thread, after the step
+
+    allreduce(buf, comm, trace=trace)
+    return start, snapshots, buf
+
+
+def run_demo(ranks: int, length: int, algorithm: str = "ring",
+             allreduce: Callable[..., Any] | None = None) -> Demo:  # fmt: skip
+    """Run `algorithm` (or the given `allreduce(buf, comm, *, trace)`) on thread ranks."""
+    if not 1 <= ranks <= MAX_RANKS:
+        raise ValueError(f"ring-demo shows 1 to {MAX_RANKS} ranks, got {ranks}")
+    if not 0 <= length <= MAX_LENGTH:
+        raise ValueError(f"ring-demo shows 0 to {MAX_LENGTH} elements, got {length}")
+    function = allreduce if allreduce is not None else resolve_allreduce(algorithm)
+    results = run_threads(ranks, _rank_run, function, length)
+    start = [result[0] for result in results]
+    return Demo(
+        algorithm, ranks, length, start, _group_steps([result[1] for result in results]),
+        [result[2] for result in results], np.sum(start, axis=0, dtype=np.int64),
+    )  # fmt: skip
+
+
+def _group_steps(
+    per_rank: Sequence[list[Snapshot]],
+) -> list[tuple[tuple[str, int], list[Snapshot]]]:
+    """The (phase, step) groups in an order that agrees with every rank's own order of steps."""
+    order: list[tuple[str, int]] = []
+    for snapshots in per_rank:
+        position = 0
+        for snapshot in snapshots:
+            key = (snapshot.event.phase, snapshot.event.step)
+            if key in order:
+                position = order.index(key) + 1
+            else:
+                order.insert(position, key)
+                position += 1
+    return [
+        (key, [s for snapshots in per_rank for s in snapshots
+               if (s.event.phase, s.event.step) == key])
+        for key in order
+    ]  # fmt: skip
+
+
+# -- text -----------------------------------------------------------------------------------------
+
+
+def _peers(event: Any, algorithm: str, ranks: int) -> tuple[int | None, int | None]:
+    """The rank the step sent to and the rank it received from, where known."""
+    to = next((getattr(event, a) for a in ("send_to", "dest", "peer") if hasattr(event, a)), None)
+    came = next(
+        (getattr(event, a) for a in ("recv_from", "source", "peer") if hasattr(event, a)), None
+    )
+    if algorithm == "ring":
+        to, came = (event.rank + 1) % ranks, (event.rank - 1) % ranks
+    return to, came
+
+
+def _is_reduction(phase: str) -> bool:
+    """True if the chunk received in `phase` was added to the rank's own (not just copied in)."""
+    return "reduce" in phase or phase in ("recursive-doubling", "recursive-halving", "pre")
+
+
+def format_buffer(values: np.ndarray, width: int, mark: tuple[int, int] | None = None,
+                  style: str = "", color: bool = False,
+                  sent: tuple[int, int] | None = None) -> str:  # fmt: skip
+    """The elements in columns of `width`; the range `mark` in [brackets], or in colour `style`.
+
+    In colour the range `sent` is underlined too; in plain text only `mark` is shown.
+    """
+    start, stop = mark if mark and mark[0] < mark[1] else (-1, -1)
+    sent_start, sent_stop = sent if sent else (-1, -1)
+    cells = []
+    for i, value in enumerate(values.tolist()):
+        text = f"{value:>{width}}"
+        if color:
+            if start <= i < stop:
+                text = f"{style}{text}{RESET}"
+            elif sent_start <= i < sent_stop:
+                text = f"{SENT}{text}{RESET}"
+            cells.append(" " + text)
+        else:
+            cells.append(("[" if i == start else "]" if i == stop else " ") + text)
+    if not color:  # the closing bracket after the last element, or a space to keep columns
+        cells.append("]" if stop == len(values) and start >= 0 else " ")
+    return "".join(cells)
+
+
+def _count(number: int, noun: str) -> str:
+    """'1 rank', '3 ranks'."""
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def _chunk_name(chunk: int, span: tuple[int, int]) -> str:
+    """'chunk 2', or the element range where the algorithm has no chunk number; '(empty)'."""
+    name = f"chunk {chunk}" if chunk >= 0 else f"elements {span[0]}:{span[1]}"
+    return name + (" (empty)" if span[1] <= span[0] else "")
+
+
+def render_text(demo: Demo, color: bool = False) -> str:
+    """Every step of `demo`: each rank's buffer, the chunk received marked, the chunk sent."""
+    p, n = demo.ranks, demo.length
+    everything = [*demo.start, *demo.final] + [s.buffer for _, group in demo.steps for s in group]
+    width = max([len(str(int(v))) for buf in everything for v in buf] or [1])
+    elements, ranks = _count(n, "int64 element"), _count(p, "thread rank")
+    lines = [f"{demo.algorithm} allreduce of {elements} over {ranks}"]
+    if p == 1:
+        lines.append("one rank has nobody to talk to: its buffer is already the sum")
+    elif p <= DIGIT_RANKS:
+        lines.append("rank r starts with 10**r in every element: digit r of a sum (from the right)")
+        lines.append(f"says whether rank r is in it, and {'1' * p} means all {p} ranks")
+    else:
+        lines.append(f"rank r starts with r + 1 in every element; the sum is {p * (p + 1) // 2}")
+    if demo.algorithm == "ring" and p > 1:
+        bounds = chunk_bounds(n, p)
+        spans = "  ".join(f"{c} = [{bounds[c]}:{bounds[c + 1]})" for c in range(p))
+        lines.append(f"chunks (as numpy.array_split): {spans}")
+        lines.append(
+            f"reduce-scatter: {p - 1} steps, each rank adds the chunk from its left neighbour"
+        )
+        lines.append(f"allgather: {p - 1} steps, the finished chunks travel around the ring")
+    marked = "in colour" if color else "in [brackets]"
+    lines.append(f"the chunk each rank just received is {marked}")
+    lines += ["", "start"]
+    label = max(len(f"rank {p - 1}"), 6)
+    for rank, buf in enumerate(demo.start):
+        lines.append(f"  {f'rank {rank}':<{label}}: " + format_buffer(buf, width, None, "", color))
+    current = list(demo.start)
+    phase_steps: dict[str, int] = {}
+    for (phase, _), _group in demo.steps:
+        phase_steps[phase] = phase_steps.get(phase, 0) + 1
+    for (phase, step), group in demo.steps:
+        lines += ["", f"{phase} step {step + 1} of {phase_steps[phase]}"]
+        by_rank: dict[int, list[Snapshot]] = {}
+        for snapshot in group:
+            by_rank.setdefault(snapshot.event.rank, []).append(snapshot)
+        for rank in range(p):
+            name = f"  {f'rank {rank}':<{label}}: "
+            if rank not in by_rank:
+                idle = format_buffer(current[rank], width, None, "", False)
+                lines.append(name + (f"{DIM}{idle}  (idle){RESET}" if color else idle + "  (idle)"))
+                continue
+            for snapshot in by_rank[rank]:
+                lines.append(name + _step_text(snapshot, demo, width, color))
+                current[rank] = snapshot.buffer
+    lines += ["", "result"]
+    for rank, buf in enumerate(demo.final):
+        lines.append(f"  {f'rank {rank}':<{label}}: " + format_buffer(buf, width, None, "", color))
+    lines.append(f"  {'NumPy':<{label}}: " + format_buffer(demo.expected, width, None, "", color))
+    verdict = "equal to the NumPy sum on every rank" if demo.correct else "WRONG: not the NumPy sum"
+    lines.append(f"{demo.algorithm} allreduce result: {verdict}")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _step_text(snapshot: Snapshot, demo: Demo, width: int, color: bool) -> str:
+    """One rank's line in one step: its buffer, then what it sent and received."""
+    event = snapshot.event
+    added = _is_reduction(event.phase)
+    received = tuple(event.recv_range)
+    style = ADDED if added else COPIED
+    sent = tuple(event.send_range)
+    buffer = format_buffer(snapshot.buffer, width, received, style, color, sent)
+    to, came = _peers(event, demo.algorithm, demo.ranks)
+    parts = [
+        (f"-> rank {to}: " if to is not None else "sent ")
+        + _chunk_name(event.send_chunk, tuple(event.send_range)),
+        (f"<- rank {came}: " if came is not None else "received ")
+        + _chunk_name(event.recv_chunk, received)
+        + ("" if received[1] <= received[0] else " (added)" if added else " (copied)"),
+    ]
+    return buffer + "   " + "; ".join(parts)
+
+
+# -- figure ---------------------------------------------------------------------------------------
+
+
+def draw_png(demo: Demo, path: str) -> None:
+    """Draw the steps of `demo` as a grid of steps x ranks and write it to `path` as a PNG."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RuntimeError("--png needs matplotlib: pip install 'syncsgd[plot]'") from None
+    from syncsgd.files import atomic_path
+
+    p, n = demo.ranks, demo.length
+    rows = _figure_rows(demo)
+    pitch = max(n, 6) + 1.5  # x distance of two ranks' buffers: room for the labels
+    width, height = p * pitch + 12, len(rows) * ROW_HEIGHT + 3  # in element boxes
+    inches = min(0.3, 40 / width)  # per element box; at most 40 inches wide
+    figure = Figure(figsize=(width * inches, height * inches + 0.8))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for row, (name, buffers, events) in enumerate(rows):
+        y = -row * ROW_HEIGHT
+        axes.text(-0.6, y + 0.5, name, ha="right", va="center", fontsize=8)
+        for rank in range(p):
+            _draw_cell(axes, demo, rank * pitch, y, buffers[rank], events[rank])
+    for rank in range(p):
+        axes.text(rank * pitch + n / 2, 1.4, f"rank {rank}", ha="center", fontsize=9)
+    axes.set_xlim(-12, p * pitch)
+    axes.set_ylim(-(len(rows) - 1) * ROW_HEIGHT - 1.2, 2.2)
+    axes.set_aspect("equal")
+    axes.axis("off")
+    axes.set_title(
+        f"{demo.algorithm} allreduce, {_count(p, 'rank')}, {_count(n, 'element')}\n"
+        "darker = more ranks summed in; framed = just received (red: added, green: copied)",
+        fontsize=9,
+    )
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+
+
+ROW_HEIGHT = 2.2  # in element boxes: one row of boxes, a line of labels, a gap
+
+
+def _figure_rows(demo: Demo) -> list[tuple[str, list[np.ndarray], list[Snapshot | None]]]:
+    """(name, every rank's buffer, every rank's step or None) for the start and each step."""
+    rows: list[tuple[str, list[np.ndarray], list[Snapshot | None]]] = [
+        ("start", list(demo.start), [None] * demo.ranks)
+    ]
+    current = list(demo.start)
+    for (phase, step), group in demo.steps:
+        events: list[Snapshot | None] = [None] * demo.ranks
+        for snapshot in group:
+            events[snapshot.event.rank] = snapshot
+            current[snapshot.event.rank] = snapshot.buffer
+        rows.append((f"{phase} {step + 1}", list(current), events))
+    return rows
+
+
+def _draw_cell(axes: Any, demo: Demo, x0: float, y: float, values: np.ndarray,
+               snapshot: Snapshot | None) -> None:  # fmt: skip
+    """One rank's buffer at (x0, y): boxes shaded by share of the sum, the received range framed."""
+    from matplotlib import colormaps
+    from matplotlib.patches import Rectangle
+
+    palette = colormaps["tab10"]
+    bounds = chunk_bounds(demo.length, demo.ranks)
+    share = contributors(values, demo.ranks)
+    for i, value in enumerate(values.tolist()):
+        chunk = int(np.searchsorted(bounds, i, side="right")) - 1
+        hue = np.array(palette(chunk % 10 if demo.algorithm == "ring" else 0)[:3])
+        strength = 0.12 + 0.88 * min(float(share[i]), 1.0)
+        face = (1 - strength) * np.ones(3) + strength * hue
+        axes.add_patch(Rectangle((x0 + i, y), 1, 1, facecolor=face, edgecolor="white"))
+        if demo.ranks * demo.length <= 160:
+            axes.text(x0 + i + 0.5, y + 0.5, str(value), ha="center", va="center", fontsize=5)
+    if snapshot is None:
+        return
+    event = snapshot.event
+    lo, hi = event.recv_range
+    added = _is_reduction(event.phase)
+    if hi > lo:
+        edge = "crimson" if added else "darkgreen"
+        axes.add_patch(Rectangle((x0 + lo, y), hi - lo, 1, fill=False, linewidth=2, edgecolor=edge))
+    to, came = _peers(event, demo.algorithm, demo.ranks)
+    label = []
+    if event.send_range[1] > event.send_range[0]:
+        label.append(f"sent c{event.send_chunk}" + (f" to {to}" if to is not None else ""))
+    if hi > lo:
+        source = f" from {came}" if came is not None else ""
+        label.append(f"{'added' if added else 'got'} c{event.recv_chunk}{source}")
+    axes.text(x0 + demo.length / 2, y - 0.15, ", ".join(label), ha="center", va="top", fontsize=6)
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `syncsgd ring-demo`."""
+    parser.add_argument(
+        "--ranks", type=positive_int, default=4, help=f"thread ranks, 1..{MAX_RANKS} (default 4)"
+    )
+    parser.add_argument(
+        "--length",
+        type=nonnegative_int,
+        default=10,
+        help=f"elements per buffer, 0..{MAX_LENGTH} (default 10)",
+    )
+    parser.add_argument(
+        "--algorithm",
+        default="ring",
+        help="the allreduce to show (default ring; others from syncsgd.collectives)",
+    )
+    parser.add_argument("--png", metavar="PATH", help="also draw the steps into this PNG file")
+    parser.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="highlight in colour: auto = on a terminal unless NO_COLOR is set (default auto)",
+    )
+
+
+def use_color(choice: str, stream: Any = None) -> bool:
+    """Whether to print ANSI colours for --color `choice` on `stream` (default stdout)."""
+    if choice in ("always", "never"):
+        return choice == "always"
+    stream = sys.stdout if stream is None else stream
+    terminal = hasattr(stream, "isatty") and stream.isatty()
+    return terminal and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+
+
+def main(options: argparse.Namespace) -> int:
+    """`syncsgd ring-demo`: print every step; 1 if the result is not the NumPy sum."""
+    if options.png:
+        from syncsgd.cli import check_output_path
+
+        check_output_path(options.png)
+    demo = run_demo(options.ranks, options.length, options.algorithm)
+    print(render_text(demo, use_color(options.color)))
+    if options.png:
+        draw_png(demo, options.png)
+        print(f"wrote {options.png}")
+    if not demo.correct:
+        print(f"syncsgd: ring-demo: the {demo.algorithm} result is not the sum", file=sys.stderr)
+        return 1
+    return 0
