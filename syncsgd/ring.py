@@ -71,7 +71,6 @@ class RingStep(NamedTuple):
     recv_chunk: int
     send: slice  # elements of the flattened buffer that go right
     recv: slice  # elements of the flattened buffer that the incoming chunk belongs to
-    into: np.ndarray | None  # reduce-scatter: the scratch view the chunk arrives in; else None
 
 
 class RingPlan(NamedTuple):
@@ -81,7 +80,8 @@ class RingPlan(NamedTuple):
     left: int  # the neighbour we receive from
     tag: int  # the tag of our messages while nothing is wrong: our buffer's signature << 1
     reduce_scatter: tuple[RingStep, ...]  # P-1 steps
-    allgather: tuple[RingStep, ...]  # P-1 steps
+    arrivals: tuple[np.ndarray, ...]  # the scratch view reduce-scatter step s receives into
+    allgather: tuple[RingStep, ...]  # P-1 steps; chunks arrive straight in the buffer
 
 
 def chunk_bounds(length: int, parts: int) -> list[int]:
@@ -95,16 +95,16 @@ def make_plan(length: int, dtype: np.dtype, size: int, rank: int, scratch: np.nd
     bounds = chunk_bounds(length, size)
     chunk = [slice(bounds[c], bounds[c + 1]) for c in range(size)]
 
-    def step(send_chunk: int, recv_chunk: int, reduce: bool) -> RingStep:
-        recv = chunk[recv_chunk]
-        into = scratch[: recv.stop - recv.start] if reduce else None
-        return RingStep(send_chunk, recv_chunk, chunk[send_chunk], recv, into)
+    def step(send_chunk: int, recv_chunk: int) -> RingStep:
+        return RingStep(send_chunk, recv_chunk, chunk[send_chunk], chunk[recv_chunk])
 
     steps = range(size - 1)
-    reduce_scatter = tuple(step((rank - s) % size, (rank - s - 1) % size, True) for s in steps)
-    allgather = tuple(step((rank + 1 - s) % size, (rank - s) % size, False) for s in steps)
+    reduce_scatter = tuple(step((rank - s) % size, (rank - s - 1) % size) for s in steps)
+    arrivals = tuple(scratch[: s.recv.stop - s.recv.start] for s in reduce_scatter)
+    allgather = tuple(step((rank + 1 - s) % size, (rank - s) % size) for s in steps)
     signature = (length % _LENGTH_MODULUS) * 4 + _DTYPE_CODE.get(dtype, _NO_DTYPE)
-    return RingPlan((rank + 1) % size, (rank - 1) % size, signature << 1, reduce_scatter, allgather)
+    neighbours = (rank + 1) % size, (rank - 1) % size
+    return RingPlan(*neighbours, signature << 1, reduce_scatter, arrivals, allgather)
 
 
 def buffer_problem(buf: Any) -> str | None:
@@ -185,7 +185,9 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         flat = _NOTHING
     else:  # a flat view of the same memory (plain ndarray: np.matrix & co. stay 2-D when raveled)
         flat = (buf if type(buf) is np.ndarray else buf.view(np.ndarray)).ravel()
-    right, left, tag, reduce_scatter, allgather = ring_plan(flat.size, flat.dtype, size, rank)
+    right, left, tag, reduce_scatter, arrivals, allgather = ring_plan(
+        flat.size, flat.dtype, size, rank
+    )
     if problem:  # take part with empty messages and the flag raised, then report it
         tag |= 1
     mpi = constants(comm)
@@ -193,8 +195,9 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
     mismatch = ""  # how the left neighbour's buffer differs from ours, once seen
 
     # Reduce-scatter: after step s, the chunk received has been summed over s + 2 ranks.
-    for step, (_, _, send, recv, incoming) in enumerate(reduce_scatter):
+    for step, (_, _, send, recv) in enumerate(reduce_scatter):
         start = time.perf_counter() if trace is not None else 0.0
+        incoming = arrivals[step]
         try:
             comm.Sendrecv(flat[send], right, tag, incoming, left, any_tag, status)
             count = status.Get_count()
@@ -211,7 +214,7 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
             trace(_event("reduce-scatter", step, rank, reduce_scatter[step], flat, start))
 
     # Allgather: pass the finished chunks around; each arrives straight in its place.
-    for step, (_, _, send, recv, _) in enumerate(allgather):
+    for step, (_, _, send, recv) in enumerate(allgather):
         start = time.perf_counter() if trace is not None else 0.0
         incoming = flat[recv]
         try:
