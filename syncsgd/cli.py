@@ -85,6 +85,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, single_run: bool = T
 
     `single_run=False` (verify) leaves out the choice of ranks and backend, and the outputs.
     """
+    from syncsgd.collectives import ALGORITHMS
     from syncsgd.optim import LR_SCALINGS, SCHEDULES
     from syncsgd.pitfalls import PITFALLS
     from syncsgd.training import DATA_SOURCES, TrainConfig
@@ -93,6 +94,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, single_run: bool = T
     run = parser.add_argument_group("ranks")
     if single_run:
         add_rank_arguments(run)
+    run.add_argument(
+        "--algorithm",
+        choices=ALGORITHMS,
+        default="ring",
+        help="the allreduce algorithm (default ring)",
+    )
     run.add_argument(
         "--bucket-bytes",
         type=nonnegative_int,
@@ -204,6 +211,11 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, single_run: bool = T
     out = parser.add_argument_group("output")
     out.add_argument("--save", metavar="PATH", help="write the final parameters (.npz)")
     out.add_argument("--log", metavar="PATH", help="write one JSON line per step")
+    out.add_argument(
+        "--timeline",
+        metavar="PATH",
+        help="write a Chrome trace (chrome://tracing, Perfetto): one row per rank",
+    )
     out.add_argument("--quiet", action="store_true", help="print nothing but errors")  # fmt: skip
 
 
@@ -238,7 +250,7 @@ def config_from_options(options: argparse.Namespace):  # -> TrainConfig (importe
         warmup_steps=options.warmup_steps, lr_scaling=options.lr_scaling,
         base_batch=options.base_batch, seed=options.seed, shuffle=options.shuffle,
         dtype=options.dtype, init=options.init, bucket_bytes=options.bucket_bytes,
-        exact=options.exact, pitfall=options.pitfall,
+        algorithm=options.algorithm, exact=options.exact, pitfall=options.pitfall,
         checkpoint=getattr(options, "checkpoint", None),
         checkpoint_every=getattr(options, "checkpoint_every", None),
         resume=getattr(options, "resume", None),
@@ -260,7 +272,7 @@ def run_train(options: argparse.Namespace) -> int:
     from syncsgd.training import prepare, train_rank
 
     try:
-        for path in (options.save, options.log):
+        for path in (options.save, options.log, options.timeline):
             check_output_path(path)
         config = config_from_options(options)
         backend = resolve_backend(options.backend)
@@ -272,7 +284,7 @@ def run_train(options: argparse.Namespace) -> int:
     with graceful_stop():
         [result, *_] = launch(
             train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
-            save_path=options.save, quiet=options.quiet,
+            save_path=options.save, timeline_path=options.timeline, quiet=options.quiet,
         )  # fmt: skip
     if result.stopped_after is not None:  # every rank stopped after the same step
         if launcher_rank() == 0:

@@ -13,6 +13,7 @@ bitwise the same sum, every rank's parameters stay bitwise identical, step after
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -26,14 +27,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from syncsgd import checkpoint, data, pitfalls
+from syncsgd import checkpoint, collectives, data, pitfalls
 from syncsgd.checkpoint import Checkpoint
 from syncsgd.comm import ThreadComm, constants, launch
 from syncsgd.files import atomic_path
 from syncsgd.model import MLP
 from syncsgd.optim import SGD, OptimConfig, learning_rate
 from syncsgd.pitfalls import PITFALLS
-from syncsgd.ring import ring_allreduce
+from syncsgd.timeline import Timeline
+from syncsgd.timeline import write as write_timeline
 
 DATA_SOURCES = (
     "synthetic-classification",
@@ -71,6 +73,7 @@ class TrainConfig:
     dtype: str = "float64"
     init: str | None = None  # .npz with W0, b0, ... to start from instead of the seeded draw
     bucket_bytes: int | None = None  # None: one fused allreduce; 0: one per layer; else buckets
+    algorithm: str = "ring"  # the allreduce: one of collectives.ALGORITHMS
     exact: bool = False  # bitwise the same result for every number of ranks (SPEC §6)
     pitfall: str | None = None  # one of PITFALLS: do deliberately what real systems get wrong
     checkpoint: str | None = None  # directory to write checkpoints to
@@ -95,6 +98,11 @@ class TrainConfig:
         _require(
             self.bucket_bytes is None or self.bucket_bytes >= 0,
             f"--bucket-bytes must be >= 0, got {self.bucket_bytes}",
+        )
+        _require(
+            self.algorithm in collectives.ALGORITHMS,
+            f"unknown --algorithm {self.algorithm!r}: choose one of "
+            f"{', '.join(collectives.ALGORITHMS)}",
         )
         _require(
             self.pitfall is None or self.pitfall in PITFALLS,
@@ -190,10 +198,10 @@ def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -
 
     Left out: the number of ranks (the result does not depend on it), the run length (a resumed run
     may go further; only the cosine schedule depends on it, so it is kept then), where the first
-    parameters came from, outputs, and the allreduce buckets.
+    parameters came from, outputs, and how the allreduce is done (algorithm, buckets).
     """
     ignored = {"steps", "epochs", "init", "checkpoint", "checkpoint_every", "resume",
-               "bucket_bytes", "skip_nonfinite"}  # fmt: skip
+               "bucket_bytes", "algorithm", "skip_nonfinite"}  # fmt: skip
     options = {k: v for k, v in asdict(config).items() if k not in ignored}
     if config.schedule == "cosine":
         options["total_steps"] = steps
@@ -251,15 +259,12 @@ def bucket_slices(model: MLP, total: int, bucket_bytes: int | None) -> list[slic
     return [slice(a, b) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-Allreduce = Callable[[np.ndarray, Any], Any]
-
-
 def train_rank(
     comm: Any,
     problem: Problem,
     *,
-    allreduce: Allreduce = ring_allreduce,
     log_path: str | None = None,
+    timeline_path: str | None = None,
     save_path: str | None = None,
     quiet: bool = True,
     record_digests: bool = False,
@@ -296,6 +301,11 @@ def train_rank(
     grad_sum, stats = comm_buffer[:n_params], comm_buffer[n_params:]  # loss sum, correct, stop
     grad = np.empty(n_params, model.dtype)  # the mean gradient of the global batch
     buckets = bucket_slices(model, comm_buffer.size, config.bucket_bytes)
+    timeline = Timeline(comm) if timeline_path is not None else None
+    allreduce = functools.partial(
+        collectives.allreduce, algorithm=config.algorithm,
+        trace=timeline.collective_step if timeline is not None else None,
+    )  # fmt: skip
     if config.pitfall == "fp32-allreduce":
         allreduce = pitfalls.allreduce_in_float32(allreduce)
     X_shard = np.empty((largest_shard, X.shape[1]), X.dtype)
@@ -349,6 +359,9 @@ def train_rank(
             result.compute_seconds += t1 - t0
             result.comm_seconds += t2 - t1
             result.update_seconds += t3 - t2
+            if timeline is not None:
+                timeline.span("compute", "compute", t0, t1, step=step, samples=m)
+                timeline.span("update", "update", t2, t3, step=step)
             if record_digests:
                 result.digests.append(hashlib.blake2b(params.tobytes(), digest_size=16).digest())
             if log is not None:
@@ -371,6 +384,8 @@ def train_rank(
         result.seconds = time.perf_counter() - started
     if progress is not None:
         progress(None, None)
+    if timeline is not None:
+        write_timeline(comm, timeline, timeline_path)
 
     if master_process:
         result.final_loss, accuracy = evaluate(model, params, X, y)
@@ -535,15 +550,20 @@ def summary(result: TrainResult, comm_size: int, backend: str) -> str:
 
 
 def train(config: TrainConfig | None = None, *, ranks: int = 1, backend: str = "threads",
-          log: str | None = None, **options: Any) -> TrainResult:  # fmt: skip
+          log: str | None = None, save: str | None = None, timeline: str | None = None,
+          **options: Any) -> TrainResult:  # fmt: skip
     """Train on `ranks` thread ranks (or this MPI rank) and return rank 0's result.
+
+    `options` are TrainConfig fields and override those of `config`; `log`, `save` and
+    `timeline` are the paths of the outputs of `syncsgd train`.
 
     >>> result = syncsgd.train(ranks=4, steps=50, hidden=(32,))
     >>> result.final_loss, result.arrays()["W0"].shape
     """
     config = replace(config or TrainConfig(), **options)
     problem = prepare(config)  # loaded once, shared read-only by the thread ranks
-    results = launch(train_rank, problem, backend=backend, ranks=ranks, log_path=log)
+    results = launch(train_rank, problem, backend=backend, ranks=ranks, log_path=log,
+                     save_path=save, timeline_path=timeline)  # fmt: skip
     return results[0]
 
 

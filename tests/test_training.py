@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -127,3 +129,29 @@ def test_bad_configuration_is_a_value_error():
         TrainConfig(data="imagenet")
     with pytest.raises(ValueError, match="batch"):
         prepare(TrainConfig(samples=10, batch_size=11))
+
+
+@pytest.mark.parametrize(
+    "algorithm", ["naive", "recursive-doubling", "rabenseifner", "tree", "mpi", "auto"]
+)
+def test_every_allreduce_algorithm_trains_like_the_ring(algorithm):
+    config = TrainConfig(samples=128, batch_size=30, steps=4, hidden=(6, 5))
+    ring = train(config, ranks=5)
+    other = train(config, ranks=5, algorithm=algorithm)
+    np.testing.assert_allclose(other.params, ring.params, rtol=1e-12, atol=1e-14)
+
+
+def test_timeline_has_a_row_per_rank_with_compute_allreduce_and_update(tmp_path):
+    path = tmp_path / "timeline.json"
+    train(
+        TrainConfig(samples=128, batch_size=32, steps=3, hidden=(4,)), ranks=3, timeline=str(path)
+    )
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {0, 1, 2}
+    for rank in range(3):
+        mine = [e for e in spans if e["tid"] == rank]
+        assert [e["name"] for e in mine if e["cat"] == "compute"] == ["compute"] * 3
+        assert len([e for e in mine if e["cat"] == "update"]) == 3
+        assert len([e for e in mine if e["cat"] == "allreduce"]) == 3 * 2 * (3 - 1)  # ring steps
+        assert all(e["dur"] >= 0 and e["ts"] >= -1e3 for e in mine)
