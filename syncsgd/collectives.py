@@ -234,15 +234,13 @@ def rabenseifner_schedule(length: int, size: int, rank: int) -> tuple[Collective
 @functools.lru_cache(maxsize=256)
 def _ring_steps(length: int, size: int, rank: int) -> tuple[CollectiveStep, ...]:
     """The ring's steps (`ring.make_plan`) in this module's form."""
-    unused_scratch = np.empty(-(-length // size), np.uint8)
-    right, left, _, reduce_scatter, allgather = make_plan(
-        length, _NOTHING.dtype, size, rank, unused_scratch
-    )
+    plan = make_plan(length, _NOTHING.dtype, size, rank, np.empty(-(-length // size), np.uint8))
+    right, left = plan.right, plan.left
     return tuple(
         CollectiveStep(phase, step, right, left, s.send_chunk, s.recv_chunk, s.send, s.recv, how)
         for phase, steps, how in (
-            ("reduce-scatter", reduce_scatter, ADD_OWN_FIRST),
-            ("allgather", allgather, COPY),
+            ("reduce-scatter", plan.reduce_scatter, ADD_OWN_FIRST),
+            ("allgather", plan.allgather, COPY),
         )
         for step, s in enumerate(steps)
     )
@@ -319,7 +317,7 @@ def _run(name: str, schedule_of: Callable, buf: np.ndarray, comm: Any, trace: Tr
     if problem:  # take part with empty messages and the flag raised, then report it
         flat, signature = _NOTHING, _NO_DTYPE
     else:
-        flat = buf.ravel()  # a view, since buf is C-contiguous
+        flat = buf.view(np.ndarray).ravel()  # a view (C-contiguous); np.matrix would stay 2-D
         signature = (flat.size % _LENGTH_MODULUS) * 4 + _DTYPE_CODE[flat.dtype]
     steps, byte_ranges, scratch_length = _plan(schedule_of, flat.size, flat.itemsize, size, rank)
     scratch = _scratch(flat.dtype, scratch_length)
@@ -477,7 +475,8 @@ def _library_allreduce(buf: np.ndarray, comm: Any, trace: Trace | None) -> np.nd
     _agree(buf, comm, "allreduce")
     start = time.perf_counter() if trace is not None else 0.0
     mpi = constants(comm)
-    comm.Allreduce(mpi.IN_PLACE, buf, op=mpi.SUM)
+    flat = buf.view(np.ndarray).ravel()  # as MPI sees it: ThreadComm's Allreduce wants one shape
+    comm.Allreduce(mpi.IN_PLACE, flat, op=mpi.SUM)
     if trace is not None:
         whole = (0, buf.size)  # the library's steps are hidden: one event for the whole call
         event = TraceEvent(
