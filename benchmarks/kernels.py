@@ -1,18 +1,22 @@
 """Gradient kernel benchmark: the Numba gradient of an MLP against the same gradient in plain NumPy.
 
-    python benchmarks/kernels.py                        # MLP 784-256-256-10, relu, xent, batch 64
-    python benchmarks/kernels.py --sizes 32,64,4 --batch 16 --json k.json
+    python benchmarks/kernels.py                     # MLP 784-256-256-10, relu, xent, batch 64
+    python benchmarks/kernels.py --features 32 --hidden 64 --classes 4 --batch 16 --json k.json
+    OPENBLAS_NUM_THREADS=1 python benchmarks/kernels.py --clock cpu --thread-ranks 2
 
 Method: both implementations are checked to give the same loss and gradient, warmed up (the first
 Numba call, compile or on-disk cache load, is timed and reported apart), then timed in `--batches`
 rounds; each round times every (dtype, implementation) pair for `--iters` calls, interleaved, so a
 noisy neighbour slows all of them alike. The median over rounds of the per-call time is quoted, and
-the ratio numpy / numba (> 1: Numba is faster). Both sides use BLAS with its default threads, as a
-user would run them (NumPy's own BLAS; Numba's np.dot calls SciPy's); set OPENBLAS_NUM_THREADS=1
-to compare single-threaded. `--thread-ranks T` also times the batch split over T concurrent
-thread ranks (each its own `Gradient`), as the threads backend runs them: a multi-threaded
-OpenBLAS serializes concurrent callers, so compare with and without OPENBLAS_NUM_THREADS=1
-(see `syncsgd.kernels.limit_blas_threads`). Nothing is asserted: the machines are shared and noisy.
+the ratio numpy / numba (> 1: Numba is faster). `--clock cpu` times CPU seconds instead of elapsed
+time: steadier on a busy machine, and with OPENBLAS_NUM_THREADS=1 it is the work done.
+
+Both sides use BLAS with its default threads, as a user would run them (NumPy's own OpenBLAS;
+Numba's np.dot calls SciPy's); OPENBLAS_NUM_THREADS=1 compares them single-threaded.
+`--thread-ranks T` also times the batch split over T concurrent thread ranks (each with its own
+`Gradient`), as the threads backend runs them: a multi-threaded OpenBLAS serializes concurrent
+callers, so compare with and without OPENBLAS_NUM_THREADS=1 (`syncsgd.kernels.limit_blas_threads`).
+Nothing is asserted: the machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from syncsgd.model import MLP, parse_hidden
 
 IMPLEMENTATIONS = ("numpy", "numba")
 WIDTHS = (8, 6, 10, 10, 12)  # table columns
+# wall: elapsed time, what a user waits; cpu: CPU seconds of all the process's threads, steadier on
+# a loaded machine but it also counts BLAS worker threads that spin while waiting.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def numpy_gradient(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray, grad: np.ndarray):
@@ -104,18 +111,19 @@ def run(options: argparse.Namespace) -> list[dict]:
     for call in calls.values():  # burn-in
         for _ in range(options.warmup):
             call()
+    clock = CLOCKS[options.clock]
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
     for _ in range(options.batches):
         for key, call in calls.items():
-            started = time.perf_counter()
+            started = clock()
             for _ in range(options.iters):
                 call()
-            samples[key].append((time.perf_counter() - started) / options.iters)
+            samples[key].append((clock() - started) / options.iters)
 
     print(
         f"MLP {'-'.join(map(str, sizes))} relu xent, micro-batch {options.batch}; "
         f"import of syncsgd.kernels (numba) {import_seconds:.2f} s; median of {options.batches} "
-        f"rounds x {options.iters} calls; cores {os.cpu_count()}, "
+        f"rounds x {options.iters} calls, {options.clock} clock; cores {os.cpu_count()}, "
         f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
     )
     header = ("dtype", "impl", "time (us)", "min (us)", "numpy/numba")
@@ -220,6 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=15, help="timed rounds (15)")
     parser.add_argument("--iters", type=int, default=20, help="calls per round (20)")
     parser.add_argument("--warmup", type=int, default=10, help="burn-in calls (10)")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall", help="(wall)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--thread-ranks", type=int, default=0, metavar="T",
