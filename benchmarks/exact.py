@@ -1,0 +1,209 @@
+"""Exact-mode gradient benchmark: ExactGradient (two phases) against float mode's kernels.Gradient.
+
+    python benchmarks/exact.py                  # MLP 784-256-256-10 relu xent, micro-batch 128
+    python benchmarks/exact.py --ranks 2        # two thread ranks computing at the same time
+    OPENBLAS_NUM_THREADS=1 python benchmarks/exact.py --json exact.json
+
+The default is the issue's setting: global batch 256 on P = 2 ranks, so each rank's micro-batch
+is 128. Exact mode is `local_pass` (batch-invariant forward/backward, peaks) then `accumulate`
+(extraction of every per-sample term to the agreed fixed point); the MAX-allreduce between the
+two is a collective, timed by the step benchmark, not here (the peaks of this rank stand in for
+the agreed ones: the cost does not depend on their values). Float mode is one
+`kernels.Gradient` call (BLAS).
+
+Method: both modes are first checked against each other (exact mean within the stated bound plus
+float rounding of float mode), their first calls timed apart (JIT compile or cache load), then
+`--warmup` burn-in calls each; then `--batches` rounds, each timing every (dtype, mode) for
+`--iters` calls, interleaved, so a noisy neighbour slows all of them alike. With `--ranks P`,
+P threads call their own instances at the same time, released together by a barrier, and a call
+takes as long as the slowest thread. The median over rounds is quoted, and exact / float (the
+issue's bar for a whole step is 4x). BLAS threads are left as the user has them; set
+OPENBLAS_NUM_THREADS=1 to compare one core against one core. Nothing is asserted: the machines
+are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from syncsgd.model import MLP, parse_hidden
+
+MODES = ("float", "exact", "local_pass", "accumulate")  # the last two: exact's phases alone
+
+
+def setup(model: MLP, batch: int, seed: int, rank: int) -> tuple[np.ndarray, ...]:
+    """Parameters and one rank's micro-batch of inputs and labels."""
+    rng = np.random.default_rng([seed, rank])
+    X = rng.standard_normal((batch, model.sizes[0])).astype(model.dtype)
+    y = rng.integers(0, model.sizes[-1], batch)
+    return model.init_params(seed), X, y
+
+
+def rank_calls(model: MLP, options: argparse.Namespace, rank: int) -> dict[str, Callable]:
+    """One rank's calls of every mode, after checking that exact and float mode agree."""
+    from syncsgd.exact import ExactGradient, exactness_bound
+    from syncsgd.kernels import Gradient
+
+    params, X, y = setup(model, options.batch, options.seed, rank)
+    gradient, exact = Gradient(model, options.batch), ExactGradient(model, options.batch)
+    grad = np.empty(model.n_params, model.dtype)
+    bounds = np.empty(exact.bound_count)
+    sums = np.empty(model.n_params + 1)
+    exact.local_pass(params, X, y, bounds)
+    exact.accumulate(bounds, options.global_batch, sums)
+    loss_sum, _ = gradient(params, X, y, grad)
+    tolerance = 1e-10 if model.dtype == np.float64 else 2e-4
+    allowed = exactness_bound(model, bounds, options.global_batch)
+    allowed += tolerance * (1 + np.abs(grad).max()) / options.global_batch
+    if np.any(np.abs(sums[:-1] - grad) / options.global_batch > allowed[:-1]):
+        raise ValueError(f"exact and float mode disagree beyond the bound ({model.dtype})")
+
+    def both() -> None:
+        exact.local_pass(params, X, y, bounds)
+        exact.accumulate(bounds, options.global_batch, sums)
+
+    return {
+        "float": lambda: gradient(params, X, y, grad),
+        "exact": both,
+        "local_pass": lambda: exact.local_pass(params, X, y, bounds),
+        "accumulate": lambda: exact.accumulate(bounds, options.global_batch, sums),
+    }
+
+
+def timed_together(calls: list[Callable], iters: int) -> float:
+    """Seconds per call when every thread runs its call `iters` times at once (the slowest)."""
+    if len(calls) == 1:
+        started = time.perf_counter()
+        for _ in range(iters):
+            calls[0]()
+        return (time.perf_counter() - started) / iters
+    barrier = threading.Barrier(len(calls))
+    seconds = [0.0] * len(calls)
+
+    def work(index: int) -> None:
+        barrier.wait()
+        started = time.perf_counter()
+        for _ in range(iters):
+            calls[index]()
+        seconds[index] = time.perf_counter() - started
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return max(seconds) / iters
+
+
+def run(options: argparse.Namespace) -> list[dict]:
+    """Times every mode for every dtype; prints and returns one row per (dtype, mode)."""
+    sizes = (options.features, *parse_hidden(options.hidden), options.classes)
+    calls: dict[tuple[str, str], list[Callable]] = {}
+    first_call = {}
+    for dtype in options.dtypes:
+        model = MLP(sizes, "relu", "xent", np.dtype(dtype))
+        started = time.perf_counter()
+        per_rank = [rank_calls(model, options, rank) for rank in range(options.ranks)]
+        first_call[dtype] = time.perf_counter() - started  # compile or cache load, and checks
+        for mode in MODES:
+            calls[dtype, mode] = [rank[mode] for rank in per_rank]
+
+    for group in calls.values():  # burn-in
+        timed_together(group, options.warmup)
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
+    for _ in range(options.batches):
+        for key, group in calls.items():
+            samples[key].append(timed_together(group, options.iters))
+
+    print(
+        f"MLP {'-'.join(map(str, sizes))} relu xent, micro-batch {options.batch} of global "
+        f"batch {options.global_batch}, {options.ranks} thread rank(s) at once; median of "
+        f"{options.batches} rounds x {options.iters} calls; cores {os.cpu_count()}, "
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
+    )
+    print(f"{'dtype':>8} {'mode':>11} {'time (us)':>10} {'min (us)':>10} {'exact/float':>12}")
+    rows = []
+    for dtype in options.dtypes:
+        float_median = statistics.median(samples[dtype, "float"])
+        for mode in MODES:
+            median = statistics.median(samples[dtype, mode])
+            row = {
+                "dtype": dtype,
+                "mode": mode,
+                "sizes": list(sizes),
+                "batch": options.batch,
+                "global_batch": options.global_batch,
+                "ranks": options.ranks,
+                "median_us": median * 1e6,
+                "min_us": min(samples[dtype, mode]) * 1e6,
+                "ratio_to_float": median / float_median,
+                "setup_s": first_call[dtype],
+            }
+            rows.append(row)
+            print(
+                f"{dtype:>8} {mode:>11} {row['median_us']:>10.1f} {row['min_us']:>10.1f} "
+                f"{row['ratio_to_float']:>12.2f}"
+            )
+    setup_seconds = ", ".join(f"{dtype} {seconds:.2f} s" for dtype, seconds in first_call.items())
+    print(f"first calls with checks (JIT compile or cache load): {setup_seconds}")
+    return rows
+
+
+def dtype_list(text: str) -> list[str]:
+    """float64,float32 -> ['float64', 'float32'], or an argparse error."""
+    names = [name.strip() for name in text.split(",")]
+    if not names or any(name not in ("float64", "float32") for name in names):
+        raise argparse.ArgumentTypeError(f"dtypes must be float64 and/or float32, got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
+    parser.add_argument("--features", type=int, default=784, help="input size (784)")
+    parser.add_argument("--hidden", default="256,256", help="hidden sizes (256,256)")
+    parser.add_argument("--classes", type=int, default=10, help="output size (10)")
+    parser.add_argument("--batch", type=int, default=128, help="micro-batch per rank (128)")
+    parser.add_argument("--global-batch", type=int, default=256, help="global batch B (256)")
+    parser.add_argument("--ranks", type=int, default=1, help="threads computing at once (1)")
+    parser.add_argument("--dtypes", type=dtype_list, default=["float64", "float32"])
+    parser.add_argument("--batches", type=int, default=15, help="timed rounds (15)")
+    parser.add_argument("--iters", type=int, default=10, help="calls per round (10)")
+    parser.add_argument("--warmup", type=int, default=5, help="burn-in calls (5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+
+
+def main(options: argparse.Namespace) -> int:
+    """Check the options, run, and write the JSON file if asked."""
+    for name in ("features", "classes", "batch", "global_batch", "ranks", "batches", "iters"):
+        if getattr(options, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if options.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
+    if options.batch > options.global_batch:
+        raise ValueError("--batch (one rank's share) cannot exceed --global-batch")
+    parse_hidden(options.hidden)
+    rows = run(options)
+    if options.json:
+        from syncsgd.files import write_text
+
+        write_text(options.json, json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    argument_parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(argument_parser)
+    try:
+        sys.exit(main(argument_parser.parse_args()))
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
