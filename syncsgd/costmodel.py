@@ -2,21 +2,27 @@
 
 A message of n bytes between two ranks costs α + nβ (latency α in seconds, β seconds per byte),
 and reducing n bytes locally costs nγ. Every algorithm's time is a·α + b·nβ + c·nγ, with
-coefficients a, b, c that depend only on P. Costs of the algorithms other than the ring are those
-of Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH",
+coefficients a, b, c that depend only on P: the longest chain of messages and additions, for the
+algorithms as `syncsgd.collectives` implements them. The formulas are those of Thakur,
+Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH",
 International Journal of High Performance Computing Applications 19(1):49-66, 2005; the ring is
-their ring reduce-scatter followed by their ring allgather (Patarasuk and Yuan, "Bandwidth optimal
-all-reduce algorithms for clusters of workstations", J. Parallel Distrib. Comput. 69(2), 2009):
+their ring reduce-scatter followed by their ring allgather (as in Patarasuk and Yuan, "Bandwidth
+optimal all-reduce algorithms for clusters of workstations", J. Parallel Distrib. Comput. 69(2),
+2009):
 
     ring                2(P-1)α + 2(P-1)/P·nβ + (P-1)/P·nγ
-    naive               2(P-1)α + 2(P-1)·nβ   + (P-1)·nγ        linear reduce to a root + broadcast
-    recursive-doubling  L(α + nβ + nγ)                           + pre/post if P is not 2^L
-    rabenseifner        2Lα     + 2(p'-1)/p'·nβ + (p'-1)/p'·nγ   + pre/post if P is not 2^L
-    tree                2⌈log2 P⌉(α + nβ) + ⌈log2 P⌉·nγ         binomial-tree reduce + broadcast
+    naive               2(P-1)α + 2(P-1)·nβ   + (P-1)·nγ        linear reduce to rank 0 + sends back
+    recursive-doubling  L(α + nβ + nγ)                           + fold/unfold if P is not 2^L
+    rabenseifner        2Lα     + 2(p'-1)/p'·nβ + (p'-1)/p'·nγ   + fold/unfold if P is not 2^L
+    tree                R(α + nβ + nγ) + B(α + nβ)               binary-tree reduce + broadcast
 
 where p' = 2^L is the largest power of two ≤ P, L = log2 p'. When P is not a power of two, MPICH
-first folds the r = P - p' extra ranks into their neighbours (α + nβ + nγ) and sends them the result
-at the end (α + nβ), so both algorithms pay 2α + 2nβ + nγ more.
+first folds the r = P - p' extra ranks into their neighbours (α + nβ + nγ) and sends them the
+result at the end (α + nβ), so both pay 2α + 2nβ + nγ more. The tree is the binary tree of
+`syncsgd.collectives` (the children of rank i are 2i+1 and 2i+2; a parent receives and adds its
+children one after the other, then sends to each in turn): R and B are the rounds on its critical
+paths, about 2 log2 P each (R = B = 2 for P = 3; R = 19, B = 18 for P = 1024), where Thakur et
+al.'s binomial tree needs ⌈log2 P⌉ each.
 
 Every time is linear in n, so two algorithms cross at most once, at n = Δ(fixed) / Δ(per byte),
 and the best algorithm by size is the lower envelope of the lines. `--fit bench.json` fits α, β, γ
@@ -28,6 +34,7 @@ float64 at 10 GB/s on one core; `np.add` of 8 MiB ran at 7.8 GB/s on the develop
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -76,7 +83,6 @@ def cost(algorithm: str, ranks: int) -> Cost:
     levels = p.bit_length() - 1  # L = floor(log2 P)
     pow2 = 1 << levels  # p', the ranks left after folding in the extra ones
     fold = 0 if pow2 == p else 1  # pre step α + nβ + nγ, post step α + nβ
-    depth = (p - 1).bit_length()  # ceil(log2 P), the height of a binomial tree
     if algorithm == "ring":
         return Cost(2 * (p - 1), 2 * (p - 1) / p, (p - 1) / p)
     if algorithm == "naive":
@@ -87,8 +93,31 @@ def cost(algorithm: str, ranks: int) -> Cost:
         share = (pow2 - 1) / pow2
         return Cost(2 * levels + 2 * fold, 2 * share + 2 * fold, share + fold)
     if algorithm == "tree":
-        return Cost(2 * depth, 2 * depth, depth)
+        reduce_rounds, broadcast_rounds = tree_rounds(p)
+        rounds = reduce_rounds + broadcast_rounds
+        return Cost(rounds, rounds, reduce_rounds)
     raise ValueError(f"unknown algorithm {algorithm!r} (choose from {', '.join(ALGORITHMS)})")
+
+
+@functools.lru_cache(maxsize=64)
+def tree_rounds(ranks: int) -> tuple[int, int]:
+    """Messages on the critical paths of the binary tree's reduce and of its broadcast.
+
+    Rank i's children are 2i+1 and 2i+2. In the reduce a rank receives (and adds) its children's
+    sums one after the other, each only once that child has its own; in the broadcast a rank sends
+    to its children one after the other, once it has the sum.
+    """
+    done = [0] * ranks  # reduce: the round in which rank i has its subtree's sum
+    for rank in reversed(range(ranks)):
+        for child in (2 * rank + 1, 2 * rank + 2):
+            if child < ranks:
+                done[rank] = max(done[rank], done[child]) + 1
+    arrive = [0] * ranks  # broadcast: the round in which the sum reaches rank i
+    for rank in range(ranks):
+        for turn, child in enumerate((2 * rank + 1, 2 * rank + 2), start=1):
+            if child < ranks:
+                arrive[child] = arrive[rank] + turn
+    return done[0], max(arrive)
 
 
 def predict(algorithm: str, ranks: int, nbytes: float, params: Params) -> float:

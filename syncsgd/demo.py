@@ -39,10 +39,13 @@ RESET = "\x1b[0m"
 
 
 class Snapshot(NamedTuple):
-    """A trace event and the rank's buffer right after that step."""
+    """One step of one rank: its trace event, its buffer right after, and whom it talked to."""
 
-    event: Any  # a syncsgd.ring.TraceEvent, or a collective's event with the same fields
+    event: Any  # a syncsgd.ring.TraceEvent (the collectives emit the same)
     buffer: np.ndarray
+    send_to: int  # -1: sent nothing
+    recv_from: int  # -1: received nothing
+    added: bool  # the data received was added to the rank's own (else copied in)
 
 
 class Demo(NamedTuple):
@@ -55,6 +58,7 @@ class Demo(NamedTuple):
     steps: list[tuple[tuple[str, int], list[Snapshot]]]  # ((phase, step), events) in order
     final: list[np.ndarray]  # per rank
     expected: np.ndarray  # the NumPy sum of the starting buffers
+    note: str = ""  # e.g. which algorithm "auto" chose
 
     @property
     def correct(self) -> bool:
@@ -76,34 +80,42 @@ def contributors(values: np.ndarray, ranks: int) -> np.ndarray:
     return np.count_nonzero(digits, axis=1) / ranks
 
 
+def _collectives() -> Any:
+    """The module `syncsgd.collectives`, or None where it does not exist."""
+    try:
+        from syncsgd import collectives  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return collectives
+
+
 def resolve_allreduce(algorithm: str) -> Callable[..., Any]:
     """The function `f(buf, comm, *, trace)` that runs `algorithm`."""
     if algorithm == "ring":
         return ring_allreduce
     if algorithm in NO_ALGORITHM_STEPS:
         raise ValueError(f"{algorithm} is the library's own Allreduce: it has no steps to show")
-    try:
-        from syncsgd import collectives  # type: ignore[attr-defined]
-    except ImportError:
-        raise ValueError(f"unknown algorithm {algorithm!r}: only ring is available") from None
-    known = [name for name in getattr(collectives, "ALGORITHMS", ()) if name not in ("mpi",)]
+    collectives = _collectives()
+    if collectives is None:
+        raise ValueError(f"unknown algorithm {algorithm!r}: only ring is available")
+    known = [name for name in collectives.ALGORITHMS if name not in NO_ALGORITHM_STEPS]
     if algorithm not in known:
         raise ValueError(f"unknown algorithm {algorithm!r} (choose from {', '.join(known)})")
     return functools.partial(collectives.allreduce, algorithm=algorithm)
 
 
 def _rank_run(comm: Any, allreduce: Callable[..., Any], length: int
-              ) -> tuple[np.ndarray, list[Snapshot], np.ndarray]:  # fmt: skip
-    """One rank: the starting buffer, a snapshot after every step, and the result."""
+              ) -> tuple[np.ndarray, list[tuple[Any, np.ndarray]], np.ndarray]:  # fmt: skip
+    """One rank: the starting buffer, (event, buffer copy) after every step, and the result."""
     buf = starting_buffer(comm.Get_rank(), comm.Get_size(), length)
     start = buf.copy()
-    snapshots: list[Snapshot] = []
+    steps: list[tuple[Any, np.ndarray]] = []
 
     def trace(event: Any) -> None:
-        snapshots.append(Snapshot(event, buf.copy()))  # runs on this rank's thread, after the step
+        steps.append((event, buf.copy()))  # runs on this rank's thread, right after the step
 
     allreduce(buf, comm, trace=trace)
-    return start, snapshots, buf
+    return start, steps, buf
 
 
 def run_demo(ranks: int, length: int, algorithm: str = "ring",
@@ -113,13 +125,40 @@ def run_demo(ranks: int, length: int, algorithm: str = "ring",
         raise ValueError(f"ring-demo shows 1 to {MAX_RANKS} ranks, got {ranks}")
     if not 0 <= length <= MAX_LENGTH:
         raise ValueError(f"ring-demo shows 0 to {MAX_LENGTH} elements, got {length}")
+    note = ""
+    if algorithm == "auto" and allreduce is None and _collectives() is not None:
+        chosen = _collectives().choose_algorithm(length * 8, length, ranks)
+        note = f"auto chooses {chosen} for {length * 8} bytes on {_count(ranks, 'rank')}"
+        algorithm = chosen
     function = allreduce if allreduce is not None else resolve_allreduce(algorithm)
     results = run_threads(ranks, _rank_run, function, length)
     start = [result[0] for result in results]
-    return Demo(
-        algorithm, ranks, length, start, _group_steps([result[1] for result in results]),
-        [result[2] for result in results], np.sum(start, axis=0, dtype=np.int64),
-    )  # fmt: skip
+    per_rank = [
+        _annotate(algorithm, length, ranks, rank, result[1]) for rank, result in enumerate(results)
+    ]
+    final = [result[2] for result in results]
+    expected = np.sum(start, axis=0, dtype=np.int64)
+    return Demo(algorithm, ranks, length, start, _group_steps(per_rank), final, expected, note)
+
+
+def _annotate(algorithm: str, length: int, ranks: int, rank: int,
+              steps: list[tuple[Any, np.ndarray]]) -> list[Snapshot]:  # fmt: skip
+    """Each step with its peers and whether it added: from the algorithm's schedule if known."""
+    collectives = _collectives()
+    schedule = None
+    if collectives is not None and hasattr(collectives, "schedule"):
+        try:
+            schedule = collectives.schedule(algorithm, length, ranks, rank)
+        except ValueError:  # an algorithm without a schedule
+            schedule = None
+    if schedule is not None and len(schedule) == len(steps):
+        return [
+            Snapshot(event, buf, plan.send_to, plan.recv_from, plan.combine != collectives.COPY)
+            for (event, buf), plan in zip(steps, schedule, strict=True)
+        ]
+    # Without a schedule: the ring's neighbours; a reduce-something phase adds.
+    right, left = ((rank + 1) % ranks, (rank - 1) % ranks) if algorithm == "ring" else (-1, -1)
+    return [Snapshot(event, buf, right, left, "reduce" in event.phase) for event, buf in steps]
 
 
 def _group_steps(
@@ -143,23 +182,42 @@ def _group_steps(
     ]  # fmt: skip
 
 
+def chunk_layout(algorithm: str, length: int, ranks: int) -> list[int] | None:
+    """The chunk bounds the algorithm cuts the buffer into, or None if it moves whole buffers."""
+    if algorithm == "ring":
+        return chunk_bounds(length, ranks)
+    if algorithm == "rabenseifner":
+        return chunk_bounds(length, 1 << (ranks.bit_length() - 1))
+    return None
+
+
 # -- text -----------------------------------------------------------------------------------------
 
-
-def _peers(event: Any, algorithm: str, ranks: int) -> tuple[int | None, int | None]:
-    """The rank the step sent to and the rank it received from, where known."""
-    to = next((getattr(event, a) for a in ("send_to", "dest", "peer") if hasattr(event, a)), None)
-    came = next(
-        (getattr(event, a) for a in ("recv_from", "source", "peer") if hasattr(event, a)), None
-    )
-    if algorithm == "ring":
-        to, came = (event.rank + 1) % ranks, (event.rank - 1) % ranks
-    return to, came
-
-
-def _is_reduction(phase: str) -> bool:
-    """True if the chunk received in `phase` was added to the rank's own (not just copied in)."""
-    return "reduce" in phase or phase in ("recursive-doubling", "recursive-halving", "pre")
+EXPLANATIONS = {
+    "ring": (
+        "reduce-scatter: P-1 steps, each rank adds the chunk from its left neighbour",
+        "allgather: P-1 steps, the finished chunks travel around the ring",
+    ),
+    "naive": (
+        "reduce: rank 0 receives every other rank's buffer in rank order and adds it",
+        "broadcast: rank 0 sends the sum to each rank in turn",
+    ),
+    "recursive-doubling": (
+        "exchange k: ranks whose numbers differ in bit k swap whole buffers and both add",
+    ),
+    "rabenseifner": (
+        "reduce-scatter k: partners in bit k swap halves of their window of chunks and add",
+        "allgather: the same partners, backwards, swap the finished chunks",
+    ),
+    "tree": (
+        "reduce: each rank adds its children's sums (the children of i are 2i+1 and 2i+2)",
+        "and sends the total to its parent; broadcast: the sum goes back down the tree",
+    ),
+}
+FOLDING = (
+    "fold: P is not a power of two, so the first even ranks hand their buffer to the odd rank",
+    "above and sit out; unfold: at the end they get the sum back",
+)
 
 
 def format_buffer(values: np.ndarray, width: int, mark: tuple[int, int] | None = None,
@@ -192,9 +250,9 @@ def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
-def _chunk_name(chunk: int, span: tuple[int, int]) -> str:
-    """'chunk 2', or the element range where the algorithm has no chunk number; '(empty)'."""
-    name = f"chunk {chunk}" if chunk >= 0 else f"elements {span[0]}:{span[1]}"
+def _what(chunk: int, span: tuple[int, int], chunked: bool) -> str:
+    """'chunk 2', 'the buffer' where whole buffers move, with '(empty)' for an empty range."""
+    name = f"chunk {chunk}" if chunked else "the buffer"
     return name + (" (empty)" if span[1] <= span[0] else "")
 
 
@@ -205,6 +263,8 @@ def render_text(demo: Demo, color: bool = False) -> str:
     width = max([len(str(int(v))) for buf in everything for v in buf] or [1])
     elements, ranks = _count(n, "int64 element"), _count(p, "thread rank")
     lines = [f"{demo.algorithm} allreduce of {elements} over {ranks}"]
+    if demo.note:
+        lines.append(demo.note)
     if p == 1:
         lines.append("one rank has nobody to talk to: its buffer is already the sum")
     elif p <= DIGIT_RANKS:
@@ -212,20 +272,22 @@ def render_text(demo: Demo, color: bool = False) -> str:
         lines.append(f"says whether rank r is in it, and {'1' * p} means all {p} ranks")
     else:
         lines.append(f"rank r starts with r + 1 in every element; the sum is {p * (p + 1) // 2}")
-    if demo.algorithm == "ring" and p > 1:
-        bounds = chunk_bounds(n, p)
-        spans = "  ".join(f"{c} = [{bounds[c]}:{bounds[c + 1]})" for c in range(p))
-        lines.append(f"chunks (as numpy.array_split): {spans}")
-        lines.append(
-            f"reduce-scatter: {p - 1} steps, each rank adds the chunk from its left neighbour"
-        )
-        lines.append(f"allgather: {p - 1} steps, the finished chunks travel around the ring")
-    marked = "in colour" if color else "in [brackets]"
-    lines.append(f"the chunk each rank just received is {marked}")
+    bounds = chunk_layout(demo.algorithm, n, p)
+    if p > 1:
+        if bounds is not None:
+            spans = "  ".join(
+                f"{c} = [{bounds[c]}:{bounds[c + 1]})" for c in range(len(bounds) - 1)
+            )
+            lines.append(f"chunks (as numpy.array_split): {spans}")
+        if p & (p - 1) and demo.algorithm in ("recursive-doubling", "rabenseifner"):
+            lines += FOLDING
+        lines += EXPLANATIONS.get(demo.algorithm, ())
+        marked = "in colour" if color else "in [brackets]"
+        lines.append(f"what each rank just received is {marked}")
     lines += ["", "start"]
     label = max(len(f"rank {p - 1}"), 6)
     for rank, buf in enumerate(demo.start):
-        lines.append(f"  {f'rank {rank}':<{label}}: " + format_buffer(buf, width, None, "", color))
+        lines.append(f"  {f'rank {rank}':<{label}}: " + format_buffer(buf, width, color=color))
     current = list(demo.start)
     phase_steps: dict[str, int] = {}
     for (phase, _), _group in demo.steps:
@@ -238,37 +300,37 @@ def render_text(demo: Demo, color: bool = False) -> str:
         for rank in range(p):
             name = f"  {f'rank {rank}':<{label}}: "
             if rank not in by_rank:
-                idle = format_buffer(current[rank], width, None, "", False)
-                lines.append(name + (f"{DIM}{idle}  (idle){RESET}" if color else idle + "  (idle)"))
+                idle = format_buffer(current[rank], width)
+                lines.append(
+                    name + (f"{DIM}{idle}   (idle){RESET}" if color else idle + "   (idle)")
+                )
                 continue
             for snapshot in by_rank[rank]:
-                lines.append(name + _step_text(snapshot, demo, width, color))
+                chunked = bounds is not None and phase not in ("fold", "unfold")
+                lines.append(name + _step_text(snapshot, width, color, chunked))
                 current[rank] = snapshot.buffer
     lines += ["", "result"]
     for rank, buf in enumerate(demo.final):
-        lines.append(f"  {f'rank {rank}':<{label}}: " + format_buffer(buf, width, None, "", color))
-    lines.append(f"  {'NumPy':<{label}}: " + format_buffer(demo.expected, width, None, "", color))
+        lines.append(f"  {f'rank {rank}':<{label}}: " + format_buffer(buf, width, color=color))
+    lines.append(f"  {'NumPy':<{label}}: " + format_buffer(demo.expected, width, color=color))
     verdict = "equal to the NumPy sum on every rank" if demo.correct else "WRONG: not the NumPy sum"
     lines.append(f"{demo.algorithm} allreduce result: {verdict}")
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _step_text(snapshot: Snapshot, demo: Demo, width: int, color: bool) -> str:
+def _step_text(snapshot: Snapshot, width: int, color: bool, chunked: bool) -> str:
     """One rank's line in one step: its buffer, then what it sent and received."""
     event = snapshot.event
-    added = _is_reduction(event.phase)
-    received = tuple(event.recv_range)
-    style = ADDED if added else COPIED
-    sent = tuple(event.send_range)
+    received, sent = tuple(event.recv_range), tuple(event.send_range)
+    style = ADDED if snapshot.added else COPIED
     buffer = format_buffer(snapshot.buffer, width, received, style, color, sent)
-    to, came = _peers(event, demo.algorithm, demo.ranks)
-    parts = [
-        (f"-> rank {to}: " if to is not None else "sent ")
-        + _chunk_name(event.send_chunk, tuple(event.send_range)),
-        (f"<- rank {came}: " if came is not None else "received ")
-        + _chunk_name(event.recv_chunk, received)
-        + ("" if received[1] <= received[0] else " (added)" if added else " (copied)"),
-    ]
+    parts = []
+    if snapshot.send_to >= 0:
+        parts.append(f"-> rank {snapshot.send_to}: " + _what(event.send_chunk, sent, chunked))
+    if snapshot.recv_from >= 0:
+        how = "" if received[1] <= received[0] else " (added)" if snapshot.added else " (copied)"
+        what = _what(event.recv_chunk, received, chunked)
+        parts.append(f"<- rank {snapshot.recv_from}: {what}{how}")
     return buffer + "   " + "; ".join(parts)
 
 
@@ -315,54 +377,56 @@ def draw_png(demo: Demo, path: str) -> None:
 ROW_HEIGHT = 2.2  # in element boxes: one row of boxes, a line of labels, a gap
 
 
-def _figure_rows(demo: Demo) -> list[tuple[str, list[np.ndarray], list[Snapshot | None]]]:
-    """(name, every rank's buffer, every rank's step or None) for the start and each step."""
-    rows: list[tuple[str, list[np.ndarray], list[Snapshot | None]]] = [
-        ("start", list(demo.start), [None] * demo.ranks)
+def _figure_rows(demo: Demo) -> list[tuple[str, list[np.ndarray], list[list[Snapshot]]]]:
+    """(name, every rank's buffer, every rank's steps) for the start and each step."""
+    rows: list[tuple[str, list[np.ndarray], list[list[Snapshot]]]] = [
+        ("start", list(demo.start), [[] for _ in range(demo.ranks)])
     ]
     current = list(demo.start)
     for (phase, step), group in demo.steps:
-        events: list[Snapshot | None] = [None] * demo.ranks
+        events: list[list[Snapshot]] = [[] for _ in range(demo.ranks)]
         for snapshot in group:
-            events[snapshot.event.rank] = snapshot
+            events[snapshot.event.rank].append(snapshot)
             current[snapshot.event.rank] = snapshot.buffer
         rows.append((f"{phase} {step + 1}", list(current), events))
     return rows
 
 
 def _draw_cell(axes: Any, demo: Demo, x0: float, y: float, values: np.ndarray,
-               snapshot: Snapshot | None) -> None:  # fmt: skip
+               snapshots: list[Snapshot]) -> None:  # fmt: skip
     """One rank's buffer at (x0, y): boxes shaded by share of the sum, the received range framed."""
     from matplotlib import colormaps
     from matplotlib.patches import Rectangle
 
     palette = colormaps["tab10"]
-    bounds = chunk_bounds(demo.length, demo.ranks)
+    bounds = chunk_layout(demo.algorithm, demo.length, demo.ranks)
     share = contributors(values, demo.ranks)
     for i, value in enumerate(values.tolist()):
-        chunk = int(np.searchsorted(bounds, i, side="right")) - 1
-        hue = np.array(palette(chunk % 10 if demo.algorithm == "ring" else 0)[:3])
+        chunk = 0 if bounds is None else int(np.searchsorted(bounds, i, side="right")) - 1
+        hue = np.array(palette(chunk % 10)[:3])
         strength = 0.12 + 0.88 * min(float(share[i]), 1.0)
         face = (1 - strength) * np.ones(3) + strength * hue
         axes.add_patch(Rectangle((x0 + i, y), 1, 1, facecolor=face, edgecolor="white"))
         if demo.ranks * demo.length <= 160:
             axes.text(x0 + i + 0.5, y + 0.5, str(value), ha="center", va="center", fontsize=5)
-    if snapshot is None:
-        return
-    event = snapshot.event
-    lo, hi = event.recv_range
-    added = _is_reduction(event.phase)
-    if hi > lo:
-        edge = "crimson" if added else "darkgreen"
-        axes.add_patch(Rectangle((x0 + lo, y), hi - lo, 1, fill=False, linewidth=2, edgecolor=edge))
-    to, came = _peers(event, demo.algorithm, demo.ranks)
-    label = []
-    if event.send_range[1] > event.send_range[0]:
-        label.append(f"sent c{event.send_chunk}" + (f" to {to}" if to is not None else ""))
-    if hi > lo:
-        source = f" from {came}" if came is not None else ""
-        label.append(f"{'added' if added else 'got'} c{event.recv_chunk}{source}")
-    axes.text(x0 + demo.length / 2, y - 0.15, ", ".join(label), ha="center", va="top", fontsize=6)
+    labels = []
+    for snapshot in snapshots:
+        event = snapshot.event
+        lo, hi = event.recv_range
+        if hi > lo:
+            edge = "crimson" if snapshot.added else "darkgreen"
+            frame = Rectangle((x0 + lo, y), hi - lo, 1, fill=False, linewidth=2, edgecolor=edge)
+            axes.add_patch(frame)
+        chunked = bounds is not None and event.phase not in ("fold", "unfold")
+        what = "c{}" if chunked else "all"
+        if snapshot.send_to >= 0 and event.send_range[1] > event.send_range[0]:
+            labels.append(f"sent {what.format(event.send_chunk)} to {snapshot.send_to}")
+        if snapshot.recv_from >= 0 and hi > lo:
+            verb = "added" if snapshot.added else "got"
+            labels.append(f"{verb} {what.format(event.recv_chunk)} from {snapshot.recv_from}")
+    if labels:
+        text = ", ".join(labels)
+        axes.text(x0 + demo.length / 2, y - 0.15, text, ha="center", va="top", fontsize=6)
 
 
 # -- the command line -----------------------------------------------------------------------------
