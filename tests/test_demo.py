@@ -1,0 +1,196 @@
+"""`syncsgd ring-demo`: every step printed against a naive ring, plain and colour, the PNG."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from syncsgd import demo
+from syncsgd.ring import chunk_bounds
+
+pytestmark = pytest.mark.timeout(120)
+
+ROW = re.compile(r"^  rank (\d+) *: (.*?)(?:   (->.*|<-.*|\(idle\)))?$")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="syncsgd ring-demo")
+    demo.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def naive_ring_states(ranks: int, length: int) -> list[list[np.ndarray]]:
+    """Every rank's buffer after each of the 2(P-1) steps, as SPEC §4 describes the ring."""
+    buffers = [np.full(length, 10**r, dtype=np.int64) for r in range(ranks)]
+    bounds = chunk_bounds(length, ranks)
+    chunk = [slice(bounds[c], bounds[c + 1]) for c in range(ranks)]
+    states = []
+    for step in range(ranks - 1):  # reduce-scatter: add chunk (r - s - 1) from the left
+        before = [b.copy() for b in buffers]
+        for r in range(ranks):
+            c = chunk[(r - step - 1) % ranks]
+            buffers[r][c] = before[r][c] + before[(r - 1) % ranks][c]
+        states.append([b.copy() for b in buffers])
+    for step in range(ranks - 1):  # allgather: copy chunk (r - s) from the left
+        before = [b.copy() for b in buffers]
+        for r in range(ranks):
+            c = chunk[(r - step) % ranks]
+            buffers[r][c] = before[(r - 1) % ranks][c]
+        states.append([b.copy() for b in buffers])
+    return states
+
+
+def blocks(text: str) -> dict[str, list[str]]:
+    """The output's blank-line separated blocks, by their first line."""
+    found = {}
+    for block in text.split("\n\n"):
+        lines = block.splitlines()
+        found[lines[0]] = lines[1:]
+    return found
+
+
+def test_every_step_of_p3_n7_matches_a_naive_ring(capsys):
+    assert demo.main(parse("--ranks", "3", "--length", "7", "--color", "never")) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    steps = blocks(out)
+    names = [f"reduce-scatter step {s} of 2" for s in (1, 2)]
+    names += [f"allgather step {s} of 2" for s in (1, 2)]
+    assert [name for name in steps if "step" in name] == names
+    bounds = chunk_bounds(7, 3)
+    for number, (name, state) in enumerate(zip(names, naive_ring_states(3, 7), strict=True)):
+        rows = steps[name]
+        assert len(rows) == 3
+        step = number % 2
+        for rank, line in enumerate(rows):
+            match = ROW.match(line)
+            assert match and int(match[1]) == rank, line
+            cells = match[2]
+            values = [int(v) for v in re.findall(r"\d+", cells)]
+            assert values == state[rank].tolist(), (name, rank, line)
+            # the bracketed range is the chunk just received
+            received = (rank - step - 1) % 3 if number < 2 else (rank - step) % 3
+            sent = (rank - step) % 3 if number < 2 else (rank + 1 - step) % 3
+            inside = re.search(r"\[(.*)\]", cells)[1]
+            expected = state[rank][bounds[received] : bounds[received + 1]].tolist()
+            assert [int(v) for v in inside.split()] == expected
+            verb = "added" if number < 2 else "copied"
+            assert match[3] == (
+                f"-> rank {(rank + 1) % 3}: chunk {sent}; "
+                f"<- rank {(rank - 1) % 3}: chunk {received} ({verb})"
+            )
+    assert [line.split(":")[1].split() for line in steps["result"][:3]] == [["111"] * 7] * 3
+    assert steps["result"][3].split(":")[1].split() == ["111"] * 7  # the NumPy line
+    assert steps["result"][4] == "ring allreduce result: equal to the NumPy sum on every rank"
+
+
+def test_colour_marks_with_escape_codes_and_no_brackets(capsys):
+    assert demo.main(parse("--ranks", "3", "--length", "7", "--color", "always")) == 0
+    out = capsys.readouterr().out
+    assert demo.ADDED in out and demo.COPIED in out and demo.RESET in out
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    assert "[" not in plain.split("\nstart\n")[1]  # the colours replace the brackets
+    assert "reduce-scatter step 2 of 2" in plain and "111 111 111 111 111 111 111" in plain
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_auto_colour_only_on_a_terminal(monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    assert demo.use_color("auto", FakeTerminal())
+    assert not demo.use_color("auto", io.StringIO())
+    assert demo.use_color("always", io.StringIO()) and not demo.use_color("never", FakeTerminal())
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not demo.use_color("auto", FakeTerminal())
+
+
+def test_png_is_written(tmp_path, capsys):
+    path = tmp_path / "ring.png"
+    assert demo.main(parse("--ranks", "3", "--length", "7", "--png", str(path))) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.endswith(f"wrote {path}\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["ring.png"]  # no temporary file left
+
+
+def test_png_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    for name in list(sys.modules):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    run = demo.run_demo(2, 3)
+    with pytest.raises(RuntimeError, match=r"pip install 'syncsgd\[plot\]'"):
+        demo.draw_png(run, str(tmp_path / "x.png"))
+
+
+@pytest.mark.parametrize(("ranks", "length"), [(1, 3), (2, 0), (4, 2), (5, 13), (11, 4)])
+def test_small_and_odd_shapes(ranks, length):
+    run = demo.run_demo(ranks, length)
+    assert run.correct
+    assert len(run.steps) == 2 * (ranks - 1)
+    text = demo.render_text(run)
+    assert "equal to the NumPy sum on every rank" in text
+    if 1 < length < ranks:
+        assert "(empty)" in text  # a chunk with no elements still travels
+
+
+def collective_names() -> list[str]:
+    collectives = pytest.importorskip("syncsgd.collectives")
+    return [name for name in collectives.ALGORITHMS if name != "mpi"]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5, 8])
+def test_every_algorithm_counts_each_rank_once(ranks):
+    for algorithm in collective_names():
+        run = demo.run_demo(ranks, 7, algorithm)
+        assert run.correct, algorithm
+        assert run.expected.tolist() == [int("1" * ranks)] * 7
+        for _, group in run.steps:
+            for snapshot in group:
+                # each digit says whether a rank is in the partial sum: never 2 or more
+                assert set("".join(map(str, snapshot.buffer.tolist()))) <= {"0", "1"}
+        text = demo.render_text(run)
+        assert f"{run.algorithm} allreduce result: equal to the NumPy sum" in text
+
+
+def test_tree_steps_name_the_peers():
+    pytest.importorskip("syncsgd.collectives")
+    text = demo.render_text(demo.run_demo(3, 2, "tree"))
+    reduce = blocks(text)["reduce step 1 of 1"]
+    assert reduce == [
+        "  rank 0: [ 11  11]   <- rank 1: the buffer (added)",
+        "  rank 0: [111 111]   <- rank 2: the buffer (added)",
+        "  rank 1:   10  10    -> rank 0: the buffer",
+        "  rank 2:  100 100    -> rank 0: the buffer",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ranks", "17"], "1 to 16 ranks"),
+        (["--length", "65"], "0 to 64 elements"),
+        (["--algorithm", "butterfly"], "unknown algorithm 'butterfly'"),
+        (["--algorithm", "mpi"], "no steps to show"),
+        (["--png", "/nonexistent-dir/ring.png"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_clear_line(argv, message):
+    with pytest.raises(ValueError) as error:
+        demo.main(parse(*argv))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv", [["--ranks", "0"], ["--length", "-1"], ["--color", "sometimes"]])
+def test_bad_options_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert "error" in capsys.readouterr().err
