@@ -1,7 +1,7 @@
 """Allreduce sweep, OSU / nccl-tests style: the hand-written ring against the library's Allreduce.
 
     syncsgd bench allreduce                          # threads backend, 2 thread ranks
-    mpiexec -n 2 syncsgd bench allreduce --json a.json --csv a.csv
+    mpiexec -n 2 syncsgd bench allreduce --json a.json --csv a.csv --png a.png
     python benchmarks/allreduce.py --max-bytes 1M    # the same, run as a script
 
 Method: for each message size, check once that every algorithm gives the same sum, warm up, then
@@ -252,7 +252,34 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
         writer.writeheader()
         writer.writerows(rows)
         write_text(options.csv, text.getvalue())
+    if options.png:
+        draw_png(rows, options.png, f"allreduce, {comm.Get_size()} ranks, {backend} backend")
     return {"rows": rows, "bar": bar}
+
+
+def draw_png(rows: list[dict], path: str, title: str) -> None:
+    """Time and busbw against message size, one line per algorithm, written to `path`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from syncsgd.files import atomic_path
+
+    figure = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(figure)
+    time_axes, busbw_axes = figure.subplots(1, 2)
+    for name in dict.fromkeys(row["algorithm"] for row in rows):
+        mine = [row for row in rows if row["algorithm"] == name]
+        sizes = [row["size_bytes"] for row in mine]
+        time_axes.plot(sizes, [row["time_us"] for row in mine], marker=".", label=name)
+        busbw_axes.plot(sizes, [row["busbw_GBps"] for row in mine], marker=".", label=name)
+    time_axes.set(xscale="log", yscale="log", xlabel="size (bytes)", ylabel="time (us)")
+    busbw_axes.set(xscale="log", xlabel="size (bytes)", ylabel="busbw (GB/s)")
+    for axes in (time_axes, busbw_axes):
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+    figure.suptitle(title)
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=100)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -292,6 +319,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    parser.add_argument("--png", metavar="PATH", help="plot time and busbw against size")
     parser.add_argument(
         "--check",
         action="store_true",
@@ -304,9 +332,14 @@ def main(options: argparse.Namespace) -> int:
     """Run the sweep on the backend the options ask for."""
     if options.min_bytes > options.max_bytes:
         raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
-    for path in (options.json, options.csv):
+    for path in (options.json, options.csv, options.png):
         if path:
             check_writable(path)
+    if options.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RuntimeError("--png needs matplotlib: pip install 'syncsgd[plot]'") from None
     ranks = options.ranks
     if ranks is None and options.backend != "mpi":
         ranks = 2 if resolve_backend(options.backend) == "threads" else None

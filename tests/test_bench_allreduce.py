@@ -64,6 +64,14 @@ def test_sweep_prints_a_table_and_writes_json_and_csv(tmp_path, capsys):
         assert float(record["time_us"]) == pytest.approx(row["time_us"])
 
 
+def test_png_plot_is_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    assert main(["bench", "allreduce", "--max-bytes", "32", *QUICK, "--png", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["sweep.png"]  # no temporary file left over
+
+
 def test_message_sizes_and_byte_parsing():
     assert allreduce.message_sizes(8, 64, 8) == [8, 16, 32, 64]
     assert allreduce.message_sizes(1, 10, 4) == [4, 8]  # at least one element
@@ -104,6 +112,7 @@ def test_performance_bar_verdicts():
         (["--backend", "gloo"], "--backend"),
         (["--min-bytes", "1M", "--max-bytes", "8"], "exceeds --max-bytes"),
         (["--json", "/no/such/directory/x.json"], "does not exist"),
+        (["--png", "/no/such/directory/x.png"], "does not exist"),
     ],
 )
 def test_bad_options_give_one_line_on_stderr(bad_options, words, capsys):
