@@ -38,6 +38,7 @@ import functools
 import itertools
 import json
 import math
+import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -573,7 +574,7 @@ def describe_fit(result: Fit, path: str, ranks: int) -> list[str]:
         f"fitted {fitted}{held}"
     ]
     if result.note:
-        lines.append(f"# note: {result.note}")
+        lines += textwrap.wrap(result.note, 98, initial_indent="# note: ", subsequent_indent="#   ")
     lines.append(f"{'algorithm':>18} {'size':>9} {'measured':>10} {'predicted':>10} {'error':>7}")
     for row in result.rows:
         lines.append(

@@ -137,7 +137,7 @@ def run_demo(ranks: int, length: int, algorithm: str = "ring",
         _annotate(algorithm, length, ranks, rank, result[1]) for rank, result in enumerate(results)
     ]
     final = [result[2] for result in results]
-    expected = np.sum(start, axis=0, dtype=np.int64)
+    expected = np.stack(start).sum(axis=0, dtype=np.int64)
     return Demo(algorithm, ranks, length, start, _group_steps(per_rank), final, expected, note)
 
 
