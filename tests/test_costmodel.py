@@ -428,3 +428,21 @@ def test_formatting():
     assert costmodel.format_seconds(266.55e-6) == "267 us"
     assert costmodel.format_seconds(0) == "0 s"
     assert math.isclose(costmodel.DEFAULT_BETA, 8e-11)
+
+
+def test_fit_reads_a_real_bench_sweep(tmp_path, capsys):
+    from syncsgd.cli import main as cli_main
+
+    bench = tmp_path / "bench.json"
+    quick = ["--batches", "2", "--batch-seconds", "0.001", "--warmup", "1", "--max-iters", "3"]
+    argv = ["bench", "allreduce", "--ranks", "2", "--max-bytes", "4K", "--json", str(bench)]
+    assert cli_main([*argv, *quick]) == 0
+    capsys.readouterr()
+    lines = run(capsys, "--fit", str(bench), "--ranks", "2", "--sizes", "8")
+    assert lines[0].startswith(f"# fit to 10 ring rows of {bench} (P = 2)")  # 8 B .. 4 KiB
+    measured = json.loads(bench.read_text())["rows"]
+    rows = [line.split() for line in lines if line.lstrip().startswith("ring ")]
+    assert len(rows) == 10
+    for row, original in zip(rows, [r for r in measured if r["algorithm"] == "ring"], strict=True):
+        assert costmodel.format_bytes(original["size_bytes"]) == " ".join(row[1:3])
+        assert costmodel.format_seconds(original["time_us"] * 1e-6) == " ".join(row[3:5])
