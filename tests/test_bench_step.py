@@ -90,7 +90,7 @@ def test_bare_loop_is_serial_sgd(batch, steps, hidden, dtype):
                      str(steps), "--hidden", ",".join(map(str, hidden)), "--dtype", dtype,
                      "--lr", "0.3"])  # fmt: skip
     problem = prepare(step.train_config(options, batch))
-    params, seconds = step.BareLoop(problem).run()
+    params, seconds = step.bare_loop(problem)
     model = problem.model
     expected, _ = serial_sgd(
         problem.X, problem.y, model.to_arrays(model.init_params(0)), steps=steps,
