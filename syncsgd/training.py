@@ -270,10 +270,13 @@ def train_rank(
     record_digests: bool = False,
 ) -> TrainResult:
     """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary."""
-    from syncsgd.kernels import evaluate  # imports Numba: only when training
+    from syncsgd.kernels import evaluate, limit_blas_threads  # imports Numba: only when training
 
     config, model, X, y = problem.config, problem.model, problem.X, problem.y
     rank, size = comm.Get_rank(), comm.Get_size()
+    # Ranks share the cores: a BLAS that starts its own threads in every rank oversubscribes
+    # them (tenfold slower at P = 2 here). Takes effect before the first kernel call only.
+    limit_blas_threads(max(1, (os.cpu_count() or 1) // size))
     master_process = rank == 0
     n_samples, n_params = X.shape[0], model.n_params
     check_agreement(comm, problem)
@@ -438,6 +441,9 @@ class ExactLocalGradient:
         correct = self.kernel.local_pass(params, X, y, self.bounds)
         mpi = constants(comm)
         comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)  # agree on the fixed point
+        if not np.isfinite(self.bounds).all():  # the same on every rank: all skip or stop alike
+            sums[:] = np.nan
+            return
         self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.n_params + 1])
         sums[self.n_params + 1] = correct
 

@@ -13,9 +13,7 @@ from oracle import serial_sgd
 from syncsgd import TrainConfig, run_threads, train
 from syncsgd.model import MLP
 from syncsgd.training import bucket_slices, prepare, train_rank
-
-# Documented tolerances of SPEC §6 (default float mode), relative to the largest parameter.
-TOLERANCE = {"float64": 1e-9, "float32": 2e-4}
+from syncsgd.verify import TOLERANCE  # documented, relative to the largest parameter (SPEC §6)
 
 
 def max_relative_difference(ours: dict, theirs: dict) -> float:
@@ -78,7 +76,10 @@ def test_distributed_equals_serial_oracle(
     expected, expected_losses = oracle_for(config)
 
     assert max_relative_difference(result.arrays(), expected) <= TOLERANCE[dtype]
-    np.testing.assert_allclose(result.losses, expected_losses, rtol=TOLERANCE[dtype] * 10)
+    # Losses near zero (a fitted batch of one) cancel in float32: an absolute tolerance too.
+    loss_tolerance = TOLERANCE[dtype] * 10
+    np.testing.assert_allclose(result.losses, expected_losses, rtol=loss_tolerance,
+                               atol=loss_tolerance)  # fmt: skip
 
 
 def test_float64_within_1e_9_after_100_steps_on_the_standard_workload():
