@@ -65,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(check, single_run=False)
     check.set_defaults(run=run_verify)
 
+    from syncsgd import costmodel, demo
+
+    for module, name, summary in (
+        (demo, "ring-demo", "watch every step of a ring (or another) allreduce on small integers"),
+        (costmodel, "model", "the α-β-γ cost model of the allreduce algorithms; --fit a sweep"),
+    ):
+        sub = commands.add_parser(name, help=summary, description=module.__doc__.split("\n")[0])
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.main)
+
     bench = commands.add_parser("bench", help="benchmarks (OSU / nccl-tests style)")
     benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=_Parser)
     benchmarks.required = True
