@@ -447,14 +447,15 @@ def _agree(buf: Any, comm: Any, name: str) -> None:
     mine = np.array([problem is not None, length, -length, code, -code], np.int64)
     every = np.empty_like(mine)
     comm.Allreduce(mine, every, op=constants(comm).MAX)  # the extra collective: 40 bytes
+    unusable, longest, minus_shortest, last_dtype, minus_first_dtype = every.tolist()
     if problem:
         raise ValueError(_renamed(problem, name))
-    if every[0]:
+    if unusable:
         raise ValueError(
             f"{name}: another rank passed an unusable buffer (rank {comm.Get_rank()} has "
             f"{buf.dtype} of length {buf.size}); the result is not a sum"
         )
-    shortest, longest, first_dtype, last_dtype = -every[2], every[1], -every[4], every[3]
+    shortest, first_dtype = -minus_shortest, -minus_first_dtype
     differences = []
     if shortest != longest:
         differences.append(f"lengths from {shortest} to {longest}")
