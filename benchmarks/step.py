@@ -374,6 +374,14 @@ def print_overhead(row: dict) -> None:
         )
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS does not tell)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def write_outputs(options: argparse.Namespace, result: dict) -> None:
     """The --json and --csv files (the CSV holds the scaling rows)."""
     if options.json:
@@ -508,10 +516,11 @@ def main(options: argparse.Namespace) -> int:
         f"# training step: MLP {model} {options.activation} xent {options.dtype}, {backend} "
         f"backend, {options.samples} synthetic samples; {options.steps} steps x {options.repeats} "
         f"runs after {options.warmup} burn-in steps; medians, slowest rank; "
-        f"cores {os.cpu_count()}, "
+        f"cores {os.cpu_count()}, load average {load_average()}, "
         f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}",
         flush=True,
     )
+    load_before = load_average()
     problems = {}
     for scaling in options.scaling:
         for ranks in rank_counts:
@@ -575,11 +584,13 @@ def main(options: argparse.Namespace) -> int:
             print("# command-line timings skipped under MPI (run them on the threads backend)")
 
     if master_process:
+        print(f"# load average at the end: {load_average()} (other work skews every time)")
         write_outputs(options, {
             "benchmark": "step", "backend": backend, "model": model,
             "activation": options.activation, "loss": "xent", "dtype": options.dtype,
             "samples": options.samples, "cores": os.cpu_count(),
             "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+            "load_average": {"start": load_before, "end": load_average()},
             "command": sys.argv, "first_step": jit, "scaling": rows, "overhead": overhead_rows,
             "cli": cli_rows,
         })  # fmt: skip

@@ -41,6 +41,7 @@ def test_threads_smoke_run_writes_json_and_csv(tmp_path, capsys):
     result = json.loads(json_path.read_text())
     assert result["benchmark"] == "step" and result["backend"] == "threads"
     assert result["model"] == "6-5-3"
+    assert set(result["load_average"]) == {"start", "end"}
     assert set(result["first_step"]) >= {"import_s", "first_step_s", "first_call_s", "source"}
     rows = result["scaling"]
     assert [(r["scaling"], r["ranks"]) for r in rows] == [
