@@ -6,6 +6,7 @@ on the first failure (an assertion on one rank must not leave the other ranks wa
 
     --mismatch        the last rank passes a longer buffer than the others: every rank must
                       raise ValueError, print it, and the job must end (not hang)
+    --mismatch-uncaught  the same, but nobody catches the ValueError: the job must exit non-zero
     --fail-on-rank K  rank K fails on purpose: the job must exit non-zero, not hang
 """
 
@@ -151,6 +152,9 @@ def main(argv: list[str]) -> int:
             if rank == int(argv[argv.index("--fail-on-rank") + 1]):
                 raise AssertionError("failing on purpose")
             ring_allreduce(np.zeros(10), comm)  # the other ranks wait here for the failed one
+        elif "--mismatch-uncaught" in argv:
+            ring_allreduce(longer_on_last_rank(rank, size), comm)  # must raise on every rank
+            raise SystemExit("ring_allreduce returned although the lengths differ")
         elif "--mismatch" in argv:
             if size == 1:
                 raise SystemExit("--mismatch needs at least 2 ranks")
