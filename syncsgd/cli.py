@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from syncsgd.argtypes import (
+    finite_float,
     nonnegative_float,
     nonnegative_int,
     positive_float,
@@ -193,6 +194,37 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, single_run: bool = T
         default=d.base_batch,
         help=f"the batch size --lr was tuned for (default {d.base_batch})",
     )
+    held = parser.add_argument_group("evaluation")
+    held.add_argument(
+        "--holdout",
+        type=nonnegative_float,
+        default=0.0,
+        help="fraction of the samples held out for evaluation (default 0)",
+    )
+    held.add_argument(
+        "--eval-every",
+        type=nonnegative_int,
+        default=0,
+        metavar="K",
+        help="evaluate on the held-out samples every K steps (default: never)",
+    )
+    held.add_argument(
+        "--target-loss",
+        type=finite_float,
+        default=None,
+        help="stop once the held-out loss is at most this",
+    )
+    held.add_argument(
+        "--target-accuracy",
+        type=finite_float,
+        default=None,
+        help="stop once the held-out accuracy is at least this",
+    )
+    held.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="estimate the gradient noise scale B_simple (needs 2+ ranks)",
+    )
     repro = parser.add_argument_group("reproducibility")
     repro.add_argument(
         "--exact", action="store_true", help="bitwise the same parameters for every number of ranks"
@@ -264,7 +296,9 @@ def config_from_options(options: argparse.Namespace):  # -> TrainConfig (importe
         checkpoint=getattr(options, "checkpoint", None),
         checkpoint_every=getattr(options, "checkpoint_every", None),
         resume=getattr(options, "resume", None),
-        skip_nonfinite=getattr(options, "skip_nonfinite", False),
+        skip_nonfinite=getattr(options, "skip_nonfinite", False), holdout=options.holdout,
+        eval_every=options.eval_every, target_loss=options.target_loss,
+        target_accuracy=options.target_accuracy, noise_scale=options.noise_scale,
     )  # fmt: skip
 
 

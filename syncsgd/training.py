@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from syncsgd import checkpoint, collectives, data, pitfalls
+from syncsgd import checkpoint, collectives, data, noise, pitfalls
 from syncsgd.checkpoint import Checkpoint
 from syncsgd.comm import ThreadComm, constants, launch
 from syncsgd.files import atomic_path
@@ -80,6 +80,11 @@ class TrainConfig:
     checkpoint_every: int | None = None  # steps between checkpoints (default: only at the end)
     resume: str | None = None  # directory to resume from (its latest checkpoint)
     skip_nonfinite: bool = False  # skip a step whose loss or gradient is not finite, not stop
+    holdout: float = 0.0  # fraction of the samples held out for evaluation
+    eval_every: int = 0  # evaluate on the held-out samples every k steps and at the end; 0: never
+    target_loss: float | None = None  # stop once the held-out loss is at most this
+    target_accuracy: float | None = None  # stop once the held-out accuracy is at least this
+    noise_scale: bool = False  # estimate the gradient noise scale B_simple (McCandlish et al.)
 
     def __post_init__(self) -> None:
         for name in ("samples", "features", "batch_size", "base_batch"):
@@ -120,6 +125,17 @@ class TrainConfig:
             self.checkpoint_every is None or self.checkpoint is not None,
             "--checkpoint-every needs --checkpoint DIR",
         )
+        _require(0 <= self.holdout < 1, f"--holdout must be in [0, 1), got {self.holdout}")
+        _require(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
+        wants_eval = self.eval_every > 0 or self.target_loss is not None
+        _require(
+            not (wants_eval or self.target_accuracy is not None) or self.holdout > 0,
+            "--eval-every and --target-loss/--target-accuracy need --holdout (e.g. 0.2)",
+        )
+        _require(
+            self.target_accuracy is None or self.loss == "xent",
+            "--target-accuracy needs --loss xent",
+        )
         source = self.data
         _require(
             source in DATA_SOURCES or source.endswith((".npz", ".csv")),
@@ -149,6 +165,8 @@ class Problem:
     fingerprint: str  # SHA-256 of everything that determines the trajectory (not P, not steps)
     start: Checkpoint | None = None  # the state to resume from
     init: np.ndarray | None = None  # parameters from --init
+    X_eval: np.ndarray | None = None  # the held-out samples (--holdout)
+    y_eval: np.ndarray | None = None
 
 
 def prepare(config: TrainConfig) -> Problem:
@@ -157,6 +175,7 @@ def prepare(config: TrainConfig) -> Problem:
         config.data, samples=config.samples, features=config.features, classes=config.classes,
         loss=config.loss, seed=config.seed, dtype=config.dtype,
     )  # fmt: skip
+    X, y, X_eval, y_eval = split_holdout(X, y, config.holdout, config.seed)
     n_samples = X.shape[0]
     per_epoch = data.steps_per_epoch(n_samples, config.batch_size)
     if config.steps is not None:
@@ -178,7 +197,8 @@ def prepare(config: TrainConfig) -> Problem:
         noam_dim=max(config.hidden, default=sizes[0]),
         clip_norm=None if config.pitfall == "local-clip" else config.clip_norm,  # clipped per rank
     )  # fmt: skip
-    problem = Problem(config, model, X, y, steps, optim, fingerprint(config, X, y, steps))
+    problem = Problem(config, model, X, y, steps, optim, fingerprint(config, X, y, steps),
+                      X_eval=X_eval, y_eval=y_eval)  # fmt: skip
     if config.init is not None:
         problem.init = model.from_arrays(load_npz(config.init))
     if config.checkpoint is not None:
@@ -193,6 +213,19 @@ def prepare(config: TrainConfig) -> Problem:
     return problem
 
 
+def split_holdout(X: np.ndarray, y: np.ndarray, fraction: float, seed: int):
+    """(X, y, X_eval, y_eval): the last round(N * fraction) samples of a seeded permutation are
+    held out (in their original order); with fraction 0, nothing is."""
+    held = round(len(X) * fraction)
+    if held == 0:
+        _require(fraction == 0, f"--holdout {fraction} holds out no sample of {len(X)}")
+        return X, y, None, None
+    _require(held < len(X), f"--holdout {fraction} leaves no sample to train on")
+    order = np.random.default_rng([seed, 2**31]).permutation(len(X))
+    train_rows, eval_rows = np.sort(order[: len(X) - held]), np.sort(order[len(X) - held :])
+    return X[train_rows], y[train_rows], X[eval_rows], y[eval_rows]
+
+
 def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:
     """A digest of the data and of every option that changes the trajectory.
 
@@ -201,7 +234,8 @@ def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -
     parameters came from, outputs, and how the allreduce is done (algorithm, buckets).
     """
     ignored = {"steps", "epochs", "init", "checkpoint", "checkpoint_every", "resume",
-               "bucket_bytes", "algorithm", "skip_nonfinite"}  # fmt: skip
+               "bucket_bytes", "algorithm", "skip_nonfinite", "eval_every", "target_loss",
+               "target_accuracy", "noise_scale"}  # fmt: skip
     options = {k: v for k, v in asdict(config).items() if k not in ignored}
     if config.schedule == "cosine":
         options["total_steps"] = steps
@@ -229,6 +263,10 @@ class TrainResult:
     digests: list[bytes] = field(default_factory=list)  # per step, if asked for (verify)
     skipped_steps: list[int] = field(default_factory=list)  # non-finite steps (--skip-nonfinite)
     stopped_after: int | None = None  # steps done when a stop was requested (Ctrl-C, SIGTERM)
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (steps, loss, accuracy)
+    steps_to_target: int | None = None  # steps done at the first evaluation that met the target
+    noise_scale: float | None = None  # B_simple = tr(Σ) / |G|² over the run (None at P = 1)
+    noise_scales: list[float] = field(default_factory=list)  # its running estimate, per step
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The parameters as W0, b0, W1, b1, ... (copies)."""
@@ -292,16 +330,16 @@ def train_rank(
         sgd.load_state_arrays(problem.start.optimizer)
         first_step = problem.start.step
 
-    # One communication buffer: the gradient sum, then the loss sum, the count of correct
-    # predictions and the number of ranks asked to stop (so that all ranks stop at the same step);
+    # One communication buffer: the gradient sum, then the STATS (loss sum, correct predictions,
+    # ranks asked to stop - so that all stop after the same step - and the noise-scale sums);
     # one allreduce (or one per bucket). Exact mode carries its exact float64 representation,
     # whatever the model's dtype.
     largest_shard = -(-config.batch_size // size)
     local_gradient = (ExactLocalGradient if config.exact else FloatLocalGradient)(
         model, largest_shard, config.batch_size
     )
-    comm_buffer = np.zeros(n_params + 3, local_gradient.buffer_dtype)
-    grad_sum, stats = comm_buffer[:n_params], comm_buffer[n_params:]  # loss sum, correct, stop
+    comm_buffer = np.zeros(n_params + len(STATS), local_gradient.buffer_dtype)
+    grad_sum, stats = comm_buffer[:n_params], comm_buffer[n_params:]
     grad = np.empty(n_params, model.dtype)  # the mean gradient of the global batch
     buckets = bucket_slices(model, comm_buffer.size, config.bucket_bytes)
     timeline = Timeline(comm) if timeline_path is not None else None
@@ -314,6 +352,7 @@ def train_rank(
     X_shard = np.empty((largest_shard, X.shape[1]), X.dtype)
     y_shard = np.empty((largest_shard, *y.shape[1:]), y.dtype)
     order_seed = pitfalls.order_seed(config.pitfall, config.seed, rank)
+    noise_scale = noise.RunningNoiseScale()
 
     result = TrainResult(params, model, problem.steps)
     progress = _progress(problem.steps - first_step, enabled=master_process and not quiet)
@@ -334,7 +373,10 @@ def train_rank(
             if config.pitfall is not None:
                 pitfalls.contribution_(config.pitfall, grad_sum, m, len(global_batch), size,
                                        config.clip_norm)  # fmt: skip
-            stats[2] = 1 if stop_requested.is_set() else 0
+            stats[STOP] = 1 if stop_requested.is_set() else 0
+            if config.noise_scale:  # this rank's small-batch gradient: |G_r|^2, and 1/b_r
+                small_norm_sq = float(np.dot(grad_sum, grad_sum)) / (m * m) if m else 0.0
+                stats[NOISE_SLOTS] = (small_norm_sq, 1, 1 / m) if m else (0, 0, 0)
             t1 = time.perf_counter()
             for bucket in buckets:
                 allreduce(comm_buffer[bucket], comm)
@@ -342,11 +384,14 @@ def train_rank(
             # The one place where the sum over the global batch becomes its mean: divide once by B,
             # after the allreduce (averaging per-rank means would weigh uneven shards wrongly).
             batch_size = len(global_batch)
-            loss = float(stats[0]) / batch_size
+            loss = float(stats[LOSS]) / batch_size
             np.divide(grad_sum, batch_size, out=grad)
+            grad_norm_sq = float(np.dot(grad, grad))
+            if config.noise_scale:
+                estimates = noise.estimate(*stats[NOISE_SLOTS], grad_norm_sq, batch_size)
+                result.noise_scales.append(noise_scale.add(estimates))
             # Every rank holds the same allreduced numbers, so every rank decides alike.
-            finite = math.isfinite(loss) and math.isfinite(float(np.dot(grad, grad)))
-            if finite:
+            if math.isfinite(loss) and math.isfinite(grad_norm_sq):
                 info = sgd.step_(params, grad, step)
             elif config.skip_nonfinite:
                 info = {"lr": learning_rate(problem.optim, step), "grad_norm": math.nan}
@@ -373,10 +418,12 @@ def train_rank(
                     "loss": loss, "lr": info["lr"], "grad_norm": info["grad_norm"],
                     "seconds": t3 - t0, "comm_seconds": t2 - t1,
                 }  # fmt: skip
+                if config.noise_scale:
+                    record["noise_scale"] = result.noise_scales[-1]
                 log.write(json.dumps(record) + "\n")
             if progress is not None:
                 progress(step - first_step, loss)
-            stopping = stats[2] > 0
+            stopping = stats[STOP] > 0
             if master_process and (checkpoint_due(config, step + 1, problem.steps) or stopping):
                 if config.checkpoint is not None:
                     state = Checkpoint(step + 1, params, sgd.state_arrays())
@@ -384,7 +431,11 @@ def train_rank(
             if stopping:
                 result.stopped_after = step + 1
                 break
+            if problem.X_eval is not None and evaluation_due(config, step + 1, problem.steps):
+                if held_out_target_met(comm, problem, params, step + 1, result):
+                    break
         result.seconds = time.perf_counter() - started
+    result.noise_scale = noise_scale.value
     if progress is not None:
         progress(None, None)
     if timeline is not None:
@@ -415,7 +466,7 @@ class FloatLocalGradient:
                  sums: np.ndarray) -> None:  # fmt: skip
         """Fill `sums` with [gradient sum..., loss sum, correct count] of this shard."""
         loss_sum, correct = self.kernel(params, X, y, sums[: self.n_params])
-        sums[self.n_params], sums[self.n_params + 1] = loss_sum, correct
+        sums[self.n_params + LOSS], sums[self.n_params + CORRECT] = loss_sum, correct
 
 
 class ExactLocalGradient:
@@ -444,12 +495,46 @@ class ExactLocalGradient:
         if not np.isfinite(self.bounds).all():  # the same on every rank: all skip or stop alike
             sums[:] = np.nan
             return
-        self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.n_params + 1])
-        sums[self.n_params + 1] = correct
+        self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.n_params + LOSS + 1])
+        sums[self.n_params + CORRECT] = correct
+
+
+def evaluation_due(config: TrainConfig, steps_done: int, total_steps: int) -> bool:
+    """Evaluate every --eval-every steps (default 1 with a target) and after the last step."""
+    has_target = config.target_loss is not None or config.target_accuracy is not None
+    every = config.eval_every or (1 if has_target else 0)
+    return every > 0 and (steps_done % every == 0 or steps_done == total_steps)
+
+
+def held_out_target_met(comm: Any, problem: Problem, params: np.ndarray, steps_done: int,
+                        result: TrainResult) -> bool:  # fmt: skip
+    """Rank 0 evaluates on the held-out samples; True on every rank once a target is met."""
+    from syncsgd.kernels import evaluate
+
+    config = problem.config
+    met = np.zeros(1)
+    if comm.Get_rank() == 0:
+        loss, accuracy = evaluate(problem.model, params, problem.X_eval, problem.y_eval)
+        result.evals.append((steps_done, loss, accuracy if config.loss == "xent" else math.nan))
+        met[0] = (config.target_loss is not None and loss <= config.target_loss) or (
+            config.target_accuracy is not None and accuracy >= config.target_accuracy
+        )
+        if met[0] and result.steps_to_target is None:
+            result.steps_to_target = steps_done
+    if config.target_loss is None and config.target_accuracy is None:
+        return False
+    comm.Bcast(met, root=0)  # rank 0 decides for everyone
+    return bool(met[0])
 
 
 # Set by the command line's SIGINT/SIGTERM handlers; the ranks agree through the allreduce.
 stop_requested = threading.Event()
+
+
+# The slots after the gradient in the communication buffer, summed over the ranks each step.
+STATS = ("loss sum", "correct", "stop", "small-batch |G|^2", "ranks with samples", "sum 1/b")
+LOSS, CORRECT, STOP = 0, 1, 2
+NOISE_SLOTS = slice(3, 6)
 
 
 def checkpoint_due(config: TrainConfig, steps_done: int, total_steps: int) -> bool:
@@ -548,6 +633,13 @@ def summary(result: TrainResult, comm_size: int, backend: str) -> str:
     rate = result.steps / result.seconds if result.seconds > 0 else math.inf
     share = result.comm_seconds / result.seconds if result.seconds > 0 else 0.0
     accuracy = "" if result.accuracy is None else f", accuracy {result.accuracy:.4f}"
+    if result.evals:
+        steps_done, held_loss, held_accuracy = result.evals[-1]
+        accuracy += f", held-out loss {held_loss:.6g}" + (
+            "" if math.isnan(held_accuracy) else f", held-out accuracy {held_accuracy:.4f}"
+        )
+    if result.noise_scale is not None:
+        accuracy += f", noise scale B_simple {result.noise_scale:.3g}"
     return (
         f"trained {result.steps} steps on {comm_size} rank{'s' * (comm_size != 1)} ({backend}): "
         f"final loss {result.final_loss:.6g}{accuracy}, {rate:.1f} steps/s, "

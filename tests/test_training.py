@@ -156,3 +156,36 @@ def test_timeline_has_a_row_per_rank_with_compute_allreduce_and_update(tmp_path)
         assert len([e for e in mine if e["cat"] == "update"]) == 3
         assert len([e for e in mine if e["cat"] == "allreduce"]) == 3 * 2 * (3 - 1)  # ring steps
         assert all(e["dur"] >= 0 and e["ts"] >= -1e3 for e in mine)
+
+
+def test_holdout_is_a_seeded_disjoint_split():
+    full = prepare(TrainConfig(samples=100, batch_size=10))
+    split = prepare(TrainConfig(samples=100, batch_size=10, holdout=0.2))
+    assert len(split.X) == 80 and len(split.X_eval) == 20
+    rows = {row.tobytes() for row in full.X}
+    assert {r.tobytes() for r in split.X} | {r.tobytes() for r in split.X_eval} == rows
+    assert not {r.tobytes() for r in split.X} & {r.tobytes() for r in split.X_eval}
+    again = prepare(TrainConfig(samples=100, batch_size=10, holdout=0.2))
+    assert again.X_eval.tobytes() == split.X_eval.tobytes()
+    with pytest.raises(ValueError, match="holdout"):
+        TrainConfig(eval_every=5)
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_held_out_target_stops_every_rank_at_the_same_step(ranks):
+    config = TrainConfig(samples=600, steps=300, holdout=0.2, target_accuracy=0.8, hidden=(16,))
+    problem = prepare(config)
+    results = run_threads(ranks, train_rank, problem)
+    first = results[0]
+    assert first.steps_to_target is not None and first.steps_to_target < 300
+    assert {len(r.losses) for r in results} == {first.steps_to_target}
+    assert first.evals[-1][2] >= 0.8 > max(e[2] for e in first.evals[:-1])
+    assert [e[0] for e in first.evals] == list(range(1, first.steps_to_target + 1))
+
+
+def test_noise_scale_needs_two_batch_sizes_and_is_positive():
+    config = TrainConfig(samples=1024, steps=60, hidden=(16,), noise_scale=True)
+    assert train(config, ranks=1).noise_scale is None
+    result = train(config, ranks=4)
+    assert result.noise_scale is not None and result.noise_scale > 0
+    assert len(result.noise_scales) == 60 and result.noise_scales[-1] == result.noise_scale
