@@ -1,17 +1,20 @@
 """syncsgd: synchronous data-parallel SGD with a hand-written ring allreduce."""
 
+from syncsgd.collectives import ALGORITHMS, allreduce
 from syncsgd.comm import DeadlockError, RankAborted, ThreadComm, run_threads
 from syncsgd.ring import TraceEvent, ring_allreduce
 from syncsgd.training import TrainConfig, TrainResult, train
 
 __version__ = "0.1.0"
 __all__ = [
+    "ALGORITHMS",
     "DeadlockError",
     "RankAborted",
     "ThreadComm",
     "TraceEvent",
     "TrainConfig",
     "TrainResult",
+    "allreduce",
     "ring_allreduce",
     "run_threads",
     "train",
