@@ -185,7 +185,7 @@ def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...], kernel
             samples[key].append(step())
     print(
         f"thread ranks, micro-batch {options.batch} split over T threads, numba only "
-        f"(median per step, us)"
+        f"(median wall-clock time per step, us)"
     )
     rows = []
     for dtype in options.dtypes:
