@@ -80,7 +80,8 @@ class RingPlan(NamedTuple):
     left: int  # the neighbour we receive from
     tag: int  # the tag of our messages while nothing is wrong: our buffer's signature << 1
     reduce_scatter: tuple[RingStep, ...]  # P-1 steps
-    arrivals: tuple[np.ndarray, ...]  # the scratch view reduce-scatter step s receives into
+    arrivals: tuple[tuple[np.ndarray, memoryview], ...]  # scratch view (and its memoryview) that
+    # reduce-scatter step s receives into
     allgather: tuple[RingStep, ...]  # P-1 steps; chunks arrive straight in the buffer
 
 
@@ -100,11 +101,16 @@ def make_plan(length: int, dtype: np.dtype, size: int, rank: int, scratch: np.nd
 
     steps = range(size - 1)
     reduce_scatter = tuple(step((rank - s) % size, (rank - s - 1) % size) for s in steps)
-    arrivals = tuple(scratch[: s.recv.stop - s.recv.start] for s in reduce_scatter)
+    arrivals = tuple(_with_view(scratch[: s.recv.stop - s.recv.start]) for s in reduce_scatter)
     allgather = tuple(step((rank + 1 - s) % size, (rank - s) % size) for s in steps)
     signature = (length % _LENGTH_MODULUS) * 4 + _DTYPE_CODE.get(dtype, _NO_DTYPE)
     neighbours = (rank + 1) % size, (rank - 1) % size
     return RingPlan(*neighbours, signature << 1, reduce_scatter, arrivals, allgather)
+
+
+def _with_view(array: np.ndarray) -> tuple[np.ndarray, memoryview]:
+    """The array, and a memoryview of it to receive messages into."""
+    return array, array.data
 
 
 def buffer_problem(buf: Any) -> str | None:
@@ -162,12 +168,12 @@ def _truncated(exc: Exception) -> int:
 
 
 def _disagree(
-    tag: int, status: Any, count: int, incoming: np.ndarray, left: int, mismatch: str
+    tag: int, status: Any, count_agrees: bool, left: int, mismatch: str
 ) -> tuple[int, str]:
     """Our next tag and mismatch note, after the left neighbour's message showed a problem."""
     received = status.Get_tag()
     signature, their_signature = tag >> 1, received >> 1
-    wrong = their_signature != signature or count != incoming.nbytes
+    wrong = their_signature != signature or not count_agrees
     if wrong and not mismatch:
         mismatch = f"rank {left} has " + _describe_signature(their_signature, signature)
     return tag | (received & 1) | wrong, mismatch
@@ -193,18 +199,20 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
     mpi = constants(comm)
     any_tag, status = mpi.ANY_TAG, mpi.Status()
     mismatch = ""  # how the left neighbour's buffer differs from ours, once seen
+    # Messages go as memoryviews: mpi4py takes them faster than NumPy arrays (~15%).
+    message = flat.data
 
     # Reduce-scatter: after step s, the chunk received has been summed over s + 2 ranks.
     for step, (_, _, send, recv) in enumerate(reduce_scatter):
         start = time.perf_counter() if trace is not None else 0.0
-        incoming = arrivals[step]
+        incoming, arrival = arrivals[step]
         try:
-            comm.Sendrecv(flat[send], right, tag, incoming, left, any_tag, status)
+            comm.Sendrecv(message[send], right, tag, arrival, left, any_tag, status)
             count = status.Get_count()
         except Exception as exc:
             count = _truncated(exc)
-        if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
-            tag, mismatch = _disagree(tag, status, count, incoming, left, mismatch)
+        if status.Get_tag() != tag or count != arrival.nbytes:  # disagreement, or a flag
+            tag, mismatch = _disagree(tag, status, count == arrival.nbytes, left, mismatch)
         target = flat[recv]
         if target.size == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
             target[0] += incoming[0]
@@ -216,14 +224,14 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
     # Allgather: pass the finished chunks around; each arrives straight in its place.
     for step, (_, _, send, recv) in enumerate(allgather):
         start = time.perf_counter() if trace is not None else 0.0
-        incoming = flat[recv]
+        arrival = message[recv]
         try:
-            comm.Sendrecv(flat[send], right, tag, incoming, left, any_tag, status)
+            comm.Sendrecv(message[send], right, tag, arrival, left, any_tag, status)
             count = status.Get_count()
         except Exception as exc:
             count = _truncated(exc)
-        if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
-            tag, mismatch = _disagree(tag, status, count, incoming, left, mismatch)
+        if status.Get_tag() != tag or count != arrival.nbytes:  # disagreement, or a flag
+            tag, mismatch = _disagree(tag, status, count == arrival.nbytes, left, mismatch)
         if trace is not None:
             trace(_event("allgather", step, rank, allgather[step], flat, start))
 
