@@ -383,6 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     try:
         return options.run(options)
+    except BrokenPipeError:  # `syncsgd ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("syncsgd: interrupted", file=sys.stderr)
         _abort_mpi_job()

@@ -386,7 +386,8 @@ def train_rank(
             batch_size = len(global_batch)
             loss = float(stats[LOSS]) / batch_size
             np.divide(grad_sum, batch_size, out=grad)
-            grad_norm_sq = float(np.dot(grad, grad))
+            with np.errstate(over="ignore", invalid="ignore"):  # infinite is checked below
+                grad_norm_sq = float(np.dot(grad, grad))
             if config.noise_scale:
                 estimates = noise.estimate(*stats[NOISE_SLOTS], grad_norm_sq, batch_size)
                 result.noise_scales.append(noise_scale.add(estimates))
