@@ -312,9 +312,11 @@ def train_rank(
 
     config, model, X, y = problem.config, problem.model, problem.X, problem.y
     rank, size = comm.Get_rank(), comm.Get_size()
-    # Ranks share the cores: a BLAS that starts its own threads in every rank oversubscribes
-    # them (tenfold slower at P = 2 here). Takes effect before the first kernel call only.
-    limit_blas_threads(max(1, (os.cpu_count() or 1) // size))
+    # One BLAS thread per rank, as torchrun does: ranks share the cores, and a BLAS that starts
+    # threads in every rank oversubscribes them (tenfold slower at P = 2 here); its threads also
+    # spin on a busy machine even at P = 1. OPENBLAS_NUM_THREADS, if set, wins. Takes effect
+    # before the process's first kernel call only.
+    limit_blas_threads(1)
     master_process = rank == 0
     n_samples, n_params = X.shape[0], model.n_params
     check_agreement(comm, problem)
