@@ -167,8 +167,11 @@ def main(argv: list[str]) -> int:
             for length in sorted({0, 1, size - 1, size + 2, 37}):
                 check_trace(comm, length)
         comm.Barrier()
-    except BaseException:
-        sys.stderr.write(f"rank {rank} of {size} failed:\n{traceback.format_exc()}")
+    except BaseException as exc:
+        # The summary in one short write, which the launcher does not interleave with other ranks'.
+        sys.stderr.write(traceback.format_exc())
+        sys.stderr.flush()
+        sys.stderr.write(f"rank {rank} of {size} failed: {exc!r}\n")
         sys.stderr.flush()
         comm.Abort(1)
     if rank == 0:
