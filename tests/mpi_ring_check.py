@@ -13,6 +13,7 @@ on the first failure (an assertion on one rank must not leave the other ranks wa
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -168,11 +169,11 @@ def main(argv: list[str]) -> int:
                 check_trace(comm, length)
         comm.Barrier()
     except BaseException as exc:
-        # The summary in one short write, which the launcher does not interleave with other ranks'.
-        sys.stderr.write(traceback.format_exc())
+        # One write, summary first, and a moment for the launcher to forward it before Abort
+        # tears the job down (output written just before MPI_Abort can be lost).
+        sys.stderr.write(f"rank {rank} of {size} failed: {exc!r}\n{traceback.format_exc()}")
         sys.stderr.flush()
-        sys.stderr.write(f"rank {rank} of {size} failed: {exc!r}\n")
-        sys.stderr.flush()
+        time.sleep(0.2)
         comm.Abort(1)
     if rank == 0:
         print(f"ok: {size} ranks", flush=True)
