@@ -15,7 +15,9 @@ Overhead check (P = 1): `train_rank`'s step against a bare loop over the same ke
 batch, `Gradient(...)(...)`, `grad /= B`, plain SGD in NumPy), the two interleaved run by run
 (ABBA) and checked to end with bitwise the same parameters; the bar is 5%. Last, the wall time of
 `syncsgd --help` and of `syncsgd train --ranks 4` (warm JIT cache) in subprocesses. Nothing is
-asserted: the machines are shared and noisy, so repeat a run before believing a difference.
+asserted: the machines are shared and noisy, so repeat a run before believing a difference (the
+load average is printed). On a busy machine, OpenBLAS's own threads make the kernels' time swing
+tenfold; `OPENBLAS_NUM_THREADS=1 syncsgd bench step` gives steadier figures.
 """
 
 from __future__ import annotations
