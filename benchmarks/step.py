@@ -162,7 +162,7 @@ def bare_loop(problem: Problem) -> tuple[np.ndarray, list[float]]:
     grad = np.zeros(model.n_params, model.dtype)
     scratch = np.empty(model.n_params, model.dtype)
     params = model.init_params(config.seed)
-    order, order_epoch = None, -1
+    order, order_epoch = np.empty(0, np.int64), -1
     compute = update = 0.0
     started = time.perf_counter()
     for step in range(problem.steps):
@@ -300,7 +300,7 @@ def time_command(argv: list[str], runs: int) -> list[float]:
 def cli_timings(runs: int) -> list[dict]:
     """Wall times of `syncsgd --help` and `syncsgd train --ranks 4`, each after a warm-up run."""
     command = syncsgd_command()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for args, bar in ((["--help"], HELP_BAR_S), (["train", "--ranks", "4"], TRAIN_BAR_S)):
         try:
             time_command(command + args, 1)  # warm: Numba's on-disk cache, the OS's file cache
