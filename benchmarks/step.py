@@ -26,6 +26,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -125,7 +126,11 @@ def first_step(comm: Any, options: argparse.Namespace, problem: Problem) -> dict
     else:
         source = "already loaded"
     import_s, step_s, call_s = slowest(comm, [import_seconds, result.seconds, call_seconds])
-    return {"import_s": import_s, "first_step_s": step_s, "first_call_s": call_s, "source": source}
+    blas_threads = os.environ.get("OPENBLAS_NUM_THREADS", "unset")  # train_rank may set it
+    return {
+        "import_s": import_s, "first_step_s": step_s, "first_call_s": call_s, "source": source,
+        "blas_threads": blas_threads,
+    }  # fmt: skip
 
 
 def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, problem: Problem) -> dict:
@@ -187,6 +192,10 @@ def bare_loop(problem: Problem) -> tuple[np.ndarray, list[float]]:
     return params, [total / problem.steps for total in (compute, 0.0, update, seconds)]
 
 
+def _nothing(i: int) -> None:
+    """The bare loop's counterpart of a line it does not need."""
+
+
 def overhead(comm: Any, options: argparse.Namespace, problem: Problem) -> dict:
     """`train_rank` against the bare loop at P = 1, interleaved ABBA run by run."""
     if comm.Get_size() != 1:
@@ -221,12 +230,13 @@ def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> l
     """Each line of train_rank's step that the bare loop does differently, timed on its own.
 
     The pieces mirror syncsgd/training.py's loop: the batch indices (`data.global_batch` and
-    `data.shard` against a slice of the epoch's order), the allreduce (a no-op at P = 1) and the
-    update (`SGD.step_` against `lr * grad` subtracted). The kernels, the gather and `grad /= B`
-    are the same lines on both sides. Best of interleaved batches, in microseconds per call.
+    `data.shard` against a slice of the epoch's order), the allreduce (a no-op at P = 1), the
+    finiteness check of the mean gradient (`np.dot(grad, grad)`) and the update (`SGD.step_`
+    against `lr * grad` subtracted). The kernels, the gather and the division by B are the same
+    on both sides. Best of interleaved batches, in microseconds per call.
     """
+    from syncsgd.collectives import allreduce
     from syncsgd.optim import SGD
-    from syncsgd.ring import ring_allreduce
 
     config, model = problem.config, problem.model
     n_samples, batch, lr = problem.X.shape[0], config.batch_size, config.lr
@@ -248,13 +258,18 @@ def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> l
         position = i % per_epoch
         return order[position * batch : (position + 1) * batch]
 
+    def finiteness(i: int) -> bool:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return math.isfinite(float(np.dot(grad, grad)))
+
     def bare_update(i: int) -> None:
         np.multiply(grad, lr, out=scratch)
         np.subtract(params, scratch, out=params)
 
     pieces = {
         "batch indices": (global_batch, bare_indices),
-        "allreduce (P=1)": (lambda i: ring_allreduce(comm_buffer, comm), lambda i: None),
+        "allreduce (P=1)": (lambda i: allreduce(comm_buffer, comm, config.algorithm), _nothing),
+        "finite check": (finiteness, _nothing),
         "update": (lambda i: sgd.step_(params, grad, i), bare_update),
     }
     rows = []
@@ -518,8 +533,7 @@ def main(options: argparse.Namespace) -> int:
         f"# training step: MLP {model} {options.activation} xent {options.dtype}, {backend} "
         f"backend, {options.samples} synthetic samples; {options.steps} steps x {options.repeats} "
         f"runs after {options.warmup} burn-in steps; medians, slowest rank; "
-        f"cores {os.cpu_count()}, load average {load_average()}, "
-        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}",
+        f"cores {os.cpu_count()}, load average {load_average()}",
         flush=True,
     )
     load_before = load_average()
@@ -534,7 +548,8 @@ def main(options: argparse.Namespace) -> int:
     say(
         f"# first step ({first_key[0]}, P={first_key[1]}): {jit['first_step_s']:.3f} s "
         f"({jit['source']}; the first train_rank call {jit['first_call_s']:.3f} s); "
-        f"import of Numba and the kernels {jit['import_s']:.3f} s",
+        f"import of Numba and the kernels {jit['import_s']:.3f} s; kernels' BLAS: "
+        f"OPENBLAS_NUM_THREADS={jit['blas_threads']}",
         flush=True,
     )
     say("# times in ms per step", flush=True)
@@ -591,7 +606,6 @@ def main(options: argparse.Namespace) -> int:
             "benchmark": "step", "backend": backend, "model": model,
             "activation": options.activation, "loss": "xent", "dtype": options.dtype,
             "samples": options.samples, "cores": os.cpu_count(),
-            "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
             "load_average": {"start": load_before, "end": load_average()},
             "command": sys.argv, "first_step": jit, "scaling": rows, "overhead": overhead_rows,
             "cli": cli_rows,

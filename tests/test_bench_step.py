@@ -42,7 +42,13 @@ def test_threads_smoke_run_writes_json_and_csv(tmp_path, capsys):
     assert result["benchmark"] == "step" and result["backend"] == "threads"
     assert result["model"] == "6-5-3"
     assert set(result["load_average"]) == {"start", "end"}
-    assert set(result["first_step"]) >= {"import_s", "first_step_s", "first_call_s", "source"}
+    assert set(result["first_step"]) >= {
+        "import_s",
+        "first_step_s",
+        "first_call_s",
+        "source",
+        "blas_threads",
+    }
     rows = result["scaling"]
     assert [(r["scaling"], r["ranks"]) for r in rows] == [
         (scaling, ranks) for scaling in ("weak", "strong") for ranks in (1, 2, 3)
@@ -67,7 +73,7 @@ def test_threads_smoke_run_writes_json_and_csv(tmp_path, capsys):
         assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
         assert row["within_bar"] == (row["ratio"] <= 1.05)
         assert [piece["piece"] for piece in row["pieces"]] == [
-            "batch indices", "allreduce (P=1)", "update"
+            "batch indices", "allreduce (P=1)", "finite check", "update"
         ]  # fmt: skip
     assert result["cli"] == []
 
