@@ -80,8 +80,8 @@ class RingPlan(NamedTuple):
     left: int  # the neighbour we receive from
     tag: int  # the tag of our messages while nothing is wrong: our buffer's signature << 1
     reduce_scatter: tuple[RingStep, ...]  # P-1 steps
-    arrivals: tuple[tuple[np.ndarray, memoryview], ...]  # scratch view (and its memoryview) that
-    # reduce-scatter step s receives into
+    # Reduce-scatter step s receives into arrivals[s]: a view of scratch, and its memoryview.
+    arrivals: tuple[tuple[np.ndarray, memoryview], ...]
     allgather: tuple[RingStep, ...]  # P-1 steps; chunks arrive straight in the buffer
 
 
@@ -127,7 +127,9 @@ def buffer_problem(buf: Any) -> str | None:
     return None
 
 
-_local = threading.local()  # per thread (each thread rank has its own): scratch arrays and plans
+# Per thread (each thread rank has its own): plans, and one scratch array per dtype as large as
+# the largest chunk seen - kept for the next call, as MPI libraries keep their buffers.
+_local = threading.local()
 _MAX_PLANS = 64  # plans kept per thread; more distinct buffer sizes start the cache afresh
 
 
