@@ -82,8 +82,8 @@ class NoiseEstimate(NamedTuple):
 
     @property
     def b_simple(self) -> float:
-        """The simple noise scale tr(Σ)/|G|² of these estimates."""
-        return self.trace_sigma / self.grad_norm_sq
+        """The simple noise scale tr(Σ)/|G|² of these estimates (nan if |G|² is estimated 0)."""
+        return self.trace_sigma / self.grad_norm_sq if self.grad_norm_sq else math.nan
 
 
 def estimate_noise_scale(
@@ -220,17 +220,7 @@ def study_batch_size(base: Any, settings: StudySettings, *, train: Trainer | Non
         from syncsgd.training import train as default_train
 
         train = default_train
-    if base.target_loss is None and base.target_accuracy is None:
-        raise ValueError("the study needs a target: --target-loss or --target-accuracy")
-    held_out = round(base.samples * base.holdout)
-    if held_out < 1:
-        raise ValueError("the study evaluates on held-out data: --holdout must hold out samples")
-    training = base.samples - held_out
-    if max(settings.batch_sizes) > training:
-        raise ValueError(
-            f"batch size {max(settings.batch_sizes)} is larger than the {training} training "
-            f"samples: raise --samples or lower --batch-sizes"
-        )
+    held_out = check_study(base, settings)
     grid = [(lr, m) for m in settings.momentums for lr in settings.lrs]
     rows = []
     with warnings.catch_warnings():  # a diverging run overflows on its way to a non-finite loss
@@ -258,6 +248,23 @@ def study_batch_size(base: Any, settings: StudySettings, *, train: Trainer | Non
             if report is not None:
                 report(row)
     return rows
+
+
+def check_study(base: Any, settings: StudySettings) -> int:
+    """ValueError unless the workload has a target and a held-out set, and every B fits the
+    training samples; returns the number of held-out samples."""
+    if base.target_loss is None and base.target_accuracy is None:
+        raise ValueError("the study needs a target: --target-loss or --target-accuracy")
+    held_out = round(base.samples * base.holdout)
+    if held_out < 1:
+        raise ValueError("the study evaluates on held-out data: --holdout must hold out samples")
+    training = base.samples - held_out
+    if max(settings.batch_sizes) > training:
+        raise ValueError(
+            f"batch size {max(settings.batch_sizes)} is larger than the {training} training "
+            f"samples: raise --samples or lower --batch-sizes"
+        )
+    return held_out
 
 
 def best_of(batch_size: int, trials: list[Trial], lrs: Sequence[float]) -> Row:
@@ -520,7 +527,7 @@ def time_model_lines(table: Sequence[TimeRow], costs: StepCosts, gradient_bytes:
         cells = " ".join(f"{fmt(row.seconds[b]) if b in row.seconds else '-':>9}" for b in sizes)
         best = "-" if row.best_batch_size is None else str(row.best_batch_size)
         best_time = "-" if row.best_seconds is None else fmt(row.best_seconds)
-        speedup = "-" if row.speedup is None else f"{row.speedup:.2f}x"
+        speedup = "-" if row.speedup is None else f"{row.speedup:.3g}x"
         lines.append(f"{row.ranks:>6} {cells} {best:>7} {best_time:>9} {speedup:>8}")
     last = stops_paying(table)
     if last is None:
@@ -853,7 +860,8 @@ def main(options: argparse.Namespace) -> int:
     # One BLAS thread: every run's compute is one core's, whatever P; a multi-threaded BLAS on a
     # busy machine is many times slower, not faster.
     limit_blas_threads(1)
-    problem = prepare(base)  # checks the workload before any run, and gives the model's size
+    check_study(base, settings)
+    problem = prepare(base)  # loads the data (a bad --data fails here) and sizes the model
     gradient_bytes = problem.model.n_params * problem.model.dtype.itemsize
     train(base, steps=1)  # loads (or compiles) the kernels before anything is timed
     print(describe_workload(base, problem, settings), flush=True)
