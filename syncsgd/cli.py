@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sub)
         sub.set_defaults(run=module.main)
 
+    from syncsgd import study
+
+    studies = commands.add_parser("study", help="studies of the workload (batch size)")
+    kinds = studies.add_subparsers(dest="study", metavar="STUDY", parser_class=_Parser)
+    kinds.required = True
+    batch_size = kinds.add_parser(
+        "batch-size", help="steps to a target against the batch size; gradient noise scale",
+        description=study.__doc__.split("\n\n")[0].replace("\n", " "),
+    )  # fmt: skip
+    study.add_arguments(batch_size)
+    batch_size.set_defaults(run=study.main)
+
     bench = commands.add_parser("bench", help="benchmarks (OSU / nccl-tests style)")
     benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=_Parser)
     benchmarks.required = True
