@@ -39,7 +39,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -251,14 +251,16 @@ def study_batch_size(base: Any, settings: StudySettings, *, train: Trainer | Non
 
 
 def check_study(base: Any, settings: StudySettings) -> int:
-    """ValueError unless the workload has a target and a held-out set, and every B fits the
+    """ValueError unless the workload has a target and held-out samples, and every B fits the
     training samples; returns the number of held-out samples."""
+    from syncsgd.training import prepare
+
     if base.target_loss is None and base.target_accuracy is None:
         raise ValueError("the study needs a target: --target-loss or --target-accuracy")
-    held_out = round(base.samples * base.holdout)
-    if held_out < 1:
-        raise ValueError("the study evaluates on held-out data: --holdout must hold out samples")
-    training = base.samples - held_out
+    if base.holdout <= 0:
+        raise ValueError("the study evaluates on held-out data: give --holdout (e.g. 0.25)")
+    problem = prepare(replace(base, batch_size=1, steps=1))  # the data as training splits it
+    training, held_out = len(problem.X), 0 if problem.X_eval is None else len(problem.X_eval)
     if max(settings.batch_sizes) > training:
         raise ValueError(
             f"batch size {max(settings.batch_sizes)} is larger than the {training} training "
@@ -860,8 +862,8 @@ def main(options: argparse.Namespace) -> int:
     # One BLAS thread: every run's compute is one core's, whatever P; a multi-threaded BLAS on a
     # busy machine is many times slower, not faster.
     limit_blas_threads(1)
-    check_study(base, settings)
-    problem = prepare(base)  # loads the data (a bad --data fails here) and sizes the model
+    check_study(base, settings)  # loads the data: a bad --data fails here, before any run
+    problem = prepare(base)
     gradient_bytes = problem.model.n_params * problem.model.dtype.itemsize
     train(base, steps=1)  # loads (or compiles) the kernels before anything is timed
     print(describe_workload(base, problem, settings), flush=True)

@@ -345,6 +345,18 @@ def test_bad_input_is_one_clear_value_error(argv, message):
         study.main(parse(argv))
 
 
+def test_the_data_file_decides_how_many_samples_there_are(tmp_path):
+    path = tmp_path / "small.npz"
+    rng = np.random.default_rng(1)
+    np.savez(path, X=rng.normal(size=(300, 4)), y=rng.integers(0, 3, 300))
+    base = TrainConfig(data=str(path), samples=4096, holdout=0.25, target_loss=0.5)
+    assert study.check_study(base, StudySettings((8, 225), (0.1,))) == 75
+    with pytest.raises(ValueError, match="larger than the 225 training samples"):
+        study.check_study(base, StudySettings((8, 226), (0.1,)))
+    with pytest.raises(ValueError, match="--holdout"):
+        study.check_study(TrainConfig(target_loss=0.5), StudySettings((8,), (0.1,)))
+
+
 @pytest.mark.parametrize("argv", [["--batch-sizes", "0,8"], ["--lrs", "nan"], ["--holdout", "1"]])
 def test_bad_option_values_are_rejected_by_the_parser(argv):
     with pytest.raises(SystemExit):
