@@ -490,7 +490,8 @@ def describe_findings(rows: Sequence[Row], knee: Knee | None) -> list[str]:
         lines.append(
             f"# gradient noise scale B_simple = {quoted[1]:.4g} (the run at B = {quoted[0]}, the "
             f"smallest lr; {spread[0]:.4g} .. {spread[1]:.4g} over the batch sizes: a larger lr "
-            f"measures less); McCandlish et al. expect B_crit ~ B_noise >= B_simple"
+            f"measures less); McCandlish et al. expect B_crit ~ B_noise, which B_simple "
+            f"approximates"
         )
     if any(row.lr_at_edge for row in rows):
         lines.append("# *: the best lr is at the edge of the grid; widen --lrs to be sure")
