@@ -5,10 +5,13 @@
     python benchmarks/allreduce.py --max-bytes 1M    # the same, run as a script
 
 Method: for each message size, check once that every algorithm gives the same sum, warm up, then
-time `--batches` batches of iterations, the algorithms interleaved batch by batch (this machine is
-shared and noisy: comparing numbers taken minutes apart measures the neighbours). A batch's per-op
-time is the slowest rank's; the median over batches is quoted. busbw = algbw * 2(P-1)/P, the
-nccl-tests convention, so a bandwidth-optimal allreduce reads as the link speed at any P.
+time `--batches` rounds; in each round every algorithm runs one batch of iterations, in ABBA order
+(this machine is shared and noisy: comparing numbers taken minutes apart measures the neighbours).
+A batch's per-op time is the slowest rank's; `time` is the median over the rounds, and `vs mpi` is
+the median over the rounds of the baseline's batch time over the algorithm's in the same round
+(paired, so load that comes and goes during the sweep slows both sides of a pair alike). busbw =
+algbw * 2(P-1)/P, the nccl-tests convention, so a bandwidth-optimal allreduce reads as the link
+speed at any P. The JSON file keeps every batch time.
 
 On the threads backend the baseline ("mpi") is `ThreadComm.Allreduce`, a plain NumPy sum of all
 ranks' buffers.
@@ -124,9 +127,9 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
             order = list(ops) if batch % 2 == 0 else list(reversed(ops))  # ABBA interleaving
             for name in order:
                 times[name].append(time_batch(comm, ops[name], buf, iters))
-        baseline = statistics.median(times[BASELINE])
         for name in ops:
             seconds = statistics.median(times[name])
+            paired = [base / mine for base, mine in zip(times[BASELINE], times[name], strict=True)]
             algbw = nbytes / seconds / 1e9
             row = {
                 "size_bytes": nbytes,
@@ -136,10 +139,11 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
                 "time_us": seconds * 1e6,
                 "algbw_GBps": algbw,
                 "busbw_GBps": algbw * 2 * (size - 1) / size,
-                # the same ratio as busbw / busbw_mpi, but defined at P = 1 too
-                "vs_mpi": baseline / seconds,
+                # busbw / busbw_mpi, round by round (and defined at P = 1 too)
+                "vs_mpi": statistics.median(paired),
                 "iters": iters,
                 "batches": options.batches,
+                "batch_us": [t * 1e6 for t in times[name]],  # JSON only
             }
             rows.append(row)
             report(row)
@@ -148,6 +152,7 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
 
 COLUMNS = ("size_bytes", "count", "dtype", "algorithm", "time_us", "algbw_GBps", "busbw_GBps",
            "vs_mpi")  # fmt: skip
+CSV_COLUMNS = [*COLUMNS, "iters", "batches"]
 HEADER = (
     f"{'size (B)':>12} {'count':>10} {'dtype':>7} {'algorithm':>10} {'time (us)':>11} "
     f"{'algbw GB/s':>11} {'busbw GB/s':>11} {'vs mpi':>7}"
@@ -249,7 +254,7 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
         write_text(options.json, json.dumps(result, indent=1) + "\n")
     if options.csv:
         text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=list(rows[0]) if rows else list(COLUMNS))
+        writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
         write_text(options.csv, text.getvalue())
@@ -305,14 +310,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batches",
         type=positive_int,
-        default=7,
-        help="timed batches per algorithm and size; the median is quoted (7)",
+        default=15,
+        help="timed rounds per size, one batch of each algorithm per round; medians (15)",
     )
     parser.add_argument(
         "--batch-seconds",
         type=positive_float,
-        default=0.02,
-        help="target duration of one batch (0.02)",
+        default=0.01,
+        help="target duration of one batch in seconds (0.01)",
     )
     parser.add_argument("--warmup", type=positive_int, default=5, help="warm-up calls (5)")
     parser.add_argument(
