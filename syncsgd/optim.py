@@ -111,17 +111,20 @@ class SGD:
         self._scratch = np.empty(self.n_params, dtype=self.dtype)
         self._squares = np.empty(self.n_params, dtype=np.float64)
 
-    def step_(self, params: np.ndarray, grad: np.ndarray, step: int) -> dict[str, float]:
+    def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
+              want_norm: bool = True) -> dict[str, float]:  # fmt: skip
         """Update `params` in place with the global batch's mean gradient `grad` (overwritten).
 
         Order (SPEC §5): clip to global norm, add weight decay, momentum / Nesterov, step.
-        Returns {"lr": learning rate used, "grad_norm": norm of grad before clipping}.
+        Returns {"lr": learning rate used, "grad_norm": norm of grad before clipping}; the norm
+        is nan when neither clipping nor the caller (`want_norm`) needs that extra pass.
         """
         self._check("params", params)
         self._check("grad", grad)
         config = self.config
         lr = learning_rate(config, step)
-        grad_norm = global_norm(grad, self._squares)
+        needs_norm = want_norm or config.clip_norm is not None
+        grad_norm = global_norm(grad, self._squares) if needs_norm else math.nan
         if config.clip_norm is not None:
             clip_(grad, config.clip_norm, grad_norm)
         if config.weight_decay:

@@ -47,6 +47,7 @@ import numpy as np
 from syncsgd import costmodel, noise
 from syncsgd.argtypes import finite_float, nonnegative_int, positive_int
 from syncsgd.files import write_text
+from syncsgd.training import NonFiniteError
 
 STOPS_PAYING = 0.10  # adding ranks stops paying when a doubling gains less than 10%
 QUICK: dict[str, Any] = {
@@ -180,9 +181,7 @@ def run_trial(train: Trainer, base: Any, batch_size: int, lr: float, momentum: f
     try:
         result = train(base, ranks=ranks, batch_size=batch_size, lr=lr, momentum=momentum,
                        steps=steps, eval_every=eval_every)  # fmt: skip
-    except ValueError as exc:
-        if not str(exc).startswith("non-finite"):
-            raise
+    except NonFiniteError:
         seconds = time.perf_counter() - started
         return Trial(batch_size, lr, momentum, eval_every, None, 0, True, None, 0.0, 0.0, seconds)
     return Trial(

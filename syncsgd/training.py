@@ -32,7 +32,7 @@ from syncsgd.checkpoint import Checkpoint
 from syncsgd.comm import ThreadComm, constants, launch
 from syncsgd.files import atomic_path
 from syncsgd.model import MLP
-from syncsgd.optim import SGD, OptimConfig, learning_rate
+from syncsgd.optim import SGD, OptimConfig, global_norm, learning_rate
 from syncsgd.pitfalls import PITFALLS
 from syncsgd.timeline import Timeline
 from syncsgd.timeline import write as write_timeline
@@ -355,6 +355,7 @@ def train_rank(
     y_shard = np.empty((largest_shard, *y.shape[1:]), y.dtype)
     order_seed = pitfalls.order_seed(config.pitfall, config.seed, rank)
     noise_scale = noise.RunningNoiseScale()
+    norm_scratch = np.empty(n_params if config.noise_scale else 0, np.float64)
 
     result = TrainResult(params, model, problem.steps)
     progress = _progress(problem.steps - first_step, enabled=master_process and not quiet)
@@ -377,7 +378,7 @@ def train_rank(
                                        config.clip_norm)  # fmt: skip
             stats[STOP] = 1 if stop_requested.is_set() else 0
             if config.noise_scale:  # this rank's small-batch gradient: |G_r|^2, and 1/b_r
-                small_norm_sq = float(np.dot(grad_sum, grad_sum)) / (m * m) if m else 0.0
+                small_norm_sq = global_norm(grad_sum, norm_scratch) ** 2 / (m * m) if m else 0.0
                 stats[NOISE_SLOTS] = (small_norm_sq, 1, 1 / m) if m else (0, 0, 0)
             t1 = time.perf_counter()
             for bucket in buckets:
@@ -388,19 +389,23 @@ def train_rank(
             batch_size = len(global_batch)
             loss = float(stats[LOSS]) / batch_size
             np.divide(grad_sum, batch_size, out=grad)
-            with np.errstate(over="ignore", invalid="ignore"):  # infinite is checked below
-                grad_norm_sq = float(np.dot(grad, grad))
-            if config.noise_scale:
-                estimates = noise.estimate(*stats[NOISE_SLOTS], grad_norm_sq, batch_size)
+            # Every rank holds the same allreduced numbers, so every rank decides alike. (A sum,
+            # not np.dot: NumPy's BLAS keeps its threads, which stall on a busy machine.)
+            with np.errstate(over="ignore", invalid="ignore"):
+                finite = math.isfinite(loss) and math.isfinite(float(grad.sum()))
+            if config.noise_scale and finite:
+                big_norm_sq = global_norm(grad, norm_scratch) ** 2
+                estimates = noise.estimate(*stats[NOISE_SLOTS], big_norm_sq, batch_size)
                 result.noise_scales.append(noise_scale.add(estimates))
-            # Every rank holds the same allreduced numbers, so every rank decides alike.
-            if math.isfinite(loss) and math.isfinite(grad_norm_sq):
-                info = sgd.step_(params, grad, step)
+            elif config.noise_scale:
+                result.noise_scales.append(noise_scale.add(None))
+            if finite:
+                info = sgd.step_(params, grad, step, want_norm=log is not None)
             elif config.skip_nonfinite:
                 info = {"lr": learning_rate(problem.optim, step), "grad_norm": math.nan}
                 result.skipped_steps.append(step)
             else:
-                raise ValueError(
+                raise NonFiniteError(
                     f"non-finite loss or gradient at step {step} (loss {loss}); lower --lr, "
                     f"set --clip-norm, or pass --skip-nonfinite to skip such steps"
                 )
@@ -528,6 +533,10 @@ def held_out_target_met(comm: Any, problem: Problem, params: np.ndarray, steps_d
         return False
     comm.Bcast(met, root=0)  # rank 0 decides for everyone
     return bool(met[0])
+
+
+class NonFiniteError(ValueError):
+    """Training diverged: the loss or the gradient of a step is not finite."""
 
 
 # Set by the command line's SIGINT/SIGTERM handlers; the ranks agree through the allreduce.

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from syncsgd import costmodel, study
 from syncsgd.study import Row, StepCosts, StudySettings, Trial, estimate_noise_scale
-from syncsgd.training import TrainConfig
+from syncsgd.training import NonFiniteError, TrainConfig
 
 # -- the noise-scale estimator --------------------------------------------------------------------
 
@@ -180,7 +180,7 @@ class ScriptedTrainer:
                                eval_every=eval_every, noise_scale=noise_scale))  # fmt: skip
         met = self.first_step(batch_size, lr)
         if met == "diverge":
-            raise ValueError("non-finite loss or gradient at step 3 (loss nan)")
+            raise NonFiniteError("non-finite loss or gradient at step 3 (loss nan)")
         evals = list(range(eval_every, steps + 1, eval_every))
         if steps % eval_every:
             evals.append(steps)
