@@ -342,7 +342,9 @@ def train_rank(
     )
     comm_buffer = np.zeros(n_params + len(STATS), local_gradient.buffer_dtype)
     grad_sum, stats = comm_buffer[:n_params], comm_buffer[n_params:]
-    grad = np.empty(n_params, model.dtype)  # the mean gradient of the global batch
+    # The mean gradient of the global batch: divided in place, unless exact mode's float64 sums
+    # must be rounded to a float32 model.
+    grad = grad_sum if grad_sum.dtype == model.dtype else np.empty(n_params, model.dtype)
     buckets = bucket_slices(model, comm_buffer.size, config.bucket_bytes)
     timeline = Timeline(comm) if timeline_path is not None else None
     allreduce = functools.partial(
