@@ -344,7 +344,8 @@ def _run(name: str, schedule_of: Callable, buf: np.ndarray, comm: Any, trace: Tr
             except Exception as exc:
                 count = _truncated(exc)
             if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
-                tag, mismatch = _disagree(tag, status, count, incoming, step.recv_from, mismatch)
+                agrees = count == incoming.nbytes
+                tag, mismatch = _disagree(tag, status, agrees, step.recv_from, mismatch)
             if step.combine != COPY:
                 _add_(flat[step.recv], scratch, step.combine)
         if trace is not None:
