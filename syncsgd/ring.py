@@ -67,10 +67,30 @@ Trace = Callable[[TraceEvent], Any]
 class RingStep(NamedTuple):
     """One step of one rank: the chunk sent to the right, the chunk received from the left."""
 
+    phase: str  # "reduce-scatter" or "allgather"
+    step: int  # 0 .. P-2 within the phase
     send_chunk: int
     recv_chunk: int
     send: slice  # elements of the flattened buffer that go right
     recv: slice  # elements of the flattened buffer that the incoming chunk belongs to
+
+
+class ReduceScatterStep(NamedTuple):
+    """A reduce-scatter step as the loop uses it: slices, where the chunk arrives, and the step."""
+
+    send: slice
+    recv: slice
+    incoming: np.ndarray  # the view of scratch the chunk arrives in (to be added) ...
+    arrival: memoryview  # ... and its memoryview, which mpi4py takes faster than an array
+    about: RingStep
+
+
+class AllgatherStep(NamedTuple):
+    """An allgather step as the loop uses it: the chunk arrives straight in its place."""
+
+    send: slice
+    recv: slice
+    about: RingStep
 
 
 class RingPlan(NamedTuple):
@@ -79,10 +99,8 @@ class RingPlan(NamedTuple):
     right: int  # the neighbour we send to
     left: int  # the neighbour we receive from
     tag: int  # the tag of our messages while nothing is wrong: our buffer's signature << 1
-    reduce_scatter: tuple[RingStep, ...]  # P-1 steps
-    # Reduce-scatter step s receives into arrivals[s]: a view of scratch, and its memoryview.
-    arrivals: tuple[tuple[np.ndarray, memoryview], ...]
-    allgather: tuple[RingStep, ...]  # P-1 steps; chunks arrive straight in the buffer
+    reduce_scatter: tuple[ReduceScatterStep, ...]  # P-1 steps
+    allgather: tuple[AllgatherStep, ...]  # P-1 steps
 
 
 def chunk_bounds(length: int, parts: int) -> list[int]:
@@ -96,21 +114,25 @@ def make_plan(length: int, dtype: np.dtype, size: int, rank: int, scratch: np.nd
     bounds = chunk_bounds(length, size)
     chunk = [slice(bounds[c], bounds[c + 1]) for c in range(size)]
 
-    def step(send_chunk: int, recv_chunk: int) -> RingStep:
-        return RingStep(send_chunk, recv_chunk, chunk[send_chunk], chunk[recv_chunk])
+    def reduce_scatter(step: int) -> ReduceScatterStep:
+        send_chunk, recv_chunk = (rank - step) % size, (rank - step - 1) % size
+        send, recv = chunk[send_chunk], chunk[recv_chunk]
+        incoming = scratch[: recv.stop - recv.start]
+        about = RingStep("reduce-scatter", step, send_chunk, recv_chunk, send, recv)
+        return ReduceScatterStep(send, recv, incoming, incoming.data, about)
+
+    def allgather(step: int) -> AllgatherStep:
+        send_chunk, recv_chunk = (rank + 1 - step) % size, (rank - step) % size
+        send, recv = chunk[send_chunk], chunk[recv_chunk]
+        about = RingStep("allgather", step, send_chunk, recv_chunk, send, recv)
+        return AllgatherStep(send, recv, about)
 
     steps = range(size - 1)
-    reduce_scatter = tuple(step((rank - s) % size, (rank - s - 1) % size) for s in steps)
-    arrivals = tuple(_with_view(scratch[: s.recv.stop - s.recv.start]) for s in reduce_scatter)
-    allgather = tuple(step((rank + 1 - s) % size, (rank - s) % size) for s in steps)
     signature = (length % _LENGTH_MODULUS) * 4 + _DTYPE_CODE.get(dtype, _NO_DTYPE)
-    neighbours = (rank + 1) % size, (rank - 1) % size
-    return RingPlan(*neighbours, signature << 1, reduce_scatter, arrivals, allgather)
-
-
-def _with_view(array: np.ndarray) -> tuple[np.ndarray, memoryview]:
-    """The array, and a memoryview of it to receive messages into."""
-    return array, array.data
+    return RingPlan(
+        (rank + 1) % size, (rank - 1) % size, signature << 1,
+        tuple(reduce_scatter(s) for s in steps), tuple(allgather(s) for s in steps),
+    )  # fmt: skip
 
 
 def buffer_problem(buf: Any) -> str | None:
@@ -193,21 +215,17 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         flat = _NOTHING
     else:  # a flat view of the same memory (plain ndarray: np.matrix & co. stay 2-D when raveled)
         flat = (buf if type(buf) is np.ndarray else buf.view(np.ndarray)).ravel()
-    right, left, tag, reduce_scatter, arrivals, allgather = ring_plan(
-        flat.size, flat.dtype, size, rank
-    )
+    right, left, tag, reduce_scatter, allgather = ring_plan(flat.size, flat.dtype, size, rank)
     if problem:  # take part with empty messages and the flag raised, then report it
         tag |= 1
     mpi = constants(comm)
     any_tag, status = mpi.ANY_TAG, mpi.Status()
     mismatch = ""  # how the left neighbour's buffer differs from ours, once seen
-    # Messages go as memoryviews: mpi4py takes them faster than NumPy arrays (~15%).
-    message = flat.data
+    message = flat.data  # messages go as memoryviews: mpi4py takes them faster than arrays
 
     # Reduce-scatter: after step s, the chunk received has been summed over s + 2 ranks.
-    for step, (_, _, send, recv) in enumerate(reduce_scatter):
+    for send, recv, incoming, arrival, about in reduce_scatter:
         start = time.perf_counter() if trace is not None else 0.0
-        incoming, arrival = arrivals[step]
         try:
             comm.Sendrecv(message[send], right, tag, arrival, left, any_tag, status)
             count = status.Get_count()
@@ -221,10 +239,10 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         else:
             np.add(target, incoming, out=target)  # own partial sum + the left neighbour's
         if trace is not None:
-            trace(_event("reduce-scatter", step, rank, reduce_scatter[step], flat, start))
+            trace(_event(about, rank, flat.itemsize, start))
 
     # Allgather: pass the finished chunks around; each arrives straight in its place.
-    for step, (_, _, send, recv) in enumerate(allgather):
+    for send, recv, about in allgather:
         start = time.perf_counter() if trace is not None else 0.0
         arrival = message[recv]
         try:
@@ -235,21 +253,20 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         if status.Get_tag() != tag or count != arrival.nbytes:  # disagreement, or a flag
             tag, mismatch = _disagree(tag, status, count == arrival.nbytes, left, mismatch)
         if trace is not None:
-            trace(_event("allgather", step, rank, allgather[step], flat, start))
+            trace(_event(about, rank, flat.itemsize, start))
 
     if tag & 1:
         raise ValueError(problem or _disagreement(buf, rank, mismatch))
     return buf
 
 
-def _event(phase: str, step: int, rank: int, ring_step: RingStep, flat: np.ndarray,
-           start: float) -> TraceEvent:  # fmt: skip
-    """The trace event of a finished step."""
-    send, recv = ring_step.send, ring_step.recv
+def _event(about: RingStep, rank: int, itemsize: int, start: float) -> TraceEvent:
+    """The trace event of a step that has just finished."""
+    send, recv = about.send, about.recv
     return TraceEvent(
-        phase, step, rank, ring_step.send_chunk, ring_step.recv_chunk,
+        about.phase, about.step, rank, about.send_chunk, about.recv_chunk,
         (send.start, send.stop), (recv.start, recv.stop),
-        (send.stop - send.start) * flat.itemsize, start, time.perf_counter(),
+        (send.stop - send.start) * itemsize, start, time.perf_counter(),
     )  # fmt: skip
 
 
