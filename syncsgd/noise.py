@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from syncsgd.optim import global_norm
+
 
 def estimate(small_norms_sq: float, ranks_with_samples: int, inverse_sizes: float,
              big_norm_sq: float, big_size: int) -> tuple[float, float] | None:  # fmt: skip
@@ -50,3 +54,26 @@ class RunningNoiseScale:
         if self.steps == 0 or self.norm_sum <= 0:
             return None
         return self.trace_sum / self.norm_sum
+
+
+class NoiseScaleMeter:
+    """The training loop's side of the estimate: fill the per-rank slots, read the reduced ones."""
+
+    def __init__(self, n_params: int) -> None:
+        self.running = RunningNoiseScale()
+        self.squares = np.empty(n_params, np.float64)  # scratch of global_norm, allocated once
+
+    def local_(self, slots: np.ndarray, grad_sum: np.ndarray, shard_size: int) -> None:
+        """Before the allreduce: this rank's |G_r|^2 (of its mean gradient), 1, and 1/b_r."""
+        if shard_size == 0:
+            slots[:] = 0
+            return
+        mean_norm = global_norm(grad_sum, self.squares) / shard_size
+        slots[:] = (mean_norm**2, 1, 1 / shard_size)
+
+    def add(self, slots: np.ndarray, grad: np.ndarray, batch_size: int, finite: bool) -> float:
+        """After it: the step's estimates from the summed slots and |G_B|; the running B_simple."""
+        if not finite:
+            return self.running.add(None)
+        big_norm_sq = global_norm(grad, self.squares) ** 2
+        return self.running.add(estimate(*slots, big_norm_sq, batch_size))

@@ -32,7 +32,7 @@ from syncsgd.checkpoint import Checkpoint
 from syncsgd.comm import ThreadComm, constants, launch
 from syncsgd.files import atomic_path
 from syncsgd.model import MLP
-from syncsgd.optim import SGD, OptimConfig, global_norm, learning_rate
+from syncsgd.optim import SGD, OptimConfig, learning_rate
 from syncsgd.pitfalls import PITFALLS
 from syncsgd.timeline import Timeline
 from syncsgd.timeline import write as write_timeline
@@ -356,8 +356,7 @@ def train_rank(
     X_shard = np.empty((largest_shard, X.shape[1]), X.dtype)
     y_shard = np.empty((largest_shard, *y.shape[1:]), y.dtype)
     order_seed = pitfalls.order_seed(config.pitfall, config.seed, rank)
-    noise_scale = noise.RunningNoiseScale()
-    norm_scratch = np.empty(n_params if config.noise_scale else 0, np.float64)
+    noise_meter = noise.NoiseScaleMeter(n_params) if config.noise_scale else None
 
     result = TrainResult(params, model, problem.steps)
     progress = _progress(problem.steps - first_step, enabled=master_process and not quiet)
@@ -379,9 +378,8 @@ def train_rank(
                 pitfalls.contribution_(config.pitfall, grad_sum, m, len(global_batch), size,
                                        config.clip_norm)  # fmt: skip
             stats[STOP] = 1 if stop_requested.is_set() else 0
-            if config.noise_scale:  # this rank's small-batch gradient: |G_r|^2, and 1/b_r
-                small_norm_sq = global_norm(grad_sum, norm_scratch) ** 2 / (m * m) if m else 0.0
-                stats[NOISE_SLOTS] = (small_norm_sq, 1, 1 / m) if m else (0, 0, 0)
+            if noise_meter is not None:  # the small-batch side: this rank's shard
+                noise_meter.local_(stats[NOISE_SLOTS], grad_sum, m)
             t1 = time.perf_counter()
             for bucket in buckets:
                 allreduce(comm_buffer[bucket], comm)
@@ -395,12 +393,10 @@ def train_rank(
             # not np.dot: NumPy's BLAS keeps its threads, which stall on a busy machine.)
             with np.errstate(over="ignore", invalid="ignore"):
                 finite = math.isfinite(loss) and math.isfinite(float(grad.sum()))
-            if config.noise_scale and finite:
-                big_norm_sq = global_norm(grad, norm_scratch) ** 2
-                estimates = noise.estimate(*stats[NOISE_SLOTS], big_norm_sq, batch_size)
-                result.noise_scales.append(noise_scale.add(estimates))
-            elif config.noise_scale:
-                result.noise_scales.append(noise_scale.add(None))
+            if noise_meter is not None:  # the large-batch side: the allreduced gradient
+                result.noise_scales.append(
+                    noise_meter.add(stats[NOISE_SLOTS], grad, batch_size, finite)
+                )
             if finite:
                 info = sgd.step_(params, grad, step, want_norm=log is not None)
             elif config.skip_nonfinite:
@@ -445,7 +441,7 @@ def train_rank(
                 if held_out_target_met(comm, problem, params, step + 1, result):
                     break
         result.seconds = time.perf_counter() - started
-    result.noise_scale = noise_scale.value
+    result.noise_scale = noise_meter.running.value if noise_meter is not None else None
     if progress is not None:
         progress(None, None)
     if timeline is not None:
