@@ -21,9 +21,10 @@ Receives use `ANY_TAG` from the left neighbour: do not leave point-to-point mess
 neighbour unreceived on `comm` across the call (or give the ring its own `comm.Dup()`).
 
 Speed: at small sizes the cost is Python's, not the network's. So everything that depends only on
-(length, dtype, P, rank) - neighbours, tag, the slices of every step, the scratch views chunks
-arrive in - is computed once per thread and kept in a `RingPlan`; scratch is allocated when a plan
-needs more than this thread has, never per call or per step; and a step that agrees with its
+(length, dtype, P, rank, type of comm) - neighbours, tag, a Status, the slices of every step, the
+scratch views chunks arrive in - is computed once per thread and kept in a `RingPlan`; scratch is
+allocated when a plan needs more than this thread has, never per call or per step; messages go as
+memoryviews, which mpi4py takes faster than NumPy arrays; and a step that agrees with its
 neighbour costs one `Sendrecv`, two status reads, two integer comparisons and the add.
 """
 
@@ -94,11 +95,13 @@ class AllgatherStep(NamedTuple):
 
 
 class RingPlan(NamedTuple):
-    """Everything a rank's ring allreduce needs that depends only on (length, dtype, P, rank)."""
+    """What a ring allreduce needs that depends only on (length, dtype, P, rank, comm type)."""
 
     right: int  # the neighbour we send to
     left: int  # the neighbour we receive from
     tag: int  # the tag of our messages while nothing is wrong: our buffer's signature << 1
+    any_tag: int  # the communicator's ANY_TAG
+    status: Any  # the communicator's kind of Status, reused by every call of this thread
     reduce_scatter: tuple[ReduceScatterStep, ...]  # P-1 steps
     allgather: tuple[AllgatherStep, ...]  # P-1 steps
 
@@ -109,7 +112,9 @@ def chunk_bounds(length: int, parts: int) -> list[int]:
     return [c * base + min(c, extra) for c in range(parts + 1)]
 
 
-def make_plan(length: int, dtype: np.dtype, size: int, rank: int, scratch: np.ndarray) -> RingPlan:
+def make_plan(
+    length: int, dtype: np.dtype, size: int, rank: int, scratch: np.ndarray, mpi: Any
+) -> RingPlan:
     """The neighbours, the tag and every step of `rank`, receiving into `scratch` to reduce."""
     bounds = chunk_bounds(length, size)
     chunk = [slice(bounds[c], bounds[c + 1]) for c in range(size)]
@@ -130,7 +135,7 @@ def make_plan(length: int, dtype: np.dtype, size: int, rank: int, scratch: np.nd
     steps = range(size - 1)
     signature = (length % _LENGTH_MODULUS) * 4 + _DTYPE_CODE.get(dtype, _NO_DTYPE)
     return RingPlan(
-        (rank + 1) % size, (rank - 1) % size, signature << 1,
+        (rank + 1) % size, (rank - 1) % size, signature << 1, mpi.ANY_TAG, mpi.Status(),
         tuple(reduce_scatter(s) for s in steps), tuple(allgather(s) for s in steps),
     )  # fmt: skip
 
@@ -155,10 +160,11 @@ _local = threading.local()
 _MAX_PLANS = 64  # plans kept per thread; more distinct buffer sizes start the cache afresh
 
 
-def ring_plan(length: int, dtype: np.dtype, size: int, rank: int) -> RingPlan:
-    """This thread's plan for a ring allreduce of `length` x `dtype`; built once, then reused."""
+def ring_plan(length: int, dtype: np.dtype, size: int, rank: int, comm: Any) -> RingPlan:
+    """This thread's plan for a ring allreduce of `length` x `dtype` on `comm`; built once."""
+    key = length, dtype, size, rank, type(comm)
     try:
-        return _local.plans[length, dtype, size, rank]
+        return _local.plans[key]
     except (AttributeError, KeyError):
         pass
     if not hasattr(_local, "plans") or len(_local.plans) >= _MAX_PLANS:
@@ -168,7 +174,8 @@ def ring_plan(length: int, dtype: np.dtype, size: int, rank: int) -> RingPlan:
     if scratch is None or scratch.size < largest:
         scratch = _local.scratch[dtype] = np.empty(largest, dtype)
         _local.plans = {}  # older plans receive into the smaller scratch: let them go
-    plan = _local.plans[length, dtype, size, rank] = make_plan(length, dtype, size, rank, scratch)
+    plan = make_plan(length, dtype, size, rank, scratch, constants(comm))
+    _local.plans[key] = plan
     return plan
 
 
@@ -215,11 +222,10 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         flat = _NOTHING
     else:  # a flat view of the same memory (plain ndarray: np.matrix & co. stay 2-D when raveled)
         flat = (buf if type(buf) is np.ndarray else buf.view(np.ndarray)).ravel()
-    right, left, tag, reduce_scatter, allgather = ring_plan(flat.size, flat.dtype, size, rank)
+    plan = ring_plan(flat.size, flat.dtype, size, rank, comm)
+    right, left, tag, any_tag, status, reduce_scatter, allgather = plan
     if problem:  # take part with empty messages and the flag raised, then report it
         tag |= 1
-    mpi = constants(comm)
-    any_tag, status = mpi.ANY_TAG, mpi.Status()
     mismatch = ""  # how the left neighbour's buffer differs from ours, once seen
     message = flat.data  # messages go as memoryviews: mpi4py takes them faster than arrays
 
