@@ -73,7 +73,6 @@ from syncsgd.ring import (  # the private names: the ring's agreement check, sha
     _truncated,
     buffer_problem,
     chunk_bounds,
-    make_plan,
     ring_allreduce,
 )
 
@@ -233,17 +232,20 @@ def rabenseifner_schedule(length: int, size: int, rank: int) -> tuple[Collective
 
 @functools.lru_cache(maxsize=256)
 def _ring_steps(length: int, size: int, rank: int) -> tuple[CollectiveStep, ...]:
-    """The ring's steps (`ring.make_plan`) in this module's form."""
-    plan = make_plan(length, _NOTHING.dtype, size, rank, np.empty(-(-length // size), np.uint8))
-    right, left = plan.right, plan.left
-    return tuple(
-        CollectiveStep(phase, step, right, left, s.send_chunk, s.recv_chunk, s.send, s.recv, how)
-        for phase, steps, how in (
-            ("reduce-scatter", plan.reduce_scatter, ADD_OWN_FIRST),
-            ("allgather", plan.allgather, COPY),
-        )
-        for step, s in enumerate(steps)
-    )
+    """The ring's steps (see `syncsgd.ring`) in this module's form."""
+    bounds = chunk_bounds(length, size)
+    chunk = [slice(bounds[c], bounds[c + 1]) for c in range(size)]
+    right, left = (rank + 1) % size, (rank - 1) % size
+    steps = []
+    for step in range(size - 1):  # reduce-scatter: add the chunk from the left
+        send, recv = (rank - step) % size, (rank - step - 1) % size
+        steps.append(CollectiveStep("reduce-scatter", step, right, left, send, recv, chunk[send],
+                                    chunk[recv], ADD_OWN_FIRST))  # fmt: skip
+    for step in range(size - 1):  # allgather: pass the finished chunks on
+        send, recv = (rank + 1 - step) % size, (rank - step) % size
+        steps.append(CollectiveStep("allgather", step, right, left, send, recv, chunk[send],
+                                    chunk[recv], COPY))  # fmt: skip
+    return tuple(steps)
 
 
 _SCHEDULES: dict[str, Callable[[int, int, int], tuple[CollectiveStep, ...]]] = {
