@@ -79,18 +79,18 @@ class RingStep(NamedTuple):
 class ReduceScatterStep(NamedTuple):
     """A reduce-scatter step as the loop uses it: slices, where the chunk arrives, and the step."""
 
-    send: slice
-    recv: slice
-    incoming: np.ndarray  # the view of scratch the chunk arrives in (to be added) ...
-    arrival: memoryview  # ... and its memoryview, which mpi4py takes faster than an array
+    send_bytes: slice  # the bytes of the flattened buffer that go right
+    recv: slice  # the elements the incoming chunk is added to
+    incoming: np.ndarray  # the view of scratch the chunk arrives in ...
+    arrival: memoryview  # ... and its bytes, which Sendrecv receives into
     about: RingStep
 
 
 class AllgatherStep(NamedTuple):
     """An allgather step as the loop uses it: the chunk arrives straight in its place."""
 
-    send: slice
-    recv: slice
+    send_bytes: slice
+    recv_bytes: slice
     about: RingStep
 
 
@@ -118,19 +118,20 @@ def make_plan(
     """The neighbours, the tag and every step of `rank`, receiving into `scratch` to reduce."""
     bounds = chunk_bounds(length, size)
     chunk = [slice(bounds[c], bounds[c + 1]) for c in range(size)]
+    chunk_bytes = [slice(c.start * dtype.itemsize, c.stop * dtype.itemsize) for c in chunk]
 
     def reduce_scatter(step: int) -> ReduceScatterStep:
         send_chunk, recv_chunk = (rank - step) % size, (rank - step - 1) % size
         send, recv = chunk[send_chunk], chunk[recv_chunk]
         incoming = scratch[: recv.stop - recv.start]
         about = RingStep("reduce-scatter", step, send_chunk, recv_chunk, send, recv)
-        return ReduceScatterStep(send, recv, incoming, incoming.data, about)
+        return ReduceScatterStep(chunk_bytes[send_chunk], recv, incoming, _bytes(incoming), about)
 
     def allgather(step: int) -> AllgatherStep:
         send_chunk, recv_chunk = (rank + 1 - step) % size, (rank - step) % size
         send, recv = chunk[send_chunk], chunk[recv_chunk]
         about = RingStep("allgather", step, send_chunk, recv_chunk, send, recv)
-        return AllgatherStep(send, recv, about)
+        return AllgatherStep(chunk_bytes[send_chunk], chunk_bytes[recv_chunk], about)
 
     steps = range(size - 1)
     signature = (length % _LENGTH_MODULUS) * 4 + _DTYPE_CODE.get(dtype, _NO_DTYPE)
@@ -138,6 +139,17 @@ def make_plan(
         (rank + 1) % size, (rank - 1) % size, signature << 1, mpi.ANY_TAG, mpi.Status(),
         tuple(reduce_scatter(s) for s in steps), tuple(allgather(s) for s in steps),
     )  # fmt: skip
+
+
+def _bytes(array: np.ndarray) -> memoryview:
+    """The bytes of a contiguous array, as messages travel.
+
+    Messages go as bytes: MPICH aborts (an assertion, not an error code) when a message's size is
+    not a multiple of the receive datatype's, as when another rank passes float32 to our float64;
+    received as bytes, the mismatch is only seen in the byte count, and reported. mpi4py also
+    takes a memoryview faster than a NumPy array.
+    """
+    return array.data.cast("B")
 
 
 def buffer_problem(buf: Any) -> str | None:
@@ -227,13 +239,13 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
     if problem:  # take part with empty messages and the flag raised, then report it
         tag |= 1
     mismatch = ""  # how the left neighbour's buffer differs from ours, once seen
-    message = flat.data  # messages go as memoryviews: mpi4py takes them faster than arrays
+    message = _bytes(flat)
 
     # Reduce-scatter: after step s, the chunk received has been summed over s + 2 ranks.
-    for send, recv, incoming, arrival, about in reduce_scatter:
+    for send_bytes, recv, incoming, arrival, about in reduce_scatter:
         start = time.perf_counter() if trace is not None else 0.0
         try:
-            comm.Sendrecv(message[send], right, tag, arrival, left, any_tag, status)
+            comm.Sendrecv(message[send_bytes], right, tag, arrival, left, any_tag, status)
             count = status.Get_count()
         except Exception as exc:
             count = _truncated(exc)
@@ -248,11 +260,11 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
             trace(_event(about, rank, flat.itemsize, start))
 
     # Allgather: pass the finished chunks around; each arrives straight in its place.
-    for send, recv, about in allgather:
+    for send_bytes, recv_bytes, about in allgather:
         start = time.perf_counter() if trace is not None else 0.0
-        arrival = message[recv]
+        arrival = message[recv_bytes]
         try:
-            comm.Sendrecv(message[send], right, tag, arrival, left, any_tag, status)
+            comm.Sendrecv(message[send_bytes], right, tag, arrival, left, any_tag, status)
             count = status.Get_count()
         except Exception as exc:
             count = _truncated(exc)

@@ -4,8 +4,8 @@ The thread tests import these functions; under `mpiexec -n P python tests/mpi_ri
 run on `MPI.COMM_WORLD`, print `ok` on rank 0 and exit 0, or abort the whole job with exit status 1
 on the first failure (an assertion on one rank must not leave the other ranks waiting).
 
-    --mismatch        the last rank passes a longer buffer than the others: every rank must
-                      raise ValueError, print it, and the job must end (not hang)
+    --mismatch        buffers that differ across ranks (MISMATCHES: longer, float32, ...): every
+                      rank must raise ValueError for each, print it, and the job must end
     --mismatch-uncaught  the same, but nobody catches the ValueError: the job must exit non-zero
     --fail-on-rank K  rank K fails on purpose: the job must exit non-zero, not hang
 """
@@ -132,6 +132,38 @@ def longer_on_last_rank(rank: int, size: int) -> np.ndarray:
     return np.ones(5 + 4096 * (rank == size - 1 and size > 1))
 
 
+def float32_on_last_rank(rank: int, size: int) -> np.ndarray:
+    """Seven float64, but float32 on the last rank: messages whose size is not a multiple of 8."""
+    return np.ones(7, np.float32 if rank == size - 1 else np.float64)
+
+
+def int64_on_last_rank(rank: int, size: int) -> np.ndarray:
+    """Seven float64, but int64 on the last rank: the same bytes, only the tag can tell."""
+    return np.ones(7, np.int64 if rank == size - 1 else np.float64)
+
+
+def strided_on_last_rank(rank: int, size: int) -> np.ndarray:
+    """Seven float64, but not contiguous on the last rank."""
+    return np.ones(14)[::2] if rank == size - 1 else np.ones(7)
+
+
+def read_only_on_rank_0(rank: int, size: int) -> np.ndarray:
+    """Seven float64, read-only on rank 0."""
+    buf = np.ones(7)
+    buf.flags.writeable = rank != 0
+    return buf
+
+
+# Buffers that differ across ranks, or are unusable on one: every rank must raise ValueError.
+MISMATCHES = {
+    "longer": longer_on_last_rank,
+    "float32": float32_on_last_rank,
+    "int64": int64_on_last_rank,
+    "strided": strided_on_last_rank,
+    "read-only": read_only_on_rank_0,
+}
+
+
 def standard_cases(size: int) -> list[tuple[tuple[int, ...], str, bool]]:
     """The (shape, dtype, integer-valued) cases run under MPI: edge lengths around P, shapes."""
     lengths = sorted({0, 1, max(size - 1, 0), size, size + 1, 2 * size + 3, 1000, 4099})
@@ -159,8 +191,11 @@ def main(argv: list[str]) -> int:
         elif "--mismatch" in argv:
             if size == 1:
                 raise SystemExit("--mismatch needs at least 2 ranks")
-            message = check_rejected_everywhere(comm, longer_on_last_rank)
-            sys.stdout.write(f"rank {rank}: ValueError: {message}\n")  # one write: no interleaving
+            lines = [
+                f"rank {rank}: {name}: ValueError: {check_rejected_everywhere(comm, make)}\n"
+                for name, make in MISMATCHES.items()
+            ]
+            sys.stdout.write("".join(lines))  # one write: no interleaving
             sys.stdout.flush()
         else:
             for shape, dtype, integers in standard_cases(size):

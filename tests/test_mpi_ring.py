@@ -6,6 +6,7 @@ import os
 
 import pytest
 from conftest import requires_mpi, run_mpiexec
+from mpi_ring_check import MISMATCHES
 
 WORKER = os.path.join(os.path.dirname(__file__), "mpi_ring_check.py")
 
@@ -21,12 +22,16 @@ def test_ring_checks_pass_under_mpiexec(ranks):
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_mismatched_lengths_raise_on_every_rank_under_mpiexec(ranks):
+def test_mismatched_buffers_raise_on_every_rank_under_mpiexec(ranks):
     done = run_mpiexec(ranks, [WORKER, "--mismatch"], timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "ValueError" in line]
-    assert sorted(int(line.split()[1].rstrip(":")) for line in lines) == list(range(ranks))
-    assert any("different length" in line for line in lines), done.stdout
+    seen = sorted((line.split(": ")[1], int(line.split()[1].rstrip(":"))) for line in lines)
+    assert seen == sorted((name, rank) for name in MISMATCHES for rank in range(ranks))
+    words = {"longer": "different length", "float32": "dtype float", "int64": "dtype",
+             "strided": "C-contiguous", "read-only": "read-only"}  # fmt: skip
+    for name, word in words.items():
+        assert any(f": {name}: " in line and word in line for line in lines), (name, done.stdout)
 
 
 def test_an_uncaught_mismatch_fails_the_mpi_job_cleanly():
