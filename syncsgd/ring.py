@@ -24,8 +24,8 @@ Speed: at small sizes the cost is Python's, not the network's. So everything tha
 (length, dtype, P, rank, type of comm) - neighbours, tag, a Status, the slices of every step, the
 scratch views chunks arrive in - is computed once per thread and kept in a `RingPlan`; scratch is
 allocated when a plan needs more than this thread has, never per call or per step; messages go as
-memoryviews, which mpi4py takes faster than NumPy arrays; and a step that agrees with its
-neighbour costs one `Sendrecv`, two status reads, two integer comparisons and the add.
+memoryviews of bytes (see `_bytes`); and a step that agrees with its neighbour costs one
+`Sendrecv`, two status reads, two integer comparisons and the add.
 """
 
 from __future__ import annotations
