@@ -82,6 +82,9 @@ from syncsgd.kernels import (
     RELU,
     W_OFFSET,
     WIDTH_BEFORE,
+    check_batch,
+    check_count,
+    check_flat,
     layer_input,
     layer_table,
     matrix,
@@ -448,7 +451,7 @@ def exactness_bound(model: MLP, bounds: np.ndarray, global_batch: int) -> np.nda
     product); 2^(E_s - 53) < B * v_s * 2^-51 unless v_s is below the clamp (module docstring).
     """
     bounds = _checked_bounds(model, bounds)
-    global_batch = _checked_batch(global_batch)
+    global_batch = check_count("global_batch", global_batch, low=1)
     per_slot = np.ldexp(1.0, extraction_exponents(bounds, global_batch) - (UNIT_BITS + 1))
     if model.dtype == np.float64:
         per_slot[0:-1:2] += np.ldexp(slot_bounds(bounds)[0:-1:2], -53) + 2.0**-1075
@@ -469,12 +472,8 @@ class ExactGradient:
     """
 
     def __init__(self, model: MLP, max_batch: int) -> None:
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int | np.integer):
-            raise ValueError(f"max_batch must be an integer, got {max_batch!r}")
-        if max_batch < 0:
-            raise ValueError(f"max_batch must be >= 0, got {max_batch}")
         self.model = model
-        self.max_batch = int(max_batch)
+        self.max_batch = check_count("max_batch", max_batch, low=0)
         self._layers = layer_table(model)
         self._activation = ACTIVATION_CODES[model.activation]
         widths = sum(model.sizes[1:])
@@ -493,7 +492,7 @@ class ExactGradient:
     @property
     def bound_count(self) -> int:
         """Length of the bounds vector: max|a_l|, max|delta_l| per layer, then the peak loss."""
-        return 2 * self.model.n_layers + 1
+        return _bound_count(self.model)
 
     def local_pass(
         self, params: np.ndarray, X: np.ndarray, y: np.ndarray, bounds_out: np.ndarray
@@ -504,9 +503,9 @@ class ExactGradient:
         the shard, then the largest per-sample loss; inf where a NaN or infinity appeared, so
         that after the MAX-allreduce every rank's `accumulate` raises the same ValueError.
         """
-        _check_flat(self.model, "params", params)
-        _check_bounds_buffer(self.bound_count, bounds_out)
-        X, y = self._check_batch(X, y)
+        check_flat(self.model, "params", params)
+        _check_float64_out("bounds_out", bounds_out, self.bound_count)
+        X, y = check_batch(self.model, self.max_batch, X, y)
         m = X.shape[0]
         inputs = self._inputs[: m * self.model.sizes[0]].reshape(X.shape)
         inputs[...] = X  # a copy: the caller may reuse its shard buffer before `accumulate`
@@ -531,18 +530,8 @@ class ExactGradient:
             raise ValueError("accumulate needs a successful local_pass first")
         model = self.model
         bounds = _checked_bounds(model, bounds)
-        global_batch = _checked_batch(global_batch)
-        if (
-            not isinstance(sums_out, np.ndarray)
-            or sums_out.shape != (model.n_params + 1,)
-            or sums_out.dtype != np.float64
-            or not sums_out.flags.c_contiguous
-            or not sums_out.flags.writeable
-        ):
-            raise ValueError(
-                f"sums_out must be a writable contiguous float64 array of shape "
-                f"({model.n_params + 1},), got {describe(sums_out)}"
-            )
+        global_batch = check_count("global_batch", global_batch, low=1)
+        _check_float64_out("sums_out", sums_out, model.n_params + 1)
         if global_batch < self._m:
             raise ValueError(
                 f"global batch {global_batch} is smaller than this rank's shard of {self._m}"
@@ -576,79 +565,36 @@ class ExactGradient:
                 inputs.append(self._activations[start : start + m * fan_out].reshape(m, fan_out))
         return inputs, deltas, self._losses[:m]
 
-    def _check_batch(self, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """X and y as the kernels need them (C-contiguous, right dtypes), or a ValueError."""
-        model = self.model
-        features, outputs = model.sizes[0], model.sizes[-1]
-        X = np.ascontiguousarray(X, dtype=model.dtype)
-        if X.ndim != 2 or X.shape[1] != features:
-            raise ValueError(f"X must have shape (m, {features}), got shape {X.shape}")
-        m = X.shape[0]
-        if m > self.max_batch:
-            raise ValueError(f"micro-batch of {m} samples exceeds max_batch={self.max_batch}")
-        if model.loss == "xent":
-            y = np.asarray(y)
-            if y.shape != (m,) or (y.dtype.kind not in "iu" and m > 0):
-                raise ValueError(
-                    f"labels must be an integer array of shape ({m},), got {describe(y)}"
-                )
-            y = np.ascontiguousarray(y, dtype=np.int64)
-            if m and (y.min() < 0 or y.max() >= outputs):
-                raise ValueError(f"labels must lie in [0, {outputs}), got {y.min()}..{y.max()}")
-        else:
-            y = np.ascontiguousarray(y, dtype=model.dtype)
-            if y.shape != (m, outputs):
-                raise ValueError(f"targets must have shape ({m}, {outputs}), got {y.shape}")
-        return X, y
+
+def _bound_count(model: MLP) -> int:
+    """Length of the bounds vector of `model`: two peaks per layer, then the peak loss."""
+    return 2 * model.n_layers + 1
 
 
-def _check_flat(model: MLP, name: str, flat: np.ndarray) -> None:
-    """ValueError unless `flat` is a contiguous (n_params,) array of the model's dtype."""
+def _check_float64_out(name: str, out: np.ndarray, length: int) -> None:
+    """ValueError unless `out` is a writable contiguous float64 array of `length` entries."""
     if (
-        not isinstance(flat, np.ndarray)
-        or flat.shape != (model.n_params,)
-        or flat.dtype != model.dtype
-        or not flat.flags.c_contiguous
+        not isinstance(out, np.ndarray)
+        or out.shape != (length,)
+        or out.dtype != np.float64
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
     ):
         raise ValueError(
-            f"{name} must be a contiguous {model.dtype} array of shape ({model.n_params},), "
-            f"got {describe(flat)}"
-        )
-
-
-def _check_bounds_buffer(count: int, bounds_out: np.ndarray) -> None:
-    """ValueError unless bounds_out is a writable contiguous float64 array of `count` entries."""
-    if (
-        not isinstance(bounds_out, np.ndarray)
-        or bounds_out.shape != (count,)
-        or bounds_out.dtype != np.float64
-        or not bounds_out.flags.c_contiguous
-        or not bounds_out.flags.writeable
-    ):
-        raise ValueError(
-            f"bounds_out must be a writable contiguous float64 array of shape ({count},), "
-            f"got {describe(bounds_out)}"
+            f"{name} must be a writable contiguous float64 array of shape ({length},), "
+            f"got {describe(out)}"
         )
 
 
 def _checked_bounds(model: MLP, bounds: np.ndarray) -> np.ndarray:
-    """The agreed peaks as a float64 array of 2 * n_layers + 1 entries >= 0 (NaN/inf pass)."""
-    count = 2 * model.n_layers + 1
+    """The agreed peaks as a float64 array of `bound_count` entries >= 0 (NaN/inf pass)."""
+    count = _bound_count(model)
     if not isinstance(bounds, np.ndarray) or bounds.shape != (count,):
         raise ValueError(f"bounds must be an array of shape ({count},), got {describe(bounds)}")
     bounds = bounds.astype(np.float64, copy=False)
     if np.any(bounds < 0):
         raise ValueError("bounds must be >= 0 (they are peaks of absolute values)")
     return bounds
-
-
-def _checked_batch(global_batch: int) -> int:
-    """The global batch size as a positive int, or a ValueError."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int | np.integer):
-        raise ValueError(f"global_batch must be an integer, got {global_batch!r}")
-    if global_batch < 1:
-        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
-    return int(global_batch)
 
 
 __all__ = ["ExactGradient", "exactness_bound", "extraction_exponents", "slot_bounds"]

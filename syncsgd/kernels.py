@@ -246,12 +246,8 @@ class Gradient:
     """
 
     def __init__(self, model: MLP, max_batch: int) -> None:
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int | np.integer):
-            raise ValueError(f"max_batch must be an integer, got {max_batch!r}")
-        if max_batch < 0:
-            raise ValueError(f"max_batch must be >= 0, got {max_batch}")
         self.model = model
-        self.max_batch = int(max_batch)
+        self.max_batch = check_count("max_batch", max_batch, low=0)
         self._layers = layer_table(model)
         self._activation = ACTIVATION_CODES[model.activation]
         widest = max(model.sizes[1:])
@@ -263,11 +259,11 @@ class Gradient:
         self, params: np.ndarray, X: np.ndarray, y: np.ndarray, grad_out: np.ndarray
     ) -> tuple[float, int]:
         """(sum of losses, argmax hits); grad_out is overwritten with the summed gradient."""
-        self._check_flat("params", params)
-        self._check_flat("grad_out", grad_out)
+        check_flat(self.model, "params", params)
+        check_flat(self.model, "grad_out", grad_out)
         if not grad_out.flags.writeable:
             raise ValueError("grad_out is read-only")
-        X, y = self._check_batch(X, y)
+        X, y = check_batch(self.model, self.max_batch, X, y)
         kernel = xent_gradient_ if self.model.loss == "xent" else mse_gradient_
         loss_sum, correct = kernel(
             params,
@@ -284,53 +280,13 @@ class Gradient:
 
     def loss(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         """(sum of losses, argmax hits) of the micro-batch, without the backward pass."""
-        self._check_flat("params", params)
-        X, y = self._check_batch(X, y)
+        check_flat(self.model, "params", params)
+        X, y = check_batch(self.model, self.max_batch, X, y)
         kernel = xent_loss_ if self.model.loss == "xent" else mse_loss_
         loss_sum, correct = kernel(
             params, self._layers, self._activation, X, y, self._activations, self._delta_a
         )
         return float(loss_sum), int(correct)
-
-    def _check_flat(self, name: str, flat: np.ndarray) -> None:
-        """ValueError unless `flat` is a contiguous (n_params,) array of the model's dtype."""
-        model = self.model
-        if (
-            not isinstance(flat, np.ndarray)
-            or flat.shape != (model.n_params,)
-            or flat.dtype != model.dtype
-            or not flat.flags.c_contiguous
-        ):
-            raise ValueError(
-                f"{name} must be a contiguous {model.dtype} array of shape ({model.n_params},), "
-                f"got {describe(flat)}"
-            )
-
-    def _check_batch(self, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """X and y as the kernels need them (C-contiguous, right dtypes), or a ValueError."""
-        model = self.model
-        features, outputs = model.sizes[0], model.sizes[-1]
-        X = np.ascontiguousarray(X, dtype=model.dtype)
-        if X.ndim != 2 or X.shape[1] != features:
-            raise ValueError(f"X must have shape (m, {features}), got shape {X.shape}")
-        m = X.shape[0]
-        if m > self.max_batch:
-            raise ValueError(f"micro-batch of {m} samples exceeds max_batch={self.max_batch}")
-        if model.loss == "xent":
-            y = np.asarray(y)
-            if y.shape != (m,) or (y.dtype.kind not in "iu" and m > 0):
-                raise ValueError(
-                    f"labels must be an integer array of shape ({m},), got {describe(y)}"
-                )
-            y = np.ascontiguousarray(y, dtype=np.int64)
-            # Checked here: an out-of-range label would index outside the kernel's arrays.
-            if m and (y.min() < 0 or y.max() >= outputs):
-                raise ValueError(f"labels must lie in [0, {outputs}), got {y.min()}..{y.max()}")
-        else:
-            y = np.ascontiguousarray(y, dtype=model.dtype)
-            if y.shape != (m, outputs):
-                raise ValueError(f"targets must have shape ({m}, {outputs}), got {y.shape}")
-        return X, y
 
 
 def evaluate(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -349,3 +305,55 @@ def evaluate(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tu
         correct += chunk_correct
     accuracy = correct / n_samples if model.loss == "xent" else float("nan")
     return loss_sum / n_samples, accuracy
+
+
+# --- argument checks, shared with syncsgd.exact ------------------------------------------------
+
+
+def check_count(name: str, value: int, low: int) -> int:
+    """`value` as a Python int >= low; ValueError for bools, floats and smaller values."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def check_flat(model: MLP, name: str, flat: np.ndarray) -> None:
+    """ValueError unless `flat` is a contiguous (n_params,) array of the model's dtype."""
+    if (
+        not isinstance(flat, np.ndarray)
+        or flat.shape != (model.n_params,)
+        or flat.dtype != model.dtype
+        or not flat.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"{name} must be a contiguous {model.dtype} array of shape ({model.n_params},), "
+            f"got {describe(flat)}"
+        )
+
+
+def check_batch(
+    model: MLP, max_batch: int, X: np.ndarray, y: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """X and y as the kernels need them (C-contiguous, right dtypes), or a ValueError."""
+    features, outputs = model.sizes[0], model.sizes[-1]
+    X = np.ascontiguousarray(X, dtype=model.dtype)
+    if X.ndim != 2 or X.shape[1] != features:
+        raise ValueError(f"X must have shape (m, {features}), got shape {X.shape}")
+    m = X.shape[0]
+    if m > max_batch:
+        raise ValueError(f"micro-batch of {m} samples exceeds max_batch={max_batch}")
+    if model.loss == "xent":
+        y = np.asarray(y)
+        if y.shape != (m,) or (y.dtype.kind not in "iu" and m > 0):
+            raise ValueError(f"labels must be an integer array of shape ({m},), got {describe(y)}")
+        y = np.ascontiguousarray(y, dtype=np.int64)
+        # Checked here: an out-of-range label would index outside the kernels' arrays.
+        if m and (y.min() < 0 or y.max() >= outputs):
+            raise ValueError(f"labels must lie in [0, {outputs}), got {y.min()}..{y.max()}")
+    else:
+        y = np.ascontiguousarray(y, dtype=model.dtype)
+        if y.shape != (m, outputs):
+            raise ValueError(f"targets must have shape ({m}, {outputs}), got {y.shape}")
+    return X, y
