@@ -17,9 +17,9 @@ sources of order dependence.
    whether its row is one of four or a leftover row: tiling changes no element's order. Delta
    propagation is the same loop on a transposed copy of W (delta_prev[i, k] = sum over
    ascending j of delta[i, j] * W[k, j]). The kernels are compiled WITHOUT fastmath, so LLVM may
-   neither reassociate these sums nor contract a multiply and an add into one FMA. Softmax,
-   cross-entropy and MSE are per row, as in `syncsgd.kernels`. A float32 model runs this pass in
-   float32.
+   neither reassociate these sums nor contract a multiply and an add into one FMA. Bias and
+   activation, softmax, cross-entropy and MSE are per row: the same functions as in
+   `syncsgd.kernels`. A float32 model runs this pass in float32.
 
 2. An order-independent sum of per-sample terms, within and across ranks, by error-free
    extraction to a fixed point agreed by an allreduce-MAX. Every gradient element is a sum over
@@ -79,15 +79,18 @@ from syncsgd.kernels import (
     B_OFFSET,
     FAN_IN,
     FAN_OUT,
-    RELU,
     W_OFFSET,
     WIDTH_BEFORE,
+    add_bias_activate_,
     check_batch,
     check_count,
     check_flat,
     layer_input,
     layer_table,
     matrix,
+    mse_sample_,
+    times_slope_,
+    xent_sample_,
 )
 from syncsgd.model import MLP, describe
 
@@ -158,60 +161,27 @@ def forward_exact_(params, layers, activation, X, activations):
         b = params[layers[layer, B_OFFSET] : layers[layer, B_OFFSET] + fan_out]
         outputs = matrix(activations, m * layers[layer, WIDTH_BEFORE], m, fan_out)
         fixed_order_product_(layer_input(X, activations, layers, layer, m), W, outputs)
-        zero = outputs.dtype.type(0)
         # The bias is added after the k-sum, then the activation: per element, no cross-row work.
-        if layer == n_layers - 1:
-            for i in range(m):
-                for j in range(fan_out):
-                    outputs[i, j] += b[j]
-        elif activation == RELU:
-            for i in range(m):
-                for j in range(fan_out):
-                    outputs[i, j] = max(outputs[i, j] + b[j], zero)
-        else:
-            for i in range(m):
-                for j in range(fan_out):
-                    outputs[i, j] = np.tanh(outputs[i, j] + b[j])
+        add_bias_activate_(outputs, b, activation, layer == n_layers - 1)
     return outputs
 
 
 @njit(nogil=True, cache=True)
 def xent_sample_losses_(logits, labels, delta, losses):
     """Per-sample softmax cross-entropy into `losses` (float64); delta = softmax - one_hot; hits."""
-    m, k = logits.shape
     correct = 0
-    for i in range(m):
-        best = 0  # the first maximum, as np.argmax
-        for j in range(1, k):
-            if logits[i, j] > logits[i, best]:
-                best = j
-        shift = logits[i, best]
-        total = logits.dtype.type(0)
-        for j in range(k):
-            delta[i, j] = np.exp(logits[i, j] - shift)
-            total += delta[i, j]
-        scale = logits.dtype.type(1) / total
-        for j in range(k):
-            delta[i, j] *= scale
-        label = labels[i]
-        delta[i, label] -= 1
-        losses[i] = np.float64(shift) + np.log(np.float64(total)) - np.float64(logits[i, label])
-        correct += best == label
+    for i in range(logits.shape[0]):
+        losses[i], best = xent_sample_(logits, labels, delta, i)
+        correct += best == labels[i]
     return correct
 
 
 @njit(nogil=True, cache=True)
 def mse_sample_losses_(outputs, targets, delta, losses):
     """Per-sample mean over outputs of (z - t)^2 into `losses` (float64); delta = 2 (z - t) / K."""
-    m, k = outputs.shape
-    two_over_k = outputs.dtype.type(2.0 / max(k, 1))
-    for i in range(m):
-        sample_sum = 0.0
-        for j in range(k):
-            error = outputs[i, j] - targets[i, j]
-            sample_sum += np.float64(error) * np.float64(error)
-            delta[i, j] = two_over_k * error
-        losses[i] = sample_sum / k
+    two_over_k = outputs.dtype.type(2.0 / outputs.shape[1])
+    for i in range(outputs.shape[0]):
+        losses[i] = mse_sample_(outputs, targets, delta, i, two_over_k)
     return 0
 
 
@@ -219,7 +189,6 @@ def mse_sample_losses_(outputs, targets, delta, losses):
 def backward_exact_(params, layers, activation, X, activations, deltas, transposed):
     """Per-sample deltas of every layer, from the logits' delta, with fixed-order products."""
     m = X.shape[0]
-    zero, one = deltas.dtype.type(0), deltas.dtype.type(1)
     for layer in range(layers.shape[0] - 1, 0, -1):
         fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
         W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
@@ -230,16 +199,7 @@ def backward_exact_(params, layers, activation, X, activations, deltas, transpos
         delta = matrix(deltas, m * layers[layer, WIDTH_BEFORE], m, fan_out)
         previous = matrix(deltas, m * layers[layer - 1, WIDTH_BEFORE], m, fan_in)
         fixed_order_product_(delta, W_T, previous)
-        inputs = layer_input(X, activations, layers, layer, m)  # act(z) of the layer below
-        if activation == RELU:
-            for i in range(m):
-                for j in range(fan_in):
-                    if inputs[i, j] <= zero:
-                        previous[i, j] = zero
-        else:
-            for i in range(m):
-                for j in range(fan_in):
-                    previous[i, j] *= one - inputs[i, j] * inputs[i, j]
+        times_slope_(previous, layer_input(X, activations, layers, layer, m), activation)
 
 
 @njit(nogil=True, cache=True)

@@ -89,6 +89,12 @@ def layer_input(X, activations, layers, layer, m):
 def dense_forward_(inputs, W, b, outputs, activation, is_last):
     """outputs = act(inputs @ W + b), act the identity on the last layer."""
     np.dot(inputs, W, outputs)
+    add_bias_activate_(outputs, b, activation, is_last)
+
+
+@njit(nogil=True, cache=True)
+def add_bias_activate_(outputs, b, activation, is_last):
+    """outputs = act(outputs + b) per element, act the identity on the last layer."""
     m, n = outputs.shape
     zero = outputs.dtype.type(0)
     # One fused pass for bias and activation; the branch is hoisted out of the loops.
@@ -122,47 +128,77 @@ def forward_(params, layers, activation, X, activations):
     return outputs
 
 
+# The per-sample functions are inlined: a call per sample would cost as much as an MSE row.
+@njit(nogil=True, cache=True, inline="always")
+def xent_sample_(logits, labels, delta, i):
+    """Sample i's softmax cross-entropy (float64) and argmax; delta[i] = softmax - one_hot."""
+    k = logits.shape[1]
+    # Stable log-sum-exp: shift by the row maximum (the first one is the argmax, as np.argmax).
+    best = 0
+    for j in range(1, k):
+        if logits[i, j] > logits[i, best]:
+            best = j
+    shift = logits[i, best]
+    total = logits.dtype.type(0)
+    for j in range(k):
+        delta[i, j] = np.exp(logits[i, j] - shift)
+        total += delta[i, j]
+    scale = logits.dtype.type(1) / total
+    for j in range(k):
+        delta[i, j] *= scale
+    label = labels[i]
+    delta[i, label] -= 1
+    return np.float64(shift) + np.log(np.float64(total)) - np.float64(logits[i, label]), best
+
+
+@njit(nogil=True, cache=True, inline="always")
+def mse_sample_(outputs, targets, delta, i, two_over_k):
+    """Sample i's mean over outputs of (z - t)^2 (float64); delta[i] = two_over_k (z - t)."""
+    k = outputs.shape[1]
+    sample_sum = 0.0
+    for j in range(k):
+        error = outputs[i, j] - targets[i, j]
+        sample_sum += np.float64(error) * np.float64(error)
+        delta[i, j] = two_over_k * error
+    return sample_sum / k
+
+
 @njit(nogil=True, cache=True)
 def xent_loss_delta_(logits, labels, delta):
     """Sum of softmax cross-entropies and count of argmax hits; delta = softmax - one_hot."""
-    m, k = logits.shape
     loss_sum = 0.0
     correct = 0
-    for i in range(m):
-        # Stable log-sum-exp: shift by the row maximum (the first one is the argmax).
-        best = 0
-        for j in range(1, k):
-            if logits[i, j] > logits[i, best]:
-                best = j
-        shift = logits[i, best]
-        total = logits.dtype.type(0)
-        for j in range(k):
-            delta[i, j] = np.exp(logits[i, j] - shift)
-            total += delta[i, j]
-        scale = logits.dtype.type(1) / total
-        for j in range(k):
-            delta[i, j] *= scale
-        label = labels[i]
-        delta[i, label] -= 1
-        loss_sum += np.float64(shift) + np.log(np.float64(total)) - np.float64(logits[i, label])
-        correct += best == label
+    for i in range(logits.shape[0]):
+        loss, best = xent_sample_(logits, labels, delta, i)
+        loss_sum += loss
+        correct += best == labels[i]
     return loss_sum, correct
 
 
 @njit(nogil=True, cache=True)
 def mse_loss_delta_(outputs, targets, delta):
     """Sum over samples of mean_k (z - t)^2; delta = 2 (z - t) / K."""
-    m, k = outputs.shape
     loss_sum = 0.0
-    two_over_k = outputs.dtype.type(2.0 / max(k, 1))
-    for i in range(m):
-        sample_sum = 0.0
-        for j in range(k):
-            error = outputs[i, j] - targets[i, j]
-            sample_sum += np.float64(error) * np.float64(error)
-            delta[i, j] = two_over_k * error
-        loss_sum += sample_sum / k
+    two_over_k = outputs.dtype.type(2.0 / outputs.shape[1])
+    for i in range(outputs.shape[0]):
+        loss_sum += mse_sample_(outputs, targets, delta, i, two_over_k)
     return loss_sum, 0
+
+
+@njit(nogil=True, cache=True)
+def times_slope_(delta, below, activation):
+    """delta *= act'(z) of the layer below, from its output a: relu' = (a > 0), tanh' = 1 - a^2."""
+    m, n = delta.shape
+    zero, one = delta.dtype.type(0), delta.dtype.type(1)
+    if activation == RELU:
+        for i in range(m):
+            for j in range(n):
+                if below[i, j] <= zero:
+                    delta[i, j] = zero
+    else:
+        for i in range(m):
+            for j in range(n):
+                delta[i, j] *= one - below[i, j] * below[i, j]
 
 
 @njit(nogil=True, cache=True)
@@ -171,7 +207,6 @@ def backward_(params, layers, activation, X, activations, delta_a, delta_b, grad
     m = X.shape[0]
     n_layers = layers.shape[0]
     delta = matrix(delta_a, 0, m, layers[n_layers - 1, FAN_OUT])
-    zero, one = delta_a.dtype.type(0), delta_a.dtype.type(1)
     spare_is_b = True  # the delta of the layer below goes to the buffer not holding `delta`
     for layer in range(n_layers - 1, -1, -1):
         fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
@@ -189,16 +224,7 @@ def backward_(params, layers, activation, X, activations, delta_a, delta_b, grad
         W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
         previous = matrix(delta_b if spare_is_b else delta_a, 0, m, fan_in)
         np.dot(delta, W.T, previous)
-        # inputs holds act(z) of the layer below: relu' = (a > 0), tanh' = 1 - a^2.
-        if activation == RELU:
-            for i in range(m):
-                for j in range(fan_in):
-                    if inputs[i, j] <= zero:
-                        previous[i, j] = zero
-        else:
-            for i in range(m):
-                for j in range(fan_in):
-                    previous[i, j] *= one - inputs[i, j] * inputs[i, j]
+        times_slope_(previous, inputs, activation)
         spare_is_b = not spare_is_b
         delta = previous
 
