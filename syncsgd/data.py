@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import os
 import zipfile
 
 import numpy as np
+
+from syncsgd.model import LOSSES
+from syncsgd.validate import choice, float_dtype, integer
 
 SOURCES = (
     "synthetic-classification",
@@ -28,8 +30,6 @@ SOURCES = (
     "synthetic-classification-mlp",
     "synthetic-regression-mlp",
 )
-LOSSES = ("xent", "mse")
-DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
 
 BLOB_DISTANCE = 4.0  # typical distance between two blob centres, in noise standard deviations
 TEACHER_HIDDEN = 32  # width of the hidden layer of the random MLP teachers
@@ -54,8 +54,8 @@ def load_data(
     which `xent` accepts only if every value is a non-negative integer. A `.csv` target column is
     read as floats, so with mse it is one regression output. X is C-contiguous.
     """
-    float_dtype = _float_dtype(dtype)
-    _check_choice("loss", loss, LOSSES)
+    dtype = float_dtype(dtype)
+    choice("loss", loss, LOSSES)
     if not isinstance(source, str | os.PathLike):
         raise ValueError(f"data source must be a name or a path, not {source!r}")
     source = os.fspath(source)
@@ -64,7 +64,7 @@ def load_data(
         if classes is not None:
             _check_positive_int("classes", classes)
         X, y, is_labels = _read_npz(source) if suffix == ".npz" else _read_csv(source)
-        return _finish(source, X, y, is_labels, classes, loss, float_dtype)
+        return _finish(source, X, y, is_labels, classes, loss, dtype)
     if source not in SOURCES:
         raise ValueError(
             f"unknown data source {source!r}: expected one of {', '.join(SOURCES)}, "
@@ -82,12 +82,12 @@ def load_data(
     n_classes = default_classes if classes is None else _check_positive_int("classes", classes)
     _check_seed(seed)
     X, y = _SYNTHETIC[source](np.random.default_rng(seed), samples, features, n_classes)
-    return _finish(source, X, y, is_labels, n_classes, loss, float_dtype)
+    return _finish(source, X, y, is_labels, n_classes, loss, dtype)
 
 
 def n_outputs(y: np.ndarray, loss: str) -> int:
     """The number of model outputs K for targets y: max label + 1 (xent) or y's width (mse)."""
-    _check_choice("loss", loss, LOSSES)
+    choice("loss", loss, LOSSES)
     if loss == "xent":
         if y.ndim != 1:
             raise ValueError(f"xent needs 1-D integer labels, got targets of shape {y.shape}")
@@ -100,7 +100,7 @@ def n_outputs(y: np.ndarray, loss: str) -> int:
 def steps_per_epoch(n_samples: int, batch_size: int) -> int:
     """Number of full global batches in one epoch, N // B (the tail is dropped)."""
     n = _check_positive_int("number of samples", n_samples)
-    batch = _index("batch size", batch_size)
+    batch = integer("batch size", batch_size)
     if batch <= 0:
         raise ValueError(f"batch size must be positive, got {batch}")
     if batch > n:
@@ -136,7 +136,7 @@ def shard(global_batch: np.ndarray, rank: int, size: int) -> np.ndarray:
     an empty shard. Returns a view.
     """
     size = _check_positive_int("number of ranks", size)
-    rank = _index("rank", rank)
+    rank = integer("rank", rank)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is out of range for {size} ranks")
     base, extra = divmod(len(global_batch), size)
@@ -373,37 +373,9 @@ def _labels(source: str, y: np.ndarray, classes: int | None) -> np.ndarray:
     return y.astype(np.int64)
 
 
-def _float_dtype(dtype: str | np.dtype) -> np.dtype:
-    """`dtype` as a NumPy dtype, float64 or float32 (None is refused, not read as float64)."""
-    try:
-        resolved = None if dtype is None else np.dtype(dtype)
-    except TypeError:
-        resolved = None
-    if resolved is None or resolved not in DTYPES:
-        raise ValueError(f"dtype must be float64 or float32, not {dtype!r}")
-    return resolved
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    """`value` if it is one of `choices`, else a ValueError listing them."""
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}: expected one of {', '.join(choices)}")
-    return value
-
-
-def _index(name: str, value: int) -> int:
-    """`value` as a Python int; ValueError for floats, bools and other non-integers."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, not {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, not {value!r}") from None
-
-
 def _check_positive_int(name: str, value: int) -> int:
     """`value` as an int >= 1."""
-    number = _index(name, value)
+    number = integer(name, value)
     if number < 1:
         raise ValueError(f"{name} must be positive, got {number}")
     return number
@@ -411,7 +383,7 @@ def _check_positive_int(name: str, value: int) -> int:
 
 def _check_nonnegative_int(name: str, value: int) -> int:
     """`value` as an int >= 0."""
-    number = _index(name, value)
+    number = integer(name, value)
     if number < 0:
         raise ValueError(f"{name} must not be negative, got {number}")
     return number

@@ -8,15 +8,15 @@ that does not depend on the rank or on memory alignment.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import numpy as np
 
+from syncsgd.validate import choice, float_dtype, integer
+
 SCHEDULES = ("constant", "cosine", "warmup", "noam")
 LR_SCALINGS = ("none", "linear", "sqrt")
-DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,10 @@ class OptimConfig:
             "clip_norm": None
             if self.clip_norm is None
             else _real("clip_norm", self.clip_norm, low=0.0, low_open=True),
-            "schedule": _choice("schedule", self.schedule, SCHEDULES),
+            "schedule": choice("schedule", self.schedule, SCHEDULES),
             "warmup_steps": _integer("warmup_steps", self.warmup_steps, low=0),
             "total_steps": _integer("total_steps", self.total_steps, low=1),
-            "lr_scaling": _choice("lr_scaling", self.lr_scaling, LR_SCALINGS),
+            "lr_scaling": choice("lr_scaling", self.lr_scaling, LR_SCALINGS),
             "base_batch": _integer("base_batch", self.base_batch, low=1),
             "batch_size": _integer("batch_size", self.batch_size, low=1),
             "noam_dim": _integer("noam_dim", self.noam_dim, low=1),
@@ -105,7 +105,7 @@ class SGD:
     def __init__(self, config: OptimConfig, n_params: int, dtype: str | np.dtype) -> None:
         self.config = config
         self.n_params = _integer("n_params", n_params, low=0)
-        self.dtype = _float_dtype(dtype)
+        self.dtype = float_dtype(dtype)
         # all buffers are allocated here, once; step_ allocates nothing of size n_params
         self.velocity = np.zeros(self.n_params, dtype=self.dtype) if config.momentum > 0.0 else None
         self._scratch = np.empty(self.n_params, dtype=self.dtype)
@@ -192,30 +192,7 @@ def _real(
 
 def _integer(name: str, value: int, *, low: int) -> int:
     """`value` as an int >= low; ValueError for floats, bools and smaller values."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, not {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, not {value!r}") from None
+    number = integer(name, value)
     if number < low:
         raise ValueError(f"{name} must be >= {low}, got {number}")
     return number
-
-
-def _float_dtype(dtype: str | np.dtype) -> np.dtype:
-    """`dtype` as a NumPy dtype, float64 or float32 (None is refused, not read as float64)."""
-    try:
-        resolved = None if dtype is None else np.dtype(dtype)
-    except TypeError:
-        resolved = None
-    if resolved is None or resolved not in DTYPES:
-        raise ValueError(f"dtype must be float64 or float32, not {dtype!r}")
-    return resolved
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> str:
-    """`value` if it is one of `choices`, else a ValueError listing them."""
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}: expected one of {', '.join(choices)}")
-    return value
