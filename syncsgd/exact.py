@@ -76,16 +76,14 @@ from numba.extending import intrinsic
 
 from syncsgd.kernels import (
     ACTIVATION_CODES,
-    B_OFFSET,
-    FAN_IN,
-    FAN_OUT,
-    W_OFFSET,
     WIDTH_BEFORE,
     add_bias_activate_,
     check_batch,
     check_count,
     check_flat,
     layer_input,
+    layer_params,
+    layer_rows,
     layer_table,
     matrix,
     mse_sample_,
@@ -154,16 +152,13 @@ def forward_exact_(params, layers, activation, X, activations):
     """Every layer on the m rows of X with fixed-order products; returns the (m, K) logits."""
     m = X.shape[0]
     n_layers = layers.shape[0]
-    outputs = matrix(activations, 0, m, layers[0, FAN_OUT])
     for layer in range(n_layers):
-        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
-        W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
-        b = params[layers[layer, B_OFFSET] : layers[layer, B_OFFSET] + fan_out]
-        outputs = matrix(activations, m * layers[layer, WIDTH_BEFORE], m, fan_out)
+        W, b = layer_params(params, layers, layer)
+        outputs = layer_rows(activations, layers, layer, m)
         fixed_order_product_(layer_input(X, activations, layers, layer, m), W, outputs)
         # The bias is added after the k-sum, then the activation: per element, no cross-row work.
         add_bias_activate_(outputs, b, activation, layer == n_layers - 1)
-    return outputs
+    return layer_rows(activations, layers, n_layers - 1, m)
 
 
 @njit(nogil=True, cache=True)
@@ -190,14 +185,14 @@ def backward_exact_(params, layers, activation, X, activations, deltas, transpos
     """Per-sample deltas of every layer, from the logits' delta, with fixed-order products."""
     m = X.shape[0]
     for layer in range(layers.shape[0] - 1, 0, -1):
-        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
-        W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
+        W, _ = layer_params(params, layers, layer)
+        fan_in, fan_out = W.shape
         W_T = matrix(transposed, 0, fan_out, fan_in)  # once per call: the inner loop runs along k
         for k in range(fan_in):
             for j in range(fan_out):
                 W_T[j, k] = W[k, j]
-        delta = matrix(deltas, m * layers[layer, WIDTH_BEFORE], m, fan_out)
-        previous = matrix(deltas, m * layers[layer - 1, WIDTH_BEFORE], m, fan_in)
+        delta = layer_rows(deltas, layers, layer, m)
+        previous = layer_rows(deltas, layers, layer - 1, m)
         fixed_order_product_(delta, W_T, previous)
         times_slope_(previous, layer_input(X, activations, layers, layer, m), activation)
 
@@ -219,15 +214,9 @@ def peaks_(layers, X, activations, deltas, losses, bounds_out):
     m = X.shape[0]
     n_layers = layers.shape[0]
     for layer in range(n_layers):
-        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
-        if layer == 0:
-            inputs = X.ravel()
-        else:
-            start = m * layers[layer - 1, WIDTH_BEFORE]
-            inputs = activations[start : start + m * fan_in]
-        start = m * layers[layer, WIDTH_BEFORE]
-        bounds_out[2 * layer] = peak_magnitude(inputs)
-        bounds_out[2 * layer + 1] = peak_magnitude(deltas[start : start + m * fan_out])
+        inputs = layer_input(X, activations, layers, layer, m)
+        bounds_out[2 * layer] = peak_magnitude(inputs.ravel())
+        bounds_out[2 * layer + 1] = peak_magnitude(layer_rows(deltas, layers, layer, m).ravel())
     bounds_out[2 * n_layers] = peak_magnitude(losses[:m])
 
 
@@ -236,8 +225,8 @@ def xent_local_pass_(params, layers, activation, X, labels, activations, deltas,
                      losses, bounds_out):  # fmt: skip
     """Cross-entropy: forward, per-sample losses and deltas, backward, peaks; returns the hits."""
     logits = forward_exact_(params, layers, activation, X, activations)
-    m, k = logits.shape
-    delta = matrix(deltas, m * layers[layers.shape[0] - 1, WIDTH_BEFORE], m, k)
+    m = X.shape[0]
+    delta = layer_rows(deltas, layers, layers.shape[0] - 1, m)
     correct = xent_sample_losses_(logits, labels, delta, losses[:m])
     backward_exact_(params, layers, activation, X, activations, deltas, transposed)
     peaks_(layers, X, activations, deltas, losses, bounds_out)
@@ -249,8 +238,8 @@ def mse_local_pass_(params, layers, activation, X, targets, activations, deltas,
                     losses, bounds_out):  # fmt: skip
     """Mean squared error: forward, per-sample losses and deltas, backward, peaks; returns 0."""
     outputs = forward_exact_(params, layers, activation, X, activations)
-    m, k = outputs.shape
-    delta = matrix(deltas, m * layers[layers.shape[0] - 1, WIDTH_BEFORE], m, k)
+    m = X.shape[0]
+    delta = layer_rows(deltas, layers, layers.shape[0] - 1, m)
     mse_sample_losses_(outputs, targets, delta, losses[:m])
     backward_exact_(params, layers, activation, X, activations, deltas, transposed)
     peaks_(layers, X, activations, deltas, losses, bounds_out)
@@ -341,20 +330,17 @@ def accumulate_(layers, X, activations, deltas, losses, magics, units, widened, 
     m = X.shape[0]
     n_layers = layers.shape[0]
     for layer in range(n_layers):
-        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
         inputs = layer_input(X, activations, layers, layer, m)
-        delta = matrix(deltas, m * layers[layer, WIDTH_BEFORE], m, fan_out)
+        delta = layer_rows(deltas, layers, layer, m)
+        fan_out = delta.shape[1]
         wide_delta = matrix(widened, 0, m, fan_out)
         for i in range(m):  # float64 deltas once, not once per product
             for j in range(fan_out):
                 wide_delta[i, j] = delta[i, j]
-        sums_W = matrix(sums_out, layers[layer, W_OFFSET], fan_in, fan_out)
+        sums_W, sums_b = layer_params(sums_out, layers, layer)
         tile = matrix(counts, 0, accumulator_rows(fan_out), fan_out)
         extract_outer_sum_(inputs, wide_delta, magics[2 * layer], units[2 * layer], sums_W, tile)
-        b_offset = layers[layer, B_OFFSET]
-        extract_column_sum_(
-            wide_delta, magics[2 * layer + 1], sums_out[b_offset : b_offset + fan_out]
-        )
+        extract_column_sum_(wide_delta, magics[2 * layer + 1], sums_b)
     magic = magics[2 * n_layers]
     loss_sum = 0.0
     for i in range(m):
@@ -467,7 +453,7 @@ class ExactGradient:
         _check_float64_out("bounds_out", bounds_out, self.bound_count)
         X, y = check_batch(self.model, self.max_batch, X, y)
         m = X.shape[0]
-        inputs = self._inputs[: m * self.model.sizes[0]].reshape(X.shape)
+        inputs = self._shard_inputs(m)
         inputs[...] = X  # a copy: the caller may reuse its shard buffer before `accumulate`
         self._m = None  # a failed pass must not leave stale workspaces to accumulate
         kernel = xent_local_pass_ if self.model.loss == "xent" else mse_local_pass_
@@ -504,11 +490,9 @@ class ExactGradient:
             )
         magics = np.ldexp(1.5, exponents)  # M_s = 1.5 * 2^E_s
         units = np.ldexp(1.0, exponents - UNIT_BITS)  # ulp(M_s)
-        m = self._m
         accumulate_(
-            self._layers, self._inputs[: m * model.sizes[0]].reshape(m, model.sizes[0]),
-            self._activations, self._deltas, self._losses, magics, units, self._widened,
-            self._counts, sums_out,
+            self._layers, self._shard_inputs(self._m), self._activations, self._deltas,
+            self._losses, magics, units, self._widened, self._counts, sums_out,
         )  # fmt: skip
 
     def sample_terms(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
@@ -516,7 +500,7 @@ class ExactGradient:
         if self._m is None:
             raise ValueError("no local_pass has run yet")
         m, model = self._m, self.model
-        inputs = [self._inputs[: m * model.sizes[0]].reshape(m, model.sizes[0])]
+        inputs = [self._shard_inputs(m)]
         deltas = []
         for layer, (_, fan_out) in enumerate(model.layer_shapes()):
             start = m * int(self._layers[layer, WIDTH_BEFORE])
@@ -524,6 +508,11 @@ class ExactGradient:
             if layer < model.n_layers - 1:
                 inputs.append(self._activations[start : start + m * fan_out].reshape(m, fan_out))
         return inputs, deltas, self._losses[:m]
+
+    def _shard_inputs(self, m: int) -> np.ndarray:
+        """The (m, features) copy of the shard that `local_pass` keeps for `accumulate`."""
+        features = self.model.sizes[0]
+        return self._inputs[: m * features].reshape(m, features)
 
 
 def _bound_count(model: MLP) -> int:

@@ -77,12 +77,26 @@ def matrix(flat, start, rows, cols):
 
 
 @njit(nogil=True, cache=True)
+def layer_params(flat, layers, layer):
+    """(W, b) of `layer`: views into a flat buffer in the parameter layout (params or grads)."""
+    fan_out = layers[layer, FAN_OUT]
+    b_offset = layers[layer, B_OFFSET]
+    W = matrix(flat, layers[layer, W_OFFSET], layers[layer, FAN_IN], fan_out)
+    return W, flat[b_offset : b_offset + fan_out]
+
+
+@njit(nogil=True, cache=True)
+def layer_rows(workspace, layers, layer, m):
+    """The (m, fan_out) block of `layer` in a per-layer workspace (activations or deltas)."""
+    return matrix(workspace, m * layers[layer, WIDTH_BEFORE], m, layers[layer, FAN_OUT])
+
+
+@njit(nogil=True, cache=True)
 def layer_input(X, activations, layers, layer, m):
     """The (m, fan_in) input of `layer`: X for layer 0, else the previous layer's output."""
     if layer == 0:
         return X
-    previous = layer - 1
-    return matrix(activations, m * layers[previous, WIDTH_BEFORE], m, layers[previous, FAN_OUT])
+    return layer_rows(activations, layers, layer - 1, m)
 
 
 @njit(nogil=True, cache=True)
@@ -117,15 +131,12 @@ def forward_(params, layers, activation, X, activations):
     """Runs every layer on the m rows of X; returns the (m, K) logits view of `activations`."""
     m = X.shape[0]
     n_layers = layers.shape[0]
-    outputs = matrix(activations, 0, m, layers[0, FAN_OUT])
     for layer in range(n_layers):
-        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
-        W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
-        b = params[layers[layer, B_OFFSET] : layers[layer, B_OFFSET] + fan_out]
-        outputs = matrix(activations, m * layers[layer, WIDTH_BEFORE], m, fan_out)
+        W, b = layer_params(params, layers, layer)
+        outputs = layer_rows(activations, layers, layer, m)
         inputs = layer_input(X, activations, layers, layer, m)
         dense_forward_(inputs, W, b, outputs, activation, layer == n_layers - 1)
-    return outputs
+    return layer_rows(activations, layers, n_layers - 1, m)
 
 
 # The per-sample functions are inlined: a call per sample would cost as much as an MSE row.
@@ -209,20 +220,18 @@ def backward_(params, layers, activation, X, activations, delta_a, delta_b, grad
     delta = matrix(delta_a, 0, m, layers[n_layers - 1, FAN_OUT])
     spare_is_b = True  # the delta of the layer below goes to the buffer not holding `delta`
     for layer in range(n_layers - 1, -1, -1):
-        fan_in, fan_out = layers[layer, FAN_IN], layers[layer, FAN_OUT]
         inputs = layer_input(X, activations, layers, layer, m)
-        grad_W = matrix(grad_out, layers[layer, W_OFFSET], fan_in, fan_out)
-        grad_b = grad_out[layers[layer, B_OFFSET] : layers[layer, B_OFFSET] + fan_out]
+        grad_W, grad_b = layer_params(grad_out, layers, layer)
         # Sums over the m samples: inside BLAS for W, in sample order for b.
         np.dot(inputs.T, delta, grad_W)
         grad_b[:] = 0
         for i in range(m):
-            for j in range(fan_out):
+            for j in range(grad_b.shape[0]):
                 grad_b[j] += delta[i, j]
         if layer == 0:
             break
-        W = matrix(params, layers[layer, W_OFFSET], fan_in, fan_out)
-        previous = matrix(delta_b if spare_is_b else delta_a, 0, m, fan_in)
+        W, _ = layer_params(params, layers, layer)
+        previous = matrix(delta_b if spare_is_b else delta_a, 0, m, layers[layer, FAN_IN])
         np.dot(delta, W.T, previous)
         times_slope_(previous, inputs, activation)
         spare_is_b = not spare_is_b
