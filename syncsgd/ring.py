@@ -251,10 +251,10 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
             count = _truncated(exc)
         if status.Get_tag() != tag or count != arrival.nbytes:  # disagreement, or a flag
             tag, mismatch = _disagree(tag, status, count == arrival.nbytes, left, mismatch)
-        target = flat[recv]
-        if target.size == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
-            target[0] += incoming[0]
+        if incoming.size == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
+            flat[recv.start] += incoming[0]
         else:
+            target = flat[recv]
             np.add(target, incoming, out=target)  # own partial sum + the left neighbour's
         if trace is not None:
             trace(_event(about, rank, flat.itemsize, start))
