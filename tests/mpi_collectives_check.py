@@ -12,11 +12,11 @@ whole job with exit status 1 on the first failure (one failing rank must not lea
 from __future__ import annotations
 
 import sys
-import traceback
 from typing import Any
 
+import mpi_worker
 import numpy as np
-from mpi_ring_check import DTYPES, naive_sum, rank_data, same_on_every_rank
+from mpi_worker import DTYPES, float32_on_last_rank, longer_on_last_rank, run_on_world
 
 from syncsgd.collectives import ALGORITHMS, allreduce
 from syncsgd.ring import TraceEvent
@@ -28,20 +28,12 @@ def check_sum(
     comm: Any, algorithm: str, shape: tuple[int, ...], dtype: str, integers: bool, seed: int = 0
 ) -> np.ndarray:
     """The sum equals a naive sum (exactly for integer data) and is the same on every rank."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    buf = rank_data(rank, shape, dtype, integers, seed)
-    expected = naive_sum([rank_data(r, shape, dtype, integers, seed) for r in range(size)])
-    result = allreduce(buf, comm, algorithm)
-    where = f"{algorithm}: rank {rank} of {size}, shape {shape}, {dtype}"
-    assert result is buf, f"{where}: the buffer reduced in place must be returned"
-    assert buf.shape == tuple(shape) and buf.dtype == np.dtype(dtype), where
-    if integers or dtype == "int64":
-        assert np.array_equal(buf, expected), f"{where}: integer-valued sum is not exact"
-    else:
-        tolerance = 1e-5 if dtype == "float32" else 1e-12
-        assert np.allclose(buf, expected, rtol=tolerance, atol=tolerance * size), where
-    assert same_on_every_rank(comm, buf), f"{where}: ranks hold different bits"
-    return buf
+    return mpi_worker.check_sum(comm, reducer(algorithm), algorithm, shape, dtype, integers, seed)
+
+
+def reducer(algorithm: str) -> mpi_worker.Reduce:
+    """allreduce(buf, comm) with `algorithm`."""
+    return lambda buf, comm: allreduce(buf, comm, algorithm)
 
 
 def folding(rank: int, size: int) -> tuple[int, bool, bool]:
@@ -129,25 +121,7 @@ def check_halving_and_doubling(events: list[TraceEvent], length: int, size: int,
 
 def check_rejected_everywhere(comm: Any, algorithm: str, make_buffer: Any) -> str:
     """Every rank raises a one-line ValueError for `make_buffer(rank, size)`; return the message."""
-    buf = make_buffer(comm.Get_rank(), comm.Get_size())
-    try:
-        allreduce(buf, comm, algorithm)
-    except ValueError as exc:
-        message = str(exc)
-    else:
-        raise AssertionError(f"rank {comm.Get_rank()}: {algorithm} accepted a bad buffer")
-    assert message and "\n" not in message, f"not a one-line message: {message!r}"
-    return message
-
-
-def longer_on_last_rank(rank: int, size: int) -> np.ndarray:
-    """Five elements, but 4096 more on the last rank: same tag signature, different sizes."""
-    return np.ones(5 + 4096 * (rank == size - 1 and size > 1))
-
-
-def float32_on_last_rank(rank: int, size: int) -> np.ndarray:
-    """Seven float64 elements, but float32 on the last rank."""
-    return np.ones(7, np.float32 if rank == size - 1 else np.float64)
+    return mpi_worker.check_rejected_everywhere(comm, reducer(algorithm), algorithm, make_buffer)
 
 
 def read_only_on_last_rank(rank: int, size: int) -> np.ndarray:
@@ -170,11 +144,9 @@ def sum_cases(size: int) -> list[tuple[tuple[int, ...], str, bool]]:
 
 def main(argv: list[str]) -> int:
     """Run the checks on MPI.COMM_WORLD; any failure aborts every rank with exit status 1."""
-    from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    try:
+    def checks(comm: Any) -> None:
+        rank, size = comm.Get_rank(), comm.Get_size()
         if "--mismatch" in argv:
             if size == 1:
                 raise SystemExit("--mismatch needs at least 2 ranks")
@@ -194,14 +166,8 @@ def main(argv: list[str]) -> int:
             for algorithm in HAND_WRITTEN:
                 for length in sorted({0, 1, size + 2, 37}):
                     check_trace(comm, algorithm, length)
-        comm.Barrier()
-    except BaseException:
-        sys.stderr.write(f"rank {rank} of {size} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.Abort(1)
-    if rank == 0:
-        print(f"ok: {size} ranks", flush=True)
-    return 0
+
+    return run_on_world(checks)
 
 
 if __name__ == "__main__":

@@ -13,66 +13,20 @@ on the first failure (an assertion on one rank must not leave the other ranks wa
 from __future__ import annotations
 
 import sys
-import time
-import traceback
 from typing import Any
 
+import mpi_worker
 import numpy as np
+from mpi_worker import DTYPES, float32_on_last_rank, longer_on_last_rank, run_on_world
 
-from syncsgd.comm import constants
 from syncsgd.ring import TraceEvent, ring_allreduce
-
-DTYPES = ("float64", "float32", "int64")
-
-
-def rank_data(
-    rank: int, shape: tuple[int, ...], dtype: str, integers: bool, seed: int
-) -> np.ndarray:
-    """The buffer rank `rank` contributes: small integers (exact sums) or random floats."""
-    rng = np.random.default_rng([seed, rank])
-    if integers or dtype == "int64":
-        return rng.integers(-1000, 1000, size=shape).astype(dtype)
-    return rng.uniform(-1.0, 1.0, size=shape).astype(dtype)
-
-
-def naive_sum(arrays: list[np.ndarray]) -> np.ndarray:
-    """Sum of the ranks' buffers, one after the other, in float64 or int64."""
-    wide = np.int64 if arrays[0].dtype.kind == "i" else np.float64
-    total = np.zeros(arrays[0].shape, wide)
-    for array in arrays:
-        total = total + array.astype(wide)
-    return total
-
-
-def same_on_every_rank(comm: Any, array: np.ndarray) -> bool:
-    """True on every rank when every rank's `array` has rank 0's bits (its bytes, compared)."""
-    mine = np.frombuffer(array.tobytes(), np.uint8)
-    root = mine.copy()
-    comm.Bcast(root, root=0)
-    agree = np.array([np.array_equal(mine, root)], np.int64)
-    every = np.zeros(1, np.int64)
-    comm.Allreduce(agree, every, op=constants(comm).MIN)
-    return bool(every[0])
 
 
 def check_sum(
     comm: Any, shape: tuple[int, ...], dtype: str, integers: bool, seed: int = 0
 ) -> np.ndarray:
     """The ring's sum equals a naive sum (exactly for integer data) and is the same on all ranks."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    buf = rank_data(rank, shape, dtype, integers, seed)
-    expected = naive_sum([rank_data(r, shape, dtype, integers, seed) for r in range(size)])
-    result = ring_allreduce(buf, comm)
-    assert result is buf, "ring_allreduce must return the buffer it reduced in place"
-    assert buf.shape == tuple(shape) and buf.dtype == np.dtype(dtype)
-    where = f"rank {rank} of {size}, shape {shape}, {dtype}"
-    if integers or dtype == "int64":
-        assert np.array_equal(buf, expected), f"{where}: integer-valued sum is not exact"
-    else:
-        tolerance = 1e-5 if dtype == "float32" else 1e-12
-        assert np.allclose(buf, expected, rtol=tolerance, atol=tolerance * size), where
-    assert same_on_every_rank(comm, buf), f"{where}: ranks hold different bits"
-    return buf
+    return mpi_worker.check_sum(comm, ring_allreduce, "ring", shape, dtype, integers, seed)
 
 
 def check_trace(comm: Any, length: int, dtype: str = "float64") -> list[TraceEvent]:
@@ -116,25 +70,7 @@ def check_trace(comm: Any, length: int, dtype: str = "float64") -> list[TraceEve
 
 def check_rejected_everywhere(comm: Any, make_buffer: Any) -> str:
     """Every rank raises ValueError for its buffer `make_buffer(rank, size)`; return the message."""
-    buf = make_buffer(comm.Get_rank(), comm.Get_size())
-    try:
-        ring_allreduce(buf, comm)
-    except ValueError as exc:
-        message = str(exc)
-    else:
-        raise AssertionError(f"rank {comm.Get_rank()}: ring_allreduce accepted a bad buffer")
-    assert message and "\n" not in message, f"not a one-line message: {message!r}"
-    return message
-
-
-def longer_on_last_rank(rank: int, size: int) -> np.ndarray:
-    """Five elements, but 4096 more on the last rank: same signature, different chunk sizes."""
-    return np.ones(5 + 4096 * (rank == size - 1 and size > 1))
-
-
-def float32_on_last_rank(rank: int, size: int) -> np.ndarray:
-    """Seven float64, but float32 on the last rank: messages whose size is not a multiple of 8."""
-    return np.ones(7, np.float32 if rank == size - 1 else np.float64)
+    return mpi_worker.check_rejected_everywhere(comm, ring_allreduce, "ring", make_buffer)
 
 
 def int64_on_last_rank(rank: int, size: int) -> np.ndarray:
@@ -176,11 +112,9 @@ def standard_cases(size: int) -> list[tuple[tuple[int, ...], str, bool]]:
 
 def main(argv: list[str]) -> int:
     """Run the checks on MPI.COMM_WORLD; any failure aborts every rank with exit status 1."""
-    from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    try:
+    def checks(comm: Any) -> None:
+        rank, size = comm.Get_rank(), comm.Get_size()
         if "--fail-on-rank" in argv:
             if rank == int(argv[argv.index("--fail-on-rank") + 1]):
                 raise AssertionError("failing on purpose")
@@ -202,17 +136,8 @@ def main(argv: list[str]) -> int:
                 check_sum(comm, shape, dtype, integers, seed=len(shape) + sum(shape))
             for length in sorted({0, 1, size - 1, size + 2, 37}):
                 check_trace(comm, length)
-        comm.Barrier()
-    except BaseException as exc:
-        # One write, summary first, and a moment for the launcher to forward it before Abort
-        # tears the job down (output written just before MPI_Abort can be lost).
-        sys.stderr.write(f"rank {rank} of {size} failed: {exc!r}\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        time.sleep(0.2)
-        comm.Abort(1)
-    if rank == 0:
-        print(f"ok: {size} ranks", flush=True)
-    return 0
+
+    return run_on_world(checks)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from mpi_collectives_check import (
     check_trace,
     folding,
 )
-from mpi_ring_check import DTYPES
+from mpi_worker import DTYPES
 
 from syncsgd import RankAborted, run_threads
 from syncsgd.collectives import (
