@@ -20,6 +20,7 @@ from mpi_collectives_check import (
     folding,
 )
 from mpi_worker import DTYPES
+from strategies import world_and_shape
 
 from syncsgd import RankAborted, run_threads
 from syncsgd.collectives import (
@@ -35,20 +36,6 @@ from syncsgd.comm import ThreadComm
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling CI
 
 WORKER = os.path.join(os.path.dirname(__file__), "mpi_collectives_check.py")
-
-
-@st.composite
-def world_and_shape(draw: st.DrawFn) -> tuple[int, tuple[int, ...]]:
-    """A number of thread ranks and a buffer shape, with lengths around P."""
-    size = draw(st.integers(1, 12))
-    length = st.integers(0, 3 * size + 2)  # 0, 1, < P, = P, not divisible by P, ...
-    shape = draw(
-        st.one_of(
-            length.map(lambda n: (n,)),
-            st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple),  # multi-dim, 0-d
-        )
-    )
-    return size, shape
 
 
 @given(
