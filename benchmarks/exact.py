@@ -32,16 +32,15 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
+from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
 
 from syncsgd.model import MLP, parse_hidden
 
 MODES = ("float", "exact", "local_pass", "accumulate")  # the last two: exact's phases alone
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def setup(model: MLP, batch: int, seed: int, rank: int) -> tuple[np.ndarray, ...]:
@@ -83,38 +82,6 @@ def rank_calls(model: MLP, options: argparse.Namespace, rank: int) -> dict[str, 
     }
 
 
-def timed_together(calls: list[Callable], iters: int, clock: str = "wall") -> float:
-    """Seconds per call when every thread runs its call `iters` times at once.
-
-    wall: the slowest thread's elapsed time; cpu: the process's CPU seconds divided by threads.
-    """
-    if clock == "cpu":
-        started = time.process_time()
-        timed_together(calls, iters)
-        return (time.process_time() - started) / iters / len(calls)
-    if len(calls) == 1:
-        started = time.perf_counter()
-        for _ in range(iters):
-            calls[0]()
-        return (time.perf_counter() - started) / iters
-    barrier = threading.Barrier(len(calls))
-    seconds = [0.0] * len(calls)
-
-    def work(index: int) -> None:
-        barrier.wait()
-        started = time.perf_counter()
-        for _ in range(iters):
-            calls[index]()
-        seconds[index] = time.perf_counter() - started
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return max(seconds) / iters
-
-
 def run(options: argparse.Namespace) -> list[dict]:
     """Times every mode for every dtype; prints and returns one row per (dtype, mode)."""
     sizes = (options.features, *parse_hidden(options.hidden), options.classes)
@@ -128,12 +95,9 @@ def run(options: argparse.Namespace) -> list[dict]:
         for mode in MODES:
             calls[dtype, mode] = [rank[mode] for rank in per_rank]
 
-    for group in calls.values():  # burn-in
-        timed_together(group, options.warmup)
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
-    for _ in range(options.batches):
-        for key, group in calls.items():
-            samples[key].append(timed_together(group, options.iters, options.clock))
+    samples = interleaved_rounds(
+        calls, options.warmup, options.batches, options.iters, options.clock
+    )
 
     print(
         f"MLP {'-'.join(map(str, sizes))} relu xent, micro-batch {options.batch} of global "

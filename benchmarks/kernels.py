@@ -22,22 +22,20 @@ Nothing is asserted: the machines are shared and noisy.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import numpy as np
+from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
 
 from syncsgd.model import MLP, parse_hidden
 
 IMPLEMENTATIONS = ("numpy", "numba")
 WIDTHS = (8, 6, 10, 10, 12)  # table columns
-# wall: elapsed time, what a user waits; cpu: CPU seconds of all the process's threads, steadier on
-# a loaded machine but it also counts BLAS worker threads that spin while waiting.
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def numpy_gradient(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray, grad: np.ndarray):
@@ -108,17 +106,10 @@ def run(options: argparse.Namespace) -> list[dict]:
         )
         calls[dtype, "numba"] = lambda f=gradient, p=params, x=X, t=y, g=numba_grad: f(p, x, t, g)
 
-    for call in calls.values():  # burn-in
-        for _ in range(options.warmup):
-            call()
-    clock = CLOCKS[options.clock]
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
-    for _ in range(options.batches):
-        for key, call in calls.items():
-            started = clock()
-            for _ in range(options.iters):
-                call()
-            samples[key].append((clock() - started) / options.iters)
+    samples = interleaved_rounds(
+        {key: [call] for key, call in calls.items()},
+        options.warmup, options.batches, options.iters, options.clock,
+    )  # fmt: skip
 
     print(
         f"MLP {'-'.join(map(str, sizes))} relu xent, micro-batch {options.batch}; "
@@ -162,27 +153,25 @@ def run(options: argparse.Namespace) -> list[dict]:
 
 
 def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...], kernels) -> list[dict]:
-    """Strong scaling: the batch split over T thread ranks, each with its own Gradient."""
+    """Strong scaling: the batch split over T thread ranks, each with its own Gradient.
+
+    A step is every rank's call, released together; it takes as long as the slowest rank.
+    """
     counts = (1, options.thread_ranks)
-    steps = {}
+    groups = {}
     for dtype in options.dtypes:
         model = MLP(sizes, "relu", "xent", np.dtype(dtype))
         params, X, y, _ = setup(model, options.batch, options.seed)
         for count in counts:
             shards = np.array_split(np.arange(options.batch), count)
-            ranks = [
-                (kernels.Gradient(model, len(shard)), X[shard], y[shard], np.empty_like(params))
+            groups[dtype, count] = [
+                functools.partial(
+                    kernels.Gradient(model, len(shard)), params, X[shard], y[shard],
+                    np.empty_like(params),
+                )
                 for shard in shards
-            ]
-            steps[dtype, count] = lambda ranks=ranks, p=params: run_thread_ranks(
-                ranks, p, options.iters
-            )
-    for step in steps.values():
-        step()  # burn-in
-    samples: dict[tuple[str, int], list[float]] = {key: [] for key in steps}
-    for _ in range(options.batches):
-        for key, step in steps.items():
-            samples[key].append(step())
+            ]  # fmt: skip
+    samples = interleaved_rounds(groups, options.iters, options.batches, options.iters)
     print(
         f"thread ranks, micro-batch {options.batch} split over T threads, numba only "
         f"(median wall-clock time per step, us)"
@@ -198,22 +187,6 @@ def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...], kernel
             )  # fmt: skip
             print(f"{dtype:>8} T={count:<3} {median * 1e6:>10.1f}   speed-up {one / median:.2f}")
     return rows
-
-
-def run_thread_ranks(ranks: list, params: np.ndarray, iters: int) -> float:
-    """Seconds per step of `iters` gradient calls on every thread rank at once."""
-
-    def work(gradient, X, y, grad):
-        for _ in range(iters):
-            gradient(params, X, y, grad)
-
-    threads = [threading.Thread(target=work, args=rank) for rank in ranks]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return (time.perf_counter() - started) / iters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
