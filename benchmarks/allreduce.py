@@ -21,21 +21,24 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
-import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from syncsgd.argtypes import positive_float, positive_int
+from syncsgd.collectives import ALGORITHMS, allreduce
 from syncsgd.comm import ThreadComm, constants, launch, resolve_backend
-from syncsgd.files import write_text
-from syncsgd.ring import ring_allreduce
+from syncsgd.files import check_writable, write_text
+from syncsgd.ring import Trace, ring_allreduce
+from syncsgd.timeline import Timeline
+from syncsgd.timeline import write as write_timeline
 
 BASELINE = "mpi"
 MMAP_THRESHOLD = 32 << 20  # glibc's largest mmap threshold: mallocs this big get fresh pages
@@ -44,14 +47,34 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest mmap threshold: mallocs this big ge
 LATENCY_BAR, LATENCY_AT, BUSBW_BAR, BUSBW_FROM = 3.0, 8, 0.95, 1 << 20
 
 
-def algorithms(comm: Any) -> dict[str, Callable[[np.ndarray], Any]]:
-    """The allreduce implementations to compare, each summing a buffer in place."""
+def algorithms(comm: Any, names: Sequence[str] = ("ring",),
+               trace: Trace | None = None) -> dict[str, Callable[[np.ndarray], Any]]:  # fmt: skip
+    """The allreduce implementations to compare, each summing a buffer in place.
+
+    The baseline is the library's Allreduce called directly (not `collectives.allreduce(...,
+    "mpi")`, which first checks that the ranks' buffers agree).
+    """
     mpi = constants(comm)
     in_place, add = mpi.IN_PLACE, mpi.SUM  # looked up once: the baseline pays no Python extra
-    return {
-        "ring": lambda buf: ring_allreduce(buf, comm),
-        BASELINE: lambda buf: comm.Allreduce(in_place, buf, add),
+    ops: dict[str, Callable[[np.ndarray], Any]] = {
+        name: functools.partial(allreduce, comm=comm, algorithm=name, trace=trace) for name in names
     }
+    if "ring" in ops and trace is None:
+        ops["ring"] = lambda buf: ring_allreduce(buf, comm)  # no dispatch in the way
+    ops[BASELINE] = lambda buf: comm.Allreduce(in_place, buf, add)
+    return ops
+
+
+def algorithm_list(text: str) -> list[str]:
+    """ring,rabenseifner -> the hand-written algorithms (and auto) to time against the library."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    allowed = [name for name in ALGORITHMS if name != BASELINE]
+    unknown = [name for name in names if name not in allowed]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown algorithm {', '.join(unknown) or text!r}: choose from {', '.join(allowed)}"
+        )
+    return list(dict.fromkeys(names))
 
 
 def parse_bytes(text: str) -> int:
@@ -113,7 +136,7 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
     """Time every algorithm at every size; call `report` with each finished row."""
     size = comm.Get_size()
     dtype = np.dtype(options.dtype)
-    ops = algorithms(comm)
+    ops = algorithms(comm, options.algorithms)
     rows = []
     for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
         count = nbytes // dtype.itemsize
@@ -154,14 +177,14 @@ COLUMNS = ("size_bytes", "count", "dtype", "algorithm", "time_us", "algbw_GBps",
            "vs_mpi")  # fmt: skip
 CSV_COLUMNS = [*COLUMNS, "iters", "batches"]
 HEADER = (
-    f"{'size (B)':>12} {'count':>10} {'dtype':>7} {'algorithm':>10} {'time (us)':>11} "
+    f"{'size (B)':>12} {'count':>10} {'dtype':>7} {'algorithm':>18} {'time (us)':>11} "
     f"{'algbw GB/s':>11} {'busbw GB/s':>11} {'vs mpi':>7}"
 )
 
 
 def format_row(row: dict) -> str:
     return (
-        f"{row['size_bytes']:>12} {row['count']:>10} {row['dtype']:>7} {row['algorithm']:>10} "
+        f"{row['size_bytes']:>12} {row['count']:>10} {row['dtype']:>7} {row['algorithm']:>18} "
         f"{row['time_us']:>11.2f} {row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f} "
         f"{row['vs_mpi']:>7.2f}"
     )
@@ -228,6 +251,8 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
             print(format_row(row), flush=True)
 
     rows = sweep(comm, options, report)
+    if options.timeline:
+        traced_calls(comm, options)
     if not master_process:
         return None
     if backend == "mpi" and any(r["size_bytes"] >= MMAP_THRESHOLD for r in rows):
@@ -261,6 +286,21 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
     if options.png:
         draw_png(rows, options.png, f"allreduce, {comm.Get_size()} ranks, {backend} backend")
     return {"rows": rows, "bar": bar}
+
+
+def traced_calls(comm: Any, options: argparse.Namespace) -> None:
+    """One traced call of every algorithm at every size, written as a Chrome trace (--timeline)."""
+    timeline = Timeline(comm)
+    ops = algorithms(comm, options.algorithms, trace=timeline.collective_step)
+    dtype = np.dtype(options.dtype)
+    for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
+        buf = np.zeros(nbytes // dtype.itemsize, dtype)
+        for name, op in ops.items():
+            comm.Barrier()  # calls one after the other, not overlapping, on the timeline
+            start = time.perf_counter()
+            op(buf)
+            timeline.span(f"{name} {nbytes} B", "call", start, time.perf_counter(), bytes=nbytes)
+    write_timeline(comm, timeline, options.timeline)
 
 
 def draw_png(rows: list[dict], path: str, title: str) -> None:
@@ -327,6 +367,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     parser.add_argument("--png", metavar="PATH", help="plot time and busbw against size")
     parser.add_argument(
+        "--algorithms",
+        type=algorithm_list,
+        default=["ring"],
+        help="hand-written algorithms to time against the library's, e.g. "
+        "ring,recursive-doubling,rabenseifner,tree,naive,auto (default ring)",
+    )
+    parser.add_argument("--timeline", metavar="PATH",
+                        help="after the sweep, one traced call per algorithm and size as a "
+                        "Chrome trace (one row per rank, a span per step)")  # fmt: skip
+    parser.add_argument(
         "--check",
         action="store_true",
         help=f"exit with status 1 if the ring misses the bar (MPI backend): time at 8 B "
@@ -338,7 +388,7 @@ def main(options: argparse.Namespace) -> int:
     """Run the sweep on the backend the options ask for."""
     if options.min_bytes > options.max_bytes:
         raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
-    for path in (options.json, options.csv, options.png):
+    for path in (options.json, options.csv, options.png, options.timeline):
         if path:
             check_writable(path)
     if options.png:
@@ -355,15 +405,6 @@ def main(options: argparse.Namespace) -> int:
         print("syncsgd: the ring missed the performance bar", file=sys.stderr)
         return 1
     return 0
-
-
-def check_writable(path: str) -> None:
-    """Fail before the sweep, not after it, if an output file cannot be written."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise ValueError(f"cannot write {path}: directory {directory} does not exist")
-    if os.path.isdir(path):
-        raise ValueError(f"cannot write {path}: it is a directory")
 
 
 if __name__ == "__main__":

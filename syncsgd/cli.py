@@ -17,6 +17,7 @@ from syncsgd.argtypes import (
     positive_int,
     rank_list,
 )
+from syncsgd.files import check_writable
 
 
 class _Parser(argparse.ArgumentParser):
@@ -329,7 +330,8 @@ def run_train(options: argparse.Namespace) -> int:
 
     try:
         for path in (options.save, options.log, options.timeline):
-            check_output_path(path)
+            if path is not None:
+                check_writable(path)
         config = config_from_options(options)
         backend = resolve_backend(options.backend)
         problem = prepare(config)
@@ -377,17 +379,6 @@ def launcher_rank() -> int:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
-
-
-def check_output_path(path: str | None) -> None:
-    """Fail before any work if an output file could not be written at the end."""
-    if path is None:
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise ValueError(f"cannot write {path}: directory {directory} does not exist")
-    if os.path.isdir(path):
-        raise ValueError(f"cannot write {path}: it is a directory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

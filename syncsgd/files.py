@@ -31,3 +31,13 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write `text` to `path` atomically."""
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
         handle.write(text)
+
+
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Fail before any work, not after it, if an output file could not be written."""
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(directory):
+        raise ValueError(f"cannot write {target}: directory {directory} does not exist")
+    if os.path.isdir(target):
+        raise ValueError(f"cannot write {target}: it is a directory")
