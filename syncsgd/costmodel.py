@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from syncsgd.argtypes import rank_list
-from syncsgd.files import write_text
+from syncsgd.files import check_writable, write_text
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
 DEFAULT_ALPHA = 2e-6  # seconds per message
@@ -466,9 +466,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(options: argparse.Namespace) -> int:
     """`syncsgd model`: the prediction table, the crossovers and, with --fit, the fit."""
     if options.json:
-        from syncsgd.cli import check_output_path
-
-        check_output_path(options.json)
+        check_writable(options.json)
     given = {
         name: getattr(options, name)
         for name in PARAM_NAMES

@@ -46,7 +46,7 @@ import numpy as np
 
 from syncsgd import costmodel, noise
 from syncsgd.argtypes import finite_float, nonnegative_int, positive_int
-from syncsgd.files import write_text
+from syncsgd.files import check_writable, write_text
 from syncsgd.training import NonFiniteError
 
 STOPS_PAYING = 0.10  # adding ranks stops paying when a doubling gains less than 10%
@@ -832,13 +832,13 @@ def describe_target(base: Any) -> str:
 
 def main(options: argparse.Namespace) -> int:
     """`syncsgd study batch-size`: the table, the knee, the noise scale and the time model."""
-    from syncsgd.cli import check_output_path
     from syncsgd.comm import launched_by_mpi
 
     if launched_by_mpi():
         raise ValueError("syncsgd study trains on thread ranks: start it without mpiexec")
     for path in (options.json, options.png):
-        check_output_path(path)
+        if path is not None:
+            check_writable(path)
     if options.png:
         try:
             import matplotlib  # noqa: F401
