@@ -38,6 +38,7 @@ from collections.abc import Callable
 import numpy as np
 from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
 
+from syncsgd.argtypes import dtype_list
 from syncsgd.model import MLP, parse_hidden
 
 MODES = ("float", "exact", "local_pass", "accumulate")  # the last two: exact's phases alone
@@ -180,14 +181,6 @@ def whole_steps(options: argparse.Namespace) -> list[dict]:
             rows.append(row)
             print(f"{dtype:>8} {mode:>6} {row['step_ms']:>10.2f} {row['ratio_to_float']:>12.2f}")
     return rows
-
-
-def dtype_list(text: str) -> list[str]:
-    """float64,float32 -> ['float64', 'float32'], or an argparse error."""
-    names = [name.strip() for name in text.split(",")]
-    if not names or any(name not in ("float64", "float32") for name in names):
-        raise argparse.ArgumentTypeError(f"dtypes must be float64 and/or float32, got {text!r}")
-    return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ import time
 import numpy as np
 from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
 
+from syncsgd.argtypes import dtype_list
 from syncsgd.model import MLP, parse_hidden
 
 IMPLEMENTATIONS = ("numpy", "numba")
@@ -195,9 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", default="256,256", help="hidden sizes (256,256)")
     parser.add_argument("--classes", type=int, default=10, help="output size (10)")
     parser.add_argument("--batch", type=int, default=64, help="micro-batch size (64)")
-    parser.add_argument(
-        "--dtypes", type=lambda text: text.split(","), default=["float64", "float32"]
-    )
+    parser.add_argument("--dtypes", type=dtype_list, default=["float64", "float32"])
     parser.add_argument("--batches", type=int, default=15, help="timed rounds (15)")
     parser.add_argument("--iters", type=int, default=20, help="calls per round (20)")
     parser.add_argument("--warmup", type=int, default=10, help="burn-in calls (10)")

@@ -39,7 +39,13 @@ from typing import Any
 import numpy as np
 
 from syncsgd import data
-from syncsgd.argtypes import nonnegative_int, positive_float, positive_int
+from syncsgd.argtypes import (
+    comma_separated,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    rank_list,
+)
 from syncsgd.comm import constants, launched_by_mpi, mpi_world, resolve_backend, run_threads
 from syncsgd.files import write_text
 from syncsgd.model import parse_hidden
@@ -53,20 +59,9 @@ PARTS = ("compute", "allreduce", "update", "step")
 PIECE_BATCHES, PIECE_CALLS = 9, 100  # timing of the pieces of the step that the bare loop lacks
 
 
-def int_list(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]; every entry a positive integer."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r} (e.g. 1,2,4)") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
-    return values
-
-
 def scaling_list(text: str) -> list[str]:
     """'weak,strong' -> ['weak', 'strong']."""
-    values = [part.strip() for part in text.split(",") if part.strip()]
+    values = comma_separated(text)
     unknown = [value for value in values if value not in SCALINGS]
     if not values or unknown:
         raise argparse.ArgumentTypeError(f"scaling must be weak, strong or weak,strong: {text!r}")
@@ -419,7 +414,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench step`."""
     parser.add_argument(
         "--ranks",
-        type=int_list,
+        type=rank_list,
         default=None,
         help="thread rank counts to run (default 1,2,3,4); under mpiexec, -n",
     )
@@ -469,7 +464,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--overhead-batch",
-        type=int_list,
+        type=rank_list,
         default=[64, 256],
         help="batch sizes of the P = 1 overhead check (64,256)",
     )

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
+
+Value = TypeVar("Value")
 
 
 def positive_int(text: str) -> int:
@@ -58,7 +62,27 @@ def _integer(text: str) -> int:
 
 def rank_list(text: str) -> list[int]:
     """A comma-separated list of positive integers, e.g. 1,2,3,4,8."""
-    values = [positive_int(part) for part in text.split(",") if part.strip()]
+    return comma_list(text, positive_int, "1,2,4")
+
+
+def dtype_list(text: str) -> list[str]:
+    """float64,float32 -> ['float64', 'float32']: the float dtypes a model can have."""
+    names = comma_separated(text)
+    if not names or any(name not in ("float64", "float32") for name in names):
+        raise argparse.ArgumentTypeError(f"dtypes must be float64 and/or float32, got {text!r}")
+    return names
+
+
+def comma_list(
+    text: str, parse: Callable[[str], Value], example: str, what: str = "a list"
+) -> list[Value]:
+    """The entries of a comma-separated list, each read by `parse`; at least one."""
+    values = [parse(part) for part in comma_separated(text)]
     if not values:
-        raise argparse.ArgumentTypeError(f"expected a list like 1,2,4, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what} like {example}, got {text!r}")
     return values
+
+
+def comma_separated(text: str) -> list[str]:
+    """The entries of a comma-separated list, stripped; empty entries are dropped."""
+    return [part.strip() for part in text.split(",") if part.strip()]

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.argtypes import rank_list
+from syncsgd.argtypes import comma_list, comma_separated, rank_list
 from syncsgd.files import check_writable, write_text
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
@@ -392,15 +392,12 @@ def size_list(text: str) -> list[int]:
     """Comma-separated byte sizes such as 8,1K,1M,64M."""
     from syncsgd.benchmarks.allreduce import parse_bytes
 
-    values = [parse_bytes(part) for part in text.split(",") if part.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected sizes like 8,1K,1M, got {text!r}")
-    return values
+    return comma_list(text, parse_bytes, "8,1K,1M", what="sizes")
 
 
 def algorithm_list(text: str) -> list[str]:
     """Comma-separated names from ALGORITHMS."""
-    names = [part.strip() for part in text.split(",") if part.strip()]
+    names = comma_separated(text)
     unknown = [name for name in names if name not in ALGORITHMS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(

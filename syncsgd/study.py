@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from syncsgd import costmodel, noise
-from syncsgd.argtypes import finite_float, nonnegative_int, positive_int
+from syncsgd.argtypes import comma_list, finite_float, nonnegative_int, positive_int
 from syncsgd.files import check_writable, write_text
 from syncsgd.training import NonFiniteError
 
@@ -615,18 +615,12 @@ def study_json(rows: Sequence[Row], knee: Knee | None, base: Any, settings: Stud
 
 def int_list(text: str) -> list[int]:
     """Comma-separated positive integers, e.g. 8,16,32 (sorted, duplicates dropped)."""
-    values = [positive_int(part) for part in text.split(",") if part.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected a list like 8,16,32, got {text!r}")
-    return sorted(set(values))
+    return sorted(set(comma_list(text, positive_int, "8,16,32")))
 
 
 def float_list(text: str) -> list[float]:
     """Comma-separated finite numbers, e.g. 0.05,0.1,0.2 (sorted, duplicates dropped)."""
-    values = [finite_float(part) for part in text.split(",") if part.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected numbers like 0.1,0.2, got {text!r}")
-    return sorted(set(values))
+    return sorted(set(comma_list(text, finite_float, "0.1,0.2", what="numbers")))
 
 
 def fraction(text: str) -> float:
