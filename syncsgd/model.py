@@ -7,6 +7,7 @@ Numba is not imported here: the CLI imports this module to build its parser.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,9 +54,9 @@ class MLP:
         """Number of dense layers (hidden layers + 1)."""
         return len(self.sizes) - 1
 
-    @property
+    @functools.cached_property
     def n_params(self) -> int:
-        """Length of the flat parameter buffer."""
+        """Length of the flat parameter buffer (computed once: the kernels' checks ask per call)."""
         return sum(shape_size(shape) for _, shape, _ in self.layout())
 
     def layer_shapes(self) -> list[tuple[int, int]]:
