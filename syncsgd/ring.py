@@ -225,21 +225,25 @@ def _disagree(
 def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) -> np.ndarray:
     """Sum `buf` over all ranks of `comm` in place by a ring allreduce and return it."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    problem = buffer_problem(buf)
+    if type(buf) is np.ndarray and buf.flags.carray and buf.dtype in _DTYPE_CODE:
+        problem, flat = None, buf.ravel()  # the usual case, checked quickly; ravel: a flat view
+    else:
+        problem = buffer_problem(buf)
+        # np.matrix & co. stay 2-D when raveled: view the memory as a plain array first
+        flat = _NOTHING if problem else buf.view(np.ndarray).ravel()
     if size == 1:
         if problem:
             raise ValueError(problem)
         return buf
-    if problem:
-        flat = _NOTHING
-    else:  # a flat view of the same memory (plain ndarray: np.matrix & co. stay 2-D when raveled)
-        flat = (buf if type(buf) is np.ndarray else buf.view(np.ndarray)).ravel()
-    plan = ring_plan(flat.size, flat.dtype, size, rank, comm)
+    try:  # this thread's plan for these sizes (the lookup of ring_plan, inlined: it is hot)
+        plan = _local.plans[flat.size, flat.dtype, size, rank, type(comm)]
+    except (AttributeError, KeyError):
+        plan = ring_plan(flat.size, flat.dtype, size, rank, comm)
     right, left, tag, any_tag, status, reduce_scatter, allgather = plan
     if problem:  # take part with empty messages and the flag raised, then report it
         tag |= 1
     mismatch = ""  # how the left neighbour's buffer differs from ours, once seen
-    message = _bytes(flat)
+    message = flat.data.cast("B")  # messages go as bytes: see _bytes
 
     # Reduce-scatter: after step s, the chunk received has been summed over s + 2 ranks.
     for send_bytes, recv, incoming, arrival, about in reduce_scatter:

@@ -231,6 +231,17 @@ def test_ndarray_subclasses_are_reduced_in_place(tmp_path):
         assert np.array_equal(mapped, 3 * np.arange(7) - 3)
 
 
+def test_unaligned_buffers_are_reduced():
+    def reduce_unaligned(comm):
+        buf = np.frombuffer(bytearray(8 * 9 + 1), np.float64, count=9, offset=1)  # misaligned
+        assert not buf.flags.aligned and buf.flags.c_contiguous and buf.flags.writeable
+        buf[:] = np.arange(9) * (comm.rank + 1)
+        return ring_allreduce(buf, comm).copy()
+
+    for result in run_threads(3, reduce_unaligned):
+        assert np.array_equal(result, np.arange(9) * 6.0)
+
+
 def test_many_sizes_in_one_thread_grow_and_evict_the_cached_plans():
     lengths = [*range(0, 80), 5000, 3, 70000, 2, 5000]  # more than the cache holds, up and down
 
