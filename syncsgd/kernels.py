@@ -15,6 +15,11 @@ function takes whole (m, n) blocks, so a batch-invariant variant (exact mode) ca
 sample at a time and add the per-sample gradients in a fixed order instead.
 
 np.dot inside Numba calls SciPy's BLAS (`scipy.linalg.cython_blas`, imported on the first call).
+
+`syncsgd.exact` compiles the layer views, bias and activation, activation slope and per-sample
+losses of this module into its own kernels. Numba's on-disk cache keys a function on the contents
+of its own file only, so after editing one of them delete syncsgd/__pycache__: exact mode would
+otherwise go on running the old code.
 """
 
 from __future__ import annotations
