@@ -36,9 +36,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
 
 from syncsgd.argtypes import dtype_list
+from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
 from syncsgd.model import MLP, parse_hidden
 
 MODES = ("float", "exact", "local_pass", "accumulate")  # the last two: exact's phases alone

@@ -30,9 +30,9 @@ import sys
 import time
 
 import numpy as np
-from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
 
 from syncsgd.argtypes import dtype_list
+from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
 from syncsgd.model import MLP, parse_hidden
 
 IMPLEMENTATIONS = ("numpy", "numba")

@@ -469,9 +469,9 @@ def use_color(choice: str, stream: Any = None) -> bool:
 def main(options: argparse.Namespace) -> int:
     """`syncsgd ring-demo`: print every step; 1 if the result is not the NumPy sum."""
     if options.png:
-        from syncsgd.cli import check_output_path
+        from syncsgd.files import check_writable
 
-        check_output_path(options.png)
+        check_writable(options.png)
     demo = run_demo(options.ranks, options.length, options.algorithm)
     print(render_text(demo, use_color(options.color)))
     if options.png:

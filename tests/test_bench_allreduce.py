@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from syncsgd.benchmarks import allreduce
 
+from syncsgd.benchmarks import allreduce
 from syncsgd.cli import main
 
 pytestmark = pytest.mark.timeout(120)

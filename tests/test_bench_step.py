@@ -17,8 +17,8 @@ from conftest import requires_mpi, run_mpiexec
 from hypothesis import given
 from hypothesis import strategies as st
 from oracle import serial_sgd
-from syncsgd.benchmarks import step
 
+from syncsgd.benchmarks import step
 from syncsgd.training import prepare
 
 TINY = ["--features", "6", "--hidden", "5", "--classes", "3", "--samples", "48",
