@@ -17,7 +17,7 @@ from mpi_ring_check import (
     standard_cases,
 )
 
-from syncsgd import RankAborted, run_threads
+from syncsgd import RankAborted, ThreadComm, run_threads
 from syncsgd.ring import ring_allreduce
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling CI
@@ -263,3 +263,27 @@ def test_lengths_that_differ_by_a_multiple_of_4096_are_caught_by_the_byte_counts
         4, check_rejected_everywhere, lambda rank, size: np.ones(9 + 8192 * rank)
     )
     assert all("different length" in m or "another rank" in m for m in messages)
+
+
+class LateTrouble(ThreadComm):
+    """Rank 0 flags every message from its `first`-th Sendrecv on: a problem seen late."""
+
+    def __init__(self, comm: ThreadComm, first: int) -> None:
+        super().__init__(comm._world, comm.rank)
+        self.calls, self.first = 0, first
+
+    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=-1, recvtag=-1, status=None):
+        self.calls += 1
+        if self.rank == 0 and self.calls >= self.first:
+            sendtag |= 1  # the ring's "something is wrong" bit
+        super().Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+
+
+@pytest.mark.parametrize("size", [3, 4, 5])
+def test_a_problem_seen_in_a_later_step_still_reaches_every_rank(size):
+    # Flagged from reduce-scatter step 1 on, the flag needs allgather steps to go round the ring.
+    def late(comm):
+        return check_rejected_everywhere(LateTrouble(comm, first=2), lambda rank, size: np.ones(10))
+
+    messages = run_threads(size, late)
+    assert all("another rank passed a different or unusable buffer" in m for m in messages)
