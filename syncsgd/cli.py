@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator, Sequence
 
 from syncsgd.argtypes import (
@@ -413,6 +414,7 @@ def _abort_mpi_job() -> None:
         world = mpi.COMM_WORLD
         if world.Get_size() > 1:
             sys.stderr.flush()
+            time.sleep(0.2)  # let the launcher forward our error line before it kills the job
             world.Abort(1)
 
 
