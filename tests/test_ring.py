@@ -16,6 +16,7 @@ from mpi_ring_check import (
     longer_on_last_rank,
     standard_cases,
 )
+from strategies import world_and_shape
 
 from syncsgd import RankAborted, ThreadComm, run_threads
 from syncsgd.ring import ring_allreduce
@@ -23,22 +24,8 @@ from syncsgd.ring import ring_allreduce
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling CI
 
 
-@st.composite
-def ring_cases(draw: st.DrawFn) -> tuple[int, tuple[int, ...]]:
-    """A number of thread ranks and a buffer shape, with lengths around multiples of P."""
-    size = draw(st.integers(1, 12))
-    length = st.integers(0, 3 * size + 2)  # 0, 1, < P, = P, not divisible by P, ...
-    shape = draw(
-        st.one_of(
-            length.map(lambda n: (n,)),
-            st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple),  # multi-dim, 0-d
-        )
-    )
-    return size, shape
-
-
 @given(
-    case=ring_cases(),
+    case=world_and_shape(),
     dtype=st.sampled_from(DTYPES),
     integers=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
