@@ -115,6 +115,7 @@ def run_on_world(checks: Callable[[Any], None]) -> int:
         sys.stderr.flush()
         time.sleep(0.2)
         comm.Abort(1)
-    if rank == 0:
-        print(f"ok: {size} ranks", flush=True)
+    if rank == 0:  # one write (print writes the newline apart): lines of ranks never interleave
+        sys.stdout.write(f"ok: {size} ranks\n")
+        sys.stdout.flush()
     return 0
