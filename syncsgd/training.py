@@ -31,7 +31,7 @@ from syncsgd import checkpoint, collectives, data, noise, pitfalls
 from syncsgd.checkpoint import Checkpoint
 from syncsgd.comm import ThreadComm, constants, launch
 from syncsgd.files import atomic_path
-from syncsgd.model import MLP
+from syncsgd.model import MLP, shape_size
 from syncsgd.optim import SGD, OptimConfig, learning_rate
 from syncsgd.pitfalls import PITFALLS
 from syncsgd.timeline import Timeline
@@ -273,22 +273,24 @@ class TrainResult:
         return self.model.to_arrays(self.params)
 
 
-def bucket_slices(model: MLP, total: int, bucket_bytes: int | None) -> list[slice]:
+def bucket_slices(model: MLP, buffer: np.ndarray, bucket_bytes: int | None) -> list[slice]:
     """Cut the communication buffer into allreduce buckets of whole tensors, in parameter order.
 
     None: one bucket (full fusion). 0: one bucket per layer (W and b together). Otherwise
-    consecutive tensors are grouped until a bucket holds at least `bucket_bytes`. The trailing
-    statistics slots ride with the last bucket.
+    consecutive tensors are grouped until a bucket holds at least `bucket_bytes` of `buffer`
+    (float64 in exact mode, whatever the model's dtype). The trailing statistics slots ride with
+    the last bucket.
     """
+    total = buffer.size
     if bucket_bytes is None:
         return [slice(0, total)]
-    itemsize = model.dtype.itemsize
-    views = model.views(np.empty(model.n_params, model.dtype))
-    ends, start, filled = [], 0, 0
-    for name in model.param_names():
-        filled += views[name].size
+    ends, start = [], 0
+    for name, shape, offset in model.layout():
+        filled = offset + shape_size(shape)
         per_layer_done = bucket_bytes == 0 and name.startswith("b")
-        if per_layer_done or (bucket_bytes > 0 and (filled - start) * itemsize >= bucket_bytes):
+        if per_layer_done or (
+            bucket_bytes > 0 and (filled - start) * buffer.itemsize >= bucket_bytes
+        ):
             ends.append(filled)
             start = filled
     if not ends or ends[-1] != model.n_params:
@@ -345,7 +347,7 @@ def train_rank(
     # The mean gradient of the global batch: divided in place, unless exact mode's float64 sums
     # must be rounded to a float32 model.
     grad = grad_sum if grad_sum.dtype == model.dtype else np.empty(n_params, model.dtype)
-    buckets = bucket_slices(model, comm_buffer.size, config.bucket_bytes)
+    buckets = bucket_slices(model, comm_buffer, config.bucket_bytes)
     timeline = Timeline(comm) if timeline_path is not None else None
     allreduce = functools.partial(
         collectives.allreduce, algorithm=config.algorithm,

@@ -111,10 +111,13 @@ def test_buckets_match_the_fused_allreduce(bucket_bytes):
 def test_bucket_slices_tile_the_buffer_in_whole_tensors():
     model = MLP((5, 6, 5, 3))  # tensors of 30, 6, 30, 5, 15, 3 elements
     total = model.n_params + 2
-    assert bucket_slices(model, total, None) == [slice(0, total)]
-    assert bucket_slices(model, total, 0) == [slice(0, 36), slice(36, 71), slice(71, total)]
-    assert bucket_slices(model, total, 8 * 30) == [slice(0, 30), slice(30, 66), slice(66, total)]
-    assert bucket_slices(model, total, 10**9) == [slice(0, total)]
+    buffer = np.zeros(total)  # float64: 8 bytes an element
+    assert bucket_slices(model, buffer, None) == [slice(0, total)]
+    assert bucket_slices(model, buffer, 0) == [slice(0, 36), slice(36, 71), slice(71, total)]
+    assert bucket_slices(model, buffer, 8 * 30) == [slice(0, 30), slice(30, 66), slice(66, total)]
+    assert bucket_slices(model, buffer, 10**9) == [slice(0, total)]
+    narrow = np.zeros(total, np.float32)  # bytes count in the buffer's own dtype
+    assert bucket_slices(model, narrow, 8 * 30) == [slice(0, 66), slice(66, total)]
 
 
 def test_training_learns_the_default_problem():
