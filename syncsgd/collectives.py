@@ -74,6 +74,7 @@ from syncsgd.ring import (  # the private names: the ring's agreement check, sha
     buffer_problem,
     chunk_bounds,
     ring_allreduce,
+    step_event,
 )
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree", "mpi", "auto")
@@ -351,7 +352,7 @@ def _run(name: str, schedule_of: Callable, buf: np.ndarray, comm: Any, trace: Tr
             if step.combine != COPY:
                 _add_(flat[step.recv], scratch, step.combine)
         if trace is not None:
-            trace(_event(step, rank, flat.itemsize, start))
+            trace(step_event(step, rank, flat.itemsize, start))
     if tag & 1:
         raise ValueError(_renamed(problem or _disagreement(buf, rank, mismatch), name))
     return buf
@@ -368,16 +369,6 @@ def _add_(target: np.ndarray, scratch: np.ndarray, combine: int) -> None:
         np.add(target, incoming, out=target)
     else:
         np.add(incoming, target, out=target)
-
-
-def _event(step: CollectiveStep, rank: int, itemsize: int, start: float) -> TraceEvent:
-    """The trace event of a finished step."""
-    send, recv = step.send, step.recv
-    return TraceEvent(
-        step.phase, step.step, rank, step.send_chunk, step.recv_chunk,
-        (send.start, send.stop), (recv.start, recv.stop),
-        (send.stop - send.start) * itemsize, start, time.perf_counter(),
-    )  # fmt: skip
 
 
 # -- the algorithms -------------------------------------------------------------------------------

@@ -261,7 +261,7 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
             target = flat[recv]
             np.add(target, incoming, out=target)  # own partial sum + the left neighbour's
         if trace is not None:
-            trace(_event(about, rank, flat.itemsize, start))
+            trace(step_event(about, rank, flat.itemsize, start))
 
     # Allgather: pass the finished chunks around; each arrives straight in its place.
     for send_bytes, recv_bytes, about in allgather:
@@ -275,15 +275,16 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
         if status.Get_tag() != tag or count != arrival.nbytes:  # disagreement, or a flag
             tag, mismatch = _disagree(tag, status, count == arrival.nbytes, left, mismatch)
         if trace is not None:
-            trace(_event(about, rank, flat.itemsize, start))
+            trace(step_event(about, rank, flat.itemsize, start))
 
     if tag & 1:
         raise ValueError(problem or _disagreement(buf, rank, mismatch))
     return buf
 
 
-def _event(about: RingStep, rank: int, itemsize: int, start: float) -> TraceEvent:
-    """The trace event of a step that has just finished."""
+def step_event(about: Any, rank: int, itemsize: int, start: float) -> TraceEvent:
+    """The trace event of a step that has just finished (any step record with the ring's
+    phase, step, send_chunk, recv_chunk, send and recv fields: RingStep, CollectiveStep)."""
     send, recv = about.send, about.recv
     return TraceEvent(
         about.phase, about.step, rank, about.send_chunk, about.recv_chunk,
