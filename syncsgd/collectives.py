@@ -46,7 +46,10 @@ edge is seen on it and travels on to the root of that tree. Then every rank rais
 `allreduce` with "mpi" or "auto" first agrees with one extra `Allreduce(MAX)` of five int64s
 (usable, length, -length, dtype, -dtype) - one latency-bound collective more - because the library
 would hang or silently misbehave on mismatched buffers, and "auto" must make the same choice on
-every rank. Every rank must pass the same `algorithm`.
+every rank. `check=False` skips that round, for callers that know every rank passes the same
+buffer (as MPI itself requires): the training loop, whose ranks agreed on the model at start-up,
+as PyTorch DDP checks parameter shapes once, not per call. Every rank must pass the same
+`algorithm` and `check`.
 """
 
 from __future__ import annotations
@@ -85,6 +88,16 @@ SHORT_MESSAGE_BYTES = 2048
 # alpha/beta: the bytes whose transfer costs as much as sending one more message. Used to pick the
 # ring over Rabenseifner for long messages on non-power-of-two P (see choose_algorithm).
 LATENCY_BYTES = 64 * 1024
+
+# "auto" hands messages shorter than this to the communicator's own Allreduce. Short messages cost
+# what Python spends per message, and one library call beats any hand-written algorithm (at 8 B on
+# P = 2 the ring takes about 3x its time); from 1 to 16 MiB the hand-written ones send the same
+# bytes as MPICH and come within a few percent of it either way, so the library keeps them. From
+# 32 MiB - glibc's largest mmap threshold - MPICH's per-call temporary buffer gets fresh pages from
+# the kernel on every call, while the hand-written algorithms reuse their cached scratch, and they
+# take a half to a third of its time. (Measured at P = 2 with `mpiexec -n 2 syncsgd bench
+# allreduce --algorithms ring,rabenseifner`; another machine or MPI may want another cut.)
+AUTO_LIBRARY_BELOW = 32 << 20
 
 COPY, ADD_OWN_FIRST, ADD_INCOMING_FIRST = 0, 1, 2  # what a step does with the data it receives
 _NONE = slice(0, 0)
@@ -429,6 +442,12 @@ def choose_algorithm(nbytes: int, count: int, size: int) -> str:
     return "ring" if bytes_saved >= extra_messages * LATENCY_BYTES else "rabenseifner"
 
 
+def auto_choice(nbytes: int, count: int, size: int) -> str:
+    """What "auto" does with `count` elements of `nbytes` bytes on `size` ranks: "mpi" (the
+    library) below AUTO_LIBRARY_BELOW bytes, else the hand-written `choose_algorithm`."""
+    return "mpi" if nbytes < AUTO_LIBRARY_BELOW else choose_algorithm(nbytes, count, size)
+
+
 def _agree(buf: Any, comm: Any, name: str) -> None:
     """Raise ValueError on every rank unless all buffers are usable and of one length and dtype."""
     problem = buffer_problem(buf)
@@ -465,9 +484,12 @@ def _agree(buf: Any, comm: Any, name: str) -> None:
         )
 
 
-def _library_allreduce(buf: np.ndarray, comm: Any, trace: Trace | None) -> np.ndarray:
+def _library_allreduce(
+    buf: np.ndarray, comm: Any, trace: Trace | None, check: bool = True
+) -> np.ndarray:
     """The communicator's own `Allreduce(IN_PLACE, buf, SUM)`, after the agreement check."""
-    _agree(buf, comm, "allreduce")
+    if check:
+        _agree(buf, comm, "allreduce")
     start = time.perf_counter() if trace is not None else 0.0
     mpi = constants(comm)
     flat = buf.view(np.ndarray).ravel()  # as MPI sees it: ThreadComm's Allreduce wants one shape
@@ -483,21 +505,55 @@ def _library_allreduce(buf: np.ndarray, comm: Any, trace: Trace | None) -> np.nd
 
 
 def allreduce(
-    buf: np.ndarray, comm: Any, algorithm: str = "ring", *, trace: Trace | None = None
-) -> np.ndarray:
+    buf: np.ndarray, comm: Any, algorithm: str = "ring", *, trace: Trace | None = None,
+    check: bool = True,
+) -> np.ndarray:  # fmt: skip
     """Sum `buf` over all ranks of `comm` in place with the named algorithm and return it.
 
     `algorithm` is one of ALGORITHMS: a hand-written one, "mpi" (the communicator's own
-    `Allreduce`, the baseline), or "auto" (see `choose_algorithm`). Every rank must pass the same.
+    `Allreduce`, the baseline), or "auto" (`auto_choice`: the library below AUTO_LIBRARY_BELOW
+    bytes, else `choose_algorithm`). `check=False` skips the agreement round of "mpi" and "auto"
+    (see the module's docstring). Every rank must pass the same `algorithm` and `check`.
     """
     if algorithm in _HAND_WRITTEN:
         return _HAND_WRITTEN[algorithm](buf, comm, trace=trace)
     if algorithm == "mpi":
-        return _library_allreduce(buf, comm, trace)
+        return _library_allreduce(buf, comm, trace, check)
     if algorithm == "auto":
-        _agree(buf, comm, "allreduce")
-        chosen = choose_algorithm(buf.nbytes, buf.size, comm.Get_size())
+        if check:
+            _agree(buf, comm, "allreduce")
+        chosen = auto_choice(buf.nbytes, buf.size, comm.Get_size())
+        if chosen == "mpi":
+            return _library_allreduce(buf, comm, trace, check=False)
         return _HAND_WRITTEN[chosen](buf, comm, trace=trace)
-    raise ValueError(
+    raise _unknown(algorithm)
+
+
+def _unknown(algorithm: str) -> ValueError:
+    return ValueError(
         f"unknown allreduce algorithm {algorithm!r} (choose one of {', '.join(ALGORITHMS)})"
     )
+
+
+def allreducer(
+    comm: Any, algorithm: str = "ring", *, check: bool = True
+) -> Callable[..., np.ndarray]:
+    """`allreduce` with `comm`, `algorithm` and `check` resolved once: `reduce_(buf, trace=None)`.
+
+    For loops of latency-bound calls: unchecked "auto" then costs a short message little more than
+    the library's own call (its names are looked up here, once, not on every call).
+    """
+    if algorithm not in ALGORITHMS:
+        raise _unknown(algorithm)
+    if algorithm != "auto" or check:
+        return functools.partial(allreduce, comm=comm, algorithm=algorithm, check=check)
+    library_sum, mpi = comm.Allreduce, constants(comm)
+    in_place, add = mpi.IN_PLACE, mpi.SUM
+
+    def auto_(buf: np.ndarray, *, trace: Trace | None = None) -> np.ndarray:
+        if buf.nbytes < AUTO_LIBRARY_BELOW and trace is None:  # the hot path: no more than this
+            library_sum(in_place, buf, add)
+            return buf
+        return allreduce(buf, comm, "auto", trace=trace, check=False)
+
+    return auto_

@@ -127,8 +127,15 @@ def run_demo(ranks: int, length: int, algorithm: str = "ring",
         raise ValueError(f"ring-demo shows 0 to {MAX_LENGTH} elements, got {length}")
     note = ""
     if algorithm == "auto" and allreduce is None and _collectives() is not None:
-        chosen = _collectives().choose_algorithm(length * 8, length, ranks)
+        collectives = _collectives()
+        chosen = collectives.choose_algorithm(length * 8, length, ranks)
         note = f"auto chooses {chosen} for {length * 8} bytes on {_count(ranks, 'rank')}"
+        if collectives.auto_choice(length * 8, length, ranks) == "mpi":
+            note = (
+                f"auto hands {length * 8} bytes to the library's Allreduce (below "
+                f"{collectives.AUTO_LIBRARY_BELOW >> 20} MiB); among the hand-written algorithms "
+                f"it chooses {chosen} for them on {_count(ranks, 'rank')}, shown here"
+            )
         algorithm = chosen
     function = allreduce if allreduce is not None else resolve_allreduce(algorithm)
     results = run_threads(ranks, _rank_run, function, length)

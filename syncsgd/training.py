@@ -349,8 +349,10 @@ def train_rank(
     grad = grad_sum if grad_sum.dtype == model.dtype else np.empty(n_params, model.dtype)
     buckets = bucket_slices(model, comm_buffer, config.bucket_bytes)
     timeline = Timeline(comm) if timeline_path is not None else None
+    # check=False: no agreement round before "mpi" and "auto" - every rank built the same buffer
+    # from options and data that the start-up fingerprint showed to be the same on every rank.
     allreduce = functools.partial(
-        collectives.allreduce, algorithm=config.algorithm,
+        collectives.allreduce, algorithm=config.algorithm, check=False,
         trace=timeline.collective_step if timeline is not None else None,
     )  # fmt: skip
     if config.pitfall == "fp32-allreduce":
@@ -558,8 +560,15 @@ def checkpoint_due(config: TrainConfig, steps_done: int, total_steps: int) -> bo
 
 
 def check_agreement(comm: Any, problem: Problem) -> None:
-    """Stop every rank with one message if the ranks were started with different options or data."""
-    mine = np.frombuffer(bytes.fromhex(problem.fingerprint), np.uint8).copy()
+    """Stop every rank with one message if the ranks were started with different options or data.
+
+    Beside the fingerprint, the ranks must agree on how they communicate - the algorithm and the
+    buckets - which the fingerprint leaves out (a checkpoint may be resumed with others): each
+    step's allreduce trusts that every rank passes the same buffers (check=False).
+    """
+    config = problem.config
+    agreed = f"{problem.fingerprint} {config.algorithm} {config.bucket_bytes}"
+    mine = np.frombuffer(hashlib.sha256(agreed.encode()).digest(), np.uint8).copy()
     root = mine.copy()
     comm.Bcast(root, root=0)
     differs = np.array([0 if np.array_equal(mine, root) else 1], np.int64)

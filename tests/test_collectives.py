@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tracemalloc
 from collections import Counter
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -20,14 +21,18 @@ from mpi_collectives_check import (
     folding,
 )
 from mpi_worker import DTYPES
+from mpi_worker import check_sum as check_reduce
 from strategies import world_and_shape
 
-from syncsgd import RankAborted, run_threads
+from syncsgd import RankAborted, collectives, run_threads
 from syncsgd.collectives import (
     ALGORITHMS,
+    AUTO_LIBRARY_BELOW,
     LATENCY_BYTES,
     SHORT_MESSAGE_BYTES,
     allreduce,
+    allreducer,
+    auto_choice,
     choose_algorithm,
     schedule,
 )
@@ -248,21 +253,82 @@ def test_auto_follows_mpich_with_the_ring_for_long_messages_on_other_p(
     assert LATENCY_BYTES == 64 * 1024  # the cases above assume it
 
 
+def test_auto_hands_short_messages_to_the_library_and_long_ones_to_choose_algorithm():
+    assert auto_choice(8, 1, 2) == "mpi"
+    assert auto_choice(AUTO_LIBRARY_BELOW - 8, AUTO_LIBRARY_BELOW // 8 - 1, 6) == "mpi"
+    assert auto_choice(AUTO_LIBRARY_BELOW, AUTO_LIBRARY_BELOW // 8, 2) == "rabenseifner"
+    assert auto_choice(AUTO_LIBRARY_BELOW, AUTO_LIBRARY_BELOW // 8, 3) == "ring"
+
+
+def traced_phases(comm, reduce_, length):
+    """Sum ones with `reduce_(buf, trace=...)`; the (phase, step, send range) of every event."""
+    events = []
+    buf = np.full(length, 1.0)
+    reduce_(buf, trace=events.append)
+    assert np.all(buf == comm.Get_size())
+    return [(event.phase, event.step, event.send_range) for event in events]
+
+
+@pytest.mark.parametrize("check", [True, False])
 @pytest.mark.parametrize(
     "length, size, chosen",
     [(16, 4, "recursive-doubling"), (4096, 4, "rabenseifner"), (4096, 3, "ring")],
 )
-def test_auto_runs_the_algorithm_it_chooses(length, size, chosen):
-    assert choose_algorithm(8 * length, length, size) == chosen
-
+def test_auto_runs_the_algorithm_it_chooses(length, size, chosen, check):
     def phases(comm, algorithm):
-        events = []
-        buf = np.full(length, 1.0)
-        allreduce(buf, comm, algorithm, trace=events.append)
-        assert np.all(buf == size)
-        return [(event.phase, event.step, event.send_range) for event in events]
+        reduce_ = allreducer(comm, algorithm, check=check)
+        return traced_phases(comm, reduce_, length)
 
-    assert run_threads(size, phases, "auto") == run_threads(size, phases, chosen)
+    library = [[("allreduce", 0, (0, length))]] * size
+    assert run_threads(size, phases, "auto") == library  # 8 * length bytes: short
+    with mock.patch.object(collectives, "AUTO_LIBRARY_BELOW", 8 * length):
+        assert auto_choice(8 * length, length, size) == chosen
+        assert run_threads(size, phases, "auto") == run_threads(size, phases, chosen)
+
+
+@given(
+    case=world_and_shape(),
+    dtype=st.sampled_from(DTYPES),
+    integers=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+    cut=st.sampled_from([0, 16, 1 << 40]),  # all to the hand-written side, split, all library
+)
+def test_unchecked_auto_sums_like_a_naive_sum_on_either_side_of_its_cut(
+    case, dtype, integers, seed, cut
+):
+    size, shape = case
+
+    def check(comm):
+        reduce_ = allreducer(comm, "auto", check=False)
+        return check_reduce(comm, lambda buf, _: reduce_(buf), "auto", shape, dtype, integers, seed)
+
+    with mock.patch.object(collectives, "AUTO_LIBRARY_BELOW", cut):
+        results = run_threads(size, check)
+    assert len({result.tobytes() for result in results}) == 1
+
+
+@pytest.mark.parametrize("algorithm", ["mpi", "auto"])
+def test_check_false_skips_the_agreement_round(algorithm, monkeypatch):
+    calls = []
+    library_sum = ThreadComm.Allreduce
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.Get_rank())
+        library_sum(self, *args, **kwargs)
+
+    monkeypatch.setattr(ThreadComm, "Allreduce", counted)
+    def reduce_ones(comm, check):
+        return allreduce(np.ones(5), comm, algorithm, check=check)
+
+    for check, collectives_per_rank in ((True, 2), (False, 1)):
+        calls.clear()
+        run_threads(3, reduce_ones, check)
+        assert sorted(calls) == sorted(list(range(3)) * collectives_per_rank)
+
+
+def test_allreducer_refuses_an_unknown_algorithm_at_once():
+    with pytest.raises(ValueError, match="unknown allreduce algorithm 'butterfly'"):
+        allreducer(ThreadComm.__new__(ThreadComm), "butterfly")
 
 
 def test_mpi_is_the_communicators_own_allreduce_in_one_event():

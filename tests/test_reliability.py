@@ -74,10 +74,14 @@ def test_non_finite_training_stops_with_the_step_or_skips_it():
 
 
 @requires_mpi
-def test_ranks_started_with_different_options_all_stop_with_one_message():
+@pytest.mark.parametrize(
+    "option, first, second",
+    [("--lr", "0.1", "0.2"), ("--algorithm", "ring", "auto"), ("--bucket-bytes", "0", "4096")],
+)
+def test_ranks_started_with_different_options_all_stop_with_one_message(option, first, second):
     common = ["-m", "syncsgd.cli", "train", "--samples", "600", "--steps", "5"]
-    command = [mpiexec_path(), "-n", "1", sys.executable, *common, "--lr", "0.1", ":",
-               "-n", "1", sys.executable, *common, "--lr", "0.2"]  # fmt: skip
+    command = [mpiexec_path(), "-n", "1", sys.executable, *common, option, first, ":",
+               "-n", "1", sys.executable, *common, option, second]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "different options or data" in done.stderr and "Traceback" not in done.stderr
