@@ -1,6 +1,6 @@
 """syncsgd: synchronous data-parallel SGD with a hand-written ring allreduce."""
 
-from syncsgd.collectives import ALGORITHMS, allreduce
+from syncsgd.collectives import ALGORITHMS, allreduce, allreducer
 from syncsgd.comm import DeadlockError, RankAborted, ThreadComm, run_threads
 from syncsgd.ring import TraceEvent, ring_allreduce
 from syncsgd.training import TrainConfig, TrainResult, train
@@ -15,6 +15,7 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "allreduce",
+    "allreducer",
     "ring_allreduce",
     "run_threads",
     "train",
