@@ -83,7 +83,7 @@ class ReduceScatterStep(NamedTuple):
     recv: slice  # the elements the incoming chunk is added to
     incoming: np.ndarray  # the view of scratch the chunk arrives in ...
     arrival: memoryview  # ... and its bytes, which Sendrecv receives into
-    count: int  # elements that arrive: 0 (nothing to add), 1 (a scalar add) or more
+    arriving: int  # elements that arrive: 0 (nothing to add), 1 (a scalar add) or more
     about: RingStep
 
 
@@ -249,7 +249,7 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
     message = flat.data.cast("B")  # messages go as bytes: see _bytes
 
     # Reduce-scatter: after step s, the chunk received has been summed over s + 2 ranks.
-    for send_bytes, recv, incoming, arrival, count_in, about in reduce_scatter:
+    for send_bytes, recv, incoming, arrival, arriving, about in reduce_scatter:
         start = time.perf_counter() if trace is not None else 0.0
         try:
             comm.Sendrecv(message[send_bytes], right, tag, arrival, left, any_tag, status)
@@ -258,9 +258,9 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
             count = _truncated(exc)
         if status.Get_tag() != tag or count != arrival.nbytes:  # disagreement, or a flag
             tag, mismatch = _disagree(tag, status, count == arrival.nbytes, left, mismatch)
-        if count_in == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
+        if arriving == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
             flat[recv.start] += incoming[0]
-        elif count_in:  # (an empty chunk, as when length < P, has nothing to add)
+        elif arriving:  # (an empty chunk, as when length < P, has nothing to add)
             target = flat[recv]
             np.add(target, incoming, out=target)  # own partial sum + the left neighbour's
         if trace is not None:
