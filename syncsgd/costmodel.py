@@ -303,6 +303,39 @@ def fit(samples: Sequence[Sample], ranks: int, held: dict[str, float] | None = N
     )
 
 
+class Line(NamedTuple):
+    """t = fixed + per_byte * n, and its worst relative error on the samples it was fitted to."""
+
+    fixed: float  # seconds
+    per_byte: float  # seconds per byte
+    worst: float  # max |predicted - measured| / measured
+
+
+def best_line(nbytes: Sequence[float], seconds: Sequence[float]) -> Line:
+    """The line t = a + b*n (a, b >= 0) with the smallest worst relative error on these times.
+
+    For one algorithm at one P every α-β-γ cost is such a line (a counts the α's, b the β's and
+    γ's per byte), so no fit can predict these times better than `worst`, however it is made: a
+    floor well above the fit's own error says the machine is not linear in n over this range
+    (caches, protocol switches), not that the fit went wrong. A linear program: minimise e subject
+    to |a + b*n - t| <= e*t for every sample.
+    """
+    from scipy.optimize import linprog  # a dependency anyway (Numba's np.dot needs it)
+
+    n, t = np.asarray(nbytes, float), np.asarray(seconds, float)
+    n_scale, t_scale = n.max(), t.max()  # solve for a / t_scale and b * n_scale / t_scale
+    line = np.stack([np.ones_like(n), n / n_scale], axis=1) * t_scale / t[:, None]
+    ones = np.ones(len(n))
+    # variables (a, b, e), row by row divided by t: line - e <= 1 and -line - e <= -1
+    bound = np.block([[line, -ones[:, None]], [-line, -ones[:, None]]])
+    result = linprog([0, 0, 1], A_ub=bound, b_ub=np.concatenate([ones, -ones]),
+                     bounds=[(0, None)] * 3, method="highs")  # fmt: skip
+    if not result.success:
+        raise ValueError(f"no best line: {result.message}")
+    a, b = result.x[0] * t_scale, result.x[1] * t_scale / n_scale
+    return Line(float(a), float(b), float(np.max(np.abs((a + b * n - t) / t))))
+
+
 def _independent(matrix: np.ndarray) -> bool:
     """True if the columns of `matrix` are linearly independent (after scaling each to norm 1)."""
     if matrix.shape[1] == 0:
@@ -583,7 +616,23 @@ def describe_fit(result: Fit, path: str, ranks: int) -> list[str]:
     if large:
         summary += f"; from {format_bytes(FIT_BAR_FROM)}: max {max(large):.1%}"
     lines.append(summary)
+    for algorithm, floor in linear_floors(result).items():
+        lines.append(
+            f"# {algorithm} from {format_bytes(FIT_BAR_FROM)}: no alpha-beta-gamma fit can do "
+            f"better than a max error of {floor:.1%} on these times (the best line a + b*n)"
+        )
     return lines
+
+
+def linear_floors(result: Fit) -> dict[str, float]:
+    """The worst error of each algorithm's `best_line` through its rows from FIT_BAR_FROM bytes."""
+    floors = {}
+    for algorithm in dict.fromkeys(row.algorithm for row in result.rows):
+        rows = [r for r in result.rows if r.algorithm == algorithm and r.nbytes >= FIT_BAR_FROM]
+        if len(rows) >= 3:
+            best = best_line([r.nbytes for r in rows], [r.measured for r in rows])
+            floors[algorithm] = best.worst
+    return floors
 
 
 def fit_json(result: Fit, path: str, ranks: int) -> dict[str, Any]:
@@ -598,6 +647,7 @@ def fit_json(result: Fit, path: str, ranks: int) -> dict[str, Any]:
         "note": result.note,
         "r_squared": None if math.isnan(result.r_squared) else result.r_squared,
         "max_relative_error_from_64KiB": max(large) if large else None,
+        "best_possible_max_error_from_64KiB": linear_floors(result),
         "rows": [
             {
                 "algorithm": row.algorithm,

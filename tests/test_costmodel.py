@@ -363,6 +363,58 @@ def test_fit_and_json_output(tmp_path, capsys):
     assert all(c["ranks"] == 1024 for c in document["crossovers"])
 
 
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 1 << 26), st.floats(1e-6, 1e-1)), min_size=1, max_size=8,
+        unique_by=lambda sample: sample[0],
+    )
+)
+def test_best_line_is_no_worse_than_any_other_line(samples):
+    nbytes, seconds = (np.array(column, float) for column in zip(*samples, strict=True))
+    best = costmodel.best_line(nbytes, seconds)
+    assert best.fixed >= 0 and best.per_byte >= 0
+    worst = np.max(np.abs((best.fixed + best.per_byte * nbytes - seconds) / seconds))
+    assert worst == pytest.approx(best.worst, rel=1e-6, abs=1e-9)  # it reports its own error
+    # An independent search that the optimum must not lose to: flat lines through each point,
+    # lines through two points (when a, b >= 0), and random lines.
+    rng = np.random.default_rng(0)
+    candidates = [(s, 0.0) for s in seconds] + [
+        (rng.uniform(0, seconds.max()), rng.uniform(0, seconds.max() / nbytes.min()))
+        for _ in range(500)
+    ]
+    for i in range(len(samples)):
+        for j in range(len(samples)):
+            if nbytes[j] > nbytes[i] and seconds[j] >= seconds[i]:
+                slope = (seconds[j] - seconds[i]) / (nbytes[j] - nbytes[i])
+                fixed = seconds[i] - slope * nbytes[i]
+                if fixed >= 0:
+                    candidates.append((fixed, slope))
+    for fixed, slope in candidates:
+        error = np.max(np.abs((fixed + slope * nbytes - seconds) / seconds))
+        assert best.worst <= error + 1e-9
+        if len(samples) <= 2 and slope >= 0 and fixed >= 0 and error < 1e-12:
+            assert best.worst < 1e-6  # a line through the points exists: it is found
+
+
+def test_the_fit_reports_what_no_fit_could_beat(tmp_path, capsys):
+    # Times that double their cost per byte at 4 MiB, as a cache does: no line can follow them.
+    rows = [
+        {"size_bytes": n, "algorithm": "ring", "time_us": 10 + n * (1e-4 if n < 4 << 20 else 2e-4)}
+        for n in [64 << k for k in range(10, 21)]
+    ]
+    bench = write(tmp_path, {"ranks": 2, "rows": rows})
+    out = tmp_path / "model.json"
+    lines = run(capsys, "--fit", bench, "--gamma", "0", "--json", str(out))
+    (floor_line,) = [line for line in lines if "no alpha-beta-gamma fit can do better" in line]
+    floor = json.loads(out.read_text())["fit"]["best_possible_max_error_from_64KiB"]["ring"]
+    assert 0.15 < floor < 0.5 and f"{floor:.1%}" in floor_line
+    fitted = json.loads(out.read_text())["fit"]["max_relative_error_from_64KiB"]
+    assert fitted >= floor - 1e-9  # the least-squares fit cannot beat the best line either
+    straight = write(tmp_path, sweep(TRUE, 2), "straight.json")
+    run(capsys, "--fit", straight, "--json", str(out))
+    assert json.loads(out.read_text())["fit"]["best_possible_max_error_from_64KiB"]["ring"] < 1e-6
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
