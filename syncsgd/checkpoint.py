@@ -60,7 +60,7 @@ def save(directory: str, state: Checkpoint, fingerprint: str) -> str:
     arrays["checksum"] = np.array(checksum(arrays))
     path = path_for(directory, state.step)
     with atomic_path(path) as tmp:
-        np.savez(tmp, **arrays)
+        np.savez(tmp, **arrays)  # type: ignore[arg-type]  # stub: **arrays might fill allow_pickle
     return path
 
 

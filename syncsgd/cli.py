@@ -20,6 +20,9 @@ from syncsgd.argtypes import (
 )
 from syncsgd.files import check_writable
 
+# An attribute set on an error that every rank raised alike (main reports it once, from rank 0).
+_UNIFORM = "uniform"
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (no usage dump) and exits with status 2."""
@@ -74,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         (demo, "ring-demo", "watch every step of a ring (or another) allreduce on small integers"),
         (costmodel, "model", "the α-β-γ cost model of the allreduce algorithms; --fit a sweep"),
     ):
-        sub = commands.add_parser(name, help=summary, description=module.__doc__.split("\n")[0])
+        first_line = (module.__doc__ or "").split("\n")[0]
+        sub = commands.add_parser(name, help=summary, description=first_line)
         module.add_arguments(sub)
         sub.set_defaults(run=module.main)
 
@@ -337,7 +341,7 @@ def run_train(options: argparse.Namespace) -> int:
         backend = resolve_backend(options.backend)
         problem = prepare(config)
     except ValueError as exc:
-        exc.uniform = True  # every rank fails here alike, before any communication
+        setattr(exc, _UNIFORM, True)  # every rank fails here alike, before any communication
         raise
     ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
     with graceful_stop():
@@ -397,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         if options.debug:
             raise
-        uniform = getattr(exc, "uniform", False)  # raised alike on every rank: say it once
+        uniform = getattr(exc, _UNIFORM, False)  # raised alike on every rank: say it once
         if not uniform or launcher_rank() == 0:
             rank = getattr(exc, "__notes__", None)
             where = f" {rank[-1]}" if rank and os.environ.get("SYNCSGD_VERBOSE_ERRORS") else ""

@@ -76,4 +76,7 @@ class NoiseScaleMeter:
         if not finite:
             return self.running.add(None)
         big_norm_sq = global_norm(grad, self.squares) ** 2
-        return self.running.add(estimate(*slots, big_norm_sq, batch_size))
+        small_norms_sq, ranks_with_samples, inverse_sizes = slots
+        return self.running.add(
+            estimate(small_norms_sq, ranks_with_samples, inverse_sizes, big_norm_sq, batch_size)
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         """Check every field and normalise numbers to Python floats and ints."""
-        values = {
+        values: dict[str, Any] = {
             "lr": _real("lr", self.lr, low=0.0, low_open=True),
             "momentum": _real("momentum", self.momentum, low=0.0, high=1.0),
             "nesterov": bool(self.nesterov),

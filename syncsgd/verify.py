@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,8 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
     """The largest number of representable floats between a[i] and b[i] over all i."""
     if a.size == 0:
         return 0
-    bits = {4: np.int32, 8: np.int64}[a.dtype.itemsize]
+    widths: dict[int, type[np.signedinteger[Any]]] = {4: np.int32, 8: np.int64}
+    bits = widths[a.dtype.itemsize]
     lowest = np.iinfo(bits).min
 
     def ordered(x: np.ndarray) -> np.ndarray:
