@@ -351,7 +351,7 @@ def train_rank(
     timeline = Timeline(comm) if timeline_path is not None else None
     # check=False: no agreement round before "mpi" and "auto" - every rank built the same buffer
     # from options and data that the start-up fingerprint showed to be the same on every rank.
-    allreduce = functools.partial(
+    allreduce: Callable[..., np.ndarray] = functools.partial(
         collectives.allreduce, algorithm=config.algorithm, check=False,
         trace=timeline.collective_step if timeline is not None else None,
     )  # fmt: skip
@@ -449,6 +449,7 @@ def train_rank(
     if progress is not None:
         progress(None, None)
     if timeline is not None:
+        assert timeline_path is not None  # a timeline is kept only with a path to write it to
         write_timeline(comm, timeline, timeline_path)
 
     if master_process:
@@ -524,6 +525,7 @@ def held_out_target_met(comm: Any, problem: Problem, params: np.ndarray, steps_d
     config = problem.config
     met = np.zeros(1)
     if comm.Get_rank() == 0:
+        assert problem.X_eval is not None and problem.y_eval is not None  # callers check X_eval
         loss, accuracy = evaluate(problem.model, params, problem.X_eval, problem.y_eval)
         result.evals.append((steps_done, loss, accuracy if config.loss == "xent" else math.nan))
         met[0] = (config.target_loss is not None and loss <= config.target_loss) or (
@@ -604,7 +606,7 @@ def load_npz(path: str) -> dict[str, np.ndarray]:
 def save_params(path: str, result: TrainResult) -> None:
     """Write the final parameters as W0, b0, W1, b1, ... to an .npz file, atomically."""
     with atomic_path(path) as tmp:
-        np.savez(tmp, **result.arrays())
+        np.savez(tmp, **result.arrays())  # type: ignore[arg-type]  # stub: might fill allow_pickle
 
 
 @contextlib.contextmanager
@@ -638,7 +640,7 @@ def _progress(total: int, *, enabled: bool) -> Callable[[int | None, float | Non
         return update
     every = max(total // 50, 1)
 
-    def update(step: int | None, loss: float | None) -> None:
+    def update_line(step: int | None, loss: float | None) -> None:
         if step is None:
             print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
         elif step % every == 0 or step == total - 1:
@@ -646,7 +648,7 @@ def _progress(total: int, *, enabled: bool) -> Callable[[int | None, float | Non
                 f"\rstep {step + 1}/{total}  loss {loss:.4f}", end="", file=sys.stderr, flush=True
             )
 
-    return update
+    return update_line
 
 
 def summary(result: TrainResult, comm_size: int, backend: str) -> str:
