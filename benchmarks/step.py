@@ -226,12 +226,13 @@ def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> l
 
     The pieces mirror syncsgd/training.py's loop: the batch indices (`data.global_batch` and
     `data.shard` against a slice of the epoch's order), the allreduce (a no-op at P = 1), the
-    finiteness check of the mean loss and gradient (`grad.sum()`) and the update (`SGD.step_`
-    without the gradient norm, which a quiet run does not compute, against `lr * grad`
-    subtracted). The kernels, the gather and the division by B are the same on both sides. Best
-    of interleaved batches, in microseconds per call.
+    division by B fused with the finiteness check (`divide_finite_`, against `np.divide`) and the
+    update (`SGD.step_` without the gradient norm, which a quiet run does not compute, against
+    `lr * grad` subtracted). The kernels and the gather are the same on both sides. Best of
+    interleaved batches, in microseconds per call.
     """
     from syncsgd.collectives import allreduce
+    from syncsgd.kernels import divide_finite_
     from syncsgd.optim import SGD
 
     config, model = problem.config, problem.model
@@ -255,9 +256,13 @@ def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> l
         position = i % per_epoch
         return order[position * batch : (position + 1) * batch]
 
-    def finiteness(i: int) -> bool:
-        with np.errstate(over="ignore", invalid="ignore"):
-            return math.isfinite(loss) and math.isfinite(float(grad.sum()))
+    one = grad.dtype.type(1)
+
+    def mean_and_check(i: int) -> bool:
+        return math.isfinite(loss) and divide_finite_(grad, one, grad)  # / 1: grad stays as is
+
+    def bare_mean(i: int) -> None:
+        np.divide(grad, 1, out=grad)
 
     def bare_update(i: int) -> None:
         np.multiply(grad, lr, out=scratch)
@@ -266,7 +271,7 @@ def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> l
     pieces = {
         "batch indices": (global_batch, bare_indices),
         "allreduce (P=1)": (lambda i: allreduce(comm_buffer, comm, config.algorithm), _nothing),
-        "finite check": (finiteness, _nothing),
+        "mean, finite check": (mean_and_check, bare_mean),
         "update": (lambda i: sgd.step_(params, grad, i, want_norm=False), bare_update),
     }
     rows = []

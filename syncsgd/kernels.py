@@ -279,6 +279,31 @@ def mse_loss_(params, layers, activation, X, targets, activations, delta_a):
     return mse_loss_delta_(outputs, targets, delta)
 
 
+@njit(nogil=True, cache=True, fastmath={"reassoc"})  # reassoc only: lets the check vectorise
+def divide_finite_(total, divisor, out):
+    """out = total / divisor, element by element; True if all of out is finite.
+
+    One pass for the mean gradient and its finiteness check, bitwise what `np.divide(total,
+    divisor, out=out)` gives when `divisor` is a scalar of total's dtype (as NumPy converts a
+    Python int). Each result times 0.0 is 0 if it is finite and NaN if it is NaN or +-inf, so
+    the sum of those is 0 exactly when all are finite - unlike a plain sum, which overflows on
+    large finite values. `out` may be `total` (then the loop touches one array and vectorises);
+    otherwise the check reads out, so a float64 mean too large for a float32 out counts as the
+    infinity it becomes.
+    """
+    poison = 0.0
+    if out.ctypes.data == total.ctypes.data:
+        for i in range(total.size):
+            value = total[i] / divisor  # of total's dtype: stored as it is
+            total[i] = value
+            poison += value * 0.0
+    else:
+        for i in range(total.size):
+            out[i] = total[i] / divisor
+            poison += out[i] * 0.0
+    return poison == 0.0
+
+
 class Gradient:
     """Loss and SUM of per-sample gradients of a micro-batch, with workspaces allocated once.
 

@@ -310,7 +310,11 @@ def train_rank(
     record_digests: bool = False,
 ) -> TrainResult:
     """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary."""
-    from syncsgd.kernels import evaluate, limit_blas_threads  # imports Numba: only when training
+    from syncsgd.kernels import (  # imports Numba: only when training
+        divide_finite_,
+        evaluate,
+        limit_blas_threads,
+    )
 
     config, model, X, y = problem.config, problem.model, problem.X, problem.y
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -392,11 +396,10 @@ def train_rank(
             # after the allreduce (averaging per-rank means would weigh uneven shards wrongly).
             batch_size = len(global_batch)
             loss = float(stats[LOSS]) / batch_size
-            np.divide(grad_sum, batch_size, out=grad)
-            # Every rank holds the same allreduced numbers, so every rank decides alike. (A sum,
-            # not np.dot: NumPy's BLAS keeps its threads, which stall on a busy machine.)
-            with np.errstate(over="ignore", invalid="ignore"):
-                finite = math.isfinite(loss) and math.isfinite(float(grad.sum()))
+            divisor = grad_sum.dtype.type(batch_size)  # B in the sums' dtype, as NumPy would
+            gradient_finite = divide_finite_(grad_sum, divisor, grad)
+            # Every rank holds the same allreduced numbers, so every rank decides alike.
+            finite = math.isfinite(loss) and gradient_finite
             if noise_meter is not None:  # the large-batch side: the allreduced gradient
                 result.noise_scales.append(
                     noise_meter.add(stats[NOISE_SLOTS], grad, batch_size, finite)

@@ -73,7 +73,7 @@ def test_threads_smoke_run_writes_json_and_csv(tmp_path, capsys):
         assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
         assert row["within_bar"] == (row["ratio"] <= 1.05)
         assert [piece["piece"] for piece in row["pieces"]] == [
-            "batch indices", "allreduce (P=1)", "finite check", "update"
+            "batch indices", "allreduce (P=1)", "mean, finite check", "update"
         ]  # fmt: skip
     assert result["cli"] == []
 

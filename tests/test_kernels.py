@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd.kernels import EVALUATE_CHUNK, Gradient, evaluate
+from syncsgd.kernels import EVALUATE_CHUNK, Gradient, divide_finite_, evaluate
 from syncsgd.model import MLP
 
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-4}
@@ -359,3 +359,30 @@ def test_limit_blas_threads_only_before_the_blas_loads_and_if_unset(preset, expe
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == expected.split()
+
+
+@given(
+    values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=64), max_size=40),
+    count=st.integers(1, 5000),
+    source=st.sampled_from(["float64", "float32"]),
+    target=st.sampled_from(["float64", "float32", "in place"]),
+)
+def test_divide_finite_is_np_divide_and_a_finiteness_check(values, count, source, target):
+    if target == "float64" and source == "float32":
+        target = "in place"  # float32 sums go to a float32 mean (training never widens)
+    with np.errstate(all="ignore"):
+        total = np.array(values, dtype=source)
+        out = total.copy() if target == "in place" else np.empty(len(values), dtype=target)
+        expected = np.divide(total, count, out=np.empty_like(out))
+    divisor = total.dtype.type(count)  # as training passes it
+    finite = divide_finite_(total, divisor, total if target == "in place" else out)
+    result = total if target == "in place" else out
+    assert np.array_equal(result.view(np.uint8), expected.view(np.uint8))  # the same bits
+    assert finite == bool(np.all(np.isfinite(expected)))
+
+
+def test_divide_finite_does_not_overflow_on_large_finite_values():
+    big = np.full(8, 1e308)  # their plain sum would be inf
+    assert divide_finite_(big, 1.0, np.empty(8))
+    assert divide_finite_(big, 1.0, big)
+    assert not divide_finite_(big, 2.0, np.empty(8, np.float32))  # 5e307 is inf in float32
