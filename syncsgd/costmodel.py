@@ -332,7 +332,8 @@ def best_line(nbytes: Sequence[float], seconds: Sequence[float]) -> Line:
                      bounds=[(0, None)] * 3, method="highs")  # fmt: skip
     if not result.success:
         raise ValueError(f"no best line: {result.message}")
-    a, b = result.x[0] * t_scale, result.x[1] * t_scale / n_scale
+    # (the solver may return -1e-17 for a bound of 0)
+    a, b = max(result.x[0], 0.0) * t_scale, max(result.x[1], 0.0) * t_scale / n_scale
     return Line(float(a), float(b), float(np.max(np.abs((a + b * n - t) / t))))
 
 

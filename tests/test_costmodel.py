@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from syncsgd import costmodel
@@ -369,6 +369,7 @@ def test_fit_and_json_output(tmp_path, capsys):
         unique_by=lambda sample: sample[0],
     )
 )
+@example([(1, 1.0000000000000002e-06), (2, 0.09375), (3, 1e-06), (67, 0.0625)])  # b = -1e-17
 def test_best_line_is_no_worse_than_any_other_line(samples):
     nbytes, seconds = (np.array(column, float) for column in zip(*samples, strict=True))
     best = costmodel.best_line(nbytes, seconds)
