@@ -392,7 +392,7 @@ def test_best_line_is_no_worse_than_any_other_line(samples):
                     candidates.append((fixed, slope))
     for fixed, slope in candidates:
         error = np.max(np.abs((fixed + slope * nbytes - seconds) / seconds))
-        assert best.worst <= error + 1e-9
+        assert best.worst <= error * (1 + 1e-6) + 1e-9  # the solver's tolerance
         if len(samples) <= 2 and slope >= 0 and fixed >= 0 and error < 1e-12:
             assert best.worst < 1e-6  # a line through the points exists: it is found
 
