@@ -362,7 +362,7 @@ def _run(name: str, schedule_of: Callable, buf: np.ndarray, comm: Any, trace: Tr
             if status.Get_tag() != tag or count != incoming.nbytes:  # disagreement, or a flag
                 agrees = count == incoming.nbytes
                 tag, mismatch = _disagree(tag, status, agrees, step.recv_from, mismatch)
-            if step.combine != COPY:
+            if step.combine != COPY and not tag & 1:  # (once wrong, the sum is void: skip it)
                 _add_(flat[step.recv], scratch, step.combine)
         if trace is not None:
             trace(step_event(step, rank, flat.itemsize, start))

@@ -258,7 +258,9 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
             count = _truncated(exc)
         if status.Get_tag() != tag or count != arrival.nbytes:  # disagreement, or a flag
             tag, mismatch = _disagree(tag, status, count == arrival.nbytes, left, mismatch)
-        if arriving == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
+        if tag & 1:  # something is wrong: the sum is void (we raise at the end), add nothing
+            pass
+        elif arriving == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
             flat[recv.start] += incoming[0]
         elif arriving:  # (an empty chunk, as when length < P, has nothing to add)
             target = flat[recv]
