@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     kinds.required = True
     batch_size = kinds.add_parser(
         "batch-size", help="steps to a target against the batch size; gradient noise scale",
-        description=study.__doc__.split("\n\n")[0].replace("\n", " "),
+        description=(study.__doc__ or "").split("\n\n")[0].replace("\n", " "),
     )  # fmt: skip
     study.add_arguments(batch_size)
     batch_size.set_defaults(run=study.main)
@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         (allreduce, "allreduce", "ring vs the library's Allreduce, 8 B to 64 MiB"),
         (step, "step", "training-step time split into compute, allreduce and update, P = 1..N"),
     ):
-        sub = benchmarks.add_parser(name, help=summary, description=module.__doc__.split("\n")[0])
+        first_line = (module.__doc__ or "").split("\n")[0]  # no docstrings under python -OO
+        sub = benchmarks.add_parser(name, help=summary, description=first_line)
         module.add_arguments(sub)
         sub.set_defaults(run=module.main)
     return parser
