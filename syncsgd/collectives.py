@@ -92,7 +92,8 @@ LATENCY_BYTES = 64 * 1024
 # "auto" hands messages shorter than this to the communicator's own Allreduce. Short messages cost
 # what Python spends per message, and one library call beats any hand-written algorithm (at 8 B on
 # P = 2 the ring takes about 3x its time); from 1 to 16 MiB the hand-written ones send the same
-# bytes as MPICH and come within a few percent of it either way, so the library keeps them. From
+# bytes as MPICH, match it on a quiet machine and lose up to a fifth when neighbours thrash the
+# shared cache, so the library keeps them. From
 # 32 MiB - glibc's largest mmap threshold - MPICH's per-call temporary buffer gets fresh pages from
 # the kernel on every call, while the hand-written algorithms reuse their cached scratch, and they
 # take a half to a third of its time. (Measured at P = 2 with `mpiexec -n 2 syncsgd bench
