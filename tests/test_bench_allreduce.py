@@ -102,6 +102,20 @@ def test_performance_bar_verdicts():
     assert allreduce.describe_bar(slow).count("MISSED") == 2
     # sizes below 1 MiB do not count for the bandwidth bar
     assert allreduce.performance_bar(rows(0.5, [(19, 0.5)]))["busbw_met"]
+    assert met["auto_worst_bytes"] is None and allreduce.bar_met(met)  # no auto rows: no verdict
+
+
+def test_auto_bar_takes_the_worst_size():
+    auto = [{"size_bytes": 1 << s, "algorithm": "auto", "vs_mpi": v}
+            for s, v in [(3, 0.93), (10, 1.0), (25, 0.89)]]  # fmt: skip
+    bar = allreduce.performance_bar(auto)
+    assert (bar["auto_worst_bytes"], bar["auto_worst_ratio"]) == (1 << 25, 0.89)
+    assert not bar["auto_met"] and not allreduce.bar_met(bar)
+    assert "worst auto/mpi speed = 0.89x at 33554432 B (>= 0.9x: MISSED)" in (
+        allreduce.describe_bar(bar)
+    )
+    auto[2]["vs_mpi"] = 0.9
+    assert allreduce.bar_met(allreduce.performance_bar(auto))
 
 
 @pytest.mark.parametrize(
