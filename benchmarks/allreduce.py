@@ -279,8 +279,8 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
     if backend == "mpi" and any(r["size_bytes"] >= MMAP_THRESHOLD for r in rows):
         print(
             f"# note: from {MMAP_THRESHOLD >> 20} MiB on, the MPI library's Allreduce may pay for "
-            "fresh memory (glibc mmap) on every call while the ring reuses its cached scratch; "
-            "a ratio above 1 there is not a win of the algorithm"
+            "fresh memory (glibc mmap) on every call while the hand-written algorithms reuse "
+            "their cached scratch; a ratio above 1 there is not a win of the algorithm"
         )
     # The bar compares with an MPI library; on threads the baseline is only a NumPy sum.
     bar = performance_bar(rows) if backend == "mpi" else None
