@@ -84,6 +84,7 @@ class ReduceScatterStep(NamedTuple):
     incoming: np.ndarray  # the view of scratch the chunk arrives in ...
     arrival: memoryview  # ... and its bytes, which Sendrecv receives into
     arriving: int  # elements that arrive: 0 (nothing to add), 1 (a scalar add) or more
+    arrival_bytes: int  # the size the message must have
     about: RingStep
 
 
@@ -92,6 +93,7 @@ class AllgatherStep(NamedTuple):
 
     send_bytes: slice
     recv_bytes: slice
+    arrival_bytes: int  # the size the message must have
     about: RingStep
 
 
@@ -127,14 +129,16 @@ def make_plan(
         incoming = scratch[: recv.stop - recv.start]
         about = RingStep("reduce-scatter", step, send_chunk, recv_chunk, send, recv)
         return ReduceScatterStep(
-            chunk_bytes[send_chunk], recv, incoming, _bytes(incoming), incoming.size, about
-        )
+            chunk_bytes[send_chunk], recv, incoming, _bytes(incoming), incoming.size,
+            incoming.nbytes, about,
+        )  # fmt: skip
 
     def allgather(step: int) -> AllgatherStep:
         send_chunk, recv_chunk = (rank + 1 - step) % size, (rank - step) % size
         send, recv = chunk[send_chunk], chunk[recv_chunk]
         about = RingStep("allgather", step, send_chunk, recv_chunk, send, recv)
-        return AllgatherStep(chunk_bytes[send_chunk], chunk_bytes[recv_chunk], about)
+        arrival = chunk_bytes[recv_chunk]
+        return AllgatherStep(chunk_bytes[send_chunk], arrival, arrival.stop - arrival.start, about)
 
     steps = range(size - 1)
     signature = (length % _LENGTH_MODULUS) * 4 + _DTYPE_CODE.get(dtype, _NO_DTYPE)
@@ -249,15 +253,15 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
     message = flat.data.cast("B")  # messages go as bytes: see _bytes
 
     # Reduce-scatter: after step s, the chunk received has been summed over s + 2 ranks.
-    for send_bytes, recv, incoming, arrival, arriving, about in reduce_scatter:
+    for send_bytes, recv, incoming, arrival, arriving, arrival_bytes, about in reduce_scatter:
         start = time.perf_counter() if trace is not None else 0.0
         try:
             comm.Sendrecv(message[send_bytes], right, tag, arrival, left, any_tag, status)
             count = status.Get_count()
         except Exception as exc:
             count = _truncated(exc)
-        if status.Get_tag() != tag or count != arrival.nbytes:  # disagreement, or a flag
-            tag, mismatch = _disagree(tag, status, count == arrival.nbytes, left, mismatch)
+        if status.Get_tag() != tag or count != arrival_bytes:  # disagreement, or a flag
+            tag, mismatch = _disagree(tag, status, count == arrival_bytes, left, mismatch)
         if tag & 1:  # something is wrong: the sum is void (we raise at the end), add nothing
             pass
         elif arriving == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
@@ -269,16 +273,17 @@ def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) ->
             trace(step_event(about, rank, flat.itemsize, start))
 
     # Allgather: pass the finished chunks around; each arrives straight in its place.
-    for send_bytes, recv_bytes, about in allgather:
+    for send_bytes, recv_bytes, arrival_bytes, about in allgather:
         start = time.perf_counter() if trace is not None else 0.0
-        arrival = message[recv_bytes]
         try:
-            comm.Sendrecv(message[send_bytes], right, tag, arrival, left, any_tag, status)
+            comm.Sendrecv(
+                message[send_bytes], right, tag, message[recv_bytes], left, any_tag, status
+            )
             count = status.Get_count()
         except Exception as exc:
             count = _truncated(exc)
-        if status.Get_tag() != tag or count != arrival.nbytes:  # disagreement, or a flag
-            tag, mismatch = _disagree(tag, status, count == arrival.nbytes, left, mismatch)
+        if status.Get_tag() != tag or count != arrival_bytes:  # disagreement, or a flag
+            tag, mismatch = _disagree(tag, status, count == arrival_bytes, left, mismatch)
         if trace is not None:
             trace(step_event(about, rank, flat.itemsize, start))
 
