@@ -5,8 +5,9 @@
     python benchmarks/allreduce.py --max-bytes 1M    # the same, run as a script
 
 Method: for each message size, check once that every algorithm gives the same sum, warm up, then
-time `--batches` rounds; in each round every algorithm runs one batch of iterations, in ABBA order
-(this machine is shared and noisy: comparing numbers taken minutes apart measures the neighbours).
+time `--batches` rounds; in each round every algorithm runs one batch of iterations (after one
+untimed call), in ABBA order (this machine is shared and noisy: comparing numbers taken minutes
+apart measures the neighbours).
 A batch's per-op time is the slowest rank's; `time` is the median over the rounds, and `vs mpi` is
 the median over the rounds of the baseline's batch time over the algorithm's in the same round
 (paired, so load that comes and goes during the sweep slows both sides of a pair alike). busbw =
@@ -116,7 +117,13 @@ def slowest(comm: Any, seconds: float) -> float:
 
 
 def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iters: int) -> float:
-    """Per-op seconds of `iters` back-to-back calls, as seen by the slowest rank."""
+    """Per-op seconds of `iters` back-to-back calls, as seen by the slowest rank.
+
+    One untimed call first: the batches of different algorithms alternate, and the first call
+    after another algorithm's pays for bringing this one's buffers back into the caches (at 8 MiB,
+    with a few calls per batch, that alone moved the ratio of two identical library calls by 10%).
+    """
+    op(buf)
     comm.Barrier()
     start = time.perf_counter()
     for _ in range(iters):
