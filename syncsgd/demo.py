@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from syncsgd import collectives
 from syncsgd.argtypes import nonnegative_int, positive_int
 from syncsgd.comm import run_threads
 from syncsgd.ring import chunk_bounds, ring_allreduce
@@ -80,24 +81,12 @@ def contributors(values: np.ndarray, ranks: int) -> np.ndarray:
     return np.count_nonzero(digits, axis=1) / ranks
 
 
-def _collectives() -> Any:
-    """The module `syncsgd.collectives`, or None where it does not exist."""
-    try:
-        from syncsgd import collectives  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return collectives
-
-
 def resolve_allreduce(algorithm: str) -> Callable[..., Any]:
     """The function `f(buf, comm, *, trace)` that runs `algorithm`."""
     if algorithm == "ring":
         return ring_allreduce
     if algorithm in NO_ALGORITHM_STEPS:
         raise ValueError(f"{algorithm} is the library's own Allreduce: it has no steps to show")
-    collectives = _collectives()
-    if collectives is None:
-        raise ValueError(f"unknown algorithm {algorithm!r}: only ring is available")
     known = [name for name in collectives.ALGORITHMS if name not in NO_ALGORITHM_STEPS]
     if algorithm not in known:
         raise ValueError(f"unknown algorithm {algorithm!r} (choose from {', '.join(known)})")
@@ -126,8 +115,7 @@ def run_demo(ranks: int, length: int, algorithm: str = "ring",
     if not 0 <= length <= MAX_LENGTH:
         raise ValueError(f"ring-demo shows 0 to {MAX_LENGTH} elements, got {length}")
     note = ""
-    if algorithm == "auto" and allreduce is None and _collectives() is not None:
-        collectives = _collectives()
+    if algorithm == "auto" and allreduce is None:
         chosen = collectives.choose_algorithm(length * 8, length, ranks)
         note = f"auto chooses {chosen} for {length * 8} bytes on {_count(ranks, 'rank')}"
         if collectives.auto_choice(length * 8, length, ranks) == "mpi":
@@ -151,13 +139,10 @@ def run_demo(ranks: int, length: int, algorithm: str = "ring",
 def _annotate(algorithm: str, length: int, ranks: int, rank: int,
               steps: list[tuple[Any, np.ndarray]]) -> list[Snapshot]:  # fmt: skip
     """Each step with its peers and whether it added: from the algorithm's schedule if known."""
-    collectives = _collectives()
-    schedule = None
-    if collectives is not None and hasattr(collectives, "schedule"):
-        try:
-            schedule = collectives.schedule(algorithm, length, ranks, rank)
-        except ValueError:  # an algorithm without a schedule
-            schedule = None
+    try:
+        schedule = collectives.schedule(algorithm, length, ranks, rank)
+    except ValueError:  # an algorithm without a schedule
+        schedule = None
     if schedule is not None and len(schedule) == len(steps):
         return [
             Snapshot(event, buf, plan.send_to, plan.recv_from, plan.combine != collectives.COPY)
