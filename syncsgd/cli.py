@@ -20,8 +20,9 @@ from syncsgd.argtypes import (
 )
 from syncsgd.files import check_writable
 
-# An attribute set on an error that every rank raised alike (main reports it once, from rank 0).
-_UNIFORM = "uniform"
+
+class UniformError(ValueError):
+    """An error that every rank raised alike, before any communication: reported once, by rank 0."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -342,8 +343,7 @@ def run_train(options: argparse.Namespace) -> int:
         backend = resolve_backend(options.backend)
         problem = prepare(config)
     except ValueError as exc:
-        setattr(exc, _UNIFORM, True)  # every rank fails here alike, before any communication
-        raise
+        raise UniformError(str(exc)) from exc  # every rank fails here alike
     ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
     with graceful_stop():
         [result, *_] = launch(
@@ -402,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         if options.debug:
             raise
-        uniform = getattr(exc, _UNIFORM, False)  # raised alike on every rank: say it once
+        uniform = isinstance(exc, UniformError)  # raised alike on every rank: say it once
         if not uniform or launcher_rank() == 0:
             rank = getattr(exc, "__notes__", None)
             where = f" {rank[-1]}" if rank and os.environ.get("SYNCSGD_VERBOSE_ERRORS") else ""
