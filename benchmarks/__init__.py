@@ -1,1 +1,1 @@
-"""Benchmark scripts (SPEC §8), shipped as `syncsgd.benchmarks` and run by `syncsgd bench`."""
+"""Benchmark scripts: `python benchmarks/NAME.py --help`. Ratios in one run, never asserted."""

@@ -37,9 +37,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from syncsgd.argtypes import dtype_list
-from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
-from syncsgd.model import MLP, parse_hidden
+from syncsgd.apps.bench.timing import CLOCKS, interleaved_rounds
+from syncsgd.nn.mlp import MLP, parse_hidden
+from syncsgd.util.argtypes import dtype_list
 
 MODES = ("float", "exact", "local_pass", "accumulate")  # the last two: exact's phases alone
 
@@ -54,8 +54,8 @@ def setup(model: MLP, batch: int, seed: int, rank: int) -> tuple[np.ndarray, ...
 
 def rank_calls(model: MLP, options: argparse.Namespace, rank: int) -> dict[str, Callable]:
     """One rank's calls of every mode, after checking that exact and float mode agree."""
-    from syncsgd.exact import ExactGradient, exactness_bound
-    from syncsgd.kernels import Gradient
+    from syncsgd.nn.exact import ExactGradient, exactness_bound
+    from syncsgd.nn.kernels import Gradient
 
     params, X, y = setup(model, options.batch, options.seed, rank)
     gradient, exact = Gradient(model, options.batch), ExactGradient(model, options.batch)
@@ -143,8 +143,8 @@ def whole_steps(options: argparse.Namespace) -> list[dict]:
     in exact mode, ring, update); a run's per-step time is the slowest rank's; float and exact runs
     alternate (ABBA) after one burn-in run each, and the medians are compared.
     """
-    from syncsgd.comm import run_threads
-    from syncsgd.training import TrainConfig, prepare, train_rank
+    from syncsgd.comm.threads import run_threads
+    from syncsgd.training.loop import TrainConfig, prepare, train_rank
 
     hidden = parse_hidden(options.hidden)
     rows = []
@@ -218,14 +218,14 @@ def main(options: argparse.Namespace) -> int:
     if options.batch > options.global_batch:
         raise ValueError("--batch (one rank's share) cannot exceed --global-batch")
     parse_hidden(options.hidden)
-    from syncsgd.kernels import limit_blas_threads
+    from syncsgd.nn.kernels import limit_blas_threads
 
     limit_blas_threads(1)  # as training does; before the first kernel call loads the BLAS
     rows = run(options)
     if options.steps > 0:
         rows += whole_steps(options)
     if options.json:
-        from syncsgd.files import write_text
+        from syncsgd.util.files import write_text
 
         write_text(options.json, json.dumps(rows, indent=2) + "\n")
     return 0

@@ -15,7 +15,8 @@ Both sides use BLAS with its default threads, as a user would run them (NumPy's 
 Numba's np.dot calls SciPy's); OPENBLAS_NUM_THREADS=1 compares them single-threaded.
 `--thread-ranks T` also times the batch split over T concurrent thread ranks (each with its own
 `Gradient`), as the threads backend runs them: a multi-threaded OpenBLAS serializes concurrent
-callers, so compare with and without OPENBLAS_NUM_THREADS=1 (`syncsgd.kernels.limit_blas_threads`).
+callers, so compare with and without OPENBLAS_NUM_THREADS=1
+(`syncsgd.nn.kernels.limit_blas_threads`).
 Nothing is asserted: the machines are shared and noisy.
 """
 
@@ -28,12 +29,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from syncsgd.argtypes import dtype_list
-from syncsgd.benchmarks.timing import CLOCKS, interleaved_rounds
-from syncsgd.model import MLP, parse_hidden
+from syncsgd.apps.bench.timing import CLOCKS, interleaved_rounds
+from syncsgd.nn.mlp import MLP, parse_hidden
+from syncsgd.util.argtypes import dtype_list
 
 IMPLEMENTATIONS = ("numpy", "numba")
 WIDTHS = (8, 6, 10, 10, 12)  # table columns
@@ -77,7 +80,7 @@ def setup(model: MLP, batch: int, seed: int):
 def run(options: argparse.Namespace) -> list[dict]:
     """Times both implementations for every dtype; prints and returns one row per (dtype, impl)."""
     started = time.perf_counter()
-    from syncsgd import kernels
+    from syncsgd.nn import kernels
 
     import_seconds = time.perf_counter() - started
     sizes = (options.features, *parse_hidden(options.hidden), options.classes)
@@ -114,7 +117,7 @@ def run(options: argparse.Namespace) -> list[dict]:
 
     print(
         f"MLP {'-'.join(map(str, sizes))} relu xent, micro-batch {options.batch}; "
-        f"import of syncsgd.kernels (numba) {import_seconds:.2f} s; median of {options.batches} "
+        f"import of syncsgd.nn.kernels (numba) {import_seconds:.2f} s; median of {options.batches} "
         f"rounds x {options.iters} calls, {options.clock} clock; cores {os.cpu_count()}, "
         f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
     )
@@ -159,7 +162,7 @@ def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...], kernel
     A step is every rank's call, released together; it takes as long as the slowest rank.
     """
     counts = (1, options.thread_ranks)
-    groups = {}
+    groups: dict[tuple[str, int], list[Callable[..., Any]]] = {}
     for dtype in options.dtypes:
         model = MLP(sizes, "relu", "xent", np.dtype(dtype))
         params, X, y, _ = setup(model, options.batch, options.seed)
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be >= 1")
     rows = run(options)
     if options.json:
-        from syncsgd.files import write_text
+        from syncsgd.util.files import write_text
 
         write_text(options.json, json.dumps(rows, indent=2) + "\n")
     return 0

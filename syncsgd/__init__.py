@@ -1,9 +1,9 @@
 """syncsgd: synchronous data-parallel SGD with a hand-written ring allreduce."""
 
 from syncsgd.collectives import ALGORITHMS, allreduce, allreducer
-from syncsgd.comm import DeadlockError, RankAborted, ThreadComm, run_threads
-from syncsgd.ring import TraceEvent, ring_allreduce
-from syncsgd.training import TrainConfig, TrainResult, train
+from syncsgd.collectives.ring import TraceEvent, ring_allreduce
+from syncsgd.comm.threads import DeadlockError, RankAborted, ThreadComm, run_threads
+from syncsgd.training.loop import TrainConfig, TrainResult, train
 
 __version__ = "0.1.0"
 __all__ = [

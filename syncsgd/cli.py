@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from syncsgd.argtypes import (
+from syncsgd.util.argtypes import (
     finite_float,
     nonnegative_float,
     nonnegative_int,
@@ -18,7 +18,7 @@ from syncsgd.argtypes import (
     positive_int,
     rank_list,
 )
-from syncsgd.files import check_writable
+from syncsgd.util.files import check_writable
 
 
 class UniformError(ValueError):
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(check, single_run=False)
     check.set_defaults(run=run_verify)
 
-    from syncsgd import costmodel, demo
+    from syncsgd.apps import costmodel, demo
 
     for module, name, summary in (
         (demo, "ring-demo", "watch every step of a ring (or another) allreduce on small integers"),
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sub)
         sub.set_defaults(run=module.main)
 
-    from syncsgd import study
+    from syncsgd.apps import study
 
     studies = commands.add_parser("study", help="studies of the workload (batch size)")
     kinds = studies.add_subparsers(dest="study", metavar="STUDY", parser_class=_Parser)
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks (OSU / nccl-tests style)")
     benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=_Parser)
     benchmarks.required = True
-    from syncsgd.benchmarks import allreduce, step
+    from syncsgd.apps.bench import allreduce, step
 
     for module, name, summary in (
         (allreduce, "allreduce", "ring vs the library's Allreduce, 8 B to 64 MiB"),
@@ -117,9 +117,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, single_run: bool = T
     `single_run=False` (verify) leaves out the choice of ranks and backend, and the outputs.
     """
     from syncsgd.collectives import ALGORITHMS
-    from syncsgd.optim import LR_SCALINGS, SCHEDULES
-    from syncsgd.pitfalls import PITFALLS
-    from syncsgd.training import DATA_SOURCES, TrainConfig
+    from syncsgd.nn.optim import LR_SCALINGS, SCHEDULES
+    from syncsgd.training.loop import DATA_SOURCES, TrainConfig
+    from syncsgd.training.pitfalls import PITFALLS
 
     d = TrainConfig()
     run = parser.add_argument_group("ranks")
@@ -253,7 +253,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, single_run: bool = T
         "--pitfall",
         choices=PITFALLS,
         default=None,
-        help="deliberately do what real systems get wrong (see syncsgd.pitfalls)",
+        help="deliberately do what real systems get wrong (see syncsgd.training.pitfalls)",
     )
     if not single_run:
         return
@@ -299,8 +299,8 @@ def add_rank_arguments(group: argparse._ArgumentGroup) -> None:
 
 def config_from_options(options: argparse.Namespace):  # -> TrainConfig (imported lazily)
     """The TrainConfig that the parsed options of train or verify describe."""
-    from syncsgd.model import parse_hidden
-    from syncsgd.training import TrainConfig
+    from syncsgd.nn.mlp import parse_hidden
+    from syncsgd.training.loop import TrainConfig
 
     return TrainConfig(
         data=options.data, samples=options.samples, features=options.features,
@@ -324,7 +324,7 @@ def config_from_options(options: argparse.Namespace):  # -> TrainConfig (importe
 
 def run_verify(options: argparse.Namespace) -> int:
     """`syncsgd verify`: the table of SPEC §6."""
-    from syncsgd import verify
+    from syncsgd.apps import verify
 
     return verify.main(config_from_options(options), options.ranks, options.tolerance,
                        options.json)  # fmt: skip
@@ -332,8 +332,8 @@ def run_verify(options: argparse.Namespace) -> int:
 
 def run_train(options: argparse.Namespace) -> int:
     """`syncsgd train`: build the configuration, load the data, train on every rank."""
-    from syncsgd.comm import launch, resolve_backend
-    from syncsgd.training import prepare, train_rank
+    from syncsgd.comm.world import launch, resolve_backend
+    from syncsgd.training.loop import prepare, train_rank
 
     try:
         for path in (options.save, options.log, options.timeline):
@@ -361,7 +361,7 @@ def run_train(options: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def graceful_stop() -> Iterator[None]:
     """First Ctrl-C or SIGTERM: every rank finishes its step, then all stop. Second: stop now."""
-    from syncsgd.training import stop_requested
+    from syncsgd.training.loop import stop_requested
 
     def request_stop(signum: int, frame: object) -> None:
         if stop_requested.is_set():

@@ -18,8 +18,8 @@ import mpi_worker
 import numpy as np
 from mpi_worker import DTYPES, float32_on_last_rank, longer_on_last_rank, run_on_world
 
-from syncsgd.collectives import ALGORITHMS, allreduce
-from syncsgd.ring import TraceEvent
+from syncsgd.collectives.algorithms import ALGORITHMS, allreduce
+from syncsgd.collectives.ring import TraceEvent
 
 HAND_WRITTEN = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
 

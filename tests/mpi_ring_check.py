@@ -19,7 +19,7 @@ import mpi_worker
 import numpy as np
 from mpi_worker import DTYPES, float32_on_last_rank, longer_on_last_rank, run_on_world
 
-from syncsgd.ring import TraceEvent, ring_allreduce
+from syncsgd.collectives.ring import TraceEvent, ring_allreduce
 
 
 def check_sum(

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.comm import constants
+from syncsgd.comm.world import constants
 
 DTYPES = ("float64", "float32", "int64")
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from syncsgd.benchmarks import allreduce
+from syncsgd.apps.bench import allreduce
 from syncsgd.cli import main
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ from conftest import requires_mpi, run_mpiexec
 from oracle import serial_sgd
 
 from syncsgd import TrainConfig, train
-from syncsgd.model import MLP
+from syncsgd.nn.mlp import MLP
 
 SMALL = ["--samples", "120", "--features", "6", "--hidden", "5", "--batch-size", "20",
          "--steps", "6", "--momentum", "0.9"]  # fmt: skip
@@ -81,7 +81,7 @@ def test_init_starts_from_the_given_parameters(tmp_path):
 
 
 def _small_data():
-    from syncsgd.training import prepare
+    from syncsgd.training.loop import prepare
 
     problem = prepare(SMALL_CONFIG)
     return problem.X, problem.y

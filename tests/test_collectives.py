@@ -24,8 +24,9 @@ from mpi_worker import DTYPES
 from mpi_worker import check_sum as check_reduce
 from strategies import world_and_shape
 
-from syncsgd import RankAborted, collectives, run_threads
-from syncsgd.collectives import (
+from syncsgd import RankAborted, run_threads
+from syncsgd.collectives import algorithms as collectives
+from syncsgd.collectives.algorithms import (
     ALGORITHMS,
     AUTO_LIBRARY_BELOW,
     LATENCY_BYTES,
@@ -36,7 +37,7 @@ from syncsgd.collectives import (
     choose_algorithm,
     schedule,
 )
-from syncsgd.comm import ThreadComm
+from syncsgd.comm.threads import ThreadComm
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling CI
 

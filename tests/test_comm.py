@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from syncsgd.comm import (
+from syncsgd.comm.threads import (
     ANY_SOURCE,
     ANY_TAG,
     IN_PLACE,
@@ -20,12 +20,9 @@ from syncsgd.comm import (
     RankAborted,
     Status,
     ThreadComm,
-    constants,
-    launch,
-    launched_by_mpi,
-    resolve_backend,
     run_threads,
 )
+from syncsgd.comm.world import constants, launch, launched_by_mpi, resolve_backend
 
 pytestmark = pytest.mark.timeout(60)  # a hang fails the test instead of stalling CI
 

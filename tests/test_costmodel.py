@@ -11,8 +11,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from syncsgd import costmodel
-from syncsgd.costmodel import ALGORITHMS, Cost, Params, Sample, cost, predict
+from syncsgd.apps import costmodel
+from syncsgd.apps.costmodel import ALGORITHMS, Cost, Params, Sample, cost, predict
 
 DEFAULTS = Params(2e-6, 1 / 12.5e9, 1e-10)
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd.data import (
+from syncsgd.training.data import (
     SOURCES,
     epoch_order,
     global_batch,

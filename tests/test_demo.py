@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from syncsgd import demo
-from syncsgd.ring import chunk_bounds
+from syncsgd.apps import demo
+from syncsgd.collectives.ring import chunk_bounds
 
 pytestmark = pytest.mark.timeout(120)
 

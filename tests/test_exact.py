@@ -16,11 +16,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from syncsgd import run_threads
-from syncsgd.comm import constants
-from syncsgd.exact import ExactGradient, exactness_bound, extraction_exponents, slot_bounds
-from syncsgd.kernels import Gradient
-from syncsgd.model import MLP
-from syncsgd.ring import ring_allreduce
+from syncsgd.collectives.ring import ring_allreduce
+from syncsgd.comm.world import constants
+from syncsgd.nn.exact import ExactGradient, exactness_bound, extraction_exponents, slot_bounds
+from syncsgd.nn.kernels import Gradient
+from syncsgd.nn.mlp import MLP
 
 pytestmark = pytest.mark.timeout(300)
 

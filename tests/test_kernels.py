@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd.kernels import EVALUATE_CHUNK, Gradient, divide_finite_, evaluate
-from syncsgd.model import MLP
+from syncsgd.nn.kernels import EVALUATE_CHUNK, Gradient, divide_finite_, evaluate
+from syncsgd.nn.mlp import MLP
 
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-4}
 
@@ -331,8 +331,8 @@ def test_max_batch_is_validated(max_batch):
 
 LIMIT_THEN_CALL = """
 import numpy as np
-from syncsgd.kernels import Gradient, limit_blas_threads
-from syncsgd.model import MLP
+from syncsgd.nn.kernels import Gradient, limit_blas_threads
+from syncsgd.nn.mlp import MLP
 first = limit_blas_threads(1)
 model = MLP((3, 2))
 Gradient(model, 1)(model.init_params(0), np.zeros((1, 3)), np.zeros(1, int), np.zeros(8))
@@ -350,7 +350,7 @@ print(first, limit_blas_threads(1), __import__("os").environ.get("OPENBLAS_NUM_T
     ids=["unset", "openblas-set", "omp-set"],
 )
 def test_limit_blas_threads_only_before_the_blas_loads_and_if_unset(preset, expected):
-    from syncsgd.kernels import BLAS_THREAD_VARIABLES
+    from syncsgd.nn.kernels import BLAS_THREAD_VARIABLES
 
     env = {k: v for k, v in os.environ.items() if k not in BLAS_THREAD_VARIABLES}
     command = [sys.executable, "-c", LIMIT_THEN_CALL]

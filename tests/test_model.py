@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd.model import MLP, parse_hidden
+from syncsgd.nn.mlp import MLP, parse_hidden
 
 layer_sizes = st.lists(st.integers(1, 9), min_size=2, max_size=5).map(tuple)
 

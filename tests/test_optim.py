@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd.optim import SGD, OptimConfig, clip_, global_norm, learning_rate
+from syncsgd.nn.optim import SGD, OptimConfig, clip_, global_norm, learning_rate
 
 # --- schedules, against values computed by hand -------------------------------------------------
 
@@ -93,7 +93,7 @@ def reference_run(params, grads, *, lr, momentum, nesterov, weight_decay, clip_n
 
 
 def run_sgd(config, params, grads, dtype=np.float64):
-    """syncsgd.optim.SGD over a list of gradients; returns final params and the step infos."""
+    """syncsgd.nn.optim.SGD over a list of gradients; returns final params and the step infos."""
     flat = np.array(params, dtype=dtype)
     sgd = SGD(config, len(flat), dtype)
     infos = [sgd.step_(flat, np.array(grad, dtype=dtype), step) for step, grad in enumerate(grads)]

@@ -1,6 +1,6 @@
 """The serial oracle checked on its own: finite differences, hand-computed steps, its sample order.
 
-Then cross-checks of the oracle against syncsgd.data and syncsgd.optim: two independent
+Then cross-checks of the oracle against syncsgd.training.data and syncsgd.nn.optim: two independent
 implementations of the same formulas must agree.
 """
 
@@ -21,7 +21,8 @@ from oracle import (
     sgd_update,
 )
 
-from syncsgd import data, optim
+from syncsgd.nn import optim
+from syncsgd.training import data
 
 
 def random_problem(sizes, loss, seed, batch=7):
@@ -167,7 +168,7 @@ def test_float32_run_stays_close_to_float64():
         np.testing.assert_allclose(final32[name], final64[name], rtol=1e-4, atol=1e-5)
 
 
-# --- cross-checks with syncsgd.data and syncsgd.optim (independent implementations) -----------
+# --- cross-checks with syncsgd.training.data and syncsgd.nn.optim (independent implementations) --
 
 
 @given(

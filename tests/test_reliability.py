@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from syncsgd import TrainConfig, train
-from syncsgd.data import load_data
+from syncsgd.training.data import load_data
 
 LONG = ["--samples", "512", "--features", "8", "--hidden", "16", "--batch-size", "32",
         "--steps", "1000000", "--quiet"]  # fmt: skip

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from syncsgd import TrainConfig, train
-from syncsgd.checkpoint import latest
-from syncsgd.verify import TOLERANCE, ulp_distance, verify
+from syncsgd.apps.verify import TOLERANCE, ulp_distance, verify
+from syncsgd.training.checkpoint import latest
 
 SMALL = TrainConfig(samples=150, features=5, hidden=(7,), batch_size=30, steps=8, seed=1)
 

@@ -19,7 +19,7 @@ from mpi_ring_check import (
 from strategies import world_and_shape
 
 from syncsgd import RankAborted, ThreadComm, run_threads
-from syncsgd.ring import ring_allreduce
+from syncsgd.collectives.ring import ring_allreduce
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling CI
 

@@ -14,9 +14,9 @@ import scipy.optimize
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd import costmodel, study
-from syncsgd.study import Row, StepCosts, StudySettings, Trial, estimate_noise_scale
-from syncsgd.training import NonFiniteError, TrainConfig
+from syncsgd.apps import costmodel, study
+from syncsgd.apps.study import Row, StepCosts, StudySettings, Trial, estimate_noise_scale
+from syncsgd.training.loop import NonFiniteError, TrainConfig
 
 # -- the noise-scale estimator --------------------------------------------------------------------
 
@@ -277,7 +277,7 @@ def test_steps_to_target_fall_from_the_smallest_batch_size_up(tiny_rows):
 
 
 def test_tiny_study_rows_match_a_plain_training_run(tiny_rows):
-    from syncsgd.training import train
+    from syncsgd.training.loop import train
 
     for row in tiny_rows:
         # The best setting, evaluated after every step from the start: the same first step.

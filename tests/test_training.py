@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from oracle import serial_sgd
 
 from syncsgd import TrainConfig, run_threads, train
-from syncsgd.model import MLP
-from syncsgd.training import bucket_slices, prepare, train_rank
-from syncsgd.verify import TOLERANCE  # documented, relative to the largest parameter (SPEC §6)
+from syncsgd.apps.verify import TOLERANCE  # documented, relative to the largest parameter (SPEC §6)
+from syncsgd.nn.mlp import MLP
+from syncsgd.training.loop import bucket_slices, prepare, train_rank
 
 
 def max_relative_difference(ours: dict, theirs: dict) -> float:

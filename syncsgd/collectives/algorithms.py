@@ -1,9 +1,10 @@
 """More allreduce algorithms beside the ring: naive, recursive doubling, Rabenseifner, binary tree.
 
-Each has the ring's contract (`syncsgd.ring`): SUM in place on a C-contiguous float32, float64 or
-int64 array of any shape, any number of ranks P >= 1, any length (0, fewer elements than ranks,
-not divisible by P), every rank ends with bitwise the same array, and `trace` gets one
-`TraceEvent` per message operation. `allreduce(buf, comm, algorithm)` picks one by name.
+Each has the ring's contract (`syncsgd.collectives.ring`): SUM in place on a C-contiguous
+float32, float64 or int64 array of any shape, any number of ranks P >= 1, any length (0,
+fewer elements than ranks, not divisible by P), every rank ends with bitwise the same array,
+and `trace` gets one `TraceEvent` per message operation. `allreduce(buf, comm, algorithm)`
+picks one by name.
 
 How each works (Thakur, Rabenseifner and Gropp 2005, "Optimization of collective communication
 operations in MPICH"; r = P - p', p' the largest power of two <= P, L = log2 p'):
@@ -62,8 +63,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.comm import constants
-from syncsgd.ring import (  # the private names: the ring's agreement check, shared
+from syncsgd.collectives.ring import (  # the private names: the ring's agreement check, shared
     _DTYPE_CODE,
     _LENGTH_MODULUS,
     _NO_DTYPE,
@@ -79,6 +79,7 @@ from syncsgd.ring import (  # the private names: the ring's agreement check, sha
     ring_allreduce,
     step_event,
 )
+from syncsgd.comm.world import constants
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree", "mpi", "auto")
 # MPICH 3.x (MPIR_Allreduce_intra_auto) uses recursive doubling up to this many bytes, the default
@@ -247,7 +248,7 @@ def rabenseifner_schedule(length: int, size: int, rank: int) -> tuple[Collective
 
 @functools.lru_cache(maxsize=256)
 def _ring_steps(length: int, size: int, rank: int) -> tuple[CollectiveStep, ...]:
-    """The ring's steps (see `syncsgd.ring`) in this module's form."""
+    """The ring's steps (see `syncsgd.collectives.ring`) in this module's form."""
     bounds = chunk_bounds(length, size)
     chunk = [slice(bounds[c], bounds[c + 1]) for c in range(size)]
     right, left = (rank + 1) % size, (rank - 1) % size

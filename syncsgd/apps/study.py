@@ -44,10 +44,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd import costmodel, noise
-from syncsgd.argtypes import comma_list, finite_float, nonnegative_int, positive_int
-from syncsgd.files import check_writable, write_text
-from syncsgd.training import NonFiniteError
+from syncsgd.apps import costmodel
+from syncsgd.training import noise
+from syncsgd.training.loop import NonFiniteError
+from syncsgd.util.argtypes import comma_list, finite_float, nonnegative_int, positive_int
+from syncsgd.util.files import check_writable, write_text
 
 STOPS_PAYING = 0.10  # adding ranks stops paying when a doubling gains less than 10%
 QUICK: dict[str, Any] = {
@@ -69,7 +70,7 @@ FULL: dict[str, Any] = {
     "max_steps": 10000,
 }
 
-Trainer = Callable[..., Any]  # syncsgd.training.train or a stand-in with its signature
+Trainer = Callable[..., Any]  # syncsgd.training.loop.train or a stand-in with its signature
 
 
 # -- the gradient noise scale ---------------------------------------------------------------------
@@ -94,7 +95,7 @@ def estimate_noise_scale(
 
     With S = Σ_r |G_r|², K ranks with samples and H = Σ_r 1/b_r (ranks with b_r = 0 left out):
     tr(Σ) = (S − K|G_B|²)/(H − K/B) and |G|² = |G_B|² − tr(Σ)/B, computed by the same
-    `syncsgd.noise.estimate` that training uses. None with one batch size only (K = 1).
+    `syncsgd.training.noise.estimate` that training uses. None with one batch size only (K = 1).
     """
     norms = np.asarray(small_norms_sq, dtype=np.float64)
     sizes = np.asarray(small_sizes, dtype=np.int64)
@@ -213,10 +214,10 @@ def study_batch_size(base: Any, settings: StudySettings, *, train: Trainer | Non
     """Tune (lr, momentum) for every batch size; one Row per batch size, in increasing order.
 
     `base` is the workload's TrainConfig, with a holdout and a target; `train` defaults to
-    `syncsgd.training.train`; `report` sees each row as soon as it is done.
+    `syncsgd.training.loop.train`; `report` sees each row as soon as it is done.
     """
     if train is None:
-        from syncsgd.training import train as default_train
+        from syncsgd.training.loop import train as default_train
 
         train = default_train
     held_out = check_study(base, settings)
@@ -252,7 +253,7 @@ def study_batch_size(base: Any, settings: StudySettings, *, train: Trainer | Non
 def check_study(base: Any, settings: StudySettings) -> int:
     """ValueError unless the workload has a target and held-out samples, and every B fits the
     training samples; returns the number of held-out samples."""
-    from syncsgd.training import prepare
+    from syncsgd.training.loop import prepare
 
     if base.target_loss is None and base.target_accuracy is None:
         raise ValueError("the study needs a target: --target-loss or --target-accuracy")
@@ -550,7 +551,7 @@ def draw_png(rows: Sequence[Row], knee: Knee | None, path: str, title: str) -> N
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from syncsgd.files import atomic_path
+    from syncsgd.util.files import atomic_path
 
     figure = Figure(figsize=(7, 4.5), layout="constrained")
     FigureCanvasAgg(figure)
@@ -744,8 +745,8 @@ def resolve(options: argparse.Namespace) -> argparse.Namespace:
 
 def workload(options: argparse.Namespace) -> Any:
     """The TrainConfig of the study's runs (batch size, lr, momentum and steps vary per run)."""
-    from syncsgd.model import parse_hidden
-    from syncsgd.training import TrainConfig
+    from syncsgd.nn.mlp import parse_hidden
+    from syncsgd.training.loop import TrainConfig
 
     return TrainConfig(
         data=options.data,
@@ -826,7 +827,7 @@ def describe_target(base: Any) -> str:
 
 def main(options: argparse.Namespace) -> int:
     """`syncsgd study batch-size`: the table, the knee, the noise scale and the time model."""
-    from syncsgd.comm import launched_by_mpi
+    from syncsgd.comm.world import launched_by_mpi
 
     if launched_by_mpi():
         raise ValueError("syncsgd study trains on thread ranks: start it without mpiexec")
@@ -850,8 +851,8 @@ def main(options: argparse.Namespace) -> int:
     )
     params, params_source, fit_document = machine(options)  # a bad --fit fails before the runs
 
-    from syncsgd.kernels import limit_blas_threads
-    from syncsgd.training import prepare, train
+    from syncsgd.nn.kernels import limit_blas_threads
+    from syncsgd.training.loop import prepare, train
 
     # One BLAS thread: every run's compute is one core's, whatever P; a multi-threaded BLAS on a
     # busy machine is many times slower, not faster.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from syncsgd.files import atomic_path
+from syncsgd.util.files import atomic_path
 
 _NAME = re.compile(r"ckpt-(\d{8,})\.npz$")
 FORMAT = "syncsgd-checkpoint-1"

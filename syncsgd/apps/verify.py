@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.comm import run_threads
-from syncsgd.files import write_text
-from syncsgd.training import TrainConfig, TrainResult, prepare, train_rank
+from syncsgd.comm.threads import run_threads
+from syncsgd.training.loop import TrainConfig, TrainResult, prepare, train_rank
+from syncsgd.util.files import write_text
 
 # Float mode: the relative distance from serial SGD that a correct run stays within (SPEC §6).
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}

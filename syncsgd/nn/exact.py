@@ -19,7 +19,7 @@ sources of order dependence.
    ascending j of delta[i, j] * W[k, j]). The kernels are compiled WITHOUT fastmath, so LLVM may
    neither reassociate these sums nor contract a multiply and an add into one FMA. Bias and
    activation, softmax, cross-entropy and MSE are per row: the same functions as in
-   `syncsgd.kernels`. A float32 model runs this pass in float32.
+   `syncsgd.nn.kernels`. A float32 model runs this pass in float32.
 
 2. An order-independent sum of per-sample terms, within and across ranks, by error-free
    extraction to a fixed point agreed by an allreduce-MAX. Every gradient element is a sum over
@@ -74,7 +74,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-from syncsgd.kernels import (
+from syncsgd.nn.kernels import (
     ACTIVATION_CODES,
     WIDTH_BEFORE,
     add_bias_activate_,
@@ -90,7 +90,7 @@ from syncsgd.kernels import (
     times_slope_,
     xent_sample_,
 )
-from syncsgd.model import MLP, describe
+from syncsgd.nn.mlp import MLP, describe
 
 PRODUCT_BLOCK_BYTES = 262144  # rows of W used together by a product: they stay in the L2 cache
 ACCUMULATOR_TILE_BYTES = 16384  # weight-sum rows extracted together: they stay in the L1 cache

@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from syncsgd import collectives
-from syncsgd.argtypes import nonnegative_int, positive_int
-from syncsgd.comm import run_threads
-from syncsgd.ring import chunk_bounds, ring_allreduce
+from syncsgd.collectives.ring import chunk_bounds, ring_allreduce
+from syncsgd.comm.threads import run_threads
+from syncsgd.util.argtypes import nonnegative_int, positive_int
 
 MAX_RANKS = 16  # a demo: 2(P-1) steps of P lines each
 MAX_LENGTH = 64
@@ -42,7 +42,7 @@ RESET = "\x1b[0m"
 class Snapshot(NamedTuple):
     """One step of one rank: its trace event, its buffer right after, and whom it talked to."""
 
-    event: Any  # a syncsgd.ring.TraceEvent (the collectives emit the same)
+    event: Any  # a syncsgd.collectives.ring.TraceEvent (the collectives emit the same)
     buffer: np.ndarray
     send_to: int  # -1: sent nothing
     recv_from: int  # -1: received nothing
@@ -336,7 +336,7 @@ def draw_png(demo: Demo, path: str) -> None:
         from matplotlib.figure import Figure
     except ImportError:
         raise RuntimeError("--png needs matplotlib: pip install 'syncsgd[plot]'") from None
-    from syncsgd.files import atomic_path
+    from syncsgd.util.files import atomic_path
 
     p, n = demo.ranks, demo.length
     rows = _figure_rows(demo)
@@ -461,7 +461,7 @@ def use_color(choice: str, stream: Any = None) -> bool:
 def main(options: argparse.Namespace) -> int:
     """`syncsgd ring-demo`: print every step; 1 if the result is not the NumPy sum."""
     if options.png:
-        from syncsgd.files import check_writable
+        from syncsgd.util.files import check_writable
 
         check_writable(options.png)
     demo = run_demo(options.ranks, options.length, options.algorithm)

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.files import write_text
-from syncsgd.ring import TraceEvent
+from syncsgd.collectives.ring import TraceEvent
+from syncsgd.util.files import write_text
 
 _TAG = 4321
 

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from syncsgd.optim import global_norm
+from syncsgd.nn.optim import global_norm
 
 
 def estimate(small_norms_sq: float, ranks_with_samples: int, inverse_sizes: float,

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.validate import choice, float_dtype, integer
+from syncsgd.util.validate import choice, float_dtype, integer
 
 SCHEDULES = ("constant", "cosine", "warmup", "noam")
 LR_SCALINGS = ("none", "linear", "sqrt")

@@ -44,8 +44,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.argtypes import comma_list, comma_separated, rank_list
-from syncsgd.files import check_writable, write_text
+from syncsgd.util.argtypes import comma_list, comma_separated, rank_list
+from syncsgd.util.files import check_writable, write_text
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
 DEFAULT_ALPHA = 2e-6  # seconds per message
@@ -424,7 +424,7 @@ def parse_quantity(text: str) -> float:
 
 def size_list(text: str) -> list[int]:
     """Comma-separated byte sizes such as 8,1K,1M,64M."""
-    from syncsgd.benchmarks.allreduce import parse_bytes
+    from syncsgd.apps.bench.allreduce import parse_bytes
 
     return comma_list(text, parse_bytes, "8,1K,1M", what="sizes")
 

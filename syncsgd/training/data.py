@@ -21,8 +21,8 @@ import zipfile
 
 import numpy as np
 
-from syncsgd.model import LOSSES
-from syncsgd.validate import choice, float_dtype, integer
+from syncsgd.nn.mlp import LOSSES
+from syncsgd.util.validate import choice, float_dtype, integer
 
 SOURCES = (
     "synthetic-classification",

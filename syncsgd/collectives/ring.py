@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.comm import MessageTruncated, constants
+from syncsgd.comm.threads import MessageTruncated
+from syncsgd.comm.world import constants
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64))
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES)}

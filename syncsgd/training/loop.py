@@ -27,15 +27,17 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from syncsgd import checkpoint, collectives, data, noise, pitfalls
-from syncsgd.checkpoint import Checkpoint
-from syncsgd.comm import ThreadComm, constants, launch
-from syncsgd.files import atomic_path
-from syncsgd.model import MLP, shape_size
-from syncsgd.optim import SGD, OptimConfig, learning_rate
-from syncsgd.pitfalls import PITFALLS
-from syncsgd.timeline import Timeline
-from syncsgd.timeline import write as write_timeline
+from syncsgd import collectives
+from syncsgd.comm.threads import ThreadComm
+from syncsgd.comm.world import constants, launch
+from syncsgd.nn.mlp import MLP, shape_size
+from syncsgd.nn.optim import SGD, OptimConfig, learning_rate
+from syncsgd.training import checkpoint, data, noise, pitfalls
+from syncsgd.training.checkpoint import Checkpoint
+from syncsgd.training.pitfalls import PITFALLS
+from syncsgd.training.timeline import Timeline
+from syncsgd.training.timeline import write as write_timeline
+from syncsgd.util.files import atomic_path
 
 DATA_SOURCES = (
     "synthetic-classification",
@@ -310,7 +312,7 @@ def train_rank(
     record_digests: bool = False,
 ) -> TrainResult:
     """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary."""
-    from syncsgd.kernels import (  # imports Numba: only when training
+    from syncsgd.nn.kernels import (  # imports Numba: only when training
         divide_finite_,
         evaluate,
         limit_blas_threads,
@@ -470,7 +472,7 @@ class FloatLocalGradient:
     """Float mode: the Numba kernels' sum of per-sample gradients, in the model's dtype."""
 
     def __init__(self, model: MLP, max_batch: int, global_batch: int) -> None:
-        from syncsgd.kernels import Gradient
+        from syncsgd.nn.kernels import Gradient
 
         self.kernel = Gradient(model, max_batch)
         self.buffer_dtype = model.dtype
@@ -488,11 +490,11 @@ class ExactLocalGradient:
 
     The per-layer bounds of the products are MAX-reduced over all ranks first, so every rank (and
     every P) extracts at the same fixed point; then every partial sum, in the rank and in the ring,
-    is exact, and the result does not depend on how the batch was split (see syncsgd.exact).
+    is exact, and the result does not depend on how the batch was split (see syncsgd.nn.exact).
     """
 
     def __init__(self, model: MLP, max_batch: int, global_batch: int) -> None:
-        from syncsgd.exact import ExactGradient
+        from syncsgd.nn.exact import ExactGradient
 
         self.kernel = ExactGradient(model, max_batch)
         self.bounds = np.zeros(self.kernel.bound_count, np.float64)
@@ -523,7 +525,7 @@ def evaluation_due(config: TrainConfig, steps_done: int, total_steps: int) -> bo
 def held_out_target_met(comm: Any, problem: Problem, params: np.ndarray, steps_done: int,
                         result: TrainResult) -> bool:  # fmt: skip
     """Rank 0 evaluates on the held-out samples; True on every rank once a target is met."""
-    from syncsgd.kernels import evaluate
+    from syncsgd.nn.kernels import evaluate
 
     config = problem.config
     met = np.zeros(1)
@@ -692,8 +694,3 @@ def train(config: TrainConfig | None = None, *, ranks: int = 1, backend: str = "
 
 
 __all__ = ["Problem", "TrainConfig", "TrainResult", "prepare", "save_params", "train", "train_rank"]
-
-if __name__ == "__main__":  # pragma: no cover - the CLI is the way in
-    from syncsgd.cli import main
-
-    sys.exit(main(["train", *sys.argv[1:]]))

@@ -6,7 +6,7 @@ import operator
 
 import numpy as np
 
-from syncsgd.model import DTYPES
+from syncsgd.nn.mlp import DTYPES
 
 
 def integer(name: str, value: int) -> int:

@@ -16,7 +16,7 @@ sample at a time and add the per-sample gradients in a fixed order instead.
 
 np.dot inside Numba calls SciPy's BLAS (`scipy.linalg.cython_blas`, imported on the first call).
 
-`syncsgd.exact` compiles the layer views, bias and activation, activation slope and per-sample
+`syncsgd.nn.exact` compiles the layer views, bias and activation, activation slope and per-sample
 losses of this module into its own kernels. Numba's on-disk cache keys a function on the contents
 of its own file only, so after editing one of them delete syncsgd/__pycache__: exact mode would
 otherwise go on running the old code.
@@ -31,7 +31,7 @@ import sys
 import numpy as np
 from numba import njit
 
-from syncsgd.model import MLP, describe
+from syncsgd.nn.mlp import MLP, describe
 
 if importlib.util.find_spec("scipy") is None:
     raise ImportError(
@@ -372,7 +372,7 @@ def evaluate(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tu
     return loss_sum / n_samples, accuracy
 
 
-# --- argument checks, shared with syncsgd.exact ------------------------------------------------
+# --- argument checks, shared with syncsgd.nn.exact ------------------------------------------------
 
 
 def check_count(name: str, value: int, low: int) -> int:

@@ -1,0 +1,1 @@
+"""The tools built on the core: verify, the batch-size study, the cost model, the demo, bench."""

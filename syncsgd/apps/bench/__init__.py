@@ -1,0 +1,1 @@
+"""Measuring code behind `syncsgd bench`; the scripts in benchmarks/ call it."""

@@ -1,0 +1,437 @@
+"""Allreduce sweep, OSU / nccl-tests style: the hand-written ring against the library's Allreduce.
+
+    syncsgd bench allreduce                          # threads backend, 2 thread ranks
+    mpiexec -n 2 syncsgd bench allreduce --json a.json --csv a.csv --png a.png
+    python benchmarks/allreduce.py --max-bytes 1M    # the same, run as a script
+
+Method: for each message size, check once that every algorithm gives the same sum, warm up, then
+time `--batches` rounds; in each round every algorithm runs one batch of iterations (after one
+untimed call), in ABBA order (this machine is shared and noisy: comparing numbers taken minutes
+apart measures the neighbours).
+A batch's per-op time is the slowest rank's; `time` is the median over the rounds, and `vs mpi` is
+the median over the rounds of the baseline's batch time over the algorithm's in the same round
+(paired, so load that comes and goes during the sweep slows both sides of a pair alike). busbw =
+algbw * 2(P-1)/P, the nccl-tests convention, so a bandwidth-optimal allreduce reads as the link
+speed at any P. The JSON file keeps every batch time.
+
+On the threads backend the baseline ("mpi") is `ThreadComm.Allreduce`, a plain NumPy sum of all
+ranks' buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import io
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from syncsgd.collectives import ALGORITHMS, allreducer
+from syncsgd.collectives.ring import Trace, ring_allreduce
+from syncsgd.comm.threads import ThreadComm
+from syncsgd.comm.world import constants, launch, resolve_backend
+from syncsgd.training.timeline import Timeline
+from syncsgd.training.timeline import write as write_timeline
+from syncsgd.util.argtypes import positive_float, positive_int
+from syncsgd.util.files import check_writable, write_text
+
+BASELINE = "mpi"
+MMAP_THRESHOLD = 32 << 20  # glibc's largest mmap threshold: mallocs this big get fresh pages
+# The bar (issue 2), both ratios taken in the same run: the ring's time at 8 B at most 3x the MPI
+# library's, and its busbw at least 0.95x the library's at every size from 1 MiB.
+LATENCY_BAR, LATENCY_AT, BUSBW_BAR, BUSBW_FROM = 3.0, 8, 0.95, 1 << 20
+# And "auto" (issue 5): at least 0.9x the library's speed at every size, in the same run.
+AUTO_BAR = 0.9
+
+
+def algorithms(comm: Any, names: Sequence[str] = ("ring",),
+               trace: Trace | None = None) -> dict[str, Callable[[np.ndarray], Any]]:  # fmt: skip
+    """The allreduce implementations to compare, each summing a buffer in place.
+
+    The baseline is the library's Allreduce called directly (not `collectives.allreduce(...,
+    "mpi")`, which first checks that the ranks' buffers agree). The others are called as the
+    training loop calls them, with `check=False`: no agreement round before "auto" (the
+    hand-written algorithms agree through their message tags, at no cost, either way).
+    """
+    mpi = constants(comm)
+    in_place, add = mpi.IN_PLACE, mpi.SUM  # looked up once: the baseline pays no Python extra
+    ops: dict[str, Callable[[np.ndarray], Any]] = {}
+    for name in names:
+        reduce_ = allreducer(comm, name, check=False)
+        ops[name] = reduce_ if trace is None else functools.partial(reduce_, trace=trace)
+    if "ring" in ops and trace is None:
+        ops["ring"] = lambda buf: ring_allreduce(buf, comm)  # no dispatch in the way
+    ops[BASELINE] = lambda buf: comm.Allreduce(in_place, buf, add)
+    return ops
+
+
+def algorithm_list(text: str) -> list[str]:
+    """ring,rabenseifner -> the hand-written algorithms (and auto) to time against the library."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    allowed = [name for name in ALGORITHMS if name != BASELINE]
+    unknown = [name for name in names if name not in allowed]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown algorithm {', '.join(unknown) or text!r}: choose from {', '.join(allowed)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def parse_bytes(text: str) -> int:
+    """'8', '64K', '1M', '64MiB' -> bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = cleaned[-1:] if cleaned[-1:] in units else ""
+    try:
+        value = int(cleaned[: len(cleaned) - len(unit)]) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a size in bytes: {text!r} (e.g. 8, 64K, 1M)"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return value
+
+
+def message_sizes(min_bytes: int, max_bytes: int, itemsize: int) -> list[int]:
+    """Powers of two from min_bytes to max_bytes, each at least one element."""
+    sizes, size = [], max(itemsize, 1 << (max(min_bytes, 1) - 1).bit_length())
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def slowest(comm: Any, seconds: float) -> float:
+    """The largest value of `seconds` over all ranks."""
+    mpi = constants(comm)
+    value = np.array([seconds])
+    comm.Allreduce(mpi.IN_PLACE, value, op=mpi.MAX)
+    return float(value[0])
+
+
+def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iters: int) -> float:
+    """Per-op seconds of `iters` back-to-back calls, as seen by the slowest rank.
+
+    One untimed call first: the batches of different algorithms alternate, and the first call
+    after another algorithm's pays for bringing this one's buffers back into the caches (at 8 MiB,
+    with a few calls per batch, that alone moved the ratio of two identical library calls by 10%).
+    """
+    op(buf)
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        op(buf)
+    return slowest(comm, (time.perf_counter() - start) / iters)
+
+
+def check_agreement(comm: Any, ops: dict[str, Callable], count: int, dtype: np.dtype) -> None:
+    """Every algorithm must produce bitwise the baseline's sum of small integers."""
+    rank = comm.Get_rank()
+    data = ((np.arange(count) * 7 + rank * 3) % 64).astype(dtype)
+    expected = data.copy()
+    ops[BASELINE](expected)
+    for name, op in ops.items():
+        result = data.copy()
+        op(result)
+        if not np.array_equal(result, expected):
+            raise RuntimeError(f"{name} allreduce disagrees with {BASELINE} at {count} elements")
+
+
+def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]) -> list[dict]:
+    """Time every algorithm at every size; call `report` with each finished row."""
+    size = comm.Get_size()
+    dtype = np.dtype(options.dtype)
+    ops = algorithms(comm, options.algorithms)
+    rows = []
+    for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
+        count = nbytes // dtype.itemsize
+        check_agreement(comm, ops, count, dtype)
+        buf = np.zeros(count, dtype)  # zeros: sums stay finite and free of denormals
+        # Warm up, and size the batches so that one takes about --batch-seconds.
+        warm = max(time_batch(comm, op, buf, options.warmup) for op in ops.values())
+        iters = int(min(max(options.batch_seconds / max(warm, 1e-9), 1), options.max_iters))
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        for batch in range(options.batches):
+            order = list(ops) if batch % 2 == 0 else list(reversed(ops))  # ABBA interleaving
+            for name in order:
+                times[name].append(time_batch(comm, ops[name], buf, iters))
+        for name in ops:
+            seconds = statistics.median(times[name])
+            paired = [base / mine for base, mine in zip(times[BASELINE], times[name], strict=True)]
+            algbw = nbytes / seconds / 1e9
+            row = {
+                "size_bytes": nbytes,
+                "count": count,
+                "dtype": dtype.name,
+                "algorithm": name,
+                "time_us": seconds * 1e6,
+                "algbw_GBps": algbw,
+                "busbw_GBps": algbw * 2 * (size - 1) / size,
+                # busbw / busbw_mpi, round by round (and defined at P = 1 too)
+                "vs_mpi": statistics.median(paired),
+                "iters": iters,
+                "batches": options.batches,
+                "batch_us": [t * 1e6 for t in times[name]],  # JSON only
+            }
+            rows.append(row)
+            report(row)
+    return rows
+
+
+COLUMNS = ("size_bytes", "count", "dtype", "algorithm", "time_us", "algbw_GBps", "busbw_GBps",
+           "vs_mpi")  # fmt: skip
+CSV_COLUMNS = [*COLUMNS, "iters", "batches"]
+HEADER = (
+    f"{'size (B)':>12} {'count':>10} {'dtype':>7} {'algorithm':>18} {'time (us)':>11} "
+    f"{'algbw GB/s':>11} {'busbw GB/s':>11} {'vs mpi':>7}"
+)
+
+
+def format_row(row: dict) -> str:
+    return (
+        f"{row['size_bytes']:>12} {row['count']:>10} {row['dtype']:>7} {row['algorithm']:>18} "
+        f"{row['time_us']:>11.2f} {row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f} "
+        f"{row['vs_mpi']:>7.2f}"
+    )
+
+
+def performance_bar(rows: list[dict]) -> dict | None:
+    """The ring's time ratio at 8 B, its worst busbw ratio from 1 MiB and auto's worst speed ratio
+    at any size, against their bars (None for a measure the sweep has no rows for)."""
+    ring = {row["size_bytes"]: row for row in rows if row["algorithm"] == "ring"}
+    smallest = min(ring, default=None)
+    if smallest is None or smallest > LATENCY_AT:
+        smallest = latency = None  # the sweep has no latency-sized message
+    else:
+        latency = 1 / ring[smallest]["vs_mpi"]  # ring time / baseline time
+    large = [row for size, row in ring.items() if size >= BUSBW_FROM]
+    worst = min(large, key=lambda row: row["vs_mpi"]) if large else None
+    auto = min((row for row in rows if row["algorithm"] == "auto"),
+               key=lambda row: row["vs_mpi"], default=None)  # fmt: skip
+    if latency is None and worst is None and auto is None:
+        return None
+    return {
+        "latency_bytes": smallest,
+        "latency_ratio": latency,
+        "latency_met": latency is None or latency <= LATENCY_BAR,
+        "busbw_worst_bytes": worst["size_bytes"] if worst else None,
+        "busbw_worst_ratio": worst["vs_mpi"] if worst else None,
+        "busbw_met": worst is None or worst["vs_mpi"] >= BUSBW_BAR,
+        "auto_worst_bytes": auto["size_bytes"] if auto else None,
+        "auto_worst_ratio": auto["vs_mpi"] if auto else None,
+        "auto_met": auto is None or auto["vs_mpi"] >= AUTO_BAR,
+    }
+
+
+def bar_met(bar: dict) -> bool:
+    """True if every measure of the bar that the sweep has was met."""
+    return bar["latency_met"] and bar["busbw_met"] and bar["auto_met"]
+
+
+def describe_bar(bar: dict) -> str:
+    """The bar's verdict in one line."""
+    verdict = {True: "met", False: "MISSED"}
+    parts = []
+    if bar["latency_bytes"] is not None:
+        parts.append(
+            f"ring/mpi time at {bar['latency_bytes']} B = {bar['latency_ratio']:.2f}x "
+            f"(<= {LATENCY_BAR:g}x: {verdict[bar['latency_met']]})"
+        )
+    if bar["busbw_worst_bytes"] is not None:
+        parts.append(
+            f"worst ring/mpi busbw from {BUSBW_FROM >> 20} MiB = {bar['busbw_worst_ratio']:.2f}x "
+            f"at {bar['busbw_worst_bytes']} B (>= {BUSBW_BAR:g}x: {verdict[bar['busbw_met']]})"
+        )
+    if bar["auto_worst_bytes"] is not None:
+        parts.append(
+            f"worst auto/mpi speed = {bar['auto_worst_ratio']:.2f}x at {bar['auto_worst_bytes']} B "
+            f"(>= {AUTO_BAR:g}x: {verdict[bar['auto_met']]})"
+        )
+    return "# bar: " + "; ".join(parts)
+
+
+def library_name(comm: Any) -> str:
+    if isinstance(comm, ThreadComm):
+        return "threads backend: comm.Allreduce is a NumPy sum of all ranks' buffers"
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().strip().splitlines()[0]
+
+
+def run(comm: Any, options: argparse.Namespace) -> dict | None:
+    """The sweep on one rank; rank 0 prints the table, writes the files and returns the rows."""
+    master_process = comm.Get_rank() == 0
+    backend = "threads" if isinstance(comm, ThreadComm) else "mpi"
+    if master_process:
+        print(f"# allreduce sweep: {comm.Get_size()} ranks, {backend} backend, {options.dtype}")
+        print(f"# baseline '{BASELINE}': {library_name(comm)}")
+        print(HEADER, flush=True)
+
+    def report(row: dict) -> None:
+        if master_process:
+            print(format_row(row), flush=True)
+
+    rows = sweep(comm, options, report)
+    if options.timeline:
+        traced_calls(comm, options)
+    if not master_process:
+        return None
+    if backend == "mpi" and any(r["size_bytes"] >= MMAP_THRESHOLD for r in rows):
+        print(
+            f"# note: from {MMAP_THRESHOLD >> 20} MiB on, the MPI library's Allreduce may pay for "
+            "fresh memory (glibc mmap) on every call while the hand-written algorithms reuse "
+            "their cached scratch; a ratio above 1 there is not a win of the algorithm"
+        )
+    # The bar compares with an MPI library; on threads the baseline is only a NumPy sum.
+    bar = performance_bar(rows) if backend == "mpi" else None
+    if bar:
+        print(describe_bar(bar), flush=True)
+    result = {
+        "benchmark": "allreduce",
+        "backend": backend,
+        "ranks": comm.Get_size(),
+        "dtype": options.dtype,
+        "baseline": library_name(comm),
+        "command": sys.argv,
+        "rows": rows,
+        "bar": bar,
+    }
+    if options.json:
+        write_text(options.json, json.dumps(result, indent=1) + "\n")
+    if options.csv:
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text(options.csv, text.getvalue())
+    if options.png:
+        draw_png(rows, options.png, f"allreduce, {comm.Get_size()} ranks, {backend} backend")
+    return {"rows": rows, "bar": bar}
+
+
+def traced_calls(comm: Any, options: argparse.Namespace) -> None:
+    """One traced call of every algorithm at every size, written as a Chrome trace (--timeline)."""
+    timeline = Timeline(comm)
+    ops = algorithms(comm, options.algorithms, trace=timeline.collective_step)
+    dtype = np.dtype(options.dtype)
+    for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
+        buf = np.zeros(nbytes // dtype.itemsize, dtype)
+        for name, op in ops.items():
+            comm.Barrier()  # calls one after the other, not overlapping, on the timeline
+            start = time.perf_counter()
+            op(buf)
+            timeline.span(f"{name} {nbytes} B", "call", start, time.perf_counter(), bytes=nbytes)
+    write_timeline(comm, timeline, options.timeline)
+
+
+def draw_png(rows: list[dict], path: str, title: str) -> None:
+    """Time and busbw against message size, one line per algorithm, written to `path`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from syncsgd.util.files import atomic_path
+
+    figure = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(figure)
+    time_axes, busbw_axes = figure.subplots(1, 2)
+    for name in dict.fromkeys(row["algorithm"] for row in rows):
+        mine = [row for row in rows if row["algorithm"] == name]
+        sizes = [row["size_bytes"] for row in mine]
+        time_axes.plot(sizes, [row["time_us"] for row in mine], marker=".", label=name)
+        busbw_axes.plot(sizes, [row["busbw_GBps"] for row in mine], marker=".", label=name)
+    time_axes.set(xscale="log", yscale="log", xlabel="size (bytes)", ylabel="time (us)")
+    busbw_axes.set(xscale="log", xlabel="size (bytes)", ylabel="busbw (GB/s)")
+    for axes in (time_axes, busbw_axes):
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+    figure.suptitle(title)
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=100)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `syncsgd bench allreduce`."""
+    parser.add_argument(
+        "--ranks",
+        type=positive_int,
+        default=None,
+        help="thread ranks (threads backend; default 2); under mpiexec, -n decides",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "threads", "mpi"),
+        default="auto",
+        help="auto: MPI under mpiexec/srun, threads otherwise",
+    )
+    parser.add_argument("--dtype", choices=("float64", "float32", "int64"), default="float64")
+    parser.add_argument("--min-bytes", type=parse_bytes, default=8, help="smallest size (8)")
+    parser.add_argument(
+        "--max-bytes", type=parse_bytes, default=64 << 20, help="largest size (64M)"
+    )
+    parser.add_argument(
+        "--batches",
+        type=positive_int,
+        default=15,
+        help="timed rounds per size, one batch of each algorithm per round; medians (15)",
+    )
+    parser.add_argument(
+        "--batch-seconds",
+        type=positive_float,
+        default=0.01,
+        help="target duration of one batch in seconds (0.01)",
+    )
+    parser.add_argument("--warmup", type=positive_int, default=5, help="warm-up calls (5)")
+    parser.add_argument(
+        "--max-iters", type=positive_int, default=2000, help="most calls in one batch (2000)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    parser.add_argument("--png", metavar="PATH", help="plot time and busbw against size")
+    parser.add_argument(
+        "--algorithms",
+        type=algorithm_list,
+        default=["ring"],
+        help="hand-written algorithms to time against the library's, e.g. "
+        "ring,recursive-doubling,rabenseifner,tree,naive,auto (default ring)",
+    )
+    parser.add_argument("--timeline", metavar="PATH",
+                        help="after the sweep, one traced call per algorithm and size as a "
+                        "Chrome trace (one row per rank, a span per step)")  # fmt: skip
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit with status 1 if a bar is missed (MPI backend): the ring's time at 8 B "
+        f"<= {LATENCY_BAR:g}x MPI's and its busbw >= {BUSBW_BAR:g}x MPI's from 1 MiB; auto's "
+        f"speed >= {AUTO_BAR:g}x MPI's at every size (with --algorithms auto)",
+    )
+
+
+def main(options: argparse.Namespace) -> int:
+    """Run the sweep on the backend the options ask for."""
+    if options.min_bytes > options.max_bytes:
+        raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
+    for path in (options.json, options.csv, options.png, options.timeline):
+        if path:
+            check_writable(path)
+    if options.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RuntimeError("--png needs matplotlib: pip install 'syncsgd[plot]'") from None
+    ranks = options.ranks
+    if ranks is None and options.backend != "mpi":
+        ranks = 2 if resolve_backend(options.backend) == "threads" else None
+    result = launch(run, options, backend=options.backend, ranks=ranks)[0]
+    bar = result and result["bar"]
+    if options.check and bar and not bar_met(bar):
+        print("syncsgd: the performance bar was missed (see the '# bar' line)", file=sys.stderr)
+        return 1
+    return 0

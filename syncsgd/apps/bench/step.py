@@ -1,0 +1,615 @@
+"""Training-step benchmark: compute, allreduce and update time of one SGD step, P = 1..N ranks.
+
+    syncsgd bench step                              # threads, P = 1,2,3,4, weak and strong scaling
+    python benchmarks/step.py --ranks 1,2 --json step.json --csv step.csv
+    mpiexec -n 2 python benchmarks/step.py          # MPI: P is the world size
+
+Method: for every scaling mode and P, `train_rank` (the real training loop, `quiet=True`) first runs
+`--warmup` burn-in steps, then `--repeats` runs of `--steps` steps each. `train_rank` times every
+step's compute (global batch, shard gather, Numba kernels), allreduce and update; a run's per-step
+times are the slowest rank's, and the median over runs is quoted. Weak scaling fixes the per-rank
+batch (global batch = P x per-rank), strong scaling fixes the global batch. The very first step of
+the process, which compiles the kernels or loads them from Numba's cache, is reported apart.
+
+Overhead check (P = 1): `train_rank`'s step against a bare loop over the same kernels (gather the
+batch, `Gradient(...)(...)`, `grad /= B`, plain SGD in NumPy), the two interleaved run by run
+(ABBA) and checked to end with bitwise the same parameters; the bar is 5%. Last, the wall time of
+`syncsgd --help` and of `syncsgd train --ranks 4` (warm JIT cache) in subprocesses. Nothing is
+asserted: the machines are shared and noisy, so repeat a run before believing a difference (the
+load average is printed). On a busy machine, OpenBLAS's own threads make the kernels' time swing
+tenfold; `OPENBLAS_NUM_THREADS=1 syncsgd bench step` gives steadier figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from syncsgd.comm.threads import run_threads
+from syncsgd.comm.world import constants, launched_by_mpi, mpi_world, resolve_backend
+from syncsgd.nn.mlp import parse_hidden
+from syncsgd.training.loop import Problem, TrainConfig, data, prepare, train_rank
+from syncsgd.util.argtypes import (
+    comma_separated,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    rank_list,
+)
+from syncsgd.util.files import write_text
+
+DEFAULT_RANKS = (1, 2, 3, 4)
+SCALINGS = ("weak", "strong")
+OVERHEAD_BAR = 0.05  # the distributed machinery may add at most 5% at P = 1
+HELP_BAR_S, TRAIN_BAR_S = 0.5, 10.0  # `syncsgd --help` and `syncsgd train --ranks 4` wall times
+PARTS = ("compute", "allreduce", "update", "step")
+PIECE_BATCHES, PIECE_CALLS = 9, 100  # timing of the pieces of the step that the bare loop lacks
+
+
+def scaling_list(text: str) -> list[str]:
+    """'weak,strong' -> ['weak', 'strong']."""
+    values = comma_separated(text)
+    unknown = [value for value in values if value not in SCALINGS]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(f"scaling must be weak, strong or weak,strong: {text!r}")
+    return values
+
+
+def train_config(options: argparse.Namespace, batch_size: int) -> TrainConfig:
+    """The benchmark's training run (synthetic data, constant-lr SGD) at one global batch size."""
+    return TrainConfig(
+        samples=options.samples, features=options.features, classes=options.classes,
+        hidden=parse_hidden(options.hidden), activation=options.activation, loss="xent",
+        batch_size=batch_size, steps=options.steps, lr=options.lr, seed=options.seed,
+        dtype=options.dtype,
+    )  # fmt: skip
+
+
+def global_batch_size(options: argparse.Namespace, scaling: str, ranks: int) -> int:
+    """Weak scaling: P x the per-rank batch; strong scaling: the fixed global batch."""
+    return ranks * options.per_rank_batch if scaling == "weak" else options.global_batch
+
+
+def slowest(comm: Any, values: list[float]) -> list[float]:
+    """Element-wise maximum of `values` over all ranks."""
+    mpi = constants(comm)
+    buffer = np.array(values, dtype=np.float64)
+    comm.Allreduce(mpi.IN_PLACE, buffer, op=mpi.MAX)
+    return buffer.tolist()
+
+
+def per_step_seconds(comm: Any, problem: Problem) -> list[float]:
+    """One run of `train_rank`: compute, allreduce, update and whole-step seconds per step."""
+    comm.Barrier()
+    result = train_rank(comm, problem, quiet=True)
+    totals = [result.compute_seconds, result.comm_seconds, result.update_seconds, result.seconds]
+    return slowest(comm, [total / result.steps for total in totals])
+
+
+# --- phases, each run on every rank of a communicator -----------------------------------------
+
+
+def first_step(comm: Any, options: argparse.Namespace, problem: Problem) -> dict:
+    """Seconds of the process's first training step (kernel compile or cache load) and import."""
+    started = time.perf_counter()
+    from syncsgd.nn import kernels  # imports Numba
+
+    import_seconds = time.perf_counter() - started
+    kernel = kernels.xent_gradient_
+    hits = sum(kernel.stats.cache_hits.values())
+    misses = sum(kernel.stats.cache_misses.values())
+    started = time.perf_counter()
+    result = train_rank(comm, replace(problem, steps=1), quiet=True)
+    call_seconds = time.perf_counter() - started  # also evaluate()'s first call on rank 0
+    if sum(kernel.stats.cache_misses.values()) > misses:
+        source = "JIT compile"
+    elif sum(kernel.stats.cache_hits.values()) > hits:
+        source = "Numba cache load"
+    else:
+        source = "already loaded"
+    import_s, step_s, call_s = slowest(comm, [import_seconds, result.seconds, call_seconds])
+    blas_threads = os.environ.get("OPENBLAS_NUM_THREADS", "unset")  # train_rank may set it
+    return {
+        "import_s": import_s, "first_step_s": step_s, "first_call_s": call_s, "source": source,
+        "blas_threads": blas_threads,
+    }  # fmt: skip
+
+
+def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, problem: Problem) -> dict:
+    """Burn in, then the median over `--repeats` runs of the slowest rank's per-step times."""
+    size = comm.Get_size()
+    train_rank(comm, replace(problem, steps=options.warmup), quiet=True)
+    runs = [per_step_seconds(comm, problem) for _ in range(options.repeats)]
+    medians = [statistics.median(run[part] for run in runs) for part in range(len(PARTS))]
+    steps = [run[-1] for run in runs]
+    batch = problem.config.batch_size
+    row = {"scaling": scaling, "ranks": size, "global_batch": batch, "shard": -(-batch // size)}
+    row.update({f"{part}_ms": seconds * 1e3 for part, seconds in zip(PARTS, medians, strict=True)})
+    row["step_min_ms"] = min(steps) * 1e3
+    row["step_max_ms"] = max(steps) * 1e3
+    row["samples_per_s"] = batch / medians[-1]
+    row["steps"], row["repeats"] = problem.steps, options.repeats
+    return row
+
+
+def bare_loop(problem: Problem) -> tuple[np.ndarray, list[float]]:
+    """The same SGD steps with the kernels called directly: final parameters, per-step seconds.
+
+    Like `train_rank`, it allocates its buffers before the loop, so both pay the first touch of
+    fresh memory in their first step. Returns (compute, 0, update, whole step) seconds per step.
+    """
+    from syncsgd.nn.kernels import Gradient
+
+    config, model, X, y = problem.config, problem.model, problem.X, problem.y
+    batch, n_samples, lr = config.batch_size, X.shape[0], config.lr
+    per_epoch = n_samples // batch
+    gradient = Gradient(model, batch)
+    X_batch = np.empty((batch, X.shape[1]), X.dtype)
+    y_batch = np.empty((batch, *y.shape[1:]), y.dtype)
+    grad = np.zeros(model.n_params, model.dtype)
+    scratch = np.empty(model.n_params, model.dtype)
+    params = model.init_params(config.seed)
+    order, order_epoch = np.empty(0, np.int64), -1
+    compute = update = 0.0
+    started = time.perf_counter()
+    for step in range(problem.steps):
+        t0 = time.perf_counter()
+        epoch, position = divmod(step, per_epoch)
+        if epoch != order_epoch:  # one permutation per epoch, as SPEC §5 defines it
+            order = data.epoch_order(n_samples, epoch, config.seed, config.shuffle)
+            order_epoch = epoch
+        indices = order[position * batch : (position + 1) * batch]
+        np.take(X, indices, axis=0, out=X_batch)
+        np.take(y, indices, axis=0, out=y_batch)
+        loss_sum, _ = gradient(params, X_batch, y_batch, grad)
+        t1 = time.perf_counter()
+        _loss = loss_sum / batch
+        grad /= batch
+        np.multiply(grad, lr, out=scratch)  # lr * grad rounded first, as the SGD step does
+        params -= scratch
+        t2 = time.perf_counter()
+        compute += t1 - t0
+        update += t2 - t1
+    seconds = time.perf_counter() - started
+    return params, [total / problem.steps for total in (compute, 0.0, update, seconds)]
+
+
+def _nothing(i: int) -> None:
+    """The bare loop's counterpart of a line it does not need."""
+
+
+def overhead(comm: Any, options: argparse.Namespace, problem: Problem) -> dict:
+    """`train_rank` against the bare loop at P = 1, interleaved ABBA run by run."""
+    if comm.Get_size() != 1:
+        raise ValueError("the overhead check runs on one rank")
+    trained = train_rank(comm, problem, quiet=True)  # also the burn-in of both loops
+    bare_params, _ = bare_loop(problem)
+    if not np.array_equal(trained.params, bare_params):
+        raise RuntimeError("the bare loop does not reproduce train_rank's parameters bitwise")
+    runs: dict[str, list[list[float]]] = {"train": [], "bare": []}
+    for repeat in range(options.overhead_repeats):
+        order = ("train", "bare") if repeat % 2 == 0 else ("bare", "train")
+        for name in order:
+            timed = per_step_seconds(comm, problem) if name == "train" else bare_loop(problem)[1]
+            runs[name].append(timed)
+    ratios = [t[-1] / b[-1] for t, b in zip(runs["train"], runs["bare"], strict=True)]
+    row: dict[str, Any] = {"batch": problem.config.batch_size, "steps": problem.steps}
+    for name, samples in runs.items():
+        for index, part in enumerate(PARTS):
+            row[f"{name}_{part}_ms"] = statistics.median(run[index] for run in samples) * 1e3
+        row[f"{name}_step_min_ms"] = min(run[-1] for run in samples) * 1e3
+    row["ratio"] = statistics.median(ratios)  # median of the paired (interleaved) ratios
+    row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
+    row["ratio_of_minima"] = row["train_step_min_ms"] / row["bare_step_min_ms"]
+    row["overhead_pct"] = (row["ratio"] - 1) * 100
+    row["within_bar"] = row["ratio"] <= 1 + OVERHEAD_BAR
+    row["bitwise_equal"] = True
+    row["pieces"] = machinery_pieces(comm, problem, row["bare_step_min_ms"] / 1e3)
+    return row
+
+
+def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> list[dict]:
+    """Each line of train_rank's step that the bare loop does differently, timed on its own.
+
+    The pieces mirror syncsgd/training.py's loop: the batch indices (`data.global_batch` and
+    `data.shard` against a slice of the epoch's order), the allreduce (a no-op at P = 1), the
+    division by B fused with the finiteness check (`divide_finite_`, against `np.divide`) and the
+    update (`SGD.step_` without the gradient norm, which a quiet run does not compute, against
+    `lr * grad` subtracted). The kernels and the gather are the same on both sides. Best of
+    interleaved batches, in microseconds per call.
+    """
+    from syncsgd.collectives import allreduce
+    from syncsgd.nn.kernels import divide_finite_
+    from syncsgd.nn.optim import SGD
+
+    config, model = problem.config, problem.model
+    n_samples, batch, lr = problem.X.shape[0], config.batch_size, config.lr
+    per_epoch = n_samples // batch
+    order = data.epoch_order(n_samples, 0, config.seed, config.shuffle)
+    comm_buffer = np.zeros(model.n_params + 2, model.dtype)
+    grad = comm_buffer[: model.n_params]
+    grad[:] = np.random.default_rng(config.seed).normal(0, 1e-3, model.n_params)
+    loss = 1.0  # a finite mean loss
+    params = model.init_params(config.seed)
+    scratch = np.empty_like(params)
+    sgd = SGD(problem.optim, model.n_params, model.dtype)
+
+    def global_batch(i: int) -> np.ndarray:
+        position = i % per_epoch  # steady state inside one epoch (both sides permute per epoch)
+        indices = data.global_batch(position, n_samples, batch, config.seed, config.shuffle)
+        return data.shard(indices, 0, 1)
+
+    def bare_indices(i: int) -> np.ndarray:
+        position = i % per_epoch
+        return order[position * batch : (position + 1) * batch]
+
+    one = grad.dtype.type(1)
+
+    def mean_and_check(i: int) -> bool:
+        return math.isfinite(loss) and divide_finite_(grad, one, grad)  # / 1: grad stays as is
+
+    def bare_mean(i: int) -> None:
+        np.divide(grad, 1, out=grad)
+
+    def bare_update(i: int) -> None:
+        np.multiply(grad, lr, out=scratch)
+        np.subtract(params, scratch, out=params)
+
+    pieces = {
+        "batch indices": (global_batch, bare_indices),
+        "allreduce (P=1)": (lambda i: allreduce(comm_buffer, comm, config.algorithm), _nothing),
+        "mean, finite check": (mean_and_check, bare_mean),
+        "update": (lambda i: sgd.step_(params, grad, i, want_norm=False), bare_update),
+    }
+    rows = []
+    for name, (train_piece, bare_piece) in pieces.items():
+        best = {"train": np.inf, "bare": np.inf}
+        for repeat in range(PIECE_BATCHES):
+            for side in ("train", "bare") if repeat % 2 == 0 else ("bare", "train"):
+                call = train_piece if side == "train" else bare_piece
+                started = time.perf_counter()
+                for i in range(PIECE_CALLS):
+                    call(i)
+                best[side] = min(best[side], (time.perf_counter() - started) / PIECE_CALLS)
+        extra = best["train"] - best["bare"]
+        rows.append({
+            "piece": name, "train_us": best["train"] * 1e6, "bare_us": best["bare"] * 1e6,
+            "extra_us": extra * 1e6, "extra_pct": 100 * extra / bare_step_seconds,
+        })  # fmt: skip
+    return rows
+
+
+# --- the command-line timings ------------------------------------------------------------------
+
+
+def syncsgd_command() -> list[str]:
+    """The `syncsgd` console script next to this Python, else `python -m syncsgd.cli`."""
+    script = os.path.join(os.path.dirname(sys.executable), "syncsgd")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "syncsgd.cli"]
+
+
+def time_command(argv: list[str], runs: int) -> list[float]:
+    """Wall seconds of `runs` runs of `argv`; RuntimeError naming the command if one fails."""
+    seconds = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        finished = subprocess.run(argv, capture_output=True, text=True)
+        seconds.append(time.perf_counter() - started)
+        if finished.returncode != 0:
+            last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{' '.join(argv)} exited with {finished.returncode}: {last}")
+    return seconds
+
+
+def cli_timings(runs: int) -> list[dict]:
+    """Wall times of `syncsgd --help` and `syncsgd train --ranks 4`, each after a warm-up run."""
+    command = syncsgd_command()
+    rows: list[dict[str, Any]] = []
+    for args, bar in ((["--help"], HELP_BAR_S), (["train", "--ranks", "4"], TRAIN_BAR_S)):
+        try:
+            time_command(command + args, 1)  # warm: Numba's on-disk cache, the OS's file cache
+            seconds = time_command(command + args, runs)
+        except RuntimeError as exc:
+            rows.append({"command": " ".join(["syncsgd", *args]), "error": str(exc)})
+            continue
+        rows.append({
+            "command": " ".join(["syncsgd", *args]), "median_s": statistics.median(seconds),
+            "min_s": min(seconds), "max_s": max(seconds), "runs": runs, "bar_s": bar,
+            "within_bar": statistics.median(seconds) < bar,
+        })  # fmt: skip
+    return rows
+
+
+# --- output -------------------------------------------------------------------------------------
+
+SCALING_HEADER = (
+    f"{'scaling':>7} {'P':>3} {'batch':>6} {'shard':>6} {'compute':>9} {'allreduce':>9} "
+    f"{'update':>9} {'step':>9} {'min':>8} {'max':>8} {'samples/s':>10} {'speedup':>8} "
+    f"{'effic.':>7}"
+)
+
+
+def format_scaling(row: dict) -> str:
+    def optional(value: float | None, width: int) -> str:
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}.2f}"
+
+    return (
+        f"{row['scaling']:>7} {row['ranks']:>3} {row['global_batch']:>6} {row['shard']:>6} "
+        f"{row['compute_ms']:>9.3f} {row['allreduce_ms']:>9.3f} {row['update_ms']:>9.3f} "
+        f"{row['step_ms']:>9.3f} {row['step_min_ms']:>8.3f} {row['step_max_ms']:>8.3f} "
+        f"{row['samples_per_s']:>10.0f} {optional(row['speedup'], 8)} "
+        f"{optional(row['efficiency'], 7)}"
+    )
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Throughput relative to P = 1 of the same scaling mode, and that divided by P (efficiency)."""
+    for row in rows:
+        single = [r for r in rows if r["scaling"] == row["scaling"] and r["ranks"] == 1]
+        if single:
+            row["speedup"] = row["samples_per_s"] / single[0]["samples_per_s"]
+            row["efficiency"] = row["speedup"] / row["ranks"]
+        else:
+            row["speedup"] = row["efficiency"] = None
+
+
+OVERHEAD_HEADER = (
+    f"{'batch':>6} {'bare cmp':>9} {'train cmp':>9} {'trainallr':>9} {'bare upd':>9} "
+    f"{'train upd':>9} {'bare step':>9} {'trainstep':>9} {'ratio':>7} {'range':>13} "
+    f"{'best/best':>9}"
+)
+
+
+def print_overhead(row: dict) -> None:
+    verdict = "within" if row["within_bar"] else "ABOVE"
+    print(
+        f"{row['batch']:>6} {row['bare_compute_ms']:>9.3f} {row['train_compute_ms']:>9.3f} "
+        f"{row['train_allreduce_ms']:>9.3f} {row['bare_update_ms']:>9.3f} "
+        f"{row['train_update_ms']:>9.3f} {row['bare_step_ms']:>9.3f} "
+        f"{row['train_step_ms']:>9.3f} {row['ratio']:>7.3f} "
+        f"{row['ratio_min']:>6.3f}-{row['ratio_max']:<6.3f} {row['ratio_of_minima']:>9.3f}  "
+        f"{verdict} the 5% bar",
+        flush=True,
+    )
+    for piece in row["pieces"]:
+        print(
+            f"#   {piece['piece']:>16}: train {piece['train_us']:8.1f} us, bare "
+            f"{piece['bare_us']:8.1f} us, extra {piece['extra_us']:8.1f} us = "
+            f"{piece['extra_pct']:5.2f}% of the bare step",
+            flush=True,
+        )
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS does not tell)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def write_outputs(options: argparse.Namespace, result: dict) -> None:
+    """The --json and --csv files (the CSV holds the scaling rows)."""
+    if options.json:
+        write_text(options.json, json.dumps(result, indent=1) + "\n")
+    if options.csv:
+        rows = result["scaling"]
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=list(rows[0]) if rows else ["scaling"])
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text(options.csv, text.getvalue())
+
+
+# --- the driver -----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `syncsgd bench step`."""
+    parser.add_argument(
+        "--ranks",
+        type=rank_list,
+        default=None,
+        help="thread rank counts to run (default 1,2,3,4); under mpiexec, -n",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "threads", "mpi"),
+        default="auto",
+        help="auto: MPI under mpiexec/srun, threads otherwise",
+    )
+    parser.add_argument(
+        "--scaling",
+        type=scaling_list,
+        default=list(SCALINGS),
+        help="weak, strong or weak,strong (default both)",
+    )
+    parser.add_argument(
+        "--per-rank-batch",
+        type=positive_int,
+        default=64,
+        help="weak scaling: samples per rank (64)",
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=positive_int,
+        default=256,
+        help="strong scaling: the global batch (256)",
+    )
+    parser.add_argument(
+        "--samples", type=positive_int, default=2048, help="synthetic samples (2048)"
+    )
+    parser.add_argument("--features", type=positive_int, default=784, help="input size (784)")
+    parser.add_argument("--hidden", default="256,256", help="hidden sizes (256,256)")
+    parser.add_argument("--classes", type=positive_int, default=10, help="classes (10)")
+    parser.add_argument("--activation", choices=("relu", "tanh"), default="relu")
+    parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    parser.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (0.01)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
+    parser.add_argument("--steps", type=positive_int, default=20, help="steps per timed run (20)")
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=7,
+        help="timed runs per configuration; the median is quoted (7)",
+    )
+    parser.add_argument(
+        "--warmup", type=positive_int, default=5, help="burn-in steps per configuration (5)"
+    )
+    parser.add_argument(
+        "--overhead-batch",
+        type=rank_list,
+        default=[64, 256],
+        help="batch sizes of the P = 1 overhead check (64,256)",
+    )
+    parser.add_argument(
+        "--overhead-repeats",
+        type=positive_int,
+        default=15,
+        help="interleaved runs of each side of the overhead check (15)",
+    )
+    parser.add_argument(
+        "--no-overhead", dest="overhead", action="store_false", help="skip the P = 1 overhead check"
+    )
+    parser.add_argument(
+        "--cli-runs",
+        type=nonnegative_int,
+        default=5,
+        help="runs of each command-line timing; 0 skips them (5)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    parser.add_argument("--csv", metavar="PATH", help="write the scaling rows as CSV")  # fmt: skip
+
+
+def main(options: argparse.Namespace) -> int:
+    """Run every phase on the chosen backend; the first rank prints and writes the files."""
+    backend = resolve_backend(options.backend)
+    if backend == "threads":
+        rank_counts = list(options.ranks or DEFAULT_RANKS)
+
+        def call(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
+            return run_threads(ranks, phase, options, *args)[0]
+
+        master_process = True
+    else:
+        comm = mpi_world()
+        world = comm.Get_size()
+        if options.ranks is not None and options.ranks != [world]:
+            raise ValueError(
+                f"--ranks {','.join(map(str, options.ranks))} disagrees with the MPI world size "
+                f"{world}: under mpiexec, leave --ranks out or make it equal to -n"
+            )
+        rank_counts = [world]
+
+        def call(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
+            return phase(comm, options, *args)
+
+        master_process = comm.Get_rank() == 0
+    parse_hidden(options.hidden)  # a bad --hidden fails here, before any work
+    largest = max(
+        [global_batch_size(options, s, p) for s in options.scaling for p in rank_counts]
+        + (options.overhead_batch if options.overhead else [])
+    )
+    if largest > options.samples:
+        raise ValueError(
+            f"--samples {options.samples} is smaller than the largest global batch {largest}: "
+            f"raise --samples or lower the batch sizes"
+        )
+    say = print if master_process else (lambda *args, **kwargs: None)
+
+    model = "-".join(map(str, (options.features, *parse_hidden(options.hidden), options.classes)))
+    say(
+        f"# training step: MLP {model} {options.activation} xent {options.dtype}, {backend} "
+        f"backend, {options.samples} synthetic samples; {options.steps} steps x {options.repeats} "
+        f"runs after {options.warmup} burn-in steps; medians, slowest rank; "
+        f"cores {os.cpu_count()}, load average {load_average()}",
+        flush=True,
+    )
+    load_before = load_average()
+    problems = {}
+    for scaling in options.scaling:
+        for ranks in rank_counts:
+            config = train_config(options, global_batch_size(options, scaling, ranks))
+            problems[scaling, ranks] = prepare(config)
+
+    first_key = (options.scaling[0], rank_counts[0])
+    jit = call(first_step, first_key[1], problems[first_key])
+    say(
+        f"# first step ({first_key[0]}, P={first_key[1]}): {jit['first_step_s']:.3f} s "
+        f"({jit['source']}; the first train_rank call {jit['first_call_s']:.3f} s); "
+        f"import of Numba and the kernels {jit['import_s']:.3f} s; kernels' BLAS: "
+        f"OPENBLAS_NUM_THREADS={jit['blas_threads']}",
+        flush=True,
+    )
+    say("# times in ms per step", flush=True)
+    say(SCALING_HEADER, flush=True)
+    rows = []
+    for scaling, ranks in problems:
+        row = call(scaling_row, ranks, scaling, problems[scaling, ranks])
+        rows.append(row)
+        add_speedups(rows)
+        say(format_scaling(row), flush=True)
+
+    overhead_rows: list[dict] = []
+    if options.overhead and 1 in rank_counts:
+        say(
+            "# overhead at P = 1, ms per step: 'train' is train_rank's step, 'bare' the kernels "
+            "called directly; cmp = compute, allr = allreduce, upd = update; interleaved runs"
+        )
+        say(
+            "# ratio: median of the paired train/bare step ratios (range: all pairs); best/best: "
+            "fastest train run over fastest bare run; under each batch, the pieces of the step "
+            f"that differ, timed alone (best of {PIECE_BATCHES} x {PIECE_CALLS} calls; a lower "
+            "bound: inside the loop, extra memory traffic also evicts the kernels' data)"
+        )
+        say(OVERHEAD_HEADER, flush=True)
+        for batch in options.overhead_batch:
+            problem = prepare(train_config(options, batch))
+            overhead_rows.append(call(overhead, 1, problem))
+            if master_process:
+                print_overhead(overhead_rows[-1])
+    elif options.overhead:
+        say("# overhead check skipped: it needs P = 1 (threads, or mpiexec -n 1)")
+
+    cli_rows: list[dict] = []
+    if options.cli_runs and master_process:
+        if backend == "threads" and not launched_by_mpi():
+            print(f"# command line: median of {options.cli_runs} runs after one warm-up run")
+            for row in cli_timings(options.cli_runs):
+                cli_rows.append(row)
+                if "error" in row:
+                    print(f"{row['command']:>28}: FAILED: {row['error']}", flush=True)
+                    continue
+                verdict = "within" if row["within_bar"] else "ABOVE"
+                print(
+                    f"{row['command']:>28}: {row['median_s']:.3f} s (min {row['min_s']:.3f}, "
+                    f"max {row['max_s']:.3f}); {verdict} the {row['bar_s']:g} s bar",
+                    flush=True,
+                )
+        else:
+            print("# command-line timings skipped under MPI (run them on the threads backend)")
+
+    if master_process:
+        print(f"# load average at the end: {load_average()} (other work skews every time)")
+        write_outputs(options, {
+            "benchmark": "step", "backend": backend, "model": model,
+            "activation": options.activation, "loss": "xent", "dtype": options.dtype,
+            "samples": options.samples, "cores": os.cpu_count(),
+            "load_average": {"start": load_before, "end": load_average()},
+            "command": sys.argv, "first_step": jit, "scaling": rows, "overhead": overhead_rows,
+            "cli": cli_rows,
+        })  # fmt: skip
+    return 0

@@ -1,0 +1,1 @@
+"""The model: an MLP in one flat parameter buffer, its Numba kernels, and the optimizer."""

@@ -1,0 +1,1 @@
+"""Training: the configuration, the data, the step, the loop and its instruments."""

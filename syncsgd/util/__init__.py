@@ -1,0 +1,1 @@
+"""Small shared helpers: atomic output files, argparse value types, argument checks."""
