@@ -3,7 +3,8 @@
 from syncsgd.collectives import ALGORITHMS, allreduce, allreducer
 from syncsgd.collectives.ring import TraceEvent, ring_allreduce
 from syncsgd.comm.threads import DeadlockError, RankAborted, ThreadComm, run_threads
-from syncsgd.training.loop import TrainConfig, TrainResult, train
+from syncsgd.training.config import TrainConfig
+from syncsgd.training.loop import TrainResult, train
 
 __version__ = "0.1.0"
 __all__ = [

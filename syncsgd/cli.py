@@ -118,7 +118,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, single_run: bool = T
     """
     from syncsgd.collectives import ALGORITHMS
     from syncsgd.nn.optim import LR_SCALINGS, SCHEDULES
-    from syncsgd.training.loop import DATA_SOURCES, TrainConfig
+    from syncsgd.training.config import DATA_SOURCES, TrainConfig
     from syncsgd.training.pitfalls import PITFALLS
 
     d = TrainConfig()
@@ -300,7 +300,7 @@ def add_rank_arguments(group: argparse._ArgumentGroup) -> None:
 def config_from_options(options: argparse.Namespace):  # -> TrainConfig (imported lazily)
     """The TrainConfig that the parsed options of train or verify describe."""
     from syncsgd.nn.mlp import parse_hidden
-    from syncsgd.training.loop import TrainConfig
+    from syncsgd.training.config import TrainConfig
 
     return TrainConfig(
         data=options.data, samples=options.samples, features=options.features,

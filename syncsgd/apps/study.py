@@ -746,7 +746,7 @@ def resolve(options: argparse.Namespace) -> argparse.Namespace:
 def workload(options: argparse.Namespace) -> Any:
     """The TrainConfig of the study's runs (batch size, lr, momentum and steps vary per run)."""
     from syncsgd.nn.mlp import parse_hidden
-    from syncsgd.training.loop import TrainConfig
+    from syncsgd.training.config import TrainConfig
 
     return TrainConfig(
         data=options.data,

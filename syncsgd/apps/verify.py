@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from syncsgd.comm.threads import run_threads
-from syncsgd.training.loop import TrainConfig, TrainResult, prepare, train_rank
+from syncsgd.training.config import TrainConfig
+from syncsgd.training.loop import TrainResult, prepare, train_rank
 from syncsgd.util.files import write_text
 
 # Float mode: the relative distance from serial SGD that a correct run stays within (SPEC §6).
