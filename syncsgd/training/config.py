@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from syncsgd.collectives import algorithms as collectives
+from syncsgd.collectives import ALGORITHMS
 from syncsgd.training.pitfalls import PITFALLS
 
 DATA_SOURCES = (
@@ -47,7 +47,7 @@ class TrainConfig:
     dtype: str = "float64"
     init: str | None = None  # .npz with W0, b0, ... to start from instead of the seeded draw
     bucket_bytes: int | None = None  # None: one fused allreduce; 0: one per layer; else buckets
-    algorithm: str = "ring"  # the allreduce: one of collectives.ALGORITHMS
+    algorithm: str = "ring"  # the allreduce: one of ALGORITHMS
     exact: bool = False  # bitwise the same result for every number of ranks (SPEC §6)
     pitfall: str | None = None  # one of PITFALLS: do deliberately what real systems get wrong
     checkpoint: str | None = None  # directory to write checkpoints to
@@ -79,9 +79,9 @@ class TrainConfig:
             f"--bucket-bytes must be >= 0, got {self.bucket_bytes}",
         )
         _require(
-            self.algorithm in collectives.ALGORITHMS,
+            self.algorithm in ALGORITHMS,
             f"unknown --algorithm {self.algorithm!r}: choose one of "
-            f"{', '.join(collectives.ALGORITHMS)}",
+            f"{', '.join(ALGORITHMS)}",
         )
         _require(
             self.pitfall is None or self.pitfall in PITFALLS,

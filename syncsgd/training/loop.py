@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from syncsgd import collectives
+from syncsgd.collectives import allreduce as collective_allreduce
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.world import constants, launch
 from syncsgd.nn.mlp import MLP, shape_size
@@ -224,7 +224,7 @@ def train_rank(
     # check=False: no agreement round before "mpi" and "auto" - every rank built the same buffer
     # from options and data that the start-up fingerprint showed to be the same on every rank.
     allreduce: Callable[..., np.ndarray] = functools.partial(
-        collectives.allreduce, algorithm=config.algorithm, check=False,
+        collective_allreduce, algorithm=config.algorithm, check=False,
         trace=timeline.collective_step if timeline is not None else None,
     )  # fmt: skip
     if config.pitfall == "fp32-allreduce":

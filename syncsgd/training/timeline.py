@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.collectives.ring import TraceEvent
+from syncsgd.collectives import TraceEvent
 from syncsgd.util.files import write_text
 
 _TAG = 4321
