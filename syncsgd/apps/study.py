@@ -4,7 +4,7 @@ scale beside the measured knee, and a time model that says how many ranks pay.
     syncsgd study batch-size --quick --png study.png --json study.json
     syncsgd study batch-size --batch-sizes 16,64,256 --lrs 0.05,0.1,0.2,0.4 --target-accuracy 0.8
 
-Because syncsgd's result does not depend on the number of ranks (SPEC §6), the number of steps to
+Because syncsgd's result does not depend on the number of ranks, the number of steps to
 reach a target is a property of the workload and the global batch size B alone (Shallue et al.
 2019, "Measuring the effects of data parallelism on neural network training"), so the runs use one
 rank by default. For every B, every (lr, momentum) of the grid trains for at most --max-steps steps
@@ -652,7 +652,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a small grid that runs in a few minutes on two cores",
     )
-    grid = parser.add_argument_group("the grid")
+    add_grid_arguments(parser.add_argument_group("the grid"))
+    add_workload_arguments(parser.add_argument_group("the workload (as in syncsgd train)"))
+    add_time_model_arguments(parser.add_argument_group("the time model (a prediction)"))
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write rows, trials, knee and time model")
+    out.add_argument("--png", metavar="PATH", help="log-log plot of steps against batch size")
+
+
+def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:
+    """The batch sizes, the tuning grid, the target and the ranks of every run."""
     for flag, kind, text in (
         ("--batch-sizes", int_list, "global batch sizes"),
         ("--lrs", float_list, "learning rates to tune over"),
@@ -683,7 +692,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4,
         help="thread ranks of each batch size's noise-scale run; 0 skips them (default 4)",
     )
-    work = parser.add_argument_group("the workload (as in syncsgd train)")
+
+
+def add_workload_arguments(work: argparse._ArgumentGroup) -> None:
+    """The model and data, as `syncsgd train` takes them."""
     work.add_argument("--data", metavar="NAME|PATH", help=f"({preset_help('data')})")
     work.add_argument("--samples", type=positive_int, help=f"({preset_help('samples')})")
     work.add_argument("--features", type=positive_int, help=f"({preset_help('features')})")
@@ -696,7 +708,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--holdout", type=fraction, help=f"fraction held out ({preset_help('holdout')})"
     )
     work.add_argument("--seed", type=nonnegative_int, default=0)
-    model = parser.add_argument_group("the time model (a prediction)")
+
+
+def add_time_model_arguments(model: argparse._ArgumentGroup) -> None:
+    """The machine and step costs the time model predicts with."""
     model.add_argument(
         "--model-ranks",
         type=int_list,
@@ -727,9 +742,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="update seconds per step instead of the measured time",
     )
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="write rows, trials, knee and time model")
-    out.add_argument("--png", metavar="PATH", help="log-log plot of steps against batch size")
 
 
 def resolve(options: argparse.Namespace) -> argparse.Namespace:
@@ -825,8 +837,8 @@ def describe_target(base: Any) -> str:
     return f"held-out accuracy >= {base.target_accuracy:g}"
 
 
-def main(options: argparse.Namespace) -> int:
-    """`syncsgd study batch-size`: the table, the knee, the noise scale and the time model."""
+def check_outputs(options: argparse.Namespace) -> None:
+    """Fail before any run when the study cannot start or cannot write what it was asked to."""
     from syncsgd.comm.world import launched_by_mpi
 
     if launched_by_mpi():
@@ -839,9 +851,11 @@ def main(options: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise RuntimeError("--png needs matplotlib: pip install 'syncsgd[plot]'") from None
-    options = resolve(options)
-    base = workload(options)
-    settings = StudySettings(
+
+
+def study_settings(options: argparse.Namespace) -> StudySettings:
+    """The grid and budget of the resolved options."""
+    return StudySettings(
         tuple(options.batch_sizes),
         tuple(options.lrs),
         tuple(options.momentums),
@@ -849,7 +863,56 @@ def main(options: argparse.Namespace) -> int:
         options.ranks,
         options.noise_ranks,
     )
-    params, params_source, fit_document = machine(options)  # a bad --fit fails before the runs
+
+
+def run_and_print_rows(base: Any, settings: StudySettings, train: Trainer) -> list[Row]:
+    """Run the study, printing each row of the table as soon as it is done."""
+    print(ROW_HEADER, flush=True)
+    done: list[Row] = []
+
+    def report(row: Row) -> None:
+        done.append(row)
+        print(format_row(row, perfect_scaling(done, row.batch_size)), flush=True)
+
+    return study_batch_size(base, settings, train=train, report=report)
+
+
+def print_time_model(
+    options: argparse.Namespace,
+    rows: list[Row],
+    settings: StudySettings,
+    gradient_bytes: int,
+    machine_model: tuple[costmodel.Params, str, dict[str, Any] | None],
+) -> dict[str, Any]:
+    """Print the predicted time to target per number of ranks; return it for the JSON."""
+    params, params_source, fit_document = machine_model
+    trials = [trial for row in rows for trial in row.trials]
+    costs = step_costs(options, trials, settings.ranks)
+    largest = max(settings.batch_sizes)
+    rank_counts = options.model_ranks or [1 << k for k in range(largest.bit_length())]
+    table = time_model(rows, costs, rank_counts, gradient_bytes, params, options.allreduce)
+    lines = time_model_lines(table, costs, gradient_bytes, params, params_source, options.allreduce)
+    print("\n".join(lines), flush=True)
+    return {
+        "prediction": True,
+        "algorithm": options.allreduce,
+        "params": params._asdict(),
+        "params_source": params_source,
+        "fit": fit_document,
+        "gradient_bytes": gradient_bytes,
+        "costs": costs._asdict(),
+        "rows": [asdict(row) for row in table],
+        "stops_paying_after": stops_paying(table),
+    }
+
+
+def main(options: argparse.Namespace) -> int:
+    """`syncsgd study batch-size`: the table, the knee, the noise scale and the time model."""
+    check_outputs(options)
+    options = resolve(options)
+    base = workload(options)
+    settings = study_settings(options)
+    machine_model = machine(options)  # a bad --fit fails before the runs
 
     from syncsgd.nn.kernels import limit_blas_threads
     from syncsgd.training.loop import prepare, train
@@ -862,45 +925,22 @@ def main(options: argparse.Namespace) -> int:
     gradient_bytes = problem.model.n_params * problem.model.dtype.itemsize
     train(base, steps=1)  # loads (or compiles) the kernels before anything is timed
     print(describe_workload(base, problem, settings), flush=True)
-    print(ROW_HEADER, flush=True)
     started = time.perf_counter()
-    done: list[Row] = []
-
-    def report(row: Row) -> None:
-        done.append(row)
-        print(format_row(row, perfect_scaling(done, row.batch_size)), flush=True)
-
-    rows = study_batch_size(base, settings, train=train, report=report)
+    rows = run_and_print_rows(base, settings, train)
     study_seconds = time.perf_counter() - started
     met = reached(rows)
     knee = fit_knee([batch for batch, _ in met], [steps for _, steps in met])
-    trials = [t for row in rows for t in row.trials]
+    runs = sum(len(row.trials) for row in rows)
     noise_runs = sum(row.noise_scale is not None for row in rows)
     lines = describe_findings(rows, knee)
-    lines.append(f"# {len(trials)} runs + {noise_runs} noise-scale runs in {study_seconds:.1f} s")
+    lines.append(f"# {runs} runs + {noise_runs} noise-scale runs in {study_seconds:.1f} s")
     print("\n".join(lines), flush=True)
 
     extra: dict[str, Any] = {"seconds": study_seconds, "command": sys.argv, "cores": os.cpu_count()}
     if met:
-        costs = step_costs(options, trials, settings.ranks)
-        largest = max(settings.batch_sizes)
-        rank_counts = options.model_ranks or [1 << k for k in range(largest.bit_length())]
-        table = time_model(rows, costs, rank_counts, gradient_bytes, params, options.allreduce)
-        lines = time_model_lines(
-            table, costs, gradient_bytes, params, params_source, options.allreduce
+        extra["time_model"] = print_time_model(
+            options, rows, settings, gradient_bytes, machine_model
         )
-        print("\n".join(lines), flush=True)
-        extra["time_model"] = {
-            "prediction": True,
-            "algorithm": options.allreduce,
-            "params": params._asdict(),
-            "params_source": params_source,
-            "fit": fit_document,
-            "gradient_bytes": gradient_bytes,
-            "costs": costs._asdict(),
-            "rows": [asdict(row) for row in table],
-            "stops_paying_after": stops_paying(table),
-        }
     if options.json:
         document = study_json(rows, knee, base, settings, extra)
         write_text(options.json, json.dumps(document, indent=1) + "\n")
