@@ -25,7 +25,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def naive_ring_states(ranks: int, length: int) -> list[list[np.ndarray]]:
-    """Every rank's buffer after each of the 2(P-1) steps, as SPEC §4 describes the ring."""
+    """Every rank's buffer after each of the 2(P-1) steps of reduce-scatter then allgather."""
     buffers = [np.full(length, 10**r, dtype=np.int64) for r in range(ranks)]
     bounds = chunk_bounds(length, ranks)
     chunk = [slice(bounds[c], bounds[c + 1]) for c in range(ranks)]

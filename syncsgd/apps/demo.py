@@ -250,64 +250,82 @@ def _what(chunk: int, span: tuple[int, int], chunked: bool) -> str:
 
 def render_text(demo: Demo, color: bool = False) -> str:
     """Every step of `demo`: each rank's buffer, the chunk received marked, the chunk sent."""
-    p, n = demo.ranks, demo.length
     everything = [*demo.start, *demo.final] + [s.buffer for _, group in demo.steps for s in group]
     width = max([len(str(int(v))) for buf in everything for v in buf] or [1])
-    elements, ranks = _count(n, "int64 element"), _count(p, "thread rank")
+    label = max(len(f"rank {demo.ranks - 1}"), 6)  # the width of the row names
+    bounds = chunk_layout(demo.algorithm, demo.length, demo.ranks)
+    lines = _header_lines(demo, bounds, color)
+    lines += ["", "start"]
+    lines += _buffer_lines(demo.start, width, label, color)
+    lines += _step_lines(demo, bounds, width, label, color)
+    lines += ["", "result"]
+    lines += _buffer_lines(demo.final, width, label, color)
+    lines.append(f"  {'NumPy':<{label}}: " + format_buffer(demo.expected, width, color=color))
+    verdict = "equal to the NumPy sum on every rank" if demo.correct else "WRONG: not the NumPy sum"
+    lines.append(f"{demo.algorithm} allreduce result: {verdict}")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _header_lines(demo: Demo, bounds: list[int] | None, color: bool) -> list[str]:
+    """What is summed over how many ranks, how to read the buffers, and the chunks."""
+    p = demo.ranks
+    elements, ranks = _count(demo.length, "int64 element"), _count(p, "thread rank")
     lines = [f"{demo.algorithm} allreduce of {elements} over {ranks}"]
     if demo.note:
         lines.append(demo.note)
     if p == 1:
         lines.append("one rank has nobody to talk to: its buffer is already the sum")
-    elif p <= DIGIT_RANKS:
+        return lines
+    if p <= DIGIT_RANKS:
         lines.append("rank r starts with 10**r in every element: digit r of a sum (from the right)")
         lines.append(f"says whether rank r is in it, and {'1' * p} means all {p} ranks")
     else:
         lines.append(f"rank r starts with r + 1 in every element; the sum is {p * (p + 1) // 2}")
-    bounds = chunk_layout(demo.algorithm, n, p)
-    if p > 1:
-        if bounds is not None:
-            spans = "  ".join(
-                f"{c} = [{bounds[c]}:{bounds[c + 1]})" for c in range(len(bounds) - 1)
-            )
-            lines.append(f"chunks (as numpy.array_split): {spans}")
-        if p & (p - 1) and demo.algorithm in ("recursive-doubling", "rabenseifner"):
-            lines += FOLDING
-        lines += EXPLANATIONS.get(demo.algorithm, ())
-        marked = "in colour" if color else "in [brackets]"
-        lines.append(f"what each rank just received is {marked}")
-    lines += ["", "start"]
-    label = max(len(f"rank {p - 1}"), 6)
-    for rank, buf in enumerate(demo.start):
-        lines.append(f"  {f'rank {rank}':<{label}}: " + format_buffer(buf, width, color=color))
+    if bounds is not None:
+        spans = "  ".join(f"{c} = [{bounds[c]}:{bounds[c + 1]})" for c in range(len(bounds) - 1))
+        lines.append(f"chunks (as numpy.array_split): {spans}")
+    if p & (p - 1) and demo.algorithm in ("recursive-doubling", "rabenseifner"):
+        lines += FOLDING
+    lines += EXPLANATIONS.get(demo.algorithm, ())
+    marked = "in colour" if color else "in [brackets]"
+    lines.append(f"what each rank just received is {marked}")
+    return lines
+
+
+def _buffer_lines(buffers: Sequence[Any], width: int, label: int, color: bool) -> list[str]:
+    """One line per rank: its name and its buffer."""
+    return [
+        f"  {f'rank {rank}':<{label}}: " + format_buffer(buf, width, color=color)
+        for rank, buf in enumerate(buffers)
+    ]
+
+
+def _step_lines(
+    demo: Demo, bounds: list[int] | None, width: int, label: int, color: bool
+) -> list[str]:
+    """Every step: a title, then each rank's buffer and what it sent and received, or idle."""
     current = list(demo.start)
     phase_steps: dict[str, int] = {}
     for (phase, _), _group in demo.steps:
         phase_steps[phase] = phase_steps.get(phase, 0) + 1
+    lines: list[str] = []
     for (phase, step), group in demo.steps:
         lines += ["", f"{phase} step {step + 1} of {phase_steps[phase]}"]
         by_rank: dict[int, list[Snapshot]] = {}
         for snapshot in group:
             by_rank.setdefault(snapshot.event.rank, []).append(snapshot)
-        for rank in range(p):
+        chunked = bounds is not None and phase not in ("fold", "unfold")
+        for rank in range(demo.ranks):
             name = f"  {f'rank {rank}':<{label}}: "
             if rank not in by_rank:
                 idle = format_buffer(current[rank], width)
                 lines.append(
                     name + (f"{DIM}{idle}   (idle){RESET}" if color else idle + "   (idle)")
                 )
-                continue
-            for snapshot in by_rank[rank]:
-                chunked = bounds is not None and phase not in ("fold", "unfold")
+            for snapshot in by_rank.get(rank, ()):
                 lines.append(name + _step_text(snapshot, width, color, chunked))
                 current[rank] = snapshot.buffer
-    lines += ["", "result"]
-    for rank, buf in enumerate(demo.final):
-        lines.append(f"  {f'rank {rank}':<{label}}: " + format_buffer(buf, width, color=color))
-    lines.append(f"  {'NumPy':<{label}}: " + format_buffer(demo.expected, width, color=color))
-    verdict = "equal to the NumPy sum on every rank" if demo.correct else "WRONG: not the NumPy sum"
-    lines.append(f"{demo.algorithm} allreduce result: {verdict}")
-    return "\n".join(line.rstrip() for line in lines)
+    return lines
 
 
 def _step_text(snapshot: Snapshot, width: int, color: bool, chunked: bool) -> str:
