@@ -53,7 +53,7 @@ DEFAULT_BETA = 1 / 12.5e9  # seconds per byte: 100 Gb/s
 DEFAULT_GAMMA = 1e-10  # seconds per byte reduced: 10 GB/s
 DEFAULT_RANKS = (2, 8, 1024)
 DEFAULT_SIZES = (8, 1 << 10, 64 << 10, 1 << 20, 64 << 20)
-FIT_BAR_FROM = 64 << 10  # the issue's bar: predictions within 30% from 64 KiB
+FIT_BAR_FROM = 64 << 10  # a fit should predict every size from 64 KiB up within 30%
 
 
 class Params(NamedTuple):
@@ -367,39 +367,54 @@ def _nnls(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 def load_sweep(path: str, algorithms: Iterable[str] = ("ring",)) -> tuple[int, list[Sample]]:
     """P and the samples of `algorithms` in a `syncsgd bench allreduce --json` file."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            document = json.load(handle)
-    except FileNotFoundError:
-        raise ValueError(f"cannot read {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON: {exc}") from None
+    document = _read_json(path)
     if not isinstance(document, dict) or not isinstance(document.get("rows"), list):
         raise ValueError(f"{path} is not the output of `syncsgd bench allreduce --json` (no rows)")
     ranks = document.get("ranks")
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"{path}: 'ranks' must be a positive integer, got {ranks!r}")
     wanted = tuple(algorithms)
-    samples = []
-    for number, row in enumerate(document["rows"]):
-        if not isinstance(row, dict) or not {"size_bytes", "algorithm", "time_us"} <= row.keys():
-            raise ValueError(f"{path}: row {number} lacks size_bytes, algorithm or time_us")
-        if row["algorithm"] not in wanted:
-            continue
-        nbytes, micros = row["size_bytes"], row["time_us"]
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"{path}: row {number} has size_bytes {nbytes!r}")
-        if not isinstance(micros, (int, float)) or not math.isfinite(micros) or micros <= 0:
-            raise ValueError(f"{path}: row {number} has time_us {micros!r}")
-        samples.append(Sample(row["algorithm"], nbytes, micros * 1e-6))
+    samples = [
+        _row_sample(path, number, row)
+        for number, row in enumerate(document["rows"])
+        if _row_algorithm(path, number, row) in wanted
+    ]
     if not samples:
         present = sorted({str(row.get("algorithm")) for row in document["rows"]})
         raise ValueError(
             f"{path} has no rows of {', '.join(wanted)} (it has: {', '.join(present) or 'none'})"
         )
     return ranks, samples
+
+
+def _read_json(path: str) -> Any:
+    """The parsed JSON of `path`; a missing, unreadable or malformed file is a ValueError."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        raise ValueError(f"cannot read {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+
+
+def _row_algorithm(path: str, number: int, row: Any) -> Any:
+    """The algorithm of row `number`, once the row is known to have every field a sample needs."""
+    if not isinstance(row, dict) or not {"size_bytes", "algorithm", "time_us"} <= row.keys():
+        raise ValueError(f"{path}: row {number} lacks size_bytes, algorithm or time_us")
+    return row["algorithm"]
+
+
+def _row_sample(path: str, number: int, row: dict[str, Any]) -> Sample:
+    """The sample of row `number`: its algorithm, a positive byte count and a positive time."""
+    nbytes, micros = row["size_bytes"], row["time_us"]
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"{path}: row {number} has size_bytes {nbytes!r}")
+    if not isinstance(micros, (int, float)) or not math.isfinite(micros) or micros <= 0:
+        raise ValueError(f"{path}: row {number} has time_us {micros!r}")
+    return Sample(row["algorithm"], nbytes, micros * 1e-6)
 
 
 # -- the command line -----------------------------------------------------------------------------
