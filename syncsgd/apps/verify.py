@@ -24,7 +24,8 @@ from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, prepare, train_rank
 from syncsgd.util.files import write_text
 
-# Float mode: the relative distance from serial SGD that a correct run stays within (SPEC §6).
+# Float mode: the relative distance from serial SGD that a correct run stays within (the tolerance
+# the README documents).
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 
 
