@@ -1,28 +1,27 @@
 """Exact-mode gradient benchmark: ExactGradient (two phases) against float mode's kernels.Gradient.
 
     python benchmarks/exact.py                  # MLP 784-256-256-10 relu xent, micro-batch 128,
-                                                # then whole steps at P = 2 (the issue's bar)
+                                                # then whole steps at P = 2 (target: <= 4x)
     python benchmarks/exact.py --ranks 2        # two thread ranks computing at the same time
     OPENBLAS_NUM_THREADS=1 python benchmarks/exact.py --clock cpu --json exact.json
 
-The default is the issue's setting: global batch 256 on P = 2 ranks, so each rank's micro-batch
-is 128. Exact mode is `local_pass` (batch-invariant forward/backward, peaks) then `accumulate`
-(extraction of every per-sample term to the agreed fixed point); the MAX-allreduce between the
-two is a collective, timed by the step benchmark, not here (the peaks of this rank stand in for
-the agreed ones: the cost does not depend on their values). Float mode is one
-`kernels.Gradient` call (BLAS).
+The default setting is global batch 256 on P = 2 ranks, so each rank's micro-batch is 128. Exact
+mode is `local_pass` (batch-invariant forward/backward, peaks) then `accumulate` (extraction of
+every per-sample term to the agreed fixed point); the MAX-allreduce between the two is a
+collective, timed by the step benchmark, not here (the peaks of this rank stand in for the agreed
+ones: the cost does not depend on their values). Float mode is one `kernels.Gradient` call (BLAS).
 
 Method: both modes are first checked against each other (exact mean within the stated bound plus
 float rounding of float mode), their first calls timed apart (JIT compile or cache load), then
 `--warmup` burn-in calls each; then `--batches` rounds, each timing every (dtype, mode) for
-`--iters` calls, interleaved, so a noisy neighbour slows all of them alike. With `--ranks P`,
-P threads call their own instances at the same time, released together by a barrier, and a call
-takes as long as the slowest thread. `--clock cpu` counts CPU seconds of the whole process
-instead (per rank: divided by P), steadier on a busy machine; with OPENBLAS_NUM_THREADS=1 that is
-the work done. The median over rounds is quoted, and exact / float. Then whole training steps
-(`--steps`, the issue's bar: exact at most 4x float at P = 2). BLAS gets one thread per rank, as
-in training, unless OPENBLAS_NUM_THREADS is set. Nothing is asserted: the machines are shared
-and noisy.
+`--iters` calls, interleaved, so a noisy neighbour slows all of them alike. With `--ranks P`, P
+threads call their own instances at the same time, released together by a barrier, and a call takes
+as long as the slowest thread. `--clock cpu` counts CPU seconds of the whole process instead (per
+rank: divided by P), steadier on a busy machine; with OPENBLAS_NUM_THREADS=1 that is the work done.
+The median over rounds is quoted, and exact / float. Then whole training steps (`--steps`; the
+target: an exact step at most 4x a float step at P = 2). BLAS gets one thread per rank, as in
+training, unless OPENBLAS_NUM_THREADS is set. Nothing is asserted: the machines are shared and
+noisy.
 """
 
 from __future__ import annotations
@@ -137,7 +136,7 @@ def run(options: argparse.Namespace) -> list[dict]:
 
 
 def whole_steps(options: argparse.Namespace) -> list[dict]:
-    """The issue's bar, a whole training step: exact vs float mode on `--step-ranks` thread ranks.
+    """Whole training steps, exact vs float mode (target: at most 4x) on `--step-ranks` ranks.
 
     `train_rank` runs `--steps` steps (the real loop: shard, kernels, MAX-allreduce of the bounds
     in exact mode, ring, update); a run's per-step time is the slowest rank's; float and exact runs

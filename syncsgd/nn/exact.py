@@ -1,69 +1,8 @@
-"""Exact mode (SPEC §6): gradient sums whose bits do not depend on how the batch is split.
+"""Exact mode: gradient sums whose bits do not depend on how the batch is split over ranks.
 
-The promise: with `--exact`, the final parameters are bitwise the same for every number of ranks
-P >= 1, any sharding (uneven, P > B with empty shards) and both backends. Float mode cannot give
-that: float addition is not associative, so the ring's order of summing rank sums, and the order
-in which BLAS sums the samples inside a rank, both leak into the last bits. Exact mode removes both
-sources of order dependence.
-
-1. Batch-invariant per-sample passes. A sample's activations, loss and deltas must not depend on
-   how many samples share its micro-batch or where it sits. BLAS does not promise that (its
-   blocking and kernel choice depend on the matrix shape), so the products are Numba loops in
-   which every output element is accumulated in one fixed order:
-       z[i, j] = (sum over k = 0, 1, ..., K-1 of x[i, k] * W[k, j]) + b[j]
-   looped as block of k / four rows / four k steps / j: the inner j loop vectorizes, four rows
-   share each loaded row of W, four k steps share each load and store of the output, and still
-   every element goes through acc = acc + x[i, k] * W[k, j] for k = 0, 1, ... in that order,
-   whether its row is one of four or a leftover row: tiling changes no element's order. Delta
-   propagation is the same loop on a transposed copy of W (delta_prev[i, k] = sum over
-   ascending j of delta[i, j] * W[k, j]). The kernels are compiled WITHOUT fastmath, so LLVM may
-   neither reassociate these sums nor contract a multiply and an add into one FMA. Bias and
-   activation, softmax, cross-entropy and MSE are per row: the same functions as in
-   `syncsgd.nn.kernels`. A float32 model runs this pass in float32.
-
-2. An order-independent sum of per-sample terms, within and across ranks, by error-free
-   extraction to a fixed point agreed by an allreduce-MAX. Every gradient element is a sum over
-   the global batch of per-sample terms v_i (a[i, k] * delta[i, j] for a weight, delta[i, j] for a
-   bias, the sample's loss for the loss). `local_pass` records, per layer, the peaks max|a| (the
-   layer's input) and max|delta| (its output delta) over the rank's shard, and the peak loss; the
-   training loop MAX-allreduces this small float64 vector, so every rank holds the GLOBAL peaks,
-   which do not depend on P. Slot s (W_l, b_l or the loss) then has a bound v_s on every term
-   (A_l * D_l, D_l, or the peak loss); the peaks are reduced before they are multiplied, so the
-   product, and with it every bit below, is the same for every P. With B the global batch size,
-       E_s = the least integer with 2^E_s >= 2 * B * v_s    (clamped to [-1022, 1022])
-       M_s = 1.5 * 2^E_s,   hi(v) = (M_s + v) - M_s
-   For |v| <= v_s <= 2^(E_s - 1), M_s + v lies in [2^E_s, 2^(E_s + 1)), so it is rounded to a
-   multiple of ulp(M_s) = 2^(E_s - 52) and the subtraction is exact (Sterbenz): hi(v) is v
-   rounded to the nearest multiple of 2^(E_s - 52). A sum of at most B such values stays below
-   2^(E_s - 1) + B * 2^(E_s - 53) < 2^(E_s + 1) in magnitude, so every partial sum is an integer
-   times 2^(E_s - 52) below 2^53 times that unit: exactly representable in float64. Every float64
-   addition of these values is therefore exact, and ANY order gives the same bits: the samples
-   inside a rank (tiled freely for the cache), and the rank sums inside the ring allreduce,
-   which carries them in float64 unchanged.
-
-Why this choice. Int64 fixed point at the same agreed scale would work too, but needs a
-float->int conversion per term and an int64 ring buffer next to the float one; binned summation
-(ReproBLAS) keeps more bits but costs several extractions per term and a custom reduction
-operator in the ring, where plain SUM no longer suffices. One extraction per term reuses the
-float64 SUM ring as it is, and its error (below) is far under float32 resolution and comparable
-to the rounding error of an ordinary float64 sum of B terms. Inside a rank the weight sums count
-ulps instead of adding floats: M_s + v and M_s share a binade, where the bit pattern grows by one
-per ulp, so hi(v) / ulp(M_s) = bits(M_s + v) - bits(M_s) exactly. These int64 counts (a bitcast,
-no conversion) are summed on integer lanes and turned into float64 once per element at the end:
-the same exact sums, with one float addition per term instead of three.
-
-Error bound (`exactness_bound`). Each extraction moves a term by at most ulp(M_s) / 2 =
-2^(E_s - 53), so the extracted sum of B terms differs from their exact sum by at most
-B * 2^(E_s - 53), and the mean by at most 2^(E_s - 53). E_s is least, so 2^(E_s - 1) < 2 B v_s
-(unless v_s is below the underflow clamp, where the bound is 2^-1075 and every term is already a
-multiple of the unit), and the mean's error is below 4 B v_s 2^-53 = B * v_s * 2^-51 per element.
-The terms themselves: for a float32 model the float32 factors are widened and their float64
-product is exact; for a float64 model a[i, k] * delta[i, j] is rounded once, by at most
-2^-53 * v_s (or 2^-1075 below the normal range), which adds 2^-53 * v_s + 2^-1075 to the weight
-slots' bound. So, per element,
-    |exact-mode mean - exact mean of this pass's per-sample terms|
-        <= 2^(E_s - 53)  (+ 2^-53 v_s + 2^-1075 for the weights of a float64 model)
-and the training loop's final division by B rounds once more (half an ulp of the result).
+Two ingredients: per-sample passes with fixed-order products (batch-invariant kernels), and an
+order-independent fixed-point sum of the per-sample terms at a scale agreed by a MAX-allreduce of
+per-layer bounds. docs/exact-mode.md states the guarantee, the error bound and the proof.
 """
 
 from __future__ import annotations
@@ -100,13 +39,9 @@ UNIT_BITS = 52  # ulp(M) = 2^(E - 52)
 
 @njit(nogil=True, cache=True)
 def fixed_order_product_(x, W, out):
-    """out[i, j] = sum over ascending k of x[i, k] * W[k, j], the same order for any row count.
-
-    Every element goes through the same operations, acc = acc + x[i, k] * W[k, j] for k = 0, 1,
-    ..., whether its row is one of a group of four (the fast path: four rows share each loaded row
-    of W, four k steps share each load and store of the output) or a leftover row. No term is
-    skipped, so a NaN or infinity in W reaches the output wherever its row of x sits.
-    """
+    """out[i, j] = sum over ascending k of x[i, k] * W[k, j], the same order for any row count."""
+    # Grouped rows (four share each loaded row of W) and leftover rows go through the same
+    # acc = acc + x[i, k] * W[k, j] in ascending k; no term is skipped, so a NaN in W always shows.
     m, depth = x.shape
     n = W.shape[1]
     zero = out.dtype.type(0)
@@ -260,13 +195,10 @@ def float_bits(typingctx, value):
 
 @njit(nogil=True, cache=True)
 def extract_outer_sum_(A, D, magic, unit, sums, counts):
-    """sums[k, j] = sum over samples i of hi(A[i, k] * D[i, j]), hi(v) = (magic + v) - magic.
-
-    D is float64 (float32 deltas are widened first). magic + v and magic lie in one binade, where
-    the bit pattern grows by one per ulp, so hi(v) / unit = bits(magic + v) - bits(magic): the
-    sums are kept as int64 counts of `unit` = ulp(magic), which runs on integer lanes instead of
-    two more float additions, and gives the same exact sum as float64 would.
-    """
+    """sums[k, j] = sum over samples i of hi(A[i, k] * D[i, j]), hi(v) = (magic + v) - magic."""
+    # D is float64 (float32 deltas are widened first). magic + v and magic share a binade, so
+    # hi(v) / unit = bits(magic + v) - bits(magic): int64 counts of `unit` give the same exact sum
+    # on integer lanes, without two more float additions per term.
     m, depth = A.shape
     n = D.shape[1]
     magic_bits = float_bits(magic)
@@ -390,12 +322,9 @@ def extraction_exponents(bounds: np.ndarray, global_batch: int) -> np.ndarray:
 
 
 def exactness_bound(model: MLP, bounds: np.ndarray, global_batch: int) -> np.ndarray:
-    """Per element (flat layout, then the loss): the bound on |exact-mode mean - exact mean|.
-
-    The exact mean is that of the per-sample terms this pass computed; the bound is
-    2^(E_s - 53), plus 2^-53 * v_s + 2^-1075 for the weights of a float64 model (the rounded
-    product); 2^(E_s - 53) < B * v_s * 2^-51 unless v_s is below the clamp (module docstring).
-    """
+    """Per element (flat layout, then the loss): the bound on |exact-mode mean - exact mean|."""
+    # 2^(E_s - 53), plus the rounded product's 2^-53 v_s + 2^-1075 for a float64 model's weights
+    # (derived in docs/exact-mode.md).
     bounds = _checked_bounds(model, bounds)
     global_batch = check_count("global_batch", global_batch, low=1)
     per_slot = np.ldexp(1.0, extraction_exponents(bounds, global_batch) - (UNIT_BITS + 1))

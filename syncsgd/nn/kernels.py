@@ -18,7 +18,7 @@ np.dot inside Numba calls SciPy's BLAS (`scipy.linalg.cython_blas`, imported on 
 
 `syncsgd.nn.exact` compiles the layer views, bias and activation, activation slope and per-sample
 losses of this module into its own kernels. Numba's on-disk cache keys a function on the contents
-of its own file only, so after editing one of them delete syncsgd/__pycache__: exact mode would
+of its own file only, so after editing one of them delete syncsgd/nn/__pycache__: exact mode would
 otherwise go on running the old code.
 """
 

@@ -1,4 +1,4 @@
-"""The MLP family of SPEC §5: its shape, the layout of its one flat parameter buffer, and its init.
+"""The MLP family: its shape, the layout of its one flat parameter buffer, and its init.
 
 Layout: W0 (fan_in x fan_out, row-major), b0, W1, b1, ... packed in this order in one flat
 contiguous buffer; gradients use the same layout, so the allreduce sums one buffer (fusion).

@@ -1,4 +1,4 @@
-"""The update of SPEC §5: learning-rate schedules, clipping, weight decay, momentum, the SGD step.
+"""The update: learning-rate schedules, clipping, weight decay, momentum, the SGD step.
 
 Every rank applies the same update to bitwise the same allreduced gradient, so every rank's
 parameters stay bitwise equal. All reductions here (the gradient norm) are computed in a fixed order
@@ -116,7 +116,7 @@ class SGD:
               want_norm: bool = True) -> dict[str, float]:  # fmt: skip
         """Update `params` in place with the global batch's mean gradient `grad` (overwritten).
 
-        Order (SPEC §5): clip to global norm, add weight decay, momentum / Nesterov, step.
+        Order: clip to global norm, add weight decay, momentum / Nesterov, step.
         Returns {"lr": learning rate used, "grad_norm": norm of grad before clipping}; the norm
         is nan when neither clipping nor the caller (`want_norm`) needs that extra pass.
         """
