@@ -28,7 +28,7 @@ Every time is linear in n, so two algorithms cross at most once, at n = Δ(fixed
 and the best algorithm by size is the lower envelope of the lines. `--fit bench.json` fits α, β, γ
 to a measured sweep (`syncsgd bench allreduce --json`) by non-negative least squares on relative
 errors. Defaults: α = 2 µs and β = 1/12.5e9 s/B (a 100 Gb/s network), γ = 1e-10 s/B (summing
-float64 at 10 GB/s on one core; `np.add` of 8 MiB ran at 7.8 GB/s on the development machine).
+float64 at 10 GB/s on one core; docs/measurements.md has the measurement behind it).
 """
 
 from __future__ import annotations
