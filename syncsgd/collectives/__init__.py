@@ -1,18 +1,47 @@
-"""Allreduce algorithms, hand-written over point-to-point messages, and the library's own."""
+"""Allreduce algorithms as schedules run by one executor over point-to-point messages, and the
+library's own."""
 
-from syncsgd.collectives.algorithms import (
+from syncsgd.collectives.api import (
     ALGORITHMS,
     AUTO_LIBRARY_BELOW,
-    COPY,
+    LATENCY_BYTES,
+    SHORT_MESSAGE_BYTES,
     allreduce,
     allreducer,
     auto_choice,
     choose_algorithm,
-    schedule,
 )
-from syncsgd.collectives.ring import TraceEvent, chunk_bounds, ring_allreduce
+from syncsgd.collectives.executor import (
+    Trace,
+    TraceEvent,
+    buffer_defect,
+    naive_allreduce,
+    rabenseifner_allreduce,
+    recursive_doubling_allreduce,
+    ring_allreduce,
+    tree_allreduce,
+)
+from syncsgd.collectives.schedules import COPY, CollectiveStep, chunk_bounds, schedule
 
 __all__ = [
-    "ALGORITHMS", "AUTO_LIBRARY_BELOW", "COPY", "TraceEvent", "allreduce", "allreducer",
-    "auto_choice", "choose_algorithm", "chunk_bounds", "ring_allreduce", "schedule",
+    "ALGORITHMS",
+    "AUTO_LIBRARY_BELOW",
+    "COPY",
+    "LATENCY_BYTES",
+    "SHORT_MESSAGE_BYTES",
+    "CollectiveStep",
+    "Trace",
+    "TraceEvent",
+    "allreduce",
+    "allreducer",
+    "auto_choice",
+    "buffer_defect",
+    "choose_algorithm",
+    "chunk_bounds",
+    "naive_allreduce",
+    "rabenseifner_allreduce",
+    "recursive_doubling_allreduce",
+    "ring_allreduce",
+    "schedule",
+    "tree_allreduce",
 ]

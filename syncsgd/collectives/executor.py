@@ -1,0 +1,293 @@
+"""One executor runs any schedule: agreement through the message tags, byte messages, cached plans.
+
+Why the tag protocol reaches every rank, why messages are bytes, and the speed notes:
+docs/collectives.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from syncsgd.collectives.schedules import ADD_OWN_FIRST, COPY, SCHEDULES, CollectiveStep
+from syncsgd.comm.threads import MessageTruncated
+from syncsgd.comm.world import constants
+
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64))
+DTYPE_CODE = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES)}
+NO_DTYPE = 3  # the code of an unusable buffer
+_LENGTH_MODULUS = 4096  # signature = (length mod 4096) * 4 + dtype code < 2**14; tag < 2**15
+_NOTHING = np.empty(0, np.uint8)  # what a rank with an unusable buffer sends and receives
+_COPIED = -1  # `arriving` of a step whose data lands straight in its place: nothing to add
+# The name each algorithm's errors carry: the function the user called.
+FUNCTION_NAMES = {name: name.replace("-", "_") + "_allreduce" for name in SCHEDULES}
+
+
+class TraceEvent(NamedTuple):
+    """What one rank did in one step of a collective."""
+
+    phase: str  # e.g. "reduce-scatter" or "allgather"
+    step: int  # counts within the phase
+    rank: int
+    send_chunk: int  # -1: nothing sent
+    recv_chunk: int  # -1: nothing received
+    send_range: tuple[int, int]  # [start, stop) in elements of the flattened buffer
+    recv_range: tuple[int, int]
+    nbytes: int  # bytes sent in this step
+    start: float  # time.perf_counter() when the step began and ended
+    end: float
+
+
+Trace = Callable[[TraceEvent], Any]
+
+
+class PlannedStep(NamedTuple):
+    """A step as the executor takes it: byte slices and scratch views computed once."""
+
+    send: slice  # the bytes of the flattened buffer sent
+    dest: int  # -1: nothing sent
+    recv: slice  # the bytes of the flattened buffer a copy lands in
+    arrival: memoryview | None  # the bytes of scratch an addend lands in; None: a copy
+    source: int  # -1: nothing received
+    expected: int  # the size in bytes the incoming message must have
+    target: slice  # the elements the incoming data is added to
+    incoming: np.ndarray  # the scratch elements it arrives in
+    arriving: int  # elements to add: 0 (none), 1 (a scalar add), more; or _COPIED
+    own_first: bool  # own + incoming (else incoming + own): the order is part of the result
+    about: CollectiveStep
+
+
+class Plan(NamedTuple):
+    """What a run needs that depends only on (algorithm, length, dtype, P, rank, comm type)."""
+
+    tag: int  # the tag of our messages while nothing is wrong: our buffer's signature << 1
+    any_tag: int  # the communicator's ANY_TAG
+    status: Any  # the communicator's kind of Status, reused by every call of this thread
+    steps: tuple[PlannedStep, ...]
+
+
+def signature(length: int, dtype: np.dtype) -> int:
+    """What the tag tells of a buffer: its length mod 4096 and its dtype's code."""
+    return (length % _LENGTH_MODULUS) * 4 + DTYPE_CODE.get(dtype, NO_DTYPE)
+
+
+def buffer_defect(buf: Any, name: str) -> str | None:
+    """Why `buf` cannot be reduced in place by the function `name`, or None if it can."""
+    if not isinstance(buf, np.ndarray):
+        return f"{name} needs a NumPy array, got {type(buf).__name__}"
+    if buf.dtype not in DTYPE_CODE:
+        return f"{name} does not support dtype {buf.dtype} (use float32, float64 or int64)"
+    flags = buf.flags
+    if not flags.c_contiguous:
+        return f"{name} needs a C-contiguous array (np.ascontiguousarray makes one)"
+    if not flags.writeable:
+        return f"{name} reduces in place, but the array is read-only"
+    return None
+
+
+def _byte_slice(elements: slice, itemsize: int) -> slice:
+    return slice(elements.start * itemsize, elements.stop * itemsize)
+
+
+def _planned(step: CollectiveStep, itemsize: int, scratch: np.ndarray) -> PlannedStep:
+    """`step` with its byte slices, and the view of scratch an addend arrives in."""
+    target = step.recv
+    incoming = scratch[: target.stop - target.start]
+    if step.combine == COPY:
+        arrival, arriving = None, _COPIED
+    else:  # received into scratch (as bytes: see docs/collectives.md), then added
+        arrival, arriving = incoming.data.cast("B"), incoming.size
+    return PlannedStep(
+        _byte_slice(step.send, itemsize), step.send_to, _byte_slice(target, itemsize), arrival,
+        step.recv_from,
+        (target.stop - target.start) * itemsize, target, incoming, arriving,
+        step.combine == ADD_OWN_FIRST, step,
+    )  # fmt: skip
+
+
+# Per thread (each thread rank has its own): plans, and one scratch array per dtype as large as
+# the largest addend seen - kept for the next call, as MPI libraries keep their buffers.
+_local = threading.local()
+_MAX_PLANS = 64  # plans kept per thread; more distinct buffer sizes start the cache afresh
+
+
+def plan(algorithm: str, length: int, dtype: np.dtype, size: int, rank: int, comm: Any) -> Plan:
+    """This thread's plan for `algorithm` on `length` x `dtype` on `comm`; built once."""
+    key = algorithm, length, dtype, size, rank, type(comm)
+    try:
+        return _local.plans[key]
+    except (AttributeError, KeyError):
+        pass
+    if not hasattr(_local, "plans") or len(_local.plans) >= _MAX_PLANS:
+        _local.plans, _local.scratch = {}, {}
+    steps = SCHEDULES[algorithm](length, size, rank)
+    largest = max((s.recv.stop - s.recv.start for s in steps if s.combine != COPY), default=0)
+    scratch = _local.scratch.get(dtype)
+    if scratch is None or scratch.size < largest:
+        scratch = _local.scratch[dtype] = np.empty(largest, dtype)
+        _local.plans = {}  # older plans receive into the smaller scratch: let them go
+    mpi = constants(comm)
+    planned = tuple(_planned(step, dtype.itemsize, scratch) for step in steps)
+    result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), planned)
+    _local.plans[key] = result
+    return result
+
+
+def execute(algorithm: str, buf: np.ndarray, comm: Any, trace: Trace | None = None) -> np.ndarray:
+    """Sum `buf` over all ranks of `comm` in place by `algorithm`'s schedule and return it."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if type(buf) is np.ndarray and buf.flags.carray and buf.dtype in DTYPE_CODE:
+        defect, flat = None, buf.ravel()  # the usual case, checked quickly; ravel: a flat view
+    else:
+        defect = buffer_defect(buf, FUNCTION_NAMES[algorithm])
+        # np.matrix & co. stay 2-D when raveled: view the memory as a plain array first
+        flat = _NOTHING if defect else buf.view(np.ndarray).ravel()
+    if size == 1:
+        if defect:
+            raise ValueError(defect)
+        return buf
+    try:  # this thread's plan (the lookup of `plan`, inlined: it is hot)
+        planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm)]
+    except (AttributeError, KeyError):
+        planned = plan(algorithm, flat.size, flat.dtype, size, rank, comm)
+    # With a defect, take part with empty messages and the flag raised, then report it.
+    tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None), trace)
+    if tag & 1:
+        name = FUNCTION_NAMES[algorithm]
+        raise ValueError(defect or _disagreement(buf, rank, mismatch, name))
+    return buf
+
+
+def _take_steps(
+    plan: Plan, flat: np.ndarray, comm: Any, tag: int, trace: Trace | None
+) -> tuple[int, str]:
+    """Take every step of `plan` on `flat`: the tag after the last step, and what differed."""
+    message, any_tag, status, mismatch = flat.data.cast("B"), plan.any_tag, plan.status, ""
+    for step in plan.steps:
+        send, dest, recv, arrival, source, expected, target, incoming, arriving, own_first, _ = step
+        start = time.perf_counter() if trace is not None else 0.0
+        if source < 0:
+            comm.Send(message[send], dest, tag)
+        else:
+            into = message[recv] if arrival is None else arrival
+            try:
+                if dest < 0:
+                    comm.Recv(into, source, any_tag, status)
+                else:
+                    comm.Sendrecv(message[send], dest, tag, into, source, any_tag, status)
+                count = status.Get_count()
+            except Exception as exc:
+                count = _truncated(exc)
+            if status.Get_tag() != tag or count != expected:  # disagreement, or a flag
+                tag, mismatch = _disagree(tag, status, count == expected, source, mismatch)
+            if tag & 1 or arriving <= 0:  # the sum is void (we raise at the end), or a copy
+                pass
+            elif arriving == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
+                i = target.start
+                flat[i] = flat[i] + incoming[0] if own_first else incoming[0] + flat[i]
+            else:
+                part = flat[target]
+                if own_first:
+                    np.add(part, incoming, out=part)
+                else:
+                    np.add(incoming, part, out=part)
+        if trace is not None:
+            trace(step_event(step.about, comm.Get_rank(), flat.itemsize, start))
+    return tag, mismatch
+
+
+def step_event(about: CollectiveStep, rank: int, itemsize: int, start: float) -> TraceEvent:
+    """The trace event of a step that has just finished."""
+    send, recv = about.send, about.recv
+    return TraceEvent(
+        about.phase, about.step, rank, about.send_chunk, about.recv_chunk,
+        (send.start, send.stop), (recv.start, recv.stop),
+        (send.stop - send.start) * itemsize, start, time.perf_counter(),
+    )  # fmt: skip
+
+
+def _is_truncation(exc: BaseException) -> bool:
+    """True for a 'message longer than receive buffer' error from either backend."""
+    if isinstance(exc, MessageTruncated):
+        return True
+    mpi = sys.modules.get("mpi4py.MPI")
+    return (
+        mpi is not None
+        and isinstance(exc, mpi.Exception)
+        and exc.Get_error_class() == mpi.ERR_TRUNCATE
+    )
+
+
+def _truncated(exc: Exception) -> int:
+    """The byte count to report for a failed receive: -1 if the message was too long, else raise."""
+    if not _is_truncation(exc):
+        raise exc
+    return -1  # a message longer than the receive buffer: the buffers differ
+
+
+def _disagree(
+    tag: int, status: Any, count_agrees: bool, source: int, mismatch: str
+) -> tuple[int, str]:
+    """Our next tag and mismatch note, after the message from `source` showed a problem."""
+    received = status.Get_tag()
+    mine, theirs = tag >> 1, received >> 1
+    wrong = theirs != mine or not count_agrees
+    if wrong and not mismatch:
+        mismatch = f"rank {source} has " + _describe_signature(theirs, mine)
+    return tag | (received & 1) | wrong, mismatch
+
+
+def _describe_signature(theirs: int, mine: int) -> str:
+    """How another rank's buffer signature (length mod 4096, dtype code) differs from ours."""
+    dtype = theirs & 3
+    if dtype == NO_DTYPE:
+        return "an unusable buffer"
+    if dtype != mine & 3:
+        return f"dtype {SUPPORTED_DTYPES[dtype]}"
+    return "a different length"
+
+
+def _disagreement(buf: np.ndarray, rank: int, mismatch: str, name: str) -> str:
+    """One line saying that the ranks' buffers differ, as far as this rank can tell."""
+    mine = f"rank {rank} has {buf.dtype} of length {buf.size}"
+    if mismatch:
+        return (
+            f"{name}: the ranks' buffers differ: {mine}, {mismatch}; "
+            "every rank must pass the same length and dtype"
+        )
+    return (
+        f"{name}: another rank passed a different or unusable buffer ({mine}); "
+        "the result is not a sum"
+    )
+
+
+def ring_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) -> np.ndarray:
+    """Sum `buf` over all ranks of `comm` in place by a ring allreduce and return it."""
+    return execute("ring", buf, comm, trace)
+
+
+def naive_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) -> np.ndarray:
+    """Sum `buf` over all ranks in place: reduce to rank 0 in rank order, then send it back."""
+    return execute("naive", buf, comm, trace)
+
+
+def recursive_doubling_allreduce(
+    buf: np.ndarray, comm: Any, *, trace: Trace | None = None
+) -> np.ndarray:
+    """Sum `buf` over all ranks in place by log2(P) whole-buffer exchanges (any P, as MPICH)."""
+    return execute("recursive-doubling", buf, comm, trace)
+
+
+def rabenseifner_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) -> np.ndarray:
+    """Sum `buf` over all ranks in place: recursive-halving reduce-scatter, doubling allgather."""
+    return execute("rabenseifner", buf, comm, trace)
+
+
+def tree_allreduce(buf: np.ndarray, comm: Any, *, trace: Trace | None = None) -> np.ndarray:
+    """Sum `buf` over all ranks in place: binary-tree reduce to rank 0, binary-tree broadcast."""
+    return execute("tree", buf, comm, trace)
