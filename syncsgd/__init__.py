@@ -1,7 +1,6 @@
 """syncsgd: synchronous data-parallel SGD with a hand-written ring allreduce."""
 
-from syncsgd.collectives import ALGORITHMS, allreduce, allreducer
-from syncsgd.collectives.ring import TraceEvent, ring_allreduce
+from syncsgd.collectives import ALGORITHMS, TraceEvent, allreduce, allreducer, ring_allreduce
 from syncsgd.comm.threads import DeadlockError, RankAborted, ThreadComm, run_threads
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, train

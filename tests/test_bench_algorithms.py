@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from syncsgd.collectives.algorithms import ALGORITHMS
+from syncsgd.collectives import ALGORITHMS
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:

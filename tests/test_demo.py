@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from syncsgd.apps import demo
-from syncsgd.collectives.ring import chunk_bounds
+from syncsgd.collectives import chunk_bounds
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from syncsgd import run_threads
-from syncsgd.collectives.ring import ring_allreduce
+from syncsgd.collectives import ring_allreduce
 from syncsgd.comm.world import constants
 from syncsgd.nn.exact import ExactGradient, exactness_bound, extraction_exponents, slot_bounds
 from syncsgd.nn.kernels import Gradient

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from syncsgd import collectives
-from syncsgd.collectives.ring import chunk_bounds, ring_allreduce
+from syncsgd.collectives import chunk_bounds, ring_allreduce
 from syncsgd.comm.threads import run_threads
 from syncsgd.util.argtypes import nonnegative_int, positive_int
 
@@ -42,7 +42,7 @@ RESET = "\x1b[0m"
 class Snapshot(NamedTuple):
     """One step of one rank: its trace event, its buffer right after, and whom it talked to."""
 
-    event: Any  # a syncsgd.collectives.ring.TraceEvent (the collectives emit the same)
+    event: Any  # a syncsgd.collectives.TraceEvent (the collectives emit the same)
     buffer: np.ndarray
     send_to: int  # -1: sent nothing
     recv_from: int  # -1: received nothing

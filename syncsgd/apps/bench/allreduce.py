@@ -33,8 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.collectives import ALGORITHMS, allreducer
-from syncsgd.collectives.ring import Trace, ring_allreduce
+from syncsgd.collectives import ALGORITHMS, Trace, allreducer, ring_allreduce
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.world import constants, launch, resolve_backend
 from syncsgd.training.timeline import Timeline
