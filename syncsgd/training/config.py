@@ -1,4 +1,4 @@
-"""The configuration of a training run: every option, its default and its check."""
+"""The configuration of a training run: every option, its flag, default, help and check."""
 
 from __future__ import annotations
 
@@ -9,7 +9,18 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from syncsgd.collectives import ALGORITHMS
+from syncsgd.nn.optim import LR_SCALINGS, SCHEDULES
 from syncsgd.training.pitfalls import PITFALLS
+from syncsgd.util.argtypes import (
+    finite_float,
+    hidden_sizes,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    unit_fraction,
+)
+from syncsgd.util.options import at_least, errors, option, options_of
 
 DATA_SOURCES = (
     "synthetic-classification",
@@ -19,88 +30,148 @@ DATA_SOURCES = (
 )
 
 
+RANKS, DATA, OPTIMIZATION = "ranks", "data and model", "optimization"
+EVALUATION, REPRODUCIBILITY = "evaluation", "reproducibility"
+
+
+def _data_source(flag: str, source: str) -> str | None:
+    if source in DATA_SOURCES or source.endswith((".npz", ".csv")):
+        return None
+    return f"unknown {flag} {source!r}: use one of {', '.join(DATA_SOURCES)} or a .npz/.csv path"
+
+
+def _hidden_sizes(flag: str, hidden: tuple[int, ...]) -> str | None:
+    return None if all(h >= 1 for h in hidden) else f"{flag} sizes must be >= 1: {hidden}"
+
+
+def _fraction(flag: str, value: float) -> str | None:
+    return None if 0 <= value < 1 else f"{flag} must be in [0, 1), got {value}"
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that determines a training run (the options of `syncsgd train`)."""
 
-    data: str = "synthetic-classification"
-    samples: int = 4096
-    features: int = 32
-    classes: int | None = None  # classes (xent) or regression outputs (mse); None: from the data
-    hidden: tuple[int, ...] = (64, 64)
-    activation: str = "relu"
-    loss: str = "xent"
-    batch_size: int = 256
-    steps: int | None = None  # None: `epochs` epochs, or 100 steps if neither is given
-    epochs: int | None = None
-    lr: float = 0.1
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    clip_norm: float | None = None
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    lr_scaling: str = "none"
-    base_batch: int = 256
-    seed: int = 0
-    shuffle: bool = True
-    dtype: str = "float64"
-    init: str | None = None  # .npz with W0, b0, ... to start from instead of the seeded draw
-    bucket_bytes: int | None = None  # None: one fused allreduce; 0: one per layer; else buckets
-    algorithm: str = "ring"  # the allreduce: one of ALGORITHMS
-    exact: bool = False  # bitwise the same result for every number of ranks (SPEC §6)
-    pitfall: str | None = None  # one of PITFALLS: do deliberately what real systems get wrong
-    checkpoint: str | None = None  # directory to write checkpoints to
-    checkpoint_every: int | None = None  # steps between checkpoints (default: only at the end)
-    resume: str | None = None  # directory to resume from (its latest checkpoint)
-    skip_nonfinite: bool = False  # skip a step whose loss or gradient is not finite, not stop
-    holdout: float = 0.0  # fraction of the samples held out for evaluation
-    eval_every: int = 0  # evaluate on the held-out samples every k steps and at the end; 0: never
-    target_loss: float | None = None  # stop once the held-out loss is at most this
-    target_accuracy: float | None = None  # stop once the held-out accuracy is at least this
-    noise_scale: bool = False  # estimate the gradient noise scale B_simple (McCandlish et al.)
+    data: str = option(
+        "synthetic-classification",
+        f"{' | '.join(DATA_SOURCES)} | file.npz (X, y) | file.csv (last column the target)",
+        group=DATA, metavar="NAME|PATH", check=_data_source,
+    )  # fmt: skip
+    samples: int = option(4096, "synthetic samples", group=DATA, type=positive_int,
+                          check=at_least(1))  # fmt: skip
+    features: int = option(32, "synthetic features", group=DATA, type=positive_int,
+                           check=at_least(1))  # fmt: skip
+    classes: int | None = option(
+        None, "classes (xent) or outputs (mse) of synthetic data", group=DATA,
+        type=positive_int, check=at_least(1), shown="4 / 1; from the data for a file",
+    )  # fmt: skip
+    hidden: tuple[int, ...] = option(
+        (64, 64), 'hidden layer widths, e.g. 64,64; "" for linear/softmax regression',
+        group=DATA, type=hidden_sizes, check=_hidden_sizes,
+    )  # fmt: skip
+    activation: str = option("relu", "the hidden layers' activation", group=DATA,
+                             choices=("relu", "tanh"))  # fmt: skip
+    loss: str = option("xent", "softmax cross-entropy or mean squared error", group=DATA,
+                       choices=("xent", "mse"))  # fmt: skip
+    batch_size: int = option(256, "global batch size, split over the ranks", group=OPTIMIZATION,
+                             type=positive_int, check=at_least(1))  # fmt: skip
+    steps: int | None = option(
+        None, "steps to take", group=OPTIMIZATION, type=positive_int, check=at_least(1),
+        shown="100, or --epochs", fingerprint=False,
+    )  # fmt: skip
+    epochs: int | None = option(
+        None, "epochs to take instead of --steps", group=OPTIMIZATION, type=positive_int,
+        check=at_least(1), shown="none", fingerprint=False,
+    )  # fmt: skip
+    lr: float = option(0.1, "learning rate", group=OPTIMIZATION, type=positive_float)
+    momentum: float = option(0.0, "heavy-ball momentum", group=OPTIMIZATION,
+                             type=nonnegative_float)  # fmt: skip
+    nesterov: bool = option(False, "Nesterov momentum", group=OPTIMIZATION)
+    weight_decay: float = option(0.0, "L2 weight decay", group=OPTIMIZATION,
+                                 type=nonnegative_float)  # fmt: skip
+    clip_norm: float | None = option(
+        None, "clip the allreduced gradient to this global L2 norm", group=OPTIMIZATION,
+        type=positive_float, shown="no clipping",
+    )  # fmt: skip
+    schedule: str = option("constant", "learning-rate schedule", group=OPTIMIZATION,
+                           choices=SCHEDULES)  # fmt: skip
+    warmup_steps: int = option(0, "steps of linear warm-up", group=OPTIMIZATION,
+                               type=nonnegative_int)  # fmt: skip
+    lr_scaling: str = option("none", "scale --lr by B/base (linear) or sqrt(B/base)",
+                             group=OPTIMIZATION, choices=LR_SCALINGS)  # fmt: skip
+    base_batch: int = option(256, "the batch size --lr was tuned for", group=OPTIMIZATION,
+                             type=positive_int, check=at_least(1))  # fmt: skip
+    seed: int = option(0, "seed of the data, the first parameters and the shuffle", group=DATA,
+                       type=nonnegative_int, check=at_least(0))  # fmt: skip
+    shuffle: bool = option(True, "visit the samples in order every epoch", group=DATA,
+                           shown="shuffled every epoch")  # fmt: skip
+    dtype: str = option("float64", "the parameters' and the data's float type", group=DATA,
+                        choices=("float64", "float32"))  # fmt: skip
+    init: str | None = option(
+        None, "start from W0, b0, ... in this .npz", group=DATA, metavar="PATH",
+        shown="the seeded draw", fingerprint=False,
+    )  # fmt: skip
+    bucket_bytes: int | None = option(
+        None, "allreduce buckets of about this many bytes; 0: one per layer", group=RANKS,
+        type=nonnegative_int, check=at_least(0), shown="one fused allreduce", fingerprint=False,
+    )  # fmt: skip
+    algorithm: str = option("ring", "the allreduce algorithm", group=RANKS, choices=ALGORITHMS,
+                            list_choices=True, fingerprint=False)  # fmt: skip
+    exact: bool = option(False, "bitwise the same parameters for every number of ranks",
+                         group=REPRODUCIBILITY)  # fmt: skip
+    pitfall: str | None = option(
+        None, "deliberately do what real systems get wrong (see syncsgd.training.pitfalls)",
+        group=REPRODUCIBILITY, choices=PITFALLS, list_choices=True, shown="none",
+    )  # fmt: skip
+    checkpoint: str | None = option(
+        None, "write checkpoints to DIR", group=REPRODUCIBILITY, metavar="DIR", shown="none",
+        fingerprint=False, verify=False,
+    )  # fmt: skip
+    checkpoint_every: int | None = option(
+        None, "a checkpoint every K steps", group=REPRODUCIBILITY, type=positive_int,
+        check=at_least(1), metavar="K", shown="after the last step only", fingerprint=False,
+        verify=False,
+    )  # fmt: skip
+    resume: str | None = option(
+        None, "resume from DIR's latest checkpoint", group=REPRODUCIBILITY, metavar="DIR",
+        shown="none", fingerprint=False, verify=False,
+    )  # fmt: skip
+    skip_nonfinite: bool = option(
+        False, "skip a step whose loss or gradient is not finite instead of stopping",
+        group=REPRODUCIBILITY, fingerprint=False, verify=False,
+    )  # fmt: skip
+    holdout: float = option(0.0, "fraction of the samples held out for evaluation",
+                            group=EVALUATION, type=unit_fraction, check=_fraction)  # fmt: skip
+    eval_every: int = option(
+        0, "evaluate on the held-out samples every K steps and at the end; 0: never",
+        group=EVALUATION, type=nonnegative_int, check=at_least(0), metavar="K",
+        fingerprint=False,
+    )  # fmt: skip
+    target_loss: float | None = option(
+        None, "stop once the held-out loss is at most this", group=EVALUATION,
+        type=finite_float, shown="none", fingerprint=False,
+    )  # fmt: skip
+    target_accuracy: float | None = option(
+        None, "stop once the held-out accuracy is at least this", group=EVALUATION,
+        type=finite_float, shown="none", fingerprint=False,
+    )  # fmt: skip
+    noise_scale: bool = option(
+        False, "estimate the gradient noise scale B_simple (McCandlish et al.; 2+ ranks)",
+        group=EVALUATION, fingerprint=False,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        for name in ("samples", "features", "batch_size", "base_batch"):
-            _require(
-                getattr(self, name) >= 1, f"--{_flag(name)} must be >= 1, got {getattr(self, name)}"
-            )
-        for name in ("steps", "epochs", "classes"):
-            value = getattr(self, name)
-            _require(value is None or value >= 1, f"--{_flag(name)} must be >= 1, got {value}")
+        for error in errors(self):
+            raise ValueError(error)
         _require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
-        _require(self.seed >= 0, f"--seed must be >= 0, got {self.seed}")
-        _require(self.dtype in ("float64", "float32"), f"unknown --dtype {self.dtype!r}")
-        _require(self.activation in ("relu", "tanh"), f"unknown --activation {self.activation!r}")
-        _require(self.loss in ("xent", "mse"), f"unknown --loss {self.loss!r}")
-        _require(all(h >= 1 for h in self.hidden), f"--hidden sizes must be >= 1: {self.hidden}")
-        _require(
-            self.bucket_bytes is None or self.bucket_bytes >= 0,
-            f"--bucket-bytes must be >= 0, got {self.bucket_bytes}",
-        )
-        _require(
-            self.algorithm in ALGORITHMS,
-            f"unknown --algorithm {self.algorithm!r}: choose one of "
-            f"{', '.join(ALGORITHMS)}",
-        )
-        _require(
-            self.pitfall is None or self.pitfall in PITFALLS,
-            f"unknown --pitfall {self.pitfall!r}: choose one of {', '.join(PITFALLS)}",
-        )
         _require(
             self.pitfall != "local-clip" or self.clip_norm is not None,
             "--pitfall local-clip needs --clip-norm",
         )
         _require(
-            self.checkpoint_every is None or self.checkpoint_every >= 1,
-            f"--checkpoint-every must be >= 1, got {self.checkpoint_every}",
-        )
-        _require(
             self.checkpoint_every is None or self.checkpoint is not None,
             "--checkpoint-every needs --checkpoint DIR",
         )
-        _require(0 <= self.holdout < 1, f"--holdout must be in [0, 1), got {self.holdout}")
-        _require(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         wants_eval = self.eval_every > 0 or self.target_loss is not None
         _require(
             not (wants_eval or self.target_accuracy is not None) or self.holdout > 0,
@@ -110,15 +181,6 @@ class TrainConfig:
             self.target_accuracy is None or self.loss == "xent",
             "--target-accuracy needs --loss xent",
         )
-        source = self.data
-        _require(
-            source in DATA_SOURCES or source.endswith((".npz", ".csv")),
-            f"unknown --data {source!r}: use one of {', '.join(DATA_SOURCES)} or a .npz/.csv path",
-        )
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -133,9 +195,7 @@ def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -
     may go further; only the cosine schedule depends on it, so it is kept then), where the first
     parameters came from, outputs, and how the allreduce is done (algorithm, buckets).
     """
-    ignored = {"steps", "epochs", "init", "checkpoint", "checkpoint_every", "resume",
-               "bucket_bytes", "algorithm", "skip_nonfinite", "eval_every", "target_loss",
-               "target_accuracy", "noise_scale"}  # fmt: skip
+    ignored = {name for name, declared in options_of(TrainConfig) if not declared.fingerprint}
     options = {k: v for k, v in asdict(config).items() if k not in ignored}
     if config.schedule == "cosine":
         options["total_steps"] = steps
@@ -144,5 +204,3 @@ def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -
         digest.update(f"{array.dtype.str}{array.shape}".encode())
         digest.update(np.ascontiguousarray(array).tobytes())
     return digest.hexdigest()
-
-

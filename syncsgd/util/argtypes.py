@@ -42,6 +42,14 @@ def nonnegative_float(text: str) -> float:
     return value
 
 
+def unit_fraction(text: str) -> float:
+    """A number in [0, 1)."""
+    value = finite_float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
 def finite_float(text: str) -> float:
     """A finite number (no NaN, no infinity)."""
     try:
@@ -63,6 +71,19 @@ def _integer(text: str) -> int:
 def rank_list(text: str) -> list[int]:
     """A comma-separated list of positive integers, e.g. 1,2,3,4,8."""
     return comma_list(text, positive_int, "1,2,4")
+
+
+def hidden_sizes(text: str) -> tuple[int, ...]:
+    """Hidden layer widths: '64,64' -> (64, 64); '' -> () (no hidden layer)."""
+    parts = [part.strip() for part in text.split(",")]
+    if parts == [""]:
+        return ()
+    if not all(part.isascii() and part.isdigit() and int(part) >= 1 for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"hidden layer sizes must be positive integers separated by commas "
+            f"(e.g. 64,64 or '' for none), got {text!r}"
+        )
+    return tuple(int(part) for part in parts)
 
 
 def dtype_list(text: str) -> list[str]:

@@ -1,0 +1,164 @@
+"""Command-line options declared once: flag, help with its default, value type, group and check."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from syncsgd.util.argtypes import positive_int, rank_list
+
+Check = Callable[[str, Any], "str | None"]  # (flag, value) -> what is wrong, or None if fine
+
+GROUPS = ("ranks", "data and model", "optimization", "evaluation", "reproducibility", "output")
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One command-line option: how argparse reads it and, for a config field, what it means."""
+
+    flag: str  # "" for a config field: "--" and the field's name with dashes (--no-x for x=True)
+    help: str
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # for add_argument
+    group: str = ""  # one of GROUPS
+    fingerprint: bool = True  # whether it determines the trajectory (part of the fingerprint)
+    verify: bool = True  # whether `syncsgd verify` takes it too
+    check: Check | None = None  # the check of a value given in Python, not on the command line
+
+    def add(self, parser: Any, **overrides: Any) -> argparse.Action:
+        """Declare this option to a parser or argument group; `overrides` replace its arguments."""
+        arguments: dict[str, Any] = {"help": self.help, **self.kwargs, **overrides}
+        return parser.add_argument(self.flag, **arguments)
+
+    def error(self, value: Any) -> str | None:
+        """Why `value` is not a valid value of this option, or None if it is."""
+        return None if self.check is None else self.check(self.flag, value)
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    group: str,
+    type: Callable[[str], Any] | None = None,
+    choices: Sequence[str] | None = None,
+    list_choices: bool = False,
+    check: Check | None = None,
+    metavar: str | None = None,
+    shown: str | None = None,
+    fingerprint: bool = True,
+    verify: bool = True,
+) -> Any:
+    """A dataclass field that is also a command-line option; `shown`: how help shows the default."""
+    assert group in GROUPS, group
+    assert shown is not None or default is not None, "say what a None default means"
+    kwargs: dict[str, Any] = {"default": default}
+    if isinstance(default, bool):
+        kwargs["action"] = "store_false" if default else "store_true"
+    for name, value in (("type", type), ("choices", choices), ("metavar", metavar)):
+        if value is not None:
+            kwargs[name] = value
+    if choices is not None and check is None:
+        check = one_of(choices, listed=list_choices, optional=default is None)
+    told = f"default: {shown}" if shown is not None else f"default {show(default)}"
+    declared = Option("", f"{help} ({told})", kwargs, group,
+                      fingerprint, verify, check)  # fmt: skip
+    return dataclasses.field(default=default, metadata={"option": declared})
+
+
+def show(default: Any) -> str:
+    """A default value as the help text shows it."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, tuple):
+        return ",".join(map(str, default)) or '""'
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
+
+
+_DECLARED: dict[type, tuple[tuple[str, Option], ...]] = {}
+
+
+def options_of(cls: type) -> tuple[tuple[str, Option], ...]:
+    """(field name, its option) for every field of dataclass `cls` declared with `option`."""
+    if cls not in _DECLARED:
+        _DECLARED[cls] = tuple(_declared(cls))
+    return _DECLARED[cls]
+
+
+def _declared(cls: type) -> Iterator[tuple[str, Option]]:
+    for field in dataclasses.fields(cls):
+        found = field.metadata.get("option")
+        if found is not None:
+            negated = found.kwargs.get("action") == "store_false"
+            flag = found.flag or "--" + ("no-" if negated else "") + field.name.replace("_", "-")
+            kwargs = {**found.kwargs, "dest": field.name}
+            yield field.name, dataclasses.replace(found, flag=flag, kwargs=kwargs)
+
+
+def add_options(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    groups: dict[str, Any],
+    keep: Callable[[Option], bool] = lambda option: True,
+) -> None:
+    """Declare the options of dataclass `cls` that `keep` keeps, each in its group of `groups`."""
+    for _, declared in options_of(cls):
+        if keep(declared):
+            if declared.group not in groups:
+                groups[declared.group] = parser.add_argument_group(declared.group)
+            declared.add(groups[declared.group])
+
+
+def from_options(cls: type, options: argparse.Namespace) -> Any:
+    """An instance of dataclass `cls` from parsed options; fields the parser lacks keep defaults."""
+    given = vars(options)
+    return cls(**{name: given[name] for name, _ in options_of(cls) if name in given})
+
+
+def errors(instance: Any) -> Iterator[str]:
+    """What is wrong with each field of a dataclass instance, field by field."""
+    for name, declared in options_of(type(instance)):
+        error = declared.error(getattr(instance, name))
+        if error is not None:
+            yield error
+
+
+def at_least(low: int) -> Check:
+    """The check of a number >= `low` (None passes: it means the option was not given)."""
+
+    def check(flag: str, value: Any) -> str | None:
+        return None if value is None or value >= low else f"{flag} must be >= {low}, got {value}"
+
+    return check
+
+
+def one_of(choices: Sequence[str], *, listed: bool = False, optional: bool = False) -> Check:
+    """The check of a value among `choices` (`listed`: error names them; `optional`: None too)."""
+
+    def check(flag: str, value: Any) -> str | None:
+        if value in choices or (optional and value is None):
+            return None
+        among = f": choose one of {', '.join(choices)}" if listed else ""
+        return f"unknown {flag} {value!r}{among}"
+
+    return check
+
+
+# -- options that several subcommands take, declared once ---------------------------------------
+
+RANKS = Option(
+    "--ranks",
+    "thread ranks (default 2); under mpiexec the world size is used",
+    {"type": positive_int, "default": None},
+)
+RANK_COUNTS = Option("--ranks", "numbers of ranks, e.g. 1,2,4", {"type": rank_list})
+BACKEND = Option(
+    "--backend",
+    "auto: MPI under mpiexec/srun, threads otherwise (default auto)",
+    {"choices": ("auto", "threads", "mpi"), "default": "auto"},
+)
+JSON = Option("--json", "write the results as JSON (default: none)", {"metavar": "PATH"})
+DEBUG = Option("--debug", "show tracebacks of errors (default off)", {"action": "store_true"})
