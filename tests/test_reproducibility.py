@@ -1,4 +1,4 @@
-"""SPEC §6: exact mode bitwise for any P, verify, pitfalls, checkpoints and resume."""
+"""Exact mode bitwise for any P, verify, the pitfalls, checkpoints and resume."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from syncsgd import TrainConfig, train
 from syncsgd.apps.verify import TOLERANCE, ulp_distance, verify
 from syncsgd.training.checkpoint import latest
+from syncsgd.training.variants import VARIANTS, MeanOfMeans, PadDuplicate
 
 SMALL = TrainConfig(samples=150, features=5, hidden=(7,), batch_size=30, steps=8, seed=1)
 
@@ -69,29 +71,20 @@ def test_exact_mode_stays_close_to_float_mode(dtype):
 
 # -- verify and the pitfalls --
 
-PITFALL_CASES = [  # (pitfall, extra options, a P at which it must show)
-    ("mean-of-means", {}, 4),  # 30 samples over 4 ranks: shards of 8, 8, 7, 7
-    ("local-clip", {"clip_norm": 0.05}, 3),
-    ("unsynced-shuffle", {}, 2),
-    ("fp32-allreduce", {}, 2),
-    ("pad-duplicate", {}, 4),
-]
-
-
-@pytest.mark.parametrize(("pitfall", "extra", "ranks"), PITFALL_CASES)
+@pytest.mark.parametrize("pitfall", VARIANTS.values(), ids=list(VARIANTS))
 @pytest.mark.parametrize("exact", [False, True])
-def test_each_pitfall_makes_verify_fail_and_its_absence_pass(pitfall, extra, ranks, exact):
-    config = TrainConfig(**{**SMALL.__dict__, **extra, "exact": exact})
+def test_each_pitfall_makes_verify_fail_and_its_absence_pass(pitfall, exact):
+    config = TrainConfig(**{**SMALL.__dict__, **pitfall.shows_with, "exact": exact})
     tolerance = TOLERANCE[config.dtype]
-    [clean] = verify(config, [ranks], tolerance)
+    [clean] = verify(config, [pitfall.shows_at], tolerance)
     assert clean.matches and (clean.bitwise_equal or not exact)
-    [broken] = verify(TrainConfig(**{**config.__dict__, "pitfall": pitfall}), [ranks], tolerance)
+    [broken] = verify(replace(config, pitfall=pitfall.name), [pitfall.shows_at], tolerance)
     assert not broken.matches
     assert broken.first_difference is not None and broken.first_difference >= 1
 
 
 def test_mean_of_means_is_harmless_when_shards_are_even():
-    config = TrainConfig(**{**SMALL.__dict__, "pitfall": "mean-of-means"})
+    config = replace(SMALL, pitfall=MeanOfMeans.name)
     [row] = verify(config, [3], TOLERANCE["float64"])  # 30 over 3: shards of 10
     assert row.matches
 
@@ -130,7 +123,9 @@ def test_verify_command_prints_the_table_and_sets_the_exit_status(tmp_path):
     assert [row["ranks"] for row in document["rows"]] == [1, 2, 3, 4]
     assert len({row["sha256"] for row in document["rows"]}) == 1
 
-    broken = syncsgd_cli("verify", "--ranks", "4", "--pitfall", "pad-duplicate", *SMALL_ARGS)
+    pitfall = PadDuplicate
+    broken = syncsgd_cli("verify", "--ranks", str(pitfall.shows_at), "--pitfall", pitfall.name,
+                         *SMALL_ARGS)  # fmt: skip
     assert broken.returncode == 1
     assert "MISMATCH" in broken.stdout
 

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from oracle import serial_sgd
 
 from syncsgd import TrainConfig, run_threads, train
-from syncsgd.apps.verify import TOLERANCE  # documented, relative to the largest parameter (SPEC §6)
 from syncsgd.nn.mlp import MLP
-from syncsgd.training.loop import bucket_slices, prepare, train_rank
+from syncsgd.training.loop import prepare, train_rank
+from syncsgd.training.result import NonFiniteError
+from syncsgd.training.step import bucket_slices
 
 
 def max_relative_difference(ours: dict, theirs: dict) -> float:
@@ -25,16 +26,16 @@ def max_relative_difference(ours: dict, theirs: dict) -> float:
 
 def oracle_for(config: TrainConfig) -> tuple[dict, list[float]]:
     """Run the plain-NumPy serial oracle on the same data and initial parameters as `config`."""
-    problem = prepare(config)
-    init = problem.model.to_arrays(problem.model.init_params(config.seed))
+    run = prepare(config)
+    init = run.model.to_arrays(run.model.init_params(config.seed))
     return serial_sgd(
-        problem.X, problem.y, init, hidden_activation=config.activation, loss=config.loss,
-        steps=problem.steps, batch_size=config.batch_size, seed=config.seed,
+        run.X, run.y, init, hidden_activation=config.activation, loss=config.loss,
+        steps=run.steps, batch_size=config.batch_size, seed=config.seed,
         shuffle=config.shuffle, lr=config.lr, momentum=config.momentum,
         nesterov=config.nesterov, weight_decay=config.weight_decay, clip_norm=config.clip_norm,
         schedule=config.schedule, warmup_steps=config.warmup_steps,
         lr_scaling=config.lr_scaling, base_batch=config.base_batch,
-        noam_dim=problem.optim.noam_dim, dtype=np.dtype(config.dtype),
+        noam_dim=run.optim.noam_dim, dtype=np.dtype(config.dtype),
     )  # fmt: skip
 
 
@@ -72,18 +73,21 @@ def test_distributed_equals_serial_oracle(
         batch_size=batch_size, steps=7, dtype=dtype, shuffle=shuffle, seed=3,
         **{"lr": 0.05, **optimizer},
     )  # fmt: skip
-    result = train(config, ranks=ranks)
-    expected, expected_losses = oracle_for(config)
-
-    assert max_relative_difference(result.arrays(), expected) <= TOLERANCE[dtype]
+    tolerance = 1e-9 if dtype == "float64" else 1e-4  # relative to max(1, max |θ|)
+    serial, serial_losses = oracle_for(config)  # plain NumPy, one process, the whole batch
+    try:
+        distributed = train(config, ranks=ranks)  # P ranks: shard, local sum, ring, / B once
+    except NonFiniteError:  # diverged (noam at lr 1, say): then the serial run diverges too
+        assert not all(np.isfinite(v).all() for v in [*serial.values(), serial_losses])
+        return
+    assert max_relative_difference(distributed.arrays(), serial) <= tolerance
     # Losses near zero (a fitted batch of one) cancel in float32: an absolute tolerance too.
-    loss_tolerance = TOLERANCE[dtype] * 10
-    np.testing.assert_allclose(result.losses, expected_losses, rtol=loss_tolerance,
-                               atol=loss_tolerance)  # fmt: skip
+    np.testing.assert_allclose(distributed.losses, serial_losses, rtol=10 * tolerance,
+                               atol=10 * tolerance)  # fmt: skip
 
 
 def test_float64_within_1e_9_after_100_steps_on_the_standard_workload():
-    """SPEC §6: float64, relative 1e-9 after 100 steps, on an uneven split (256 over 3 ranks)."""
+    """Float64, relative 1e-9 after 100 steps, on an uneven split (256 over 3 ranks)."""
     config = TrainConfig(steps=100, momentum=0.9, samples=2048)
     result = train(config, ranks=3)
     expected, _ = oracle_for(config)
@@ -92,8 +96,8 @@ def test_float64_within_1e_9_after_100_steps_on_the_standard_workload():
 
 @pytest.mark.parametrize("ranks", [2, 5, 40])  # 40 ranks > global batch of 32: empty shards
 def test_every_rank_holds_the_same_bits(ranks):
-    problem = prepare(TrainConfig(samples=200, batch_size=32, steps=5, hidden=(8,)))
-    results = run_threads(ranks, train_rank, problem)
+    run = prepare(TrainConfig(samples=200, batch_size=32, steps=5, hidden=(8,)))
+    results = run_threads(ranks, train_rank, run)
     for other in results[1:]:
         assert other.params.tobytes() == results[0].params.tobytes()
     assert results[0].final_loss is not None and results[1].final_loss is None
@@ -177,8 +181,8 @@ def test_holdout_is_a_seeded_disjoint_split():
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_a_held_out_target_stops_every_rank_at_the_same_step(ranks):
     config = TrainConfig(samples=600, steps=300, holdout=0.2, target_accuracy=0.8, hidden=(16,))
-    problem = prepare(config)
-    results = run_threads(ranks, train_rank, problem)
+    run = prepare(config)
+    results = run_threads(ranks, train_rank, run)
     first = results[0]
     assert first.steps_to_target is not None and first.steps_to_target < 300
     assert {len(r.losses) for r in results} == {first.steps_to_target}

@@ -118,15 +118,27 @@ def epoch_order(n_samples: int, epoch: int, seed: int, shuffle: bool) -> np.ndar
     ).copy()
 
 
+class SampleOrder:
+    """The global batches of a run, checked once: `batch(step)` is the same on every rank."""
+
+    def __init__(self, n_samples: int, batch_size: int, seed: int, shuffle: bool) -> None:
+        self.per_epoch = steps_per_epoch(n_samples, batch_size)
+        self.n_samples, self.batch_size = int(n_samples), int(batch_size)
+        self.seed, self.shuffle = _check_seed(seed), bool(shuffle)
+
+    def batch(self, step: int) -> np.ndarray:
+        """Indices (int64, length B) of the samples of global batch `step` (0-based)."""
+        epoch, position = divmod(step, self.per_epoch)
+        order = _cached_order(self.n_samples, epoch, self.seed, self.shuffle)
+        return order[position * self.batch_size : (position + 1) * self.batch_size].copy()
+
+
 def global_batch(
     step: int, n_samples: int, batch_size: int, seed: int, shuffle: bool
 ) -> np.ndarray:
     """Indices (int64, length B) of the samples of global batch `step` (0-based), on every rank."""
-    per_epoch = steps_per_epoch(n_samples, batch_size)
-    epoch, position = divmod(_check_nonnegative_int("step", step), per_epoch)
-    order = _cached_order(int(n_samples), epoch, _check_seed(seed), bool(shuffle))
-    batch = int(batch_size)
-    return order[position * batch : (position + 1) * batch].copy()
+    order = SampleOrder(n_samples, batch_size, seed, shuffle)
+    return order.batch(_check_nonnegative_int("step", step))
 
 
 def shard(global_batch: np.ndarray, rank: int, size: int) -> np.ndarray:
@@ -139,10 +151,14 @@ def shard(global_batch: np.ndarray, rank: int, size: int) -> np.ndarray:
     rank = integer("rank", rank)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is out of range for {size} ranks")
+    return contiguous_shard(global_batch, rank, size)
+
+
+def contiguous_shard(global_batch: np.ndarray, rank: int, size: int) -> np.ndarray:
+    """`shard` without the checks, for a loop whose rank and size were checked once."""
     base, extra = divmod(len(global_batch), size)
     start = rank * base + min(rank, extra)
-    stop = start + base + (1 if rank < extra else 0)
-    return global_batch[start:stop]
+    return global_batch[start : start + base + (1 if rank < extra else 0)]
 
 
 @functools.lru_cache(maxsize=4)

@@ -41,7 +41,10 @@ import numpy as np
 from syncsgd.comm.threads import run_threads
 from syncsgd.comm.world import constants, launched_by_mpi, mpi_world, resolve_backend
 from syncsgd.nn.mlp import parse_hidden
-from syncsgd.training.loop import Problem, TrainConfig, data, prepare, train_rank
+from syncsgd.training import data
+from syncsgd.training.config import TrainConfig
+from syncsgd.training.loop import train_rank
+from syncsgd.training.run import Run, prepare
 from syncsgd.util.argtypes import (
     comma_separated,
     nonnegative_int,
@@ -50,6 +53,7 @@ from syncsgd.util.argtypes import (
     rank_list,
 )
 from syncsgd.util.files import write_text
+from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS
 
 DEFAULT_RANKS = (1, 2, 3, 4)
 SCALINGS = ("weak", "strong")
@@ -91,10 +95,10 @@ def slowest(comm: Any, values: list[float]) -> list[float]:
     return buffer.tolist()
 
 
-def per_step_seconds(comm: Any, problem: Problem) -> list[float]:
+def per_step_seconds(comm: Any, run: Run) -> list[float]:
     """One run of `train_rank`: compute, allreduce, update and whole-step seconds per step."""
     comm.Barrier()
-    result = train_rank(comm, problem, quiet=True)
+    result = train_rank(comm, run, quiet=True)
     totals = [result.compute_seconds, result.comm_seconds, result.update_seconds, result.seconds]
     return slowest(comm, [total / result.steps for total in totals])
 
@@ -102,7 +106,7 @@ def per_step_seconds(comm: Any, problem: Problem) -> list[float]:
 # --- phases, each run on every rank of a communicator -----------------------------------------
 
 
-def first_step(comm: Any, options: argparse.Namespace, problem: Problem) -> dict:
+def first_step(comm: Any, options: argparse.Namespace, run: Run) -> dict:
     """Seconds of the process's first training step (kernel compile or cache load) and import."""
     started = time.perf_counter()
     from syncsgd.nn import kernels  # imports Numba
@@ -112,7 +116,7 @@ def first_step(comm: Any, options: argparse.Namespace, problem: Problem) -> dict
     hits = sum(kernel.stats.cache_hits.values())
     misses = sum(kernel.stats.cache_misses.values())
     started = time.perf_counter()
-    result = train_rank(comm, replace(problem, steps=1), quiet=True)
+    result = train_rank(comm, replace(run, steps=1), quiet=True)
     call_seconds = time.perf_counter() - started  # also evaluate()'s first call on rank 0
     if sum(kernel.stats.cache_misses.values()) > misses:
         source = "JIT compile"
@@ -128,24 +132,24 @@ def first_step(comm: Any, options: argparse.Namespace, problem: Problem) -> dict
     }  # fmt: skip
 
 
-def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, problem: Problem) -> dict:
+def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, run: Run) -> dict:
     """Burn in, then the median over `--repeats` runs of the slowest rank's per-step times."""
     size = comm.Get_size()
-    train_rank(comm, replace(problem, steps=options.warmup), quiet=True)
-    runs = [per_step_seconds(comm, problem) for _ in range(options.repeats)]
-    medians = [statistics.median(run[part] for run in runs) for part in range(len(PARTS))]
-    steps = [run[-1] for run in runs]
-    batch = problem.config.batch_size
+    train_rank(comm, replace(run, steps=options.warmup), quiet=True)
+    runs = [per_step_seconds(comm, run) for _ in range(options.repeats)]
+    medians = [statistics.median(times[part] for times in runs) for part in range(len(PARTS))]
+    steps = [times[-1] for times in runs]
+    batch = run.config.batch_size
     row = {"scaling": scaling, "ranks": size, "global_batch": batch, "shard": -(-batch // size)}
     row.update({f"{part}_ms": seconds * 1e3 for part, seconds in zip(PARTS, medians, strict=True)})
     row["step_min_ms"] = min(steps) * 1e3
     row["step_max_ms"] = max(steps) * 1e3
     row["samples_per_s"] = batch / medians[-1]
-    row["steps"], row["repeats"] = problem.steps, options.repeats
+    row["steps"], row["repeats"] = run.steps, options.repeats
     return row
 
 
-def bare_loop(problem: Problem) -> tuple[np.ndarray, list[float]]:
+def bare_loop(run: Run) -> tuple[np.ndarray, list[float]]:
     """The same SGD steps with the kernels called directly: final parameters, per-step seconds.
 
     Like `train_rank`, it allocates its buffers before the loop, so both pay the first touch of
@@ -153,7 +157,7 @@ def bare_loop(problem: Problem) -> tuple[np.ndarray, list[float]]:
     """
     from syncsgd.nn.kernels import Gradient
 
-    config, model, X, y = problem.config, problem.model, problem.X, problem.y
+    config, model, X, y = run.config, run.model, run.X, run.y
     batch, n_samples, lr = config.batch_size, X.shape[0], config.lr
     per_epoch = n_samples // batch
     gradient = Gradient(model, batch)
@@ -165,10 +169,10 @@ def bare_loop(problem: Problem) -> tuple[np.ndarray, list[float]]:
     order, order_epoch = np.empty(0, np.int64), -1
     compute = update = 0.0
     started = time.perf_counter()
-    for step in range(problem.steps):
+    for step in range(run.steps):
         t0 = time.perf_counter()
         epoch, position = divmod(step, per_epoch)
-        if epoch != order_epoch:  # one permutation per epoch, as SPEC §5 defines it
+        if epoch != order_epoch:  # one permutation per epoch, as the sample order defines it
             order = data.epoch_order(n_samples, epoch, config.seed, config.shuffle)
             order_epoch = epoch
         indices = order[position * batch : (position + 1) * batch]
@@ -184,49 +188,49 @@ def bare_loop(problem: Problem) -> tuple[np.ndarray, list[float]]:
         compute += t1 - t0
         update += t2 - t1
     seconds = time.perf_counter() - started
-    return params, [total / problem.steps for total in (compute, 0.0, update, seconds)]
+    return params, [total / run.steps for total in (compute, 0.0, update, seconds)]
 
 
 def _nothing(i: int) -> None:
     """The bare loop's counterpart of a line it does not need."""
 
 
-def overhead(comm: Any, options: argparse.Namespace, problem: Problem) -> dict:
+def overhead(comm: Any, options: argparse.Namespace, run: Run) -> dict:
     """`train_rank` against the bare loop at P = 1, interleaved ABBA run by run."""
     if comm.Get_size() != 1:
         raise ValueError("the overhead check runs on one rank")
-    trained = train_rank(comm, problem, quiet=True)  # also the burn-in of both loops
-    bare_params, _ = bare_loop(problem)
+    trained = train_rank(comm, run, quiet=True)  # also the burn-in of both loops
+    bare_params, _ = bare_loop(run)
     if not np.array_equal(trained.params, bare_params):
         raise RuntimeError("the bare loop does not reproduce train_rank's parameters bitwise")
     runs: dict[str, list[list[float]]] = {"train": [], "bare": []}
     for repeat in range(options.overhead_repeats):
         order = ("train", "bare") if repeat % 2 == 0 else ("bare", "train")
         for name in order:
-            timed = per_step_seconds(comm, problem) if name == "train" else bare_loop(problem)[1]
+            timed = per_step_seconds(comm, run) if name == "train" else bare_loop(run)[1]
             runs[name].append(timed)
     ratios = [t[-1] / b[-1] for t, b in zip(runs["train"], runs["bare"], strict=True)]
-    row: dict[str, Any] = {"batch": problem.config.batch_size, "steps": problem.steps}
+    row: dict[str, Any] = {"batch": run.config.batch_size, "steps": run.steps}
     for name, samples in runs.items():
         for index, part in enumerate(PARTS):
-            row[f"{name}_{part}_ms"] = statistics.median(run[index] for run in samples) * 1e3
-        row[f"{name}_step_min_ms"] = min(run[-1] for run in samples) * 1e3
+            row[f"{name}_{part}_ms"] = statistics.median(times[index] for times in samples) * 1e3
+        row[f"{name}_step_min_ms"] = min(times[-1] for times in samples) * 1e3
     row["ratio"] = statistics.median(ratios)  # median of the paired (interleaved) ratios
     row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
     row["ratio_of_minima"] = row["train_step_min_ms"] / row["bare_step_min_ms"]
     row["overhead_pct"] = (row["ratio"] - 1) * 100
     row["within_bar"] = row["ratio"] <= 1 + OVERHEAD_BAR
     row["bitwise_equal"] = True
-    row["pieces"] = machinery_pieces(comm, problem, row["bare_step_min_ms"] / 1e3)
+    row["pieces"] = machinery_pieces(comm, run, row["bare_step_min_ms"] / 1e3)
     return row
 
 
-def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> list[dict]:
+def machinery_pieces(comm: Any, run: Run, bare_step_seconds: float) -> list[dict]:
     """Each line of train_rank's step that the bare loop does differently, timed on its own.
 
-    The pieces mirror syncsgd/training.py's loop: the batch indices (`data.global_batch` and
-    `data.shard` against a slice of the epoch's order), the allreduce (a no-op at P = 1), the
-    division by B fused with the finiteness check (`divide_finite_`, against `np.divide`) and the
+    The pieces mirror the step (`syncsgd.training.step`): the batch indices
+    (`SampleOrder.batch` and `contiguous_shard` against a slice of the epoch's order), the
+    allreduce (a no-op at P = 1), the division by B fused with the finiteness check (`divide_finite_`, against `np.divide`) and the
     update (`SGD.step_` without the gradient norm, which a quiet run does not compute, against
     `lr * grad` subtracted). The kernels and the gather are the same on both sides. Best of
     interleaved batches, in microseconds per call.
@@ -235,8 +239,8 @@ def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> l
     from syncsgd.nn.kernels import divide_finite_
     from syncsgd.nn.optim import SGD
 
-    config, model = problem.config, problem.model
-    n_samples, batch, lr = problem.X.shape[0], config.batch_size, config.lr
+    config, model = run.config, run.model
+    n_samples, batch, lr = run.X.shape[0], config.batch_size, config.lr
     per_epoch = n_samples // batch
     order = data.epoch_order(n_samples, 0, config.seed, config.shuffle)
     comm_buffer = np.zeros(model.n_params + 2, model.dtype)
@@ -245,12 +249,13 @@ def machinery_pieces(comm: Any, problem: Problem, bare_step_seconds: float) -> l
     loss = 1.0  # a finite mean loss
     params = model.init_params(config.seed)
     scratch = np.empty_like(params)
-    sgd = SGD(problem.optim, model.n_params, model.dtype)
+    sgd = SGD(run.optim, model.n_params, model.dtype)
+
+    sample_order = data.SampleOrder(n_samples, batch, config.seed, config.shuffle)
 
     def global_batch(i: int) -> np.ndarray:
         position = i % per_epoch  # steady state inside one epoch (both sides permute per epoch)
-        indices = data.global_batch(position, n_samples, batch, config.seed, config.shuffle)
-        return data.shard(indices, 0, 1)
+        return data.contiguous_shard(sample_order.batch(position), 0, 1)
 
     def bare_indices(i: int) -> np.ndarray:
         position = i % per_epoch
@@ -419,18 +424,8 @@ def write_outputs(options: argparse.Namespace, result: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench step`."""
-    parser.add_argument(
-        "--ranks",
-        type=rank_list,
-        default=None,
-        help="thread rank counts to run (default 1,2,3,4); under mpiexec, -n",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=("auto", "threads", "mpi"),
-        default="auto",
-        help="auto: MPI under mpiexec/srun, threads otherwise",
-    )
+    RANK_COUNTS.add(parser, help="thread rank counts to run (default 1,2,3,4); under mpiexec, -n")
+    BACKEND.add(parser)
     parser.add_argument(
         "--scaling",
         type=scaling_list,
@@ -490,7 +485,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5,
         help="runs of each command-line timing; 0 skips them (5)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    JSON.add(parser, help="write all results as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write the scaling rows as CSV")  # fmt: skip
 
 
@@ -577,8 +572,8 @@ def main(options: argparse.Namespace) -> int:
         )
         say(OVERHEAD_HEADER, flush=True)
         for batch in options.overhead_batch:
-            problem = prepare(train_config(options, batch))
-            overhead_rows.append(call(overhead, 1, problem))
+            run = prepare(train_config(options, batch))
+            overhead_rows.append(call(overhead, 1, run))
             if master_process:
                 print_overhead(overhead_rows[-1])
     elif options.overhead:

@@ -1,0 +1,273 @@
+"""The instruments of a run, each a small hook the loop calls after every step.
+
+A hook may send values along with the gradient (a `Rider`: the stop flag, the noise sums) and may
+end training after the step (`after_step` returns True). Every rank calls every hook, in order;
+hooks that print or write do so on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import numpy as np
+
+from syncsgd.training import checkpoint
+from syncsgd.training.checkpoint import Checkpoint
+from syncsgd.training.noise import NoiseScaleMeter
+from syncsgd.training.result import NonFiniteError, TrainResult
+from syncsgd.training.run import Run
+from syncsgd.training.step import DataParallelStep, Rider, StepRecord
+from syncsgd.training.timeline import Timeline
+
+# Set by the command line's SIGINT/SIGTERM handlers; the ranks agree through the allreduce.
+stop_requested = threading.Event()
+
+
+class Hook:
+    """Does nothing: the base of every instrument."""
+
+    rider: Rider | None = None
+
+    def attach(self, stepper: DataParallelStep) -> None:
+        """Called once, when the step's buffers exist."""
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        """Called after every step on every rank; True ends training after this step."""
+        return False
+
+    def close(self) -> None:
+        """Called once, when training ends."""
+
+
+class NonFinitePolicy(Hook):
+    """A step whose loss or gradient is not finite stops training, or is skipped on every rank."""
+
+    def __init__(self, skip: bool, result: TrainResult) -> None:
+        self.skip, self.result = skip, result
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        if record.finite:
+            return False
+        if not self.skip:
+            raise NonFiniteError(
+                f"non-finite loss or gradient at step {record.step} (loss {record.loss}); lower "
+                f"--lr, set --clip-norm, or pass --skip-nonfinite to skip such steps"
+            )
+        self.result.skipped_steps.append(record.step)
+        return False
+
+
+class Recorder(Hook):
+    """The losses and the time spent computing, in the allreduce and in the update."""
+
+    def __init__(self, result: TrainResult) -> None:
+        self.result = result
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        result = self.result
+        result.losses.append(record.loss)
+        result.compute_seconds += record.computed - record.started
+        result.comm_seconds += record.reduced - record.computed
+        result.update_seconds += record.ended - record.reduced
+        return False
+
+
+class TimelineSpans(Hook):
+    """Compute and update spans on the timeline (the allreduce traces its own steps)."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        self.timeline.span("compute", "compute", record.started, record.computed,
+                           step=record.step, samples=record.shard_size)  # fmt: skip
+        self.timeline.span("update", "update", record.reduced, record.ended, step=record.step)
+        return False
+
+
+class Digests(Hook):
+    """A digest of the parameters after every step (verify finds the first step that differs)."""
+
+    def __init__(self, result: TrainResult) -> None:
+        self.result = result
+
+    def attach(self, stepper: DataParallelStep) -> None:
+        self.params = stepper.params
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        self.result.digests.append(hashlib.blake2b(self.params.tobytes(), digest_size=16).digest())
+        return False
+
+
+class NoiseScale(Hook):
+    """The gradient noise scale from each rank's shard gradient and the allreduced one."""
+
+    def __init__(self, result: TrainResult, n_params: int) -> None:
+        self.result, self.meter = result, NoiseScaleMeter(n_params)
+        self.rider = Rider("noise sums", 3, self.meter.local_, self.read_)
+
+    def read_(self, slots: np.ndarray, grad_mean: np.ndarray, batch_size: int,
+              finite: bool) -> None:  # fmt: skip
+        """Before the update changes the mean gradient: this step's running estimate."""
+        self.result.noise_scales.append(self.meter.add(slots, grad_mean, batch_size, finite))
+
+    def close(self) -> None:
+        self.result.noise_scale = self.meter.running.value
+
+
+class StopRequest(Hook):
+    """Ctrl-C or SIGTERM on any rank: every rank stops after the same step."""
+
+    def __init__(self, result: TrainResult, requested: threading.Event = stop_requested) -> None:
+        self.result, self.requested, self.stop = result, requested, False
+        self.rider = Rider("ranks asked to stop", 1, self.fill_, self.read_)
+
+    def fill_(self, slots: np.ndarray, grad_sum: np.ndarray, shard_size: int) -> None:
+        slots[0] = 1 if self.requested.is_set() else 0
+
+    def read_(self, slots: np.ndarray, grad_mean: np.ndarray, batch_size: int,
+              finite: bool) -> None:  # fmt: skip
+        self.stop = bool(slots[0] > 0)
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        if self.stop:
+            self.result.stopped_after = record.step + 1
+        return self.stop
+
+
+class Log(Hook):
+    """One JSON line per step, on rank 0."""
+
+    def __init__(self, handle: TextIO, steps_per_epoch: int, result: TrainResult,
+                 noise: bool) -> None:  # fmt: skip
+        self.handle, self.steps_per_epoch, self.result, self.noise = (
+            handle, steps_per_epoch, result, noise)  # fmt: skip
+
+    def attach(self, stepper: DataParallelStep) -> None:
+        stepper.want_grad_norm = True
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        line: dict[str, Any] = {
+            "step": record.step, "epoch": record.step // self.steps_per_epoch,
+            "loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm,
+            "seconds": record.ended - record.started,
+            "comm_seconds": record.reduced - record.computed,
+        }  # fmt: skip
+        if self.noise:
+            line["noise_scale"] = self.result.noise_scales[-1]
+        self.handle.write(json.dumps(line) + "\n")
+        return False
+
+
+class Progress(Hook):
+    """A progress bar on rank 0's terminal (tqdm if installed, else one line)."""
+
+    def __init__(self, first_step: int, total: int) -> None:
+        self.first_step, self.total = first_step, total - first_step
+        self.update = progress_bar(self.total)
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        self.update(record.step - self.first_step, record.loss)
+        return False
+
+    def close(self) -> None:
+        self.update(None, None)
+
+
+class Checkpointing(Hook):
+    """Rank 0 writes a checkpoint every --checkpoint-every steps, after the last, and on a stop."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def attach(self, stepper: DataParallelStep) -> None:
+        self.params, self.sgd = stepper.params, stepper.sgd
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        config, steps_done = self.run.config, record.step + 1
+        every = config.checkpoint_every
+        due = steps_done == self.run.steps or (every is not None and steps_done % every == 0)
+        if due or stopping:
+            assert config.checkpoint is not None  # the hook is made for --checkpoint only
+            state = Checkpoint(steps_done, self.params, self.sgd.state_arrays())
+            checkpoint.save(config.checkpoint, state, self.run.fingerprint)
+        return False
+
+
+class Evaluation(Hook):
+    """Rank 0 evaluates on the held-out samples; every rank stops once a target is met."""
+
+    def __init__(self, comm: Any, run: Run, result: TrainResult) -> None:
+        config = run.config
+        self.comm, self.run, self.result = comm, run, result
+        self.has_target = config.target_loss is not None or config.target_accuracy is not None
+        self.every = config.eval_every or 1  # made with --eval-every or a target only
+
+    def attach(self, stepper: DataParallelStep) -> None:
+        self.params = stepper.params
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        steps_done = record.step + 1
+        due = steps_done % self.every == 0 or steps_done == self.run.steps
+        if stopping or not due:
+            return False
+        met = np.zeros(1)
+        if self.comm.Get_rank() == 0:
+            met[0] = self.evaluate(steps_done)
+        if not self.has_target:
+            return False
+        self.comm.Bcast(met, root=0)  # rank 0 decides for everyone
+        return bool(met[0])
+
+    def evaluate(self, steps_done: int) -> bool:
+        """Evaluate on the held-out samples; True if a target is met."""
+        from syncsgd.nn.kernels import evaluate
+
+        config, run, result = self.run.config, self.run, self.result
+        assert run.X_eval is not None and run.y_eval is not None  # made with --holdout only
+        loss, accuracy = evaluate(run.model, self.params, run.X_eval, run.y_eval)
+        result.evals.append((steps_done, loss, accuracy if config.loss == "xent" else math.nan))
+        met = (config.target_loss is not None and loss <= config.target_loss) or (
+            config.target_accuracy is not None and accuracy >= config.target_accuracy
+        )
+        if met and result.steps_to_target is None:
+            result.steps_to_target = steps_done
+        return met
+
+
+def progress_bar(total: int) -> Callable[[int | None, float | None], None]:
+    """Call with (step, loss) after each step, then (None, None): tqdm if installed, else a line."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _progress_line(total)
+    bar = tqdm(total=total, unit="step", leave=False, file=sys.stderr)
+
+    def update(step: int | None, loss: float | None) -> None:
+        if step is None:
+            bar.close()
+        else:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    return update
+
+
+def _progress_line(total: int) -> Callable[[int | None, float | None], None]:
+    """A progress line rewritten in place about 50 times over the run."""
+    every = max(total // 50, 1)
+
+    def update(step: int | None, loss: float | None) -> None:
+        if step is None:
+            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+        elif step % every == 0 or step == total - 1:
+            print(f"\rstep {step + 1}/{total}  loss {loss:.4f}", end="", file=sys.stderr,
+                  flush=True)  # fmt: skip
+
+    return update

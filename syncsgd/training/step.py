@@ -1,0 +1,224 @@
+"""One step of synchronous data-parallel SGD on one rank, and the buffer its allreduce sums."""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from syncsgd.collectives import allreduce as collective_allreduce
+from syncsgd.comm.world import constants
+from syncsgd.nn.mlp import MLP, shape_size
+from syncsgd.nn.optim import SGD, learning_rate
+from syncsgd.training import data
+from syncsgd.training.run import Run
+from syncsgd.training.variants import Variant
+
+# The ring's chunk boundaries depend on the buffer's length, and with them the order in which a
+# gradient element's float sum is taken: the buffer keeps at least as many slots for the values
+# that ride along as it always had, so that float-mode results stay bitwise those of before.
+MIN_RIDER_SLOTS = 6
+
+
+class CommBuffer:
+    """The buffer the allreduce sums: the gradient sum, then values that ride along with it."""
+
+    def __init__(self, n_params: int, dtype: np.dtype) -> None:
+        self.n_params, self.dtype = n_params, dtype
+        self.riders: dict[str, slice] = {}
+        self.array: np.ndarray | None = None
+
+    def register(self, name: str, count: int = 1) -> slice:
+        """Reserve `count` slots after the gradient for `name`; before the buffer is built."""
+        assert self.array is None, "riders register before the buffer is built"
+        start = self.n_params + sum(s.stop - s.start for s in self.riders.values())
+        self.riders[name] = slice(start, start + count)
+        return self.riders[name]
+
+    def build(self) -> np.ndarray:
+        """Allocate the buffer, zeroed: the gradient, the riders, and unused slots."""
+        riders = sum(s.stop - s.start for s in self.riders.values())
+        self.array = np.zeros(self.n_params + max(riders, MIN_RIDER_SLOTS), self.dtype)
+        return self.array
+
+
+class FloatLocalGradient:
+    """Float mode: the Numba kernels' sum of per-sample gradients, in the model's dtype."""
+
+    def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer) -> None:
+        from syncsgd.nn.kernels import Gradient  # imports Numba: only when training
+
+        self.kernel = Gradient(model, max_batch)
+        self.n_params = model.n_params
+        self.loss_slot = buffer.register("loss sum").start
+
+    def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                 sums: np.ndarray) -> None:  # fmt: skip
+        """Fill `sums` with this shard's gradient sum and loss sum."""
+        sums[self.loss_slot], _ = self.kernel(params, X, y, sums[: self.n_params])
+
+
+class ExactLocalGradient:
+    """Exact mode: batch-invariant kernels, sums extracted at a fixed point all ranks agree on."""
+
+    def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer) -> None:
+        from syncsgd.nn.exact import ExactGradient  # imports Numba: only when training
+
+        self.kernel = ExactGradient(model, max_batch)
+        self.bounds = np.zeros(self.kernel.bound_count, np.float64)
+        self.global_batch = global_batch
+        self.n_params = model.n_params
+        self.loss_slot = buffer.register("loss sum").start  # the exact sums end with the loss
+        assert self.loss_slot == self.n_params
+
+    def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                 sums: np.ndarray) -> None:  # fmt: skip
+        """Fill `sums` with the exact gradient sum and the exact loss sum."""
+        self.kernel.local_pass(params, X, y, self.bounds)
+        mpi = constants(comm)
+        comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)  # agree on the fixed point
+        if not np.isfinite(self.bounds).all():  # the same on every rank: all skip or stop alike
+            sums[:] = np.nan
+            return
+        self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.loss_slot + 1])
+
+
+class StepRecord(NamedTuple):
+    """What one step did, for the hooks that run after it."""
+
+    step: int
+    shard_size: int
+    batch_size: int
+    loss: float  # the global batch's mean loss, before the update
+    finite: bool  # loss and mean gradient finite (the update was taken)
+    lr: float
+    grad_norm: float  # nan unless clipping or a log asked for it
+    started: float  # time.perf_counter() at the start, after the local sum, the allreduce, the end
+    computed: float
+    reduced: float
+    ended: float
+
+
+@dataclass
+class Rider:
+    """Values a hook sends along with the gradient: filled before the allreduce, summed by it."""
+
+    name: str
+    count: int
+    fill_: Callable[[np.ndarray, np.ndarray, int], None]  # (its slots, grad_sum, shard_size)
+    # After the allreduce, before the update: (its summed slots, grad_mean, batch size, finite).
+    read_: Callable[[np.ndarray, np.ndarray, int, bool], None] = lambda *_: None
+    slots: np.ndarray = field(default_factory=lambda: np.empty(0))
+
+
+class DataParallelStep:
+    """Everything one rank needs to take a step, allocated once; `take_(step)` takes it."""
+
+    def __init__(self, comm: Any, run: Run, params: np.ndarray, sgd: SGD, variant: Variant,
+                 riders: list[Rider], trace: Any = None) -> None:  # fmt: skip
+        config, model = run.config, run.model
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.params, self.sgd, self.variant, self.X, self.y = params, sgd, variant, run.X, run.y
+        self.order = data.SampleOrder(len(run.X), config.batch_size,
+                                      variant.order_seed(config.seed, self.rank), config.shuffle)
+        largest_shard = -(-config.batch_size // self.size)
+        buffer = CommBuffer(model.n_params, np.dtype(np.float64 if config.exact else model.dtype))
+        kind = ExactLocalGradient if config.exact else FloatLocalGradient
+        self.local_gradient = kind(model, largest_shard, config.batch_size, buffer)
+        spans = [buffer.register(rider.name, rider.count) for rider in riders]
+        self.comm_buffer = buffer.build()
+        self.grad_sum = self.comm_buffer[: model.n_params]
+        self.loss_slot = self.local_gradient.loss_slot
+        for rider, span in zip(riders, spans, strict=True):
+            rider.slots = self.comm_buffer[span]
+        self.riders = riders
+        # The mean gradient: divided in place, unless exact mode's float64 sums are rounded to a
+        # float32 model.
+        self.grad_mean = (self.grad_sum if self.grad_sum.dtype == model.dtype
+                          else np.empty(model.n_params, model.dtype))  # fmt: skip
+        self.buckets = bucket_slices(model, self.comm_buffer, config.bucket_bytes)
+        # check=False: every rank built the same buffer from options and data that the start-up
+        # fingerprint showed to be the same on every rank; no agreement round per call.
+        self.allreduce_ = variant.allreduce(functools.partial(
+            collective_allreduce, algorithm=config.algorithm, check=False, trace=trace))
+        self.X_shard = np.empty((largest_shard, run.X.shape[1]), run.X.dtype)
+        self.y_shard = np.empty((largest_shard, *run.y.shape[1:]), run.y.dtype)
+        self.want_grad_norm = False  # a log that records the norm sets this
+        self.optim = run.optim
+
+    def take_(self, step: int) -> StepRecord:
+        """Shard -> local gradient SUM -> allreduce (sum of sums) -> divide once by B -> update."""
+        started = time.perf_counter()
+        global_batch = self.variant.global_batch(self.order.batch(step), self.size)
+        shard = data.contiguous_shard(global_batch, self.rank, self.size)
+        self.local_sum_(shard)
+        self.variant.contribution_(self.grad_sum, len(shard), len(global_batch), self.size)
+        for rider in self.riders:  # stop flag, noise sums: summed with the gradient
+            rider.fill_(rider.slots, self.grad_sum, len(shard))
+        computed = time.perf_counter()
+        for bucket in self.buckets:
+            self.allreduce_(self.comm_buffer[bucket], self.comm)
+        reduced = time.perf_counter()
+        loss, finite = self.divide_once_(len(global_batch))
+        for rider in self.riders:
+            rider.read_(rider.slots, self.grad_mean, len(global_batch), finite)
+        lr, grad_norm = self.update_(step, finite)
+        return StepRecord(step, len(shard), len(global_batch), loss, finite, lr, grad_norm,
+                          started, computed, reduced, time.perf_counter())  # fmt: skip
+
+    def local_sum_(self, shard: np.ndarray) -> None:
+        """This shard's gradient sum and loss sum, into the communication buffer."""
+        m = len(shard)
+        np.take(self.X, shard, axis=0, out=self.X_shard[:m])
+        np.take(self.y, shard, axis=0, out=self.y_shard[:m])
+        self.local_gradient(self.comm, self.params, self.X_shard[:m], self.y_shard[:m],
+                            self.comm_buffer)  # fmt: skip
+
+    def divide_once_(self, batch_size: int) -> tuple[float, bool]:
+        """The one place where the sum becomes the mean: divide by B after the allreduce.
+
+        Averaging per-rank means instead would weigh uneven shards wrongly. Every rank holds the
+        same allreduced numbers, so every rank decides alike whether they are finite.
+        """
+        from syncsgd.nn.kernels import divide_finite_
+
+        loss = float(self.comm_buffer[self.loss_slot]) / batch_size
+        divisor = self.grad_sum.dtype.type(batch_size)  # B in the sums' dtype, as NumPy would
+        gradient_finite = divide_finite_(self.grad_sum, divisor, self.grad_mean)
+        return loss, math.isfinite(loss) and gradient_finite
+
+    def update_(self, step: int, finite: bool) -> tuple[float, float]:
+        """The same update on every rank; a non-finite step changes nothing. (lr, grad norm)."""
+        if not finite:
+            return learning_rate(self.optim, step), math.nan
+        info = self.sgd.step_(self.params, self.grad_mean, step, want_norm=self.want_grad_norm)
+        return info["lr"], info["grad_norm"]
+
+
+def bucket_slices(model: MLP, buffer: np.ndarray, bucket_bytes: int | None) -> list[slice]:
+    """Cut the communication buffer into allreduce buckets of whole tensors, in parameter order.
+
+    None: one bucket. 0: one per layer (W and b). Otherwise tensors are grouped until a bucket
+    holds at least `bucket_bytes` of `buffer`; the riders go with the last bucket.
+    """
+    total = buffer.size
+    if bucket_bytes is None:
+        return [slice(0, total)]
+    ends, start = [], 0
+    for name, shape, offset in model.layout():
+        filled = offset + shape_size(shape)
+        per_layer_done = bucket_bytes == 0 and name.startswith("b")
+        if per_layer_done or (
+            bucket_bytes > 0 and (filled - start) * buffer.itemsize >= bucket_bytes
+        ):
+            ends.append(filled)
+            start = filled
+    if not ends or ends[-1] != model.n_params:
+        ends.append(model.n_params)
+    ends[-1] = total
+    return [slice(a, b) for a, b in zip([0, *ends[:-1]], ends, strict=True)]

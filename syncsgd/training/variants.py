@@ -1,0 +1,144 @@
+"""Variants of the step: the correct run changes nothing; each pitfall changes one seam.
+
+The seams are the sample order, the global batch, a rank's contribution to the allreduce, the
+allreduce itself and the clipping of the global gradient. `docs/pitfalls.md` says where each
+pitfall is met in practice and why it breaks the equality with serial SGD.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+
+Allreduce = Callable[..., Any]
+
+
+class Variant:
+    """The correct run: every seam as serial large-batch SGD has it."""
+
+    name: ClassVar[str | None] = None
+    why: ClassVar[str] = "synchronous SGD: sum the sums, divide once by B"
+    # Options that make the pitfall show, and the smallest P at which it does (tests, teaching).
+    shows_with: ClassVar[dict[str, Any]] = {}
+    shows_at: ClassVar[int] = 2
+
+    def __init__(self, clip_norm: float | None = None) -> None:
+        self.clip_norm = clip_norm
+
+    def order_seed(self, seed: int, rank: int) -> int:
+        """The seed this rank draws the sample order from."""
+        return seed
+
+    def global_batch(self, batch: np.ndarray, size: int) -> np.ndarray:
+        """The samples this step trains on, the same on every rank."""
+        return batch
+
+    def contribution_(self, grad_sum: np.ndarray, shard_size: int, batch_size: int,
+                      size: int) -> None:  # fmt: skip
+        """Turn this rank's gradient sum into what it sends to the allreduce (in place)."""
+
+    def allreduce(self, allreduce: Allreduce) -> Allreduce:
+        """The allreduce this run sums with."""
+        return allreduce
+
+    def global_clip_norm(self) -> float | None:
+        """The norm the allreduced gradient is clipped to (None: no clipping)."""
+        return self.clip_norm
+
+
+class MeanOfMeans(Variant):
+    """Every rank sends its shard's mean gradient and the sum is divided by P."""
+
+    name = "mean-of-means"
+    why = "averages per-rank means: uneven shards weigh their samples unevenly"
+    shows_with = {"batch_size": 30}
+    shows_at = 4
+
+    def contribution_(self, grad_sum: np.ndarray, shard_size: int, batch_size: int,
+                      size: int) -> None:  # fmt: skip
+        if shard_size:
+            # Sends sum/m_r; the trainer later divides the allreduced sum by B, so pre-scale by
+            # B/P: (1/B) * sum_r (B/P) * sum_r/m_r = (1/P) * sum_r mean_r, the mean of means.
+            grad_sum *= (batch_size / size) / shard_size
+
+
+class LocalClip(Variant):
+    """Every rank clips its own mean gradient before the allreduce; the sum is not clipped."""
+
+    name = "local-clip"
+    why = "clips each rank's gradient: the mean of clipped gradients is not the clipped mean"
+    shows_with = {"clip_norm": 0.05}
+    shows_at = 3
+
+    def __init__(self, clip_norm: float | None = None) -> None:
+        if clip_norm is None:
+            raise ValueError("--pitfall local-clip needs --clip-norm")
+        super().__init__(clip_norm)
+
+    def contribution_(self, grad_sum: np.ndarray, shard_size: int, batch_size: int,
+                      size: int) -> None:  # fmt: skip
+        assert self.clip_norm is not None  # checked when the variant was made
+        if shard_size:
+            local_norm = float(np.linalg.norm(grad_sum.astype(np.float64))) / shard_size
+            if local_norm > self.clip_norm:
+                grad_sum *= self.clip_norm / local_norm
+
+    def global_clip_norm(self) -> float | None:
+        return None  # clipped per rank instead
+
+
+class UnsyncedShuffle(Variant):
+    """Every rank shuffles with its own seed (seed + rank)."""
+
+    name = "unsynced-shuffle"
+    why = "per-rank seeds: the ranks disagree on the batch, samples are skipped or repeated"
+
+    def order_seed(self, seed: int, rank: int) -> int:
+        return seed + rank
+
+
+class Fp32Allreduce(Variant):
+    """The gradient travels and is summed in float32 although the model is float64."""
+
+    name = "fp32-allreduce"
+    why = "sums in float32: the rounding depends on how the batch was split"
+
+    def allreduce(self, allreduce: Allreduce) -> Allreduce:
+        def reduce_in_float32_(buf: np.ndarray, comm: Any) -> np.ndarray:
+            narrow = buf.astype(np.float32)
+            allreduce(narrow, comm)
+            buf[...] = narrow
+            return buf
+
+        return reduce_in_float32_
+
+
+class PadDuplicate(Variant):
+    """The batch is padded by repeating samples until every rank gets as many."""
+
+    name = "pad-duplicate"
+    why = "pads shards by repeating samples: some samples of the batch count twice"
+    shows_with = {"batch_size": 30}
+    shows_at = 4
+
+    def global_batch(self, batch: np.ndarray, size: int) -> np.ndarray:
+        padding = -len(batch) % size
+        return np.concatenate([batch, np.resize(batch, padding)])
+
+
+VARIANTS: dict[str, type[Variant]] = {
+    v.name: v for v in (MeanOfMeans, LocalClip, UnsyncedShuffle, Fp32Allreduce, PadDuplicate)
+    if v.name is not None
+}  # fmt: skip
+PITFALLS = tuple(VARIANTS)
+
+
+def variant(pitfall: str | None, clip_norm: float | None) -> Variant:
+    """The variant a run with `--pitfall` (None: the correct run) and `--clip-norm` takes."""
+    if pitfall is None:
+        return Variant(clip_norm)
+    if pitfall not in VARIANTS:
+        raise ValueError(f"unknown --pitfall {pitfall!r}: choose one of {', '.join(PITFALLS)}")
+    return VARIANTS[pitfall](clip_norm)
