@@ -1,10 +1,10 @@
-"""The serial oracle: plain-NumPy large-batch SGD straight from SPEC §5, sharing no code under test.
+"""The serial oracle: plain-NumPy large-batch SGD written from its definition, sharing no code.
 
 It does not import syncsgd (no kernels, no optimizer, no data order, no communicator): its forward
 and backward passes are whole-batch NumPy matmuls, and its sample order, learning-rate schedule and
-update are written out again from the spec. The integration tests train with syncsgd on P ranks and
-compare with `serial_sgd`. Parameters are dicts of arrays W0, b0, W1, b1, ...; W{l} has shape
-(fan_in, fan_out) and b{l} shape (fan_out,).
+update are written out again from their definitions. The integration tests train with syncsgd on P
+ranks and compare with `serial_sgd`. Parameters are dicts of arrays W0, b0, W1, b1, ...; W{l} has
+shape (fan_in, fan_out) and b{l} shape (fan_out,).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def schedule_lr(
     batch_size: int = 256,
     noam_dim: int = 1,
 ) -> float:
-    """Learning rate of 0-based step `step` (SPEC §5 and the formulas of issue 3)."""
+    """Learning rate of 0-based step `step`: lr scaling by batch size, then the schedule."""
     if lr_scaling == "linear":
         lr = lr * batch_size / base_batch
     elif lr_scaling == "sqrt":

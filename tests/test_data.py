@@ -1,4 +1,4 @@
-"""Data sources, the exact sample order of SPEC §5 and array_split sharding."""
+"""Data sources, the exact sample order (one permutation per epoch) and array_split sharding."""
 
 from __future__ import annotations
 

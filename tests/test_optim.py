@@ -69,7 +69,7 @@ def test_learning_rate_rejects_negative_steps():
 
 
 def reference_run(params, grads, *, lr, momentum, nesterov, weight_decay, clip_norm):
-    """SPEC §5's update in pure Python floats, one list element at a time; returns params, norms."""
+    """The update in pure Python floats, one list element at a time; returns params and norms."""
     theta = list(params)
     velocity = [0.0] * len(theta)
     norms = []
