@@ -226,61 +226,15 @@ def overhead(comm: Any, options: argparse.Namespace, run: Run) -> dict:
 
 
 def machinery_pieces(comm: Any, run: Run, bare_step_seconds: float) -> list[dict]:
-    """Each line of train_rank's step that the bare loop does differently, timed on its own.
+    """Each piece of the step that the bare loop does differently, timed on its own.
 
-    The pieces mirror the step (`syncsgd.training.step`): the batch indices
-    (`SampleOrder.batch` and `contiguous_shard` against a slice of the epoch's order), the
-    allreduce (a no-op at P = 1), the division by B fused with the finiteness check (`divide_finite_`, against `np.divide`) and the
-    update (`SGD.step_` without the gradient norm, which a quiet run does not compute, against
-    `lr * grad` subtracted). The kernels and the gather are the same on both sides. Best of
-    interleaved batches, in microseconds per call.
+    The pieces mirror `syncsgd.training.step`: the batch indices, the allreduce (a no-op at
+    P = 1), the division by B fused with the finiteness check, and the update (without the
+    gradient norm, which a quiet run does not compute). Best of interleaved batches, in
+    microseconds per call.
     """
-    from syncsgd.collectives import allreduce
-    from syncsgd.nn.kernels import divide_finite_
-    from syncsgd.nn.optim import SGD
-
-    config, model = run.config, run.model
-    n_samples, batch, lr = run.X.shape[0], config.batch_size, config.lr
-    per_epoch = n_samples // batch
-    order = data.epoch_order(n_samples, 0, config.seed, config.shuffle)
-    comm_buffer = np.zeros(model.n_params + 2, model.dtype)
-    grad = comm_buffer[: model.n_params]
-    grad[:] = np.random.default_rng(config.seed).normal(0, 1e-3, model.n_params)
-    loss = 1.0  # a finite mean loss
-    params = model.init_params(config.seed)
-    scratch = np.empty_like(params)
-    sgd = SGD(run.optim, model.n_params, model.dtype)
-
-    sample_order = data.SampleOrder(n_samples, batch, config.seed, config.shuffle)
-
-    def global_batch(i: int) -> np.ndarray:
-        position = i % per_epoch  # steady state inside one epoch (both sides permute per epoch)
-        return data.contiguous_shard(sample_order.batch(position), 0, 1)
-
-    def bare_indices(i: int) -> np.ndarray:
-        position = i % per_epoch
-        return order[position * batch : (position + 1) * batch]
-
-    one = grad.dtype.type(1)
-
-    def mean_and_check(i: int) -> bool:
-        return math.isfinite(loss) and divide_finite_(grad, one, grad)  # / 1: grad stays as is
-
-    def bare_mean(i: int) -> None:
-        np.divide(grad, 1, out=grad)
-
-    def bare_update(i: int) -> None:
-        np.multiply(grad, lr, out=scratch)
-        np.subtract(params, scratch, out=params)
-
-    pieces = {
-        "batch indices": (global_batch, bare_indices),
-        "allreduce (P=1)": (lambda i: allreduce(comm_buffer, comm, config.algorithm), _nothing),
-        "mean, finite check": (mean_and_check, bare_mean),
-        "update": (lambda i: sgd.step_(params, grad, i, want_norm=False), bare_update),
-    }
     rows = []
-    for name, (train_piece, bare_piece) in pieces.items():
+    for name, (train_piece, bare_piece) in step_pieces(comm, run).items():
         best = {"train": np.inf, "bare": np.inf}
         for repeat in range(PIECE_BATCHES):
             for side in ("train", "bare") if repeat % 2 == 0 else ("bare", "train"):
@@ -295,6 +249,44 @@ def machinery_pieces(comm: Any, run: Run, bare_step_seconds: float) -> list[dict
             "extra_us": extra * 1e6, "extra_pct": 100 * extra / bare_step_seconds,
         })  # fmt: skip
     return rows
+
+
+def step_pieces(comm: Any, run: Run) -> dict[str, tuple[Callable, Callable]]:
+    """{piece: (as the step does it, as the bare loop does it)}, each a call of one argument."""
+    from syncsgd.collectives import allreduce
+    from syncsgd.nn.kernels import divide_finite_
+    from syncsgd.nn.optim import SGD
+
+    config, model = run.config, run.model
+    n_samples, batch, lr = run.X.shape[0], config.batch_size, config.lr
+    per_epoch = n_samples // batch
+    order = data.epoch_order(n_samples, 0, config.seed, config.shuffle)
+    sample_order = data.SampleOrder(n_samples, batch, config.seed, config.shuffle)
+    comm_buffer = np.zeros(model.n_params + 2, model.dtype)
+    grad = comm_buffer[: model.n_params]
+    grad[:] = np.random.default_rng(config.seed).normal(0, 1e-3, model.n_params)
+    params = model.init_params(config.seed)
+    scratch = np.empty_like(params)
+    sgd = SGD(run.optim, model.n_params, model.dtype)
+    one = grad.dtype.type(1)
+
+    def bare_update(i: int) -> None:
+        np.multiply(grad, lr, out=scratch)
+        np.subtract(params, scratch, out=params)
+
+    # Steady state inside one epoch (both sides permute once per epoch); / 1 leaves grad as is.
+    return {
+        "batch indices": (
+            lambda i: data.contiguous_shard(sample_order.batch(i % per_epoch), 0, 1),
+            lambda i: order[i % per_epoch * batch : (i % per_epoch + 1) * batch],
+        ),
+        "allreduce (P=1)": (lambda i: allreduce(comm_buffer, comm, config.algorithm), _nothing),
+        "mean, finite check": (
+            lambda i: math.isfinite(1.0) and divide_finite_(grad, one, grad),
+            lambda i: np.divide(grad, 1, out=grad),
+        ),
+        "update": (lambda i: sgd.step_(params, grad, i, want_norm=False), bare_update),
+    }
 
 
 # --- the command-line timings ------------------------------------------------------------------
@@ -492,39 +484,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(options: argparse.Namespace) -> int:
     """Run every phase on the chosen backend; the first rank prints and writes the files."""
     backend = resolve_backend(options.backend)
-    if backend == "threads":
-        rank_counts = list(options.ranks or DEFAULT_RANKS)
-
-        def call(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
-            return run_threads(ranks, phase, options, *args)[0]
-
-        master_process = True
-    else:
-        comm = mpi_world()
-        world = comm.Get_size()
-        if options.ranks is not None and options.ranks != [world]:
-            raise ValueError(
-                f"--ranks {','.join(map(str, options.ranks))} disagrees with the MPI world size "
-                f"{world}: under mpiexec, leave --ranks out or make it equal to -n"
-            )
-        rank_counts = [world]
-
-        def call(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
-            return phase(comm, options, *args)
-
-        master_process = comm.Get_rank() == 0
-    parse_hidden(options.hidden)  # a bad --hidden fails here, before any work
-    largest = max(
-        [global_batch_size(options, s, p) for s in options.scaling for p in rank_counts]
-        + (options.overhead_batch if options.overhead else [])
-    )
-    if largest > options.samples:
-        raise ValueError(
-            f"--samples {options.samples} is smaller than the largest global batch {largest}: "
-            f"raise --samples or lower the batch sizes"
-        )
+    call, rank_counts, master_process = phase_runner(options, backend)
+    check_batch_sizes(options, rank_counts)
     say = print if master_process else (lambda *args, **kwargs: None)
-
     model = "-".join(map(str, (options.features, *parse_hidden(options.hidden), options.classes)))
     say(
         f"# training step: MLP {model} {options.activation} xent {options.dtype}, {backend} "
@@ -534,69 +496,9 @@ def main(options: argparse.Namespace) -> int:
         flush=True,
     )
     load_before = load_average()
-    problems = {}
-    for scaling in options.scaling:
-        for ranks in rank_counts:
-            config = train_config(options, global_batch_size(options, scaling, ranks))
-            problems[scaling, ranks] = prepare(config)
-
-    first_key = (options.scaling[0], rank_counts[0])
-    jit = call(first_step, first_key[1], problems[first_key])
-    say(
-        f"# first step ({first_key[0]}, P={first_key[1]}): {jit['first_step_s']:.3f} s "
-        f"({jit['source']}; the first train_rank call {jit['first_call_s']:.3f} s); "
-        f"import of Numba and the kernels {jit['import_s']:.3f} s; kernels' BLAS: "
-        f"OPENBLAS_NUM_THREADS={jit['blas_threads']}",
-        flush=True,
-    )
-    say("# times in ms per step", flush=True)
-    say(SCALING_HEADER, flush=True)
-    rows = []
-    for scaling, ranks in problems:
-        row = call(scaling_row, ranks, scaling, problems[scaling, ranks])
-        rows.append(row)
-        add_speedups(rows)
-        say(format_scaling(row), flush=True)
-
-    overhead_rows: list[dict] = []
-    if options.overhead and 1 in rank_counts:
-        say(
-            "# overhead at P = 1, ms per step: 'train' is train_rank's step, 'bare' the kernels "
-            "called directly; cmp = compute, allr = allreduce, upd = update; interleaved runs"
-        )
-        say(
-            "# ratio: median of the paired train/bare step ratios (range: all pairs); best/best: "
-            "fastest train run over fastest bare run; under each batch, the pieces of the step "
-            f"that differ, timed alone (best of {PIECE_BATCHES} x {PIECE_CALLS} calls; a lower "
-            "bound: inside the loop, extra memory traffic also evicts the kernels' data)"
-        )
-        say(OVERHEAD_HEADER, flush=True)
-        for batch in options.overhead_batch:
-            run = prepare(train_config(options, batch))
-            overhead_rows.append(call(overhead, 1, run))
-            if master_process:
-                print_overhead(overhead_rows[-1])
-    elif options.overhead:
-        say("# overhead check skipped: it needs P = 1 (threads, or mpiexec -n 1)")
-
-    cli_rows: list[dict] = []
-    if options.cli_runs and master_process:
-        if backend == "threads" and not launched_by_mpi():
-            print(f"# command line: median of {options.cli_runs} runs after one warm-up run")
-            for row in cli_timings(options.cli_runs):
-                cli_rows.append(row)
-                if "error" in row:
-                    print(f"{row['command']:>28}: FAILED: {row['error']}", flush=True)
-                    continue
-                verdict = "within" if row["within_bar"] else "ABOVE"
-                print(
-                    f"{row['command']:>28}: {row['median_s']:.3f} s (min {row['min_s']:.3f}, "
-                    f"max {row['max_s']:.3f}); {verdict} the {row['bar_s']:g} s bar",
-                    flush=True,
-                )
-        else:
-            print("# command-line timings skipped under MPI (run them on the threads backend)")
-
+    jit, rows = scaling_section(options, call, rank_counts, say)
+    overhead_rows = overhead_section(options, call, rank_counts, say, master_process)
+    cli_rows = cli_section(options, backend) if options.cli_runs and master_process else []
     if master_process:
         print(f"# load average at the end: {load_average()} (other work skews every time)")
         write_outputs(options, {
@@ -608,3 +510,113 @@ def main(options: argparse.Namespace) -> int:
             "cli": cli_rows,
         })  # fmt: skip
     return 0
+
+
+def phase_runner(options: argparse.Namespace, backend: str) -> tuple[Callable, list[int], bool]:
+    """(call(phase, ranks, *args), the rank counts to measure, whether this rank prints)."""
+    if backend == "threads":
+
+        def call_threads(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
+            return run_threads(ranks, phase, options, *args)[0]
+
+        return call_threads, list(options.ranks or DEFAULT_RANKS), True
+    comm = mpi_world()
+    world = comm.Get_size()
+    if options.ranks is not None and options.ranks != [world]:
+        raise ValueError(
+            f"--ranks {','.join(map(str, options.ranks))} disagrees with the MPI world size "
+            f"{world}: under mpiexec, leave --ranks out or make it equal to -n"
+        )
+
+    def call_mpi(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
+        return phase(comm, options, *args)
+
+    return call_mpi, [world], comm.Get_rank() == 0
+
+
+def check_batch_sizes(options: argparse.Namespace, rank_counts: list[int]) -> None:
+    """Fail before any work if --hidden is malformed or a global batch exceeds the samples."""
+    parse_hidden(options.hidden)
+    largest = max(
+        [global_batch_size(options, s, p) for s in options.scaling for p in rank_counts]
+        + (options.overhead_batch if options.overhead else [])
+    )
+    if largest > options.samples:
+        raise ValueError(
+            f"--samples {options.samples} is smaller than the largest global batch {largest}: "
+            f"raise --samples or lower the batch sizes"
+        )
+
+
+def scaling_section(options: argparse.Namespace, call: Callable, rank_counts: list[int],
+                    say: Callable) -> tuple[dict, list[dict]]:  # fmt: skip
+    """The first step's time, then a row per (scaling, P): (first-step figures, rows)."""
+    runs = {}
+    for scaling in options.scaling:
+        for ranks in rank_counts:
+            config = train_config(options, global_batch_size(options, scaling, ranks))
+            runs[scaling, ranks] = prepare(config)
+    first_key = (options.scaling[0], rank_counts[0])
+    jit = call(first_step, first_key[1], runs[first_key])
+    say(
+        f"# first step ({first_key[0]}, P={first_key[1]}): {jit['first_step_s']:.3f} s "
+        f"({jit['source']}; the first train_rank call {jit['first_call_s']:.3f} s); "
+        f"import of Numba and the kernels {jit['import_s']:.3f} s; kernels' BLAS: "
+        f"OPENBLAS_NUM_THREADS={jit['blas_threads']}",
+        flush=True,
+    )
+    say("# times in ms per step", flush=True)
+    say(SCALING_HEADER, flush=True)
+    rows: list[dict] = []
+    for scaling, ranks in runs:
+        rows.append(call(scaling_row, ranks, scaling, runs[scaling, ranks]))
+        add_speedups(rows)
+        say(format_scaling(rows[-1]), flush=True)
+    return jit, rows
+
+
+def overhead_section(options: argparse.Namespace, call: Callable, rank_counts: list[int],
+                     say: Callable, master_process: bool) -> list[dict]:  # fmt: skip
+    """At P = 1: train_rank's step against the kernels called directly, per --overhead-batch."""
+    if not options.overhead:
+        return []
+    if 1 not in rank_counts:
+        say("# overhead check skipped: it needs P = 1 (threads, or mpiexec -n 1)")
+        return []
+    say(
+        "# overhead at P = 1, ms per step: 'train' is train_rank's step, 'bare' the kernels "
+        "called directly; cmp = compute, allr = allreduce, upd = update; interleaved runs"
+    )
+    say(
+        "# ratio: median of the paired train/bare step ratios (range: all pairs); best/best: "
+        "fastest train run over fastest bare run; under each batch, the pieces of the step "
+        f"that differ, timed alone (best of {PIECE_BATCHES} x {PIECE_CALLS} calls; a lower "
+        "bound: inside the loop, extra memory traffic also evicts the kernels' data)"
+    )
+    say(OVERHEAD_HEADER, flush=True)
+    rows = []
+    for batch in options.overhead_batch:
+        rows.append(call(overhead, 1, prepare(train_config(options, batch))))
+        if master_process:
+            print_overhead(rows[-1])
+    return rows
+
+
+def cli_section(options: argparse.Namespace, backend: str) -> list[dict]:
+    """Wall times of `syncsgd --help` and a default train, on the threads backend only."""
+    if backend != "threads" or launched_by_mpi():
+        print("# command-line timings skipped under MPI (run them on the threads backend)")
+        return []
+    print(f"# command line: median of {options.cli_runs} runs after one warm-up run")
+    rows = cli_timings(options.cli_runs)
+    for row in rows:
+        if "error" in row:
+            print(f"{row['command']:>28}: FAILED: {row['error']}", flush=True)
+            continue
+        verdict = "within" if row["within_bar"] else "ABOVE"
+        print(
+            f"{row['command']:>28}: {row['median_s']:.3f} s (min {row['min_s']:.3f}, "
+            f"max {row['max_s']:.3f}); {verdict} the {row['bar_s']:g} s bar",
+            flush=True,
+        )
+    return rows
