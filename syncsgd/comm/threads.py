@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -64,8 +64,12 @@ class DeadlockError(CommError):
     """Every live rank is blocked in a communication call that no other rank can complete."""
 
 
-def _bytes_of(buf: Any, *, writable: bool) -> np.ndarray:
-    """Return a flat uint8 view of a buffer-protocol object (or mpi4py-style [buf, type] list)."""
+def _bytes_of(buf: Any, *, writable: bool) -> memoryview:
+    """Return a flat byte memoryview of a buffer-protocol object (or mpi4py-style [buf, type])."""
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1 and buf.c_contiguous:
+        if writable and buf.readonly:  # the fast path: how the collectives pass their messages
+            raise ValueError("receive buffer is read-only")
+        return buf
     if isinstance(buf, (list, tuple)):  # [buf, MPI.DOUBLE] / [buf, count, MPI.DOUBLE]
         buf = buf[0]
     if isinstance(buf, np.ndarray):
@@ -73,11 +77,12 @@ def _bytes_of(buf: Any, *, writable: bool) -> np.ndarray:
             raise ValueError("message buffers must be C-contiguous")
         if writable and not buf.flags.writeable:
             raise ValueError("receive buffer is read-only")
-        return buf.view(np.ndarray).reshape(-1).view(np.uint8)  # np.matrix stays 2-D otherwise
+        # Through a uint8 view: any dtype exports bytes, and np.matrix stays 2-D otherwise.
+        return buf.view(np.ndarray).reshape(-1).view(np.uint8).data
     view = memoryview(buf)
     if writable and view.readonly:
         raise ValueError("receive buffer is read-only")
-    return np.frombuffer(view.cast("B"), dtype=np.uint8)
+    return view.cast("B")
 
 
 class Status:
@@ -99,27 +104,36 @@ class Status:
         return self.count
 
 
-@dataclass(eq=False)
 class Request:
     """A pending send or receive; `Wait` blocks until it completes (mpi4py's `Request` subset)."""
 
-    world: _World
-    rank: int
-    kind: str  # "send" or "recv"
-    peer: int
-    tag: int
-    context: int
-    data: np.ndarray  # uint8 view of the user's buffer
-    done: bool = False
-    error: Exception | None = None
-    status: Status = field(default_factory=Status)
+    # Slots: thousands of ranks create one or two of these per message.
+    __slots__ = ("world", "rank", "kind", "peer", "tag", "context", "data", "seq", "done",
+                 "awaited", "error", "source", "received_tag", "count")  # fmt: skip
+
+    def __init__(self, world: _World, rank: int, kind: str, peer: int, tag: int, context: int,
+                 data: memoryview) -> None:  # fmt: skip
+        self.world, self.rank, self.kind, self.peer = world, rank, kind, peer
+        self.tag, self.context, self.data = tag, context, data
+        self.seq = 0  # posting order, set when posted: the earliest match wins
+        self.done = False
+        self.awaited = False  # its rank sleeps until this (and its other requests) complete
+        self.error: Exception | None = None
+        self.source, self.received_tag, self.count = ANY_SOURCE, ANY_TAG, 0
 
     def Test(self) -> bool:
-        with self.world.cond:
-            return self.done
+        return self.done  # one attribute read: atomic, and set only after the bytes moved
 
     def Wait(self, status: Status | None = None) -> None:
-        self.world.wait(self, status)
+        self.world.wait(self.rank, (self,))
+        self.finish(status)
+
+    def finish(self, status: Status | None) -> None:
+        """Fill `status` from a completed receive and raise its error, if any."""
+        if status is not None:
+            status.source, status.tag, status.count = self.source, self.received_tag, self.count
+        if self.error is not None:
+            raise self.error
 
     def describe(self) -> str:
         peer = "any" if self.peer == ANY_SOURCE else self.peer
@@ -129,100 +143,171 @@ class Request:
         return f"{self.kind} {where} {peer} tag {tag}{ctx}"
 
 
+# Messages up to this size are copied under the world's lock (cheaper than taking it twice);
+# longer ones outside it, by NumPy, which drops the GIL so that ranks copy in parallel.
+_COPY_UNDER_LOCK = 1 << 16
+
+Queues = dict[tuple[int, int], deque[Request]]  # (source, context) -> requests in posting order
+Found = tuple[Request, deque[Request], int]  # a matching request, its queue and its place there
+
+
+def _earliest(queues: Queues, keys: Any, tag: int) -> Found | None:
+    """The earliest-posted request in `queues[key]` for `keys` that matches `tag` (or ANY_TAG)."""
+    best = None
+    for key in keys:
+        queue = queues.get(key)
+        if queue is None:
+            continue
+        for index, other in enumerate(queue):  # the head, unless tags are mixed on one queue
+            if other.tag == tag or ANY_TAG in (other.tag, tag):
+                if best is None or other.seq < best[0].seq:
+                    best = (other, queue, index)
+                break
+    return best
+
+
+def _take(queues: Queues, key: tuple[int, int], found: Found) -> Request:
+    """Remove a matched request from its queue (dropping the queue once empty) and return it."""
+    request, queue, index = found
+    del queue[index]
+    if not queue:
+        del queues[key]
+    return request
+
+
 class _World:
-    """State shared by the thread ranks: unmatched sends, posted receives, failures."""
+    """State shared by the thread ranks: unmatched sends, posted receives, sleepers, failures.
+
+    One lock guards it all; each rank sleeps on its own gate (a lock held while it may sleep) and
+    is woken only when every request it waits for has completed, or when the world fails.
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.cond = threading.Condition(threading.Lock())
-        self.unmatched_sends: list[list[Request]] = [[] for _ in range(size)]  # by destination
-        self.posted_recvs: list[list[Request]] = [[] for _ in range(size)]  # by receiver
-        self.blocked: dict[int, Request] = {}  # rank -> request it waits for
+        self.lock = threading.Lock()
+        self.gates = [threading.Lock() for _ in range(size)]
+        for gate in self.gates:
+            gate.acquire()  # closed: a sleeping rank blocks on it until someone opens it
+        self.sends: list[Queues] = [{} for _ in range(size)]  # unmatched, by destination
+        self.recvs: list[Queues] = [{} for _ in range(size)]  # posted, by receiver
+        self.outstanding = [0] * size  # requests a sleeping rank still waits for
+        self.sleeping: dict[int, tuple[Request, ...]] = {}  # rank -> what it waits for
+        self.seq = 0
         self.live = size  # ranks whose function has not returned yet
         self.copying = 0  # matched messages whose bytes are being copied outside the lock
         self.failure: tuple[int, BaseException] | None = None  # (rank, exception); -1: deadlock
         self.slots: list[Any] = [None] * size  # per-rank scratch for Allreduce
+        self.total: Any = None  # Allreduce's result, computed once by rank 0
 
     # -- matching ---------------------------------------------------------------------------
-    @staticmethod
-    def _accepts(recv: Request, send: Request) -> bool:
-        return (
-            recv.context == send.context
-            and recv.peer in (ANY_SOURCE, send.rank)
-            and recv.tag in (ANY_TAG, send.tag)
-        )
+    def post(self, requests: tuple[Request, ...]) -> None:
+        """Match each request with its partner (copying the bytes) or queue it, in order."""
+        large = []
+        with self.lock:
+            self._raise_if_failed(requests[0].rank)
+            for req in requests:
+                self.seq += 1
+                req.seq = self.seq
+                pair = self._match_send(req) if req.kind == "send" else self._match_recv(req)
+                if pair is not None and not self._copy_small(*pair):
+                    large.append(pair)
+        for send, recv in large:
+            self._copy_large(send, recv)
 
-    def post(self, req: Request) -> Request:
-        """Queue a request, or match it with its partner and copy the bytes."""
-        with self.cond:
-            self._raise_if_failed(req.rank)
-            if req.kind == "send":
-                queue = self.posted_recvs[req.peer]
-                match = next((r for r in queue if self._accepts(r, req)), None)
-                if match is None:
-                    self.unmatched_sends[req.peer].append(req)
-                    return req
-                queue.remove(match)
-                send, recv = req, match
-            else:
-                queue = self.unmatched_sends[req.rank]
-                match = next((s for s in queue if self._accepts(req, s)), None)
-                if match is None:
-                    self.posted_recvs[req.rank].append(req)
-                    return req
-                queue.remove(match)
-                send, recv = match, req
+    def _match_send(self, send: Request) -> tuple[Request, Request] | None:
+        recvs, context = self.recvs[send.peer], send.context
+        keys = (send.rank, context), (ANY_SOURCE, context)
+        found = _earliest(recvs, keys, send.tag)
+        if found is None:
+            self.sends[send.peer].setdefault((send.rank, context), deque()).append(send)
+            return None
+        key = (found[0].peer, context)
+        return send, _take(recvs, key, found)
+
+    def _match_recv(self, recv: Request) -> tuple[Request, Request] | None:
+        sends, context = self.sends[recv.rank], recv.context
+        if recv.peer == ANY_SOURCE:  # every source with a message waiting (rarely more than one)
+            keys: Any = [key for key in sends if key[1] == context]
+        else:
+            keys = ((recv.peer, context),)
+        found = _earliest(sends, keys, recv.tag)
+        if found is None:
+            self.recvs[recv.rank].setdefault((recv.peer, context), deque()).append(recv)
+            return None
+        return _take(sends, (found[0].rank, context), found), recv
+
+    def _copy_small(self, send: Request, recv: Request) -> bool:
+        """Copy a matched message now if it is small (True), else count it as copying (False)."""
+        nbytes = min(len(send.data), len(recv.data))
+        if nbytes > _COPY_UNDER_LOCK:
             self.copying += 1
-        # Copy outside the lock so that ranks move their bytes in parallel (numpy drops the GIL).
-        nbytes = min(send.data.size, recv.data.size)
+            return False
+        recv.data[:nbytes] = send.data[:nbytes]
+        self._complete(send, recv, nbytes)
+        return True
+
+    def _copy_large(self, send: Request, recv: Request) -> None:
+        """Copy a long message outside the lock, so that ranks move their bytes in parallel."""
+        nbytes = min(len(send.data), len(recv.data))
         try:
-            recv.data[:nbytes] = send.data[:nbytes]
+            target = np.frombuffer(recv.data, np.uint8, nbytes)
+            np.copyto(target, np.frombuffer(send.data, np.uint8, nbytes))
         finally:
-            with self.cond:
+            with self.lock:
                 self.copying -= 1
-                recv.status.source, recv.status.tag, recv.status.count = send.rank, send.tag, nbytes
-                if send.data.size > recv.data.size:
-                    recv.error = MessageTruncated(
-                        f"rank {recv.rank} received {send.data.size} bytes from rank {send.rank} "
-                        f"(tag {send.tag}) into a buffer of {recv.data.size} bytes"
-                    )
-                send.done = recv.done = True
-                self.cond.notify_all()
-        return req
+                self._complete(send, recv, nbytes)
+
+    def _complete(self, send: Request, recv: Request, nbytes: int) -> None:
+        """Mark a matched pair done (with a truncation error if so) and wake whom it concerns."""
+        recv.source, recv.received_tag, recv.count = send.rank, send.tag, nbytes
+        if len(send.data) > len(recv.data):
+            recv.error = MessageTruncated(
+                f"rank {recv.rank} received {len(send.data)} bytes from rank {send.rank} "
+                f"(tag {send.tag}) into a buffer of {len(recv.data)} bytes"
+            )
+        send.done = recv.done = True
+        for req in (send, recv):
+            if req.awaited:
+                req.awaited = False
+                self.outstanding[req.rank] -= 1
+                if self.outstanding[req.rank] == 0 and self.sleeping.pop(req.rank, None):
+                    self.gates[req.rank].release()
 
     # -- waiting ----------------------------------------------------------------------------
-    def wait(self, req: Request, status: Status | None = None) -> None:
-        """Block until `req` completes; raise if another rank failed or all ranks are stuck."""
-        with self.cond:
-            while not req.done:
-                self._raise_if_failed(req.rank)
-                self.blocked[req.rank] = req
-                try:
-                    self._check_deadlock()
-                    self._raise_if_failed(req.rank)
-                    self.cond.wait()
-                finally:
-                    del self.blocked[req.rank]
-        if status is not None:
-            status.source, status.tag, status.count = (
-                req.status.source,
-                req.status.tag,
-                req.status.count,
-            )
-        if req.error is not None:
-            raise req.error
+    def wait(self, rank: int, requests: tuple[Request, ...]) -> None:
+        """Block until all of `rank`'s `requests` complete; raise if the world failed."""
+        if all(req.done for req in requests):  # no lock: `done` is set last, under the lock
+            return
+        with self.lock:
+            self._raise_if_failed(rank)
+            pending = tuple(req for req in requests if not req.done)
+            if not pending:
+                return
+            for req in pending:
+                req.awaited = True
+            self.outstanding[rank] = len(pending)
+            self.sleeping[rank] = pending
+            self._check_deadlock()
+        self.gates[rank].acquire()  # opened once: by the last completion, a failure or deadlock
+        if not all(req.done for req in requests):
+            with self.lock:
+                self._raise_if_failed(rank)
 
     def _check_deadlock(self) -> None:
-        """Every live rank waits, no bytes are moving, and nothing is done: nobody can proceed."""
-        stuck = (
-            self.copying == 0
-            and len(self.blocked) == self.live
-            and not any(r.done for r in self.blocked.values())
-        )
-        if stuck and self.failure is None:
-            waits = "; ".join(f"rank {k}: {r.describe()}" for k, r in sorted(self.blocked.items()))
-            self.failure = (-1, DeadlockError(f"deadlock: every rank is waiting ({waits})"))
-            self.cond.notify_all()
+        """Every live rank sleeps and no bytes are moving: nobody can proceed."""
+        if self.failure is None and self.copying == 0 and 0 < len(self.sleeping) >= self.live:
+            waits = "; ".join(
+                f"rank {rank}: " + " and ".join(req.describe() for req in requests)
+                for rank, requests in sorted(self.sleeping.items())
+            )
+            self._fail(-1, DeadlockError(f"deadlock: every rank is waiting ({waits})"))
+
+    def _fail(self, rank: int, exc: BaseException) -> None:
+        """Record the world's failure and wake every sleeping rank to raise it."""
+        self.failure = (rank, exc)
+        for sleeper in self.sleeping:
+            self.gates[sleeper].release()
+        self.sleeping.clear()
 
     def _raise_if_failed(self, rank: int) -> None:
         if self.failure is None:
@@ -235,13 +320,12 @@ class _World:
     # -- rank life cycle --------------------------------------------------------------------
     def finish(self, rank: int, exc: BaseException | None) -> None:
         """Record that a rank's function returned (or raised) and wake anyone it leaves stuck."""
-        with self.cond:
+        with self.lock:
             self.live -= 1
             if exc is not None and self.failure is None and not isinstance(exc, CommError):
-                self.failure = (rank, exc)
-            if self.blocked:
+                self._fail(rank, exc)
+            else:
                 self._check_deadlock()
-            self.cond.notify_all()
 
 
 class ThreadComm:
@@ -274,18 +358,23 @@ class ThreadComm:
             raise ValueError(f"invalid rank {peer} for a communicator of size {self._world.size}")
 
     def _request(self, kind: str, buf: Any, peer: int, tag: int, context: int) -> Request:
+        """A checked request, not yet posted."""
         self._check_peer(peer, any_ok=kind == "recv")
         if kind == "send" and not 0 <= tag <= TAG_UB:
             raise ValueError(f"invalid tag {tag}: must be in 0..{TAG_UB}")
         data = _bytes_of(buf, writable=kind == "recv")
-        req = Request(self._world, self._rank, kind, peer, tag, context, data)
-        return self._world.post(req)
+        return Request(self._world, self._rank, kind, peer, tag, context, data)
+
+    def _post(self, kind: str, buf: Any, peer: int, tag: int, context: int) -> Request:
+        req = self._request(kind, buf, peer, tag, context)
+        self._world.post((req,))
+        return req
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
-        return self._request("send", buf, dest, tag, _P2P)
+        return self._post("send", buf, dest, tag, _P2P)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
-        return self._request("recv", buf, source, tag, _P2P)
+        return self._post("recv", buf, source, tag, _P2P)
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
         self.Isend(buf, dest, tag).Wait()
@@ -305,13 +394,13 @@ class ThreadComm:
         recvtag: int = ANY_TAG,
         status: Status | None = None,
     ) -> None:
-        self._check_peer(dest, any_ok=False)  # before posting the receive, which cannot be undone
-        recv = self.Irecv(recvbuf, source, recvtag)
-        send = self.Isend(sendbuf, dest, sendtag)
-        try:
-            recv.Wait(status)
-        finally:
-            send.Wait()
+        # Both checked before either is posted; posted under one lock, waited for in one sleep.
+        recv = self._request("recv", recvbuf, source, recvtag, _P2P)
+        send = self._request("send", sendbuf, dest, sendtag, _P2P)
+        world = self._world
+        world.post((recv, send))
+        world.wait(self._rank, (recv, send))
+        recv.finish(status)
 
     # -- collectives (built on point-to-point messages in their own context) ----------------
     def Barrier(self) -> None:
@@ -319,29 +408,27 @@ class ThreadComm:
         empty = np.empty(0, np.uint8)
         if self._rank == 0:
             for source in range(1, self.size):
-                self._request("recv", empty, source, 0, _COLL).Wait()
+                self._post("recv", empty, source, 0, _COLL).Wait()
             for dest in range(1, self.size):
-                self._request("send", empty, dest, 0, _COLL).Wait()
+                self._post("send", empty, dest, 0, _COLL).Wait()
         else:
-            self._request("send", empty, 0, 0, _COLL).Wait()
-            self._request("recv", empty, 0, 0, _COLL).Wait()
+            self._post("send", empty, 0, 0, _COLL).Wait()
+            self._post("recv", empty, 0, 0, _COLL).Wait()
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         """Root sends its buffer to every other rank."""
         self._check_peer(root, any_ok=False)
         if self._rank == root:
             requests = [
-                self._request("send", buf, dest, 1, _COLL)
-                for dest in range(self.size)
-                if dest != root
+                self._post("send", buf, dest, 1, _COLL) for dest in range(self.size) if dest != root
             ]
             for req in requests:
                 req.Wait()
         else:
-            self._request("recv", buf, root, 1, _COLL).Wait()
+            self._post("recv", buf, root, 1, _COLL).Wait()
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
-        """Plain NumPy reduction of all ranks' buffers, in rank order, on every rank."""
+        """Plain NumPy reduction of all ranks' buffers, in rank order, copied to every rank."""
         ufunc = _REDUCE[_op_name(op)]
         out = np.asarray(recvbuf[0] if isinstance(recvbuf, (list, tuple)) else recvbuf)
         source = out if _is_in_place(sendbuf) else np.asarray(sendbuf)
@@ -350,11 +437,13 @@ class ThreadComm:
         world = self._world
         world.slots[self._rank] = source
         self.Barrier()  # every rank has published its buffer
-        total = np.array(world.slots[0], copy=True)
-        for contribution in world.slots[1:]:
-            ufunc(total, contribution, out=total)
-        self.Barrier()  # every rank has read every buffer; now they may be overwritten
-        out[...] = total
+        if self._rank == 0:  # reduced once, not on every rank: O(P) work, not O(P^2)
+            total = np.array(world.slots[0], copy=True)
+            for contribution in world.slots[1:]:
+                ufunc(total, contribution, out=total)
+            world.total = total  # a new array each call: nobody still reads the last one
+        self.Barrier()  # the total is ready; every buffer was read, so they may be overwritten
+        out[...] = world.total
 
 
 def _op_name(op: Any) -> str:
