@@ -290,10 +290,8 @@ def slot_bounds(bounds: np.ndarray) -> np.ndarray:
 
 
 def extraction_exponents(bounds: np.ndarray, global_batch: int) -> np.ndarray:
-    """E_s per slot: the least integer with 2^E_s >= 2 * B * v_s, clamped to [-1022, 1022].
-
-    ValueError for a non-finite peak (a NaN or infinity in the pass) or a bound beyond float64.
-    """
+    """E_s per slot: the least integer with 2^E_s >= 2 * B * v_s, clamped to [-1022, 1022]."""
+    # ValueError for a non-finite peak (a NaN or infinity in the pass) or a bound beyond float64.
     if not np.all(np.isfinite(bounds)):
         raise ValueError(
             "non-finite gradient in exact mode: a NaN or infinity appeared in the inputs, "
@@ -338,13 +336,12 @@ def exactness_bound(model: MLP, bounds: np.ndarray, global_batch: int) -> np.nda
 
 
 class ExactGradient:
-    """Exact-mode gradient in two phases around the MAX-allreduce of the bounds.
+    """Exact-mode gradient in two phases around the MAX-allreduce of the bounds."""
 
-    Per step on every rank: `local_pass` (per-sample forward/backward of the shard, fills the
-    local peaks), MAX-allreduce of the peaks (float64, `bound_count` long), `accumulate` (the
-    extracted sums), SUM-allreduce of the float64 sums, divide once by B. Workspaces are
-    allocated once; one instance per thread.
-    """
+    # Per step on every rank: `local_pass` (per-sample forward/backward of the shard, fills the
+    # local peaks), MAX-allreduce of the peaks (float64, `bound_count` long), `accumulate` (the
+    # extracted sums), SUM-allreduce of the float64 sums, divide once by B. Workspaces are allocated
+    # once; one instance per thread.
 
     def __init__(self, model: MLP, max_batch: int) -> None:
         self.model = model
@@ -372,12 +369,10 @@ class ExactGradient:
     def local_pass(
         self, params: np.ndarray, X: np.ndarray, y: np.ndarray, bounds_out: np.ndarray
     ) -> int:
-        """Per-sample pass over the shard into the workspaces; returns the argmax hits (xent).
-
-        bounds_out (float64, `bound_count`) receives, per layer, max|input| and max|delta| over
-        the shard, then the largest per-sample loss; inf where a NaN or infinity appeared, so
-        that after the MAX-allreduce every rank's `accumulate` raises the same ValueError.
-        """
+        """Per-sample pass over the shard into the workspaces; returns the argmax hits (xent)."""
+        # bounds_out (float64, `bound_count`) receives, per layer, max|input| and max|delta| over
+        # the shard, then the largest per-sample loss; inf where a NaN or infinity appeared, so that
+        # after the MAX-allreduce every rank's `accumulate` raises the same ValueError.
         check_flat(self.model, "params", params)
         _check_float64_out("bounds_out", bounds_out, self.bound_count)
         X, y = check_batch(self.model, self.max_batch, X, y)
@@ -395,12 +390,10 @@ class ExactGradient:
         return int(correct)
 
     def accumulate(self, bounds: np.ndarray, global_batch: int, sums_out: np.ndarray) -> None:
-        """sums_out (float64, n_params + 1) = extracted per-sample gradient sums, then loss sum.
-
-        `bounds` are the MAX-allreduced peaks of every rank and `global_batch` is B; both must be
-        the same on every rank. The result is exact, so summing it over ranks in any order (the
-        float64 ring allreduce) gives the same bits for every sharding of the global batch.
-        """
+        """sums_out (float64, n_params + 1) = extracted per-sample gradient sums, then loss sum."""
+        # `bounds` are the MAX-allreduced peaks of every rank and `global_batch` is B; both must be
+        # the same on every rank. The result is exact, so summing it over ranks in any order (the
+        # float64 ring allreduce) gives the same bits for every sharding of the global batch.
         if self._m is None:
             raise ValueError("accumulate needs a successful local_pass first")
         model = self.model

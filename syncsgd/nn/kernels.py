@@ -49,13 +49,11 @@ FAN_IN, FAN_OUT, W_OFFSET, B_OFFSET, WIDTH_BEFORE = range(5)
 
 
 def limit_blas_threads(threads: int = 1) -> bool:
-    """Ask the kernels' BLAS for `threads` threads; False if it is loaded already or the user chose.
-
-    SciPy's OpenBLAS reads OPENBLAS_NUM_THREADS once, when Numba first calls it (the first kernel
-    call); call this before. A multi-threaded OpenBLAS called from several thread ranks at once
-    serializes them, so the threads backend wants one BLAS thread per rank. A thread count the user
-    set in the environment wins. NumPy's own BLAS, loaded with NumPy, is not affected.
-    """
+    """Ask the kernels' BLAS for `threads` threads; False if already loaded or set by the user."""
+    # SciPy's OpenBLAS reads OPENBLAS_NUM_THREADS once, when Numba first calls it (the first kernel
+    # call); call this before. A multi-threaded OpenBLAS called from several thread ranks at once
+    # serializes them, so the threads backend wants one BLAS thread per rank. A thread count the
+    # user set in the environment wins. NumPy's own BLAS, loaded with NumPy, is not affected.
     if "scipy.linalg.cython_blas" in sys.modules:
         return False
     if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
@@ -281,16 +279,14 @@ def mse_loss_(params, layers, activation, X, targets, activations, delta_a):
 
 @njit(nogil=True, cache=True, fastmath={"reassoc"})  # reassoc only: lets the check vectorise
 def divide_finite_(total, divisor, out):
-    """out = total / divisor, element by element; True if all of out is finite.
-
-    One pass for the mean gradient and its finiteness check, bitwise what `np.divide(total,
-    divisor, out=out)` gives when `divisor` is a scalar of total's dtype (as NumPy converts a
-    Python int). Each result times 0.0 is 0 if it is finite and NaN if it is NaN or +-inf, so
-    the sum of those is 0 exactly when all are finite - unlike a plain sum, which overflows on
-    large finite values. `out` may be `total` (then the loop touches one array and vectorises);
-    otherwise the check reads out, so a float64 mean too large for a float32 out counts as the
-    infinity it becomes.
-    """
+    """out = total / divisor, element by element; True if all of out is finite."""
+    # One pass for the mean gradient and its finiteness check, bitwise what `np.divide(total,
+    # divisor, out=out)` gives when `divisor` is a scalar of total's dtype (as NumPy converts a
+    # Python int). Each result times 0.0 is 0 if it is finite and NaN if it is NaN or +-inf, so the
+    # sum of those is 0 exactly when all are finite - unlike a plain sum, which overflows on large
+    # finite values. `out` may be `total` (then the loop touches one array and vectorises);
+    # otherwise the check reads out, so a float64 mean too large for a float32 out counts as the
+    # infinity it becomes.
     poison = 0.0
     if out.ctypes.data == total.ctypes.data:
         for i in range(total.size):
@@ -305,10 +301,9 @@ def divide_finite_(total, divisor, out):
 
 
 class Gradient:
-    """Loss and SUM of per-sample gradients of a micro-batch, with workspaces allocated once.
+    """Loss and SUM of per-sample gradients of a micro-batch, with workspaces allocated once."""
 
-    One instance per thread: calls share the workspaces, so two threads need two instances.
-    """
+    # One instance per thread: calls share the workspaces, so two threads need two instances.
 
     def __init__(self, model: MLP, max_batch: int) -> None:
         self.model = model

@@ -82,10 +82,8 @@ def learning_rate(config: OptimConfig, step: int) -> float:
 
 
 def global_norm(values: np.ndarray, squares: np.ndarray | None = None) -> float:
-    """L2 norm of a 1-D array, squared and summed in float64 (NumPy's fixed pairwise order).
-
-    `squares`, a float64 array of the same length, is used as scratch to avoid an allocation.
-    """
+    """L2 norm of a 1-D array, squared and summed in float64 (NumPy's fixed pairwise order)."""
+    # `squares`, a float64 array of the same length, is used as scratch to avoid an allocation.
     if squares is None:
         squares = np.empty(values.shape, dtype=np.float64)
     np.square(values, out=squares, dtype=np.float64)  # square in float64, not in values' dtype
@@ -114,12 +112,10 @@ class SGD:
 
     def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
               want_norm: bool = True) -> dict[str, float]:  # fmt: skip
-        """Update `params` in place with the global batch's mean gradient `grad` (overwritten).
-
-        Order: clip to global norm, add weight decay, momentum / Nesterov, step.
-        Returns {"lr": learning rate used, "grad_norm": norm of grad before clipping}; the norm
-        is nan when neither clipping nor the caller (`want_norm`) needs that extra pass.
-        """
+        """Update `params` in place with the global batch's mean gradient `grad` (overwritten)."""
+        # Order: clip to global norm, add weight decay, momentum / Nesterov, step. Returns {"lr":
+        # learning rate used, "grad_norm": norm of grad before clipping}; the norm is nan when
+        # neither clipping nor the caller (`want_norm`) needs that extra pass.
         self._check("params", params)
         self._check("grad", grad)
         config = self.config
