@@ -116,19 +116,23 @@ def _command(
     return sub
 
 
+def output(default: Any, help: str, **declared: Any) -> Any:
+    """An output of train: not part of the fingerprint, not taken by verify."""
+    shown = "none" if default is None else None
+    return option(default, help, group=OUTPUT, shown=shown, fingerprint=False, verify=False,
+                  **declared)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TrainOutputs:
     """What `syncsgd train` writes: the outputs, which do not change the run."""
 
-    save: str | None = option(None, "write the final parameters (.npz)", group=OUTPUT,
-                              metavar="PATH", shown="none")  # fmt: skip
-    log: str | None = option(None, "write one JSON line per step", group=OUTPUT, metavar="PATH",
-                             shown="none")  # fmt: skip
-    timeline: str | None = option(
-        None, "write a Chrome trace (chrome://tracing, Perfetto): one row per rank",
-        group=OUTPUT, metavar="PATH", shown="none",
-    )  # fmt: skip
-    quiet: bool = option(False, "print nothing but errors", group=OUTPUT)
+    save: str | None = output(None, "write the final parameters (.npz)", metavar="PATH")
+    log: str | None = output(None, "write one JSON line per step", metavar="PATH")
+    timeline: str | None = output(
+        None, "write a Chrome trace (chrome://tracing, Perfetto): one row per rank", metavar="PATH"
+    )
+    quiet: bool = output(False, "print nothing but errors")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:

@@ -40,6 +40,7 @@ from syncsgd.training.timeline import Timeline
 from syncsgd.training.timeline import write as write_timeline
 from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.files import check_writable, write_text
+from syncsgd.util.options import BACKEND, JSON, RANKS
 
 BASELINE = "mpi"
 MMAP_THRESHOLD = 32 << 20  # glibc's largest mmap threshold: mallocs this big get fresh pages
@@ -358,18 +359,8 @@ def draw_png(rows: list[dict], path: str, title: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench allreduce`."""
-    parser.add_argument(
-        "--ranks",
-        type=positive_int,
-        default=None,
-        help="thread ranks (threads backend; default 2); under mpiexec, -n decides",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=("auto", "threads", "mpi"),
-        default="auto",
-        help="auto: MPI under mpiexec/srun, threads otherwise",
-    )
+    RANKS.add(parser, help="thread ranks (threads backend; default 2); under mpiexec, -n decides")
+    BACKEND.add(parser)
     parser.add_argument("--dtype", choices=("float64", "float32", "int64"), default="float64")
     parser.add_argument("--min-bytes", type=parse_bytes, default=8, help="smallest size (8)")
     parser.add_argument(
@@ -391,7 +382,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-iters", type=positive_int, default=2000, help="most calls in one batch (2000)"
     )
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    JSON.add(parser, help="write the results as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     parser.add_argument("--png", metavar="PATH", help="plot time and busbw against size")
     parser.add_argument(
