@@ -44,9 +44,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.util.argtypes import comma_list, comma_separated
+from syncsgd.util.argtypes import comma_list, comma_separated, rank_list
 from syncsgd.util.files import check_writable, write_text
-from syncsgd.util.options import JSON, RANK_COUNTS
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
 DEFAULT_ALPHA = 2e-6  # seconds per message
@@ -103,12 +102,10 @@ def cost(algorithm: str, ranks: int) -> Cost:
 
 @functools.lru_cache(maxsize=64)
 def tree_rounds(ranks: int) -> tuple[int, int]:
-    """Messages on the critical paths of the binary tree's reduce and of its broadcast.
-
-    Rank i's children are 2i+1 and 2i+2. In the reduce a rank receives (and adds) its children's
-    sums one after the other, each only once that child has its own; in the broadcast a rank sends
-    to its children one after the other, once it has the sum.
-    """
+    """Messages on the critical paths of the binary tree's reduce and of its broadcast."""
+    # Rank i's children are 2i+1 and 2i+2. In the reduce a rank receives (and adds) its children's
+    # sums one after the other, each only once that child has its own; in the broadcast a rank sends
+    # to its children one after the other, once it has the sum.
     done = [0] * ranks  # reduce: the round in which rank i has its subtree's sum
     for rank in reversed(range(ranks)):
         for child in (2 * rank + 1, 2 * rank + 2):
@@ -246,13 +243,12 @@ class Fit(NamedTuple):
 
 
 def fit(samples: Sequence[Sample], ranks: int, held: dict[str, float] | None = None) -> Fit:
-    """Fit the parameters not in `held` to `samples` by non-negative least relative squares.
-
-    Each sample gives one equation a·α + b·nβ + c·nγ = t, divided by t so that an 8-byte message
-    counts as much as a 64 MiB one. The ring, naive, tree and (power-of-two) Rabenseifner costs all
-    scale β and γ as 2:1, so their samples alone fix only 2β + γ: then γ is held at the default
-    (or the --gamma given) and the note says so; recursive-doubling samples separate the two.
-    """
+    """Fit the parameters not in `held` to `samples` by non-negative least relative squares."""
+    # Each sample gives one equation a·α + b·nβ + c·nγ = t, divided by t so that an 8-byte message
+    # counts as much as a 64 MiB one. The ring, naive, tree and (power-of-two) Rabenseifner costs
+    # all scale β and γ as 2:1, so their samples alone fix only 2β + γ: then γ is held at the
+    # default (or the --gamma given) and the note says so; recursive-doubling samples separate the
+    # two.
     held = dict(held or {})
     unknown = set(held) - set(PARAM_NAMES)
     if unknown:
@@ -313,14 +309,12 @@ class Line(NamedTuple):
 
 
 def best_line(nbytes: Sequence[float], seconds: Sequence[float]) -> Line:
-    """The line t = a + b*n (a, b >= 0) with the smallest worst relative error on these times.
-
-    For one algorithm at one P every α-β-γ cost is such a line (a counts the α's, b the β's and
-    γ's per byte), so no fit can predict these times better than `worst`, however it is made: a
-    floor well above the fit's own error says the machine is not linear in n over this range
-    (caches, protocol switches), not that the fit went wrong. A linear program: minimise e subject
-    to |a + b*n - t| <= e*t for every sample.
-    """
+    """The line t = a + b*n (a, b >= 0) with the smallest worst relative error on these times."""
+    # For one algorithm at one P every α-β-γ cost is such a line (a counts the α's, b the β's and
+    # γ's per byte), so no fit can predict these times better than `worst`, however it is made: a
+    # floor well above the fit's own error says the machine is not linear in n over this range
+    # (caches, protocol switches), not that the fit went wrong. A linear program: minimise e subject
+    # to |a + b*n - t| <= e*t for every sample.
     from scipy.optimize import linprog  # a dependency anyway (Numba's np.dot needs it)
 
     n, t = np.asarray(nbytes, float), np.asarray(seconds, float)
@@ -459,8 +453,9 @@ def algorithm_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd model`."""
-    RANK_COUNTS.add(
-        parser,
+    parser.add_argument(
+        "--ranks",
+        type=rank_list,
         default=list(DEFAULT_RANKS),
         help="numbers of ranks to predict for (default 2,8,1024)",
     )
@@ -506,7 +501,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["ring"],
         help="the rows of the sweep to fit (default ring)",
     )
-    JSON.add(parser, help="write the predictions as JSON")
+    parser.add_argument("--json", metavar="PATH", help="write the predictions as JSON")
 
 
 def main(options: argparse.Namespace) -> int:

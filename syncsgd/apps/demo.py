@@ -25,8 +25,7 @@ import numpy as np
 from syncsgd import collectives
 from syncsgd.collectives import chunk_bounds, ring_allreduce
 from syncsgd.comm.threads import run_threads
-from syncsgd.util.argtypes import nonnegative_int
-from syncsgd.util.options import RANKS
+from syncsgd.util.argtypes import nonnegative_int, positive_int
 
 MAX_RANKS = 16  # a demo: 2(P-1) steps of P lines each
 MAX_LENGTH = 64
@@ -216,10 +215,8 @@ FOLDING = (
 def format_buffer(values: np.ndarray, width: int, mark: tuple[int, int] | None = None,
                   style: str = "", color: bool = False,
                   sent: tuple[int, int] | None = None) -> str:  # fmt: skip
-    """The elements in columns of `width`; the range `mark` in [brackets], or in colour `style`.
-
-    In colour the range `sent` is underlined too; in plain text only `mark` is shown.
-    """
+    """The elements in columns of `width`; the range `mark` in [brackets], or in colour `style`."""
+    # In colour the range `sent` is underlined too; in plain text only `mark` is shown.
     start, stop = mark if mark and mark[0] < mark[1] else (-1, -1)
     sent_start, sent_stop = sent if sent else (-1, -1)
     cells = []
@@ -445,7 +442,9 @@ def _draw_cell(axes: Any, demo: Demo, x0: float, y: float, values: np.ndarray,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd ring-demo`."""
-    RANKS.add(parser, default=4, help=f"thread ranks, 1..{MAX_RANKS} (default 4)")
+    parser.add_argument(
+        "--ranks", type=positive_int, default=4, help=f"thread ranks, 1..{MAX_RANKS} (default 4)"
+    )
     parser.add_argument(
         "--length",
         type=nonnegative_int,

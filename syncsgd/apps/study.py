@@ -49,7 +49,6 @@ from syncsgd.training import noise
 from syncsgd.training.loop import NonFiniteError
 from syncsgd.util.argtypes import comma_list, finite_float, nonnegative_int, positive_int
 from syncsgd.util.files import check_writable, write_text
-from syncsgd.util.options import JSON, RANKS
 
 STOPS_PAYING = 0.10  # adding ranks stops paying when a doubling gains less than 10%
 QUICK: dict[str, Any] = {
@@ -92,12 +91,10 @@ class NoiseEstimate(NamedTuple):
 def estimate_noise_scale(
     small_norms_sq: Sequence[float], small_sizes: Sequence[int], big_norm_sq: float, big_size: int
 ) -> NoiseEstimate | None:
-    """tr(Σ) and |G|² from the ranks' |G_r|² (mean over b_r samples) and the batch's |G_B|².
-
-    With S = Σ_r |G_r|², K ranks with samples and H = Σ_r 1/b_r (ranks with b_r = 0 left out):
-    tr(Σ) = (S − K|G_B|²)/(H − K/B) and |G|² = |G_B|² − tr(Σ)/B, computed by the same
-    `syncsgd.training.noise.estimate` that training uses. None with one batch size only (K = 1).
-    """
+    """tr(Σ) and |G|² from the ranks' |G_r|² (mean over b_r samples) and the batch's |G_B|²."""
+    # With S = Σ_r |G_r|², K ranks with samples and H = Σ_r 1/b_r (ranks with b_r = 0 left out):
+    # tr(Σ) = (S − K|G_B|²)/(H − K/B) and |G|² = |G_B|² − tr(Σ)/B, computed by the same
+    # `syncsgd.training.noise.estimate` that training uses. None with one batch size only (K = 1).
     norms = np.asarray(small_norms_sq, dtype=np.float64)
     sizes = np.asarray(small_sizes, dtype=np.int64)
     if norms.ndim != 1 or norms.shape != sizes.shape:
@@ -202,21 +199,17 @@ def run_trial(train: Trainer, base: Any, batch_size: int, lr: float, momentum: f
 
 
 def coarse_eval_every(batch_size: int, held_out: int) -> int:
-    """Steps between evaluations: one per `held_out` training examples.
-
-    An evaluation is a forward pass over the held-out samples, so this costs about a third of
-    the training it interrupts.
-    """
+    """Steps between evaluations: one per `held_out` training examples."""
+    # An evaluation is a forward pass over the held-out samples, so this costs about a third of the
+    # training it interrupts.
     return max(1, math.ceil(held_out / batch_size))
 
 
 def study_batch_size(base: Any, settings: StudySettings, *, train: Trainer | None = None,
                      report: Callable[[Row], None] | None = None) -> list[Row]:  # fmt: skip
-    """Tune (lr, momentum) for every batch size; one Row per batch size, in increasing order.
-
-    `base` is the workload's TrainConfig, with a holdout and a target; `train` defaults to
-    `syncsgd.training.loop.train`; `report` sees each row as soon as it is done.
-    """
+    """Tune (lr, momentum) for every batch size; one Row per batch size, in increasing order."""
+    # `base` is the workload's TrainConfig, with a holdout and a target; `train` defaults to
+    # `syncsgd.training.loop.train`; `report` sees each row as soon as it is done.
     if train is None:
         from syncsgd.training.loop import train as default_train
 
@@ -252,8 +245,8 @@ def study_batch_size(base: Any, settings: StudySettings, *, train: Trainer | Non
 
 
 def check_study(base: Any, settings: StudySettings) -> int:
-    """ValueError unless the workload has a target and held-out samples, and every B fits the
-    training samples; returns the number of held-out samples."""
+    """Check the workload has a target and held-out samples; returns the held-out sample count."""
+    # ValueError too unless every batch size fits in the training samples.
     from syncsgd.training.loop import prepare
 
     if base.target_loss is None and base.target_accuracy is None:
@@ -304,11 +297,9 @@ class Knee(NamedTuple):
 
 
 def nonnegative_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(a, c) >= 0 minimising the relative squared error of y ≈ a + c x (every y > 0).
-
-    Each equation is divided by its y, so that small and large values count alike; the optimum is
-    the unconstrained one if it is non-negative, else the better of the two one-parameter fits.
-    """
+    """(a, c) >= 0 minimising the relative squared error of y ≈ a + c x (every y > 0)."""
+    # Each equation is divided by its y, so that small and large values count alike; the optimum is
+    # the unconstrained one if it is non-negative, else the better of the two one-parameter fits.
     design = np.column_stack([np.ones_like(x), x]) / y[:, None]
     target = np.ones_like(x)
     best, best_residual = np.zeros(2), math.inf
@@ -322,12 +313,10 @@ def nonnegative_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 
 def fit_knee(batch_sizes: Sequence[int], steps: Sequence[float]) -> Knee | None:
-    """Fit steps = S_min + E_min/B (linear against 1/B) with S_min, E_min >= 0.
-
-    B_crit = E_min/S_min is where the steps are twice S_min and the examples twice E_min. It is
-    None if S_min = 0 (perfect scaling all the way: no knee in range) or E_min = 0. The whole fit
-    is None for fewer than two batch sizes.
-    """
+    """Fit steps = S_min + E_min/B (linear against 1/B) with S_min, E_min >= 0."""
+    # B_crit = E_min/S_min is where the steps are twice S_min and the examples twice E_min. It is
+    # None if S_min = 0 (perfect scaling all the way: no knee in range) or E_min = 0. The whole fit
+    # is None for fewer than two batch sizes.
     if len(batch_sizes) < 2:
         return None
     inverse = 1.0 / np.asarray(batch_sizes, dtype=np.float64)
@@ -352,12 +341,10 @@ def perfect_scaling(rows: Sequence[Row], batch_size: int) -> float | None:
 
 
 def quoted_noise_scale(rows: Sequence[Row]) -> tuple[int, float] | None:
-    """(B, B_simple) of the smallest B with a noise scale: the run with the smallest lr.
-
-    B_simple assumes the gradient is measured where a well-tuned optimizer would be; runs with a
-    large lr bounce across the valley, where |G|² is larger, and report smaller values. The
-    smallest batch size's run has the smallest lr and the most steps to average over.
-    """
+    """(B, B_simple) of the smallest B with a noise scale: the run with the smallest lr."""
+    # B_simple assumes the gradient is measured where a well-tuned optimizer would be; runs with a
+    # large lr bounce across the valley, where |G|² is larger, and report smaller values. The
+    # smallest batch size's run has the smallest lr and the most steps to average over.
     measured = [(row.batch_size, row.noise_scale) for row in rows if row.noise_scale is not None]
     return measured[0] if measured else None
 
@@ -381,10 +368,8 @@ class StepCosts(NamedTuple):
 
 
 def measure_step_costs(trials: Sequence[Trial], ranks: int) -> StepCosts:
-    """Fit compute = fixed + per_sample x ceil(B/ranks) to each batch size's median per step.
-
-    The update's seconds per step are the median over the runs (it does not depend on B).
-    """
+    """Fit compute = fixed + per_sample x ceil(B/ranks) to each batch size's median per step."""
+    # The update's seconds per step are the median over the runs (it does not depend on B).
     ran = [t for t in trials if t.steps_run > 0]
     if not ran:
         raise ValueError("no run to measure the step time on")
@@ -657,7 +642,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser.add_argument_group("the workload (as in syncsgd train)"))
     add_time_model_arguments(parser.add_argument_group("the time model (a prediction)"))
     out = parser.add_argument_group("output")
-    JSON.add(out, help="write rows, trials, knee and time model")
+    out.add_argument("--json", metavar="PATH", help="write rows, trials, knee and time model")
     out.add_argument("--png", metavar="PATH", help="log-log plot of steps against batch size")
 
 
@@ -681,8 +666,9 @@ def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:
     target.add_argument(
         "--target-accuracy", type=fraction, help="held-out accuracy to reach instead (xent)"
     )
-    RANKS.add(
-        grid,
+    grid.add_argument(
+        "--ranks",
+        type=positive_int,
         default=1,
         help="thread ranks of every run (default 1: the result does not depend on it)",
     )
