@@ -132,6 +132,27 @@ def test_bad_input_is_one_line_on_stderr(tmp_path, args, needle):
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "status"),
+    [
+        (["--hidden", "64,x"], 2),  # a value argparse cannot read: usage error
+        (["--holdout", "1"], 2),
+        (["--steps", "5", "--epochs", "2"], 1),  # values that do not go together: the config's
+        (["--pitfall", "local-clip"], 1),
+    ],
+)
+def test_a_bad_value_exits_2_and_a_bad_combination_1(args, status):
+    done = syncsgd_cli("train", *args, "--quiet", timeout=60)
+    assert done.returncode == status, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_debug_after_the_subcommand_shows_the_traceback():
+    done = syncsgd_cli("train", "--debug", "--steps", "5", "--epochs", "2", timeout=60)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "give --steps or --epochs, not both" in done.stderr
+
+
 # -- the same training under a real mpiexec ------------------------------------------------------
 
 
