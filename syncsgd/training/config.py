@@ -189,12 +189,11 @@ def _require(condition: bool, message: str) -> None:
 
 
 def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:
-    """A digest of the data and of every option that changes the trajectory.
-
-    Left out: the number of ranks (the result does not depend on it), the run length (a resumed run
-    may go further; only the cosine schedule depends on it, so it is kept then), where the first
-    parameters came from, outputs, and how the allreduce is done (algorithm, buckets).
-    """
+    """A digest of the data and of every option declared to change the trajectory."""
+    # Left out (fingerprint=False): the run length (a resumed run may go further; only the cosine
+    # schedule depends on it, so it is kept then), where the first parameters came from, the
+    # checkpoints, evaluation, and how the allreduce is done (algorithm, buckets). The number of
+    # ranks and the outputs are not config fields: the result does not depend on them.
     ignored = {name for name, declared in options_of(TrainConfig) if not declared.fingerprint}
     options = {k: v for k, v in asdict(config).items() if k not in ignored}
     if config.schedule == "cosine":
