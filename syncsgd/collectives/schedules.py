@@ -144,7 +144,7 @@ def _halving_and_doubling(
     rank: int, newrank: int, extra: int, bounds: list[int]
 ) -> list[CollectiveStep]:
     """Rabenseifner's recursive-halving reduce-scatter, then the doubling allgather backwards."""
-    levels = len(bounds).bit_length() - 1  # len(bounds) = p' + 1
+    levels = (len(bounds) - 1).bit_length() - 1  # len(bounds) = p' + 1
 
     def elements(first: int, stop: int) -> slice:
         return slice(bounds[first], bounds[stop])
