@@ -96,17 +96,16 @@ def _byte_slice(elements: slice, itemsize: int) -> slice:
 
 def _planned(step: CollectiveStep, itemsize: int, scratch: np.ndarray) -> PlannedStep:
     """`step` with its byte slices, and the view of scratch an addend arrives in."""
-    target = step.recv
-    incoming = scratch[: target.stop - target.start]
+    target, arriving_bytes = step.recv, (step.recv.stop - step.recv.start) * itemsize
+    incoming = scratch[: target.stop - target.start]  # (for a copy, unused)
     if step.combine == COPY:
         arrival, arriving = None, _COPIED
     else:  # received into scratch (as bytes: see docs/collectives.md), then added
         arrival, arriving = incoming.data.cast("B"), incoming.size
     return PlannedStep(
         _byte_slice(step.send, itemsize), step.send_to, _byte_slice(target, itemsize), arrival,
-        step.recv_from,
-        (target.stop - target.start) * itemsize, target, incoming, arriving,
-        step.combine == ADD_OWN_FIRST, step,
+        step.recv_from, arriving_bytes, target, incoming, arriving, step.combine == ADD_OWN_FIRST,
+        step,
     )  # fmt: skip
 
 
@@ -116,7 +115,7 @@ _local = threading.local()
 _MAX_PLANS = 64  # plans kept per thread; more distinct buffer sizes start the cache afresh
 
 
-def plan(algorithm: str, length: int, dtype: np.dtype, size: int, rank: int, comm: Any) -> Plan:
+def plan_for(algorithm: str, length: int, dtype: np.dtype, size: int, rank: int, comm: Any) -> Plan:
     """This thread's plan for `algorithm` on `length` x `dtype` on `comm`; built once."""
     key = algorithm, length, dtype, size, rank, type(comm)
     try:
@@ -151,10 +150,10 @@ def execute(algorithm: str, buf: np.ndarray, comm: Any, trace: Trace | None = No
         if defect:
             raise ValueError(defect)
         return buf
-    try:  # this thread's plan (the lookup of `plan`, inlined: it is hot)
+    try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot)
         planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm)]
     except (AttributeError, KeyError):
-        planned = plan(algorithm, flat.size, flat.dtype, size, rank, comm)
+        planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm)
     # With a defect, take part with empty messages and the flag raised, then report it.
     tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None), trace)
     if tag & 1:
@@ -185,7 +184,7 @@ def _take_steps(
                 count = _truncated(exc)
             if status.Get_tag() != tag or count != expected:  # disagreement, or a flag
                 tag, mismatch = _disagree(tag, status, count == expected, source, mismatch)
-            if tag & 1 or arriving <= 0:  # the sum is void (we raise at the end), or a copy
+            if tag & 1 or arriving <= 0:  # the sum is void (we raise at the end), a copy, or empty
                 pass
             elif arriving == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
                 i = target.start
