@@ -143,7 +143,8 @@ def whole_steps(options: argparse.Namespace) -> list[dict]:
     alternate (ABBA) after one burn-in run each, and the medians are compared.
     """
     from syncsgd.comm.threads import run_threads
-    from syncsgd.training.loop import TrainConfig, prepare, train_rank
+    from syncsgd.training.config import TrainConfig
+    from syncsgd.training.loop import prepare, train_rank
 
     hidden = parse_hidden(options.hidden)
     rows = []

@@ -209,7 +209,7 @@ def run_train(options: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def graceful_stop() -> Iterator[None]:
     """First Ctrl-C or SIGTERM: every rank finishes its step, then all stop. Second: stop now."""
-    from syncsgd.training.loop import stop_requested
+    from syncsgd.training.hooks import stop_requested
 
     def request_stop(signum: int, frame: object) -> None:
         if stop_requested.is_set():

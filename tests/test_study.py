@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from syncsgd.apps import costmodel, study
 from syncsgd.apps.study import Row, StepCosts, StudySettings, Trial, estimate_noise_scale
 from syncsgd.training.config import TrainConfig
-from syncsgd.training.loop import NonFiniteError
+from syncsgd.training.result import NonFiniteError
 
 # -- the noise-scale estimator --------------------------------------------------------------------
 

@@ -44,8 +44,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.util.argtypes import comma_list, comma_separated, rank_list
+from syncsgd.util.argtypes import comma_list, comma_separated
 from syncsgd.util.files import check_writable, write_text
+from syncsgd.util.options import JSON, RANK_COUNTS
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
 DEFAULT_ALPHA = 2e-6  # seconds per message
@@ -453,9 +454,8 @@ def algorithm_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd model`."""
-    parser.add_argument(
-        "--ranks",
-        type=rank_list,
+    RANK_COUNTS.add(
+        parser,
         default=list(DEFAULT_RANKS),
         help="numbers of ranks to predict for (default 2,8,1024)",
     )
@@ -501,7 +501,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["ring"],
         help="the rows of the sweep to fit (default ring)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write the predictions as JSON")
+    JSON.add(parser, help="write the predictions as JSON")
 
 
 def main(options: argparse.Namespace) -> int:

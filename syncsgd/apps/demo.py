@@ -25,7 +25,8 @@ import numpy as np
 from syncsgd import collectives
 from syncsgd.collectives import chunk_bounds, ring_allreduce
 from syncsgd.comm.threads import run_threads
-from syncsgd.util.argtypes import nonnegative_int, positive_int
+from syncsgd.util.argtypes import nonnegative_int
+from syncsgd.util.options import RANKS
 
 MAX_RANKS = 16  # a demo: 2(P-1) steps of P lines each
 MAX_LENGTH = 64
@@ -442,9 +443,7 @@ def _draw_cell(axes: Any, demo: Demo, x0: float, y: float, values: np.ndarray,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd ring-demo`."""
-    parser.add_argument(
-        "--ranks", type=positive_int, default=4, help=f"thread ranks, 1..{MAX_RANKS} (default 4)"
-    )
+    RANKS.add(parser, default=4, help=f"thread ranks, 1..{MAX_RANKS} (default 4)")
     parser.add_argument(
         "--length",
         type=nonnegative_int,

@@ -46,9 +46,10 @@ import numpy as np
 
 from syncsgd.apps import costmodel
 from syncsgd.training import noise
-from syncsgd.training.loop import NonFiniteError
+from syncsgd.training.result import NonFiniteError
 from syncsgd.util.argtypes import comma_list, finite_float, nonnegative_int, positive_int
 from syncsgd.util.files import check_writable, write_text
+from syncsgd.util.options import JSON, RANKS
 
 STOPS_PAYING = 0.10  # adding ranks stops paying when a doubling gains less than 10%
 QUICK: dict[str, Any] = {
@@ -642,7 +643,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser.add_argument_group("the workload (as in syncsgd train)"))
     add_time_model_arguments(parser.add_argument_group("the time model (a prediction)"))
     out = parser.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="write rows, trials, knee and time model")
+    JSON.add(out, help="write rows, trials, knee and time model")
     out.add_argument("--png", metavar="PATH", help="log-log plot of steps against batch size")
 
 
@@ -666,9 +667,8 @@ def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:
     target.add_argument(
         "--target-accuracy", type=fraction, help="held-out accuracy to reach instead (xent)"
     )
-    grid.add_argument(
-        "--ranks",
-        type=positive_int,
+    RANKS.add(
+        grid,
         default=1,
         help="thread ranks of every run (default 1: the result does not depend on it)",
     )

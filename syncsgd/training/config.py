@@ -10,7 +10,7 @@ import numpy as np
 
 from syncsgd.collectives import ALGORITHMS
 from syncsgd.nn.optim import LR_SCALINGS, SCHEDULES
-from syncsgd.training.pitfalls import PITFALLS
+from syncsgd.training.variants import PITFALLS, variant
 from syncsgd.util.argtypes import (
     finite_float,
     hidden_sizes,
@@ -120,7 +120,7 @@ class TrainConfig:
     exact: bool = option(False, "bitwise the same parameters for every number of ranks",
                          group=REPRODUCIBILITY)  # fmt: skip
     pitfall: str | None = option(
-        None, "deliberately do what real systems get wrong (see syncsgd.training.pitfalls)",
+        None, "deliberately do what real systems get wrong (see docs/pitfalls.md)",
         group=REPRODUCIBILITY, choices=PITFALLS, list_choices=True, shown="none",
     )  # fmt: skip
     checkpoint: str | None = option(
@@ -164,10 +164,7 @@ class TrainConfig:
         for error in errors(self):
             raise ValueError(error)
         _require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
-        _require(
-            self.pitfall != "local-clip" or self.clip_norm is not None,
-            "--pitfall local-clip needs --clip-norm",
-        )
+        variant(self.pitfall, self.clip_norm)  # a pitfall may need other options (local-clip)
         _require(
             self.checkpoint_every is None or self.checkpoint is not None,
             "--checkpoint-every needs --checkpoint DIR",
