@@ -184,7 +184,7 @@ def _take_steps(
                 count = _truncated(exc)
             if status.Get_tag() != tag or count != expected:  # disagreement, or a flag
                 tag, mismatch = _disagree(tag, status, count == expected, source, mismatch)
-            if tag & 1 or arriving <= 0:  # the sum is void (we raise at the end), a copy, or empty
+            if arriving <= 0 or tag & 1:  # a copy, nothing to add, or the sum is void (we raise)
                 pass
             elif arriving == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
                 i = target.start

@@ -1,11 +1,11 @@
 """Data sets, the order in which SGD visits their samples, and the split of a batch over ranks.
 
-Sources (SPEC §5): synthetic Gaussian blobs or a random-MLP teacher for classification, a random
+Sources: synthetic Gaussian blobs or a random-MLP teacher for classification, a random
 linear or MLP teacher plus noise for regression, `.npz` files (arrays `X`, `y`) and `.csv` files
 (last column the target). Every source is generated or parsed in float64 and then cast to the
 requested dtype, so a float32 data set is the float64 one rounded.
 
-Sample order (SPEC §5): steps per epoch S = N // B (the tail is dropped); epoch e visits the
+Sample order: steps per epoch S = N // B (the tail is dropped); epoch e visits the
 samples in the order `epoch_order(N, e, seed, shuffle)`; step t is position j = t mod S of epoch
 e = t // S and its global batch is `order[j*B:(j+1)*B]`. Every rank computes the same order from
 the same arguments, so no communication is needed. The global batch is then split contiguously,

@@ -44,10 +44,10 @@ from syncsgd.util.options import BACKEND, JSON, RANKS
 
 BASELINE = "mpi"
 MMAP_THRESHOLD = 32 << 20  # glibc's largest mmap threshold: mallocs this big get fresh pages
-# The bar (issue 2), both ratios taken in the same run: the ring's time at 8 B at most 3x the MPI
+# The bar, both ratios taken in the same run: the ring's time at 8 B at most 3x the MPI
 # library's, and its busbw at least 0.95x the library's at every size from 1 MiB.
 LATENCY_BAR, LATENCY_AT, BUSBW_BAR, BUSBW_FROM = 3.0, 8, 0.95, 1 << 20
-# And "auto" (issue 5): at least 0.9x the library's speed at every size, in the same run.
+# And "auto": at least 0.9x the library's speed at every size, in the same run.
 AUTO_BAR = 0.9
 
 

@@ -16,8 +16,8 @@ batch, `Gradient(...)(...)`, `grad /= B`, plain SGD in NumPy), the two interleav
 (ABBA) and checked to end with bitwise the same parameters; the bar is 5%. Last, the wall time of
 `syncsgd --help` and of `syncsgd train --ranks 4` (warm JIT cache) in subprocesses. Nothing is
 asserted: the machines are shared and noisy, so repeat a run before believing a difference (the
-load average is printed). On a busy machine, OpenBLAS's own threads make the kernels' time swing
-tenfold; `OPENBLAS_NUM_THREADS=1 syncsgd bench step` gives steadier figures.
+load average is printed). OpenBLAS's own threads make the kernels' time swing on a busy machine
+(docs/measurements.md); `OPENBLAS_NUM_THREADS=1 syncsgd bench step` gives steadier figures.
 """
 
 from __future__ import annotations
@@ -418,67 +418,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench step`."""
     RANK_COUNTS.add(parser, help="thread rank counts to run (default 1,2,3,4); under mpiexec, -n")
     BACKEND.add(parser)
-    parser.add_argument(
-        "--scaling",
-        type=scaling_list,
-        default=list(SCALINGS),
-        help="weak, strong or weak,strong (default both)",
-    )
-    parser.add_argument(
-        "--per-rank-batch",
-        type=positive_int,
-        default=64,
-        help="weak scaling: samples per rank (64)",
-    )
-    parser.add_argument(
-        "--global-batch",
-        type=positive_int,
-        default=256,
-        help="strong scaling: the global batch (256)",
-    )
-    parser.add_argument(
-        "--samples", type=positive_int, default=2048, help="synthetic samples (2048)"
-    )
-    parser.add_argument("--features", type=positive_int, default=784, help="input size (784)")
-    parser.add_argument("--hidden", default="256,256", help="hidden sizes (256,256)")
-    parser.add_argument("--classes", type=positive_int, default=10, help="classes (10)")
-    parser.add_argument("--activation", choices=("relu", "tanh"), default="relu")
-    parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
-    parser.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (0.01)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0)
-    parser.add_argument("--steps", type=positive_int, default=20, help="steps per timed run (20)")
-    parser.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=7,
-        help="timed runs per configuration; the median is quoted (7)",
-    )
-    parser.add_argument(
-        "--warmup", type=positive_int, default=5, help="burn-in steps per configuration (5)"
-    )
-    parser.add_argument(
-        "--overhead-batch",
-        type=rank_list,
-        default=[64, 256],
-        help="batch sizes of the P = 1 overhead check (64,256)",
-    )
-    parser.add_argument(
-        "--overhead-repeats",
-        type=positive_int,
-        default=15,
-        help="interleaved runs of each side of the overhead check (15)",
-    )
-    parser.add_argument(
-        "--no-overhead", dest="overhead", action="store_false", help="skip the P = 1 overhead check"
-    )
-    parser.add_argument(
-        "--cli-runs",
-        type=nonnegative_int,
-        default=5,
-        help="runs of each command-line timing; 0 skips them (5)",
-    )
+    add = parser.add_argument
+    add("--scaling", type=scaling_list, default=list(SCALINGS),
+        help="weak, strong or weak,strong (default both)")  # fmt: skip
+    add("--per-rank-batch", type=positive_int, default=64,
+        help="weak scaling: samples per rank (64)")  # fmt: skip
+    add("--global-batch", type=positive_int, default=256,
+        help="strong scaling: the global batch (256)")  # fmt: skip
+    add("--samples", type=positive_int, default=2048, help="synthetic samples (2048)")
+    add("--features", type=positive_int, default=784, help="input size (784)")
+    add("--hidden", default="256,256", help="hidden sizes (256,256)")
+    add("--classes", type=positive_int, default=10, help="classes (10)")
+    add("--activation", choices=("relu", "tanh"), default="relu", help="(default relu)")
+    add("--dtype", choices=("float64", "float32"), default="float64", help="(default float64)")
+    add("--lr", type=positive_float, default=0.01, help="learning rate (0.01)")
+    add("--seed", type=nonnegative_int, default=0, help="(default 0)")
+    add("--steps", type=positive_int, default=20, help="steps per timed run (20)")
+    add("--repeats", type=positive_int, default=7,
+        help="timed runs per configuration; the median is quoted (7)")  # fmt: skip
+    add("--warmup", type=positive_int, default=5, help="burn-in steps per configuration (5)")
+    add("--overhead-batch", type=rank_list, default=[64, 256],
+        help="batch sizes of the P = 1 overhead check (64,256)")  # fmt: skip
+    add("--overhead-repeats", type=positive_int, default=15,
+        help="interleaved runs of each side of the overhead check (15)")  # fmt: skip
+    add("--no-overhead", dest="overhead", action="store_false",
+        help="skip the P = 1 overhead check")  # fmt: skip
+    add("--cli-runs", type=nonnegative_int, default=5,
+        help="runs of each command-line timing; 0 skips them (5)")  # fmt: skip
     JSON.add(parser, help="write all results as JSON")
-    parser.add_argument("--csv", metavar="PATH", help="write the scaling rows as CSV")  # fmt: skip
+    add("--csv", metavar="PATH", help="write the scaling rows as CSV")
 
 
 def main(options: argparse.Namespace) -> int:
