@@ -150,6 +150,9 @@ class DataParallelStep:
         self.y_shard = np.empty((largest_shard, *run.y.shape[1:]), run.y.dtype)
         self.want_grad_norm = False  # a log that records the norm sets this
         self.optim = run.optim
+        from syncsgd.nn.kernels import divide_finite_  # imports Numba: only when training
+
+        self.divide_finite_ = divide_finite_
 
     def take_(self, step: int) -> StepRecord:
         """Shard -> local gradient SUM -> allreduce (sum of sums) -> divide once by B -> update."""
@@ -180,16 +183,12 @@ class DataParallelStep:
                             self.comm_buffer)  # fmt: skip
 
     def divide_once_(self, batch_size: int) -> tuple[float, bool]:
-        """The one place where the sum becomes the mean: divide by B after the allreduce.
-
-        Averaging per-rank means instead would weigh uneven shards wrongly. Every rank holds the
-        same allreduced numbers, so every rank decides alike whether they are finite.
-        """
-        from syncsgd.nn.kernels import divide_finite_
-
+        """The one place where the sum becomes the mean: (mean loss, loss and gradient finite)."""
+        # After the allreduce, once: averaging per-rank means instead would weigh uneven shards
+        # wrongly. Every rank holds the same sums, so every rank decides alike on finiteness.
         loss = float(self.comm_buffer[self.loss_slot]) / batch_size
         divisor = self.grad_sum.dtype.type(batch_size)  # B in the sums' dtype, as NumPy would
-        gradient_finite = divide_finite_(self.grad_sum, divisor, self.grad_mean)
+        gradient_finite = self.divide_finite_(self.grad_sum, divisor, self.grad_mean)
         return loss, math.isfinite(loss) and gradient_finite
 
     def update_(self, step: int, finite: bool) -> tuple[float, float]:
@@ -201,11 +200,9 @@ class DataParallelStep:
 
 
 def bucket_slices(model: MLP, buffer: np.ndarray, bucket_bytes: int | None) -> list[slice]:
-    """Cut the communication buffer into allreduce buckets of whole tensors, in parameter order.
-
-    None: one bucket. 0: one per layer (W and b). Otherwise tensors are grouped until a bucket
-    holds at least `bucket_bytes` of `buffer`; the riders go with the last bucket.
-    """
+    """Cut the communication buffer into allreduce buckets of whole tensors, in parameter order."""
+    # None: one bucket. 0: one per layer (W and b). Otherwise tensors are grouped until a bucket
+    # holds at least `bucket_bytes` of `buffer`; the riders go with the last bucket.
     total = buffer.size
     if bucket_bytes is None:
         return [slice(0, total)]
