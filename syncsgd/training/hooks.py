@@ -68,13 +68,26 @@ class Recorder(Hook):
 
     def __init__(self, result: TrainResult) -> None:
         self.result = result
+        self.steady_from: float | None = None  # when the second step started
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
         result = self.result
         result.losses.append(record.loss)
-        result.compute_seconds += record.computed - record.started
-        result.comm_seconds += record.reduced - record.computed
-        result.update_seconds += record.ended - record.reduced
+        compute, comm = record.computed - record.started, record.reduced - record.computed
+        update = record.ended - record.reduced
+        result.compute_seconds += compute
+        result.comm_seconds += comm
+        result.update_seconds += update
+        if result.first_step_seconds is None:  # loads the kernels: kept apart from the rest
+            result.first_step_seconds = record.ended - record.started
+            return False
+        if self.steady_from is None:
+            self.steady_from = record.started
+        result.steady_steps += 1
+        result.steady_seconds = record.ended - self.steady_from  # the hooks' time included
+        result.steady_compute_seconds += compute
+        result.steady_comm_seconds += comm
+        result.steady_update_seconds += update
         return False
 
 
@@ -142,7 +155,7 @@ class StopRequest(Hook):
 
 
 class Log(Hook):
-    """One JSON line per step, on rank 0."""
+    """One JSON line per step, on rank 0; from the second on with the steady-state figures."""
 
     def __init__(self, handle: TextIO, steps_per_epoch: int, result: TrainResult,
                  noise: bool) -> None:  # fmt: skip
@@ -159,8 +172,12 @@ class Log(Hook):
             "seconds": record.ended - record.started,
             "comm_seconds": record.reduced - record.computed,
         }  # fmt: skip
+        result = self.result
+        if result.steady_steps:  # from the second step on: the running steady-state figures
+            line["steady_steps_per_s"] = result.steady_steps / result.steady_seconds
+            line["steady_comm_share"] = result.steady_comm_seconds / result.steady_seconds
         if self.noise:
-            line["noise_scale"] = self.result.noise_scales[-1]
+            line["noise_scale"] = result.noise_scales[-1]
         self.handle.write(json.dumps(line) + "\n")
         return False
 

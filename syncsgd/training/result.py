@@ -22,6 +22,14 @@ class TrainResult:
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     update_seconds: float = 0.0
+    # The first step of a process loads or compiles the kernels (0.5-0.8 s against ~2 ms for the
+    # later ones), so the figures a user reads are those of the steady state: every step after it.
+    first_step_seconds: float | None = None
+    steady_steps: int = 0
+    steady_seconds: float = 0.0  # from the start of the second step to the end of the last
+    steady_compute_seconds: float = 0.0
+    steady_comm_seconds: float = 0.0
+    steady_update_seconds: float = 0.0
     final_loss: float | None = None  # mean loss over the whole data set after training
     accuracy: float | None = None  # xent only
     digests: list[bytes] = field(default_factory=list)  # per step, if asked for (verify)
@@ -41,23 +49,39 @@ class NonFiniteError(ValueError):
     """Training diverged: the loss or the gradient of a step is not finite."""
 
 
-
 def summary(result: TrainResult, comm_size: int, backend: str) -> str:
-    """One line: final loss, accuracy, steps/s and the share of time spent in the allreduce."""
-    rate = result.steps / result.seconds if result.seconds > 0 else math.inf
-    share = result.comm_seconds / result.seconds if result.seconds > 0 else 0.0
-    accuracy = "" if result.accuracy is None else f", accuracy {result.accuracy:.4f}"
+    """One line: final loss, accuracy, and the steady state's steps/s and allreduce share."""
+    extras = "" if result.accuracy is None else f", accuracy {result.accuracy:.4f}"
     if result.evals:
         steps_done, held_loss, held_accuracy = result.evals[-1]
-        accuracy += f", held-out loss {held_loss:.6g}" + (
+        extras += f", held-out loss {held_loss:.6g}" + (
             "" if math.isnan(held_accuracy) else f", held-out accuracy {held_accuracy:.4f}"
         )
     if result.noise_scale is not None:
-        accuracy += f", noise scale B_simple {result.noise_scale:.3g}"
+        extras += f", noise scale B_simple {result.noise_scale:.3g}"
+    steps, ranks = result.steps, comm_size
     return (
-        f"trained {result.steps} steps on {comm_size} rank{'s' * (comm_size != 1)} ({backend}): "
-        f"final loss {result.final_loss:.6g}{accuracy}, {rate:.1f} steps/s, "
-        f"{100 * share:.1f}% of the time in the allreduce"
+        f"trained {steps} step{'s' * (steps != 1)} on {ranks} rank{'s' * (ranks != 1)} "
+        f"({backend}): final loss {result.final_loss:.6g}{extras}; {timing(result)}"
     )
 
 
+def timing(result: TrainResult) -> str:
+    """Steps/s and the allreduce's share after the first step, and what the first step took."""
+    if result.steady_steps == 0 or result.steady_seconds <= 0:  # one step: no steady state
+        rate = result.steps / result.seconds if result.seconds > 0 else math.inf
+        share = result.comm_seconds / result.seconds if result.seconds > 0 else 0.0
+        return (f"{rate:.1f} steps/s, {100 * share:.1f}% of the time in the allreduce "
+                f"(one step: start-up included)")  # fmt: skip
+    rate = result.steady_steps / result.steady_seconds
+    share = result.steady_comm_seconds / result.steady_seconds
+    first = result.first_step_seconds or 0.0
+    return (
+        f"after the first step: {rate:.1f} steps/s, {100 * share:.1f}% of the time in the "
+        f"allreduce (the first step, start-up included, took {_duration(first)})"
+    )
+
+
+def _duration(seconds: float) -> str:
+    """'0.73 s' or '2.1 ms'."""
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"

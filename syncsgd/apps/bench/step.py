@@ -7,9 +7,11 @@
 Method: for every scaling mode and P, `train_rank` (the real training loop, `quiet=True`) first runs
 `--warmup` burn-in steps, then `--repeats` runs of `--steps` steps each. `train_rank` times every
 step's compute (global batch, shard gather, Numba kernels), allreduce and update; a run's per-step
-times are the slowest rank's, and the median over runs is quoted. Weak scaling fixes the per-rank
-batch (global batch = P x per-rank), strong scaling fixes the global batch. The very first step of
-the process, which compiles the kernels or loads them from Numba's cache, is reported apart.
+times are the slowest rank's over the steps after the run's first (the steady state: the first
+pays the first touch of fresh buffers), and the median over runs is quoted. Weak scaling fixes the
+per-rank batch (global batch = P x per-rank), strong scaling fixes the global batch. The very
+first step of the process, which compiles the kernels or loads them from Numba's cache, is
+reported apart.
 
 Overhead check (P = 1): `train_rank`'s step against a bare loop over the same kernels (gather the
 batch, `Gradient(...)(...)`, `grad /= B`, plain SGD in NumPy), the two interleaved run by run
@@ -96,11 +98,20 @@ def slowest(comm: Any, values: list[float]) -> list[float]:
 
 
 def per_step_seconds(comm: Any, run: Run) -> list[float]:
-    """One run of `train_rank`: compute, allreduce, update and whole-step seconds per step."""
+    """One run of `train_rank`: compute, allreduce, update and whole-step seconds per step.
+
+    The steady state: the steps after the run's first, which pays the first touch of the run's
+    fresh buffers (and, first in a process, the kernels' loading: `first_step` reports that).
+    """
     comm.Barrier()
     result = train_rank(comm, run, quiet=True)
-    totals = [result.compute_seconds, result.comm_seconds, result.update_seconds, result.seconds]
-    return slowest(comm, [total / result.steps for total in totals])
+    if result.steady_steps == 0:  # --steps 1: no steady state to take apart
+        totals = [result.compute_seconds, result.comm_seconds, result.update_seconds,
+                  result.seconds]  # fmt: skip
+        return slowest(comm, [total / result.steps for total in totals])
+    totals = [result.steady_compute_seconds, result.steady_comm_seconds,
+              result.steady_update_seconds, result.steady_seconds]  # fmt: skip
+    return slowest(comm, [total / result.steady_steps for total in totals])
 
 
 # --- phases, each run on every rank of a communicator -----------------------------------------
@@ -153,7 +164,8 @@ def bare_loop(run: Run) -> tuple[np.ndarray, list[float]]:
     """The same SGD steps with the kernels called directly: final parameters, per-step seconds.
 
     Like `train_rank`, it allocates its buffers before the loop, so both pay the first touch of
-    fresh memory in their first step. Returns (compute, 0, update, whole step) seconds per step.
+    fresh memory in their first step; like `per_step_seconds`, the times are those of the steps
+    after the first. Returns (compute, 0, update, whole step) seconds per step.
     """
     from syncsgd.nn.kernels import Gradient
 
@@ -170,6 +182,9 @@ def bare_loop(run: Run) -> tuple[np.ndarray, list[float]]:
     compute = update = 0.0
     started = time.perf_counter()
     for step in range(run.steps):
+        if step == 1 and run.steps > 1:  # the steady state starts with the second step
+            compute = update = 0.0
+            started = time.perf_counter()
         t0 = time.perf_counter()
         epoch, position = divmod(step, per_epoch)
         if epoch != order_epoch:  # one permutation per epoch, as the sample order defines it
@@ -188,7 +203,8 @@ def bare_loop(run: Run) -> tuple[np.ndarray, list[float]]:
         compute += t1 - t0
         update += t2 - t1
     seconds = time.perf_counter() - started
-    return params, [total / run.steps for total in (compute, 0.0, update, seconds)]
+    timed = max(run.steps - 1, 1)
+    return params, [total / timed for total in (compute, 0.0, update, seconds)]
 
 
 def _nothing(i: int) -> None:
@@ -533,7 +549,7 @@ def scaling_section(options: argparse.Namespace, call: Callable, rank_counts: li
         f"OPENBLAS_NUM_THREADS={jit['blas_threads']}",
         flush=True,
     )
-    say("# times in ms per step", flush=True)
+    say("# times in ms per step, steady state: each run's first step left out", flush=True)
     say(SCALING_HEADER, flush=True)
     rows: list[dict] = []
     for scaling, ranks in runs:
