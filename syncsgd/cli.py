@@ -238,6 +238,10 @@ def launcher_rank() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `syncsgd` console script."""
     options = build_parser().parse_args(argv)
+    if options.debug and launcher_rank() == 0:  # before the run: a wrong core type would crash it
+        from syncsgd.nn.blas import describe
+
+        print(f"syncsgd: debug: kernels' BLAS: {describe()}", file=sys.stderr, flush=True)
     try:
         return options.run(options)
     except BrokenPipeError:  # `syncsgd ... | head`: the reader left; say nothing more

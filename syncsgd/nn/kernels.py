@@ -14,7 +14,8 @@ The matrix products sum over samples inside BLAS, whose blocking may depend on m
 function takes whole (m, n) blocks, so a batch-invariant variant (exact mode) can call them one
 sample at a time and add the per-sample gradients in a fixed order instead.
 
-np.dot inside Numba calls SciPy's BLAS (`scipy.linalg.cython_blas`, imported on the first call).
+np.dot inside Numba calls SciPy's BLAS (`scipy.linalg.cython_blas`, imported on the first call);
+importing this module first picks its kernels for the CPU (`syncsgd.nn.blas`).
 
 `syncsgd.nn.exact` compiles the layer views, bias and activation, activation slope and per-sample
 losses of this module into its own kernels. Numba's on-disk cache keys a function on the contents
@@ -31,6 +32,7 @@ import sys
 import numpy as np
 from numba import njit
 
+from syncsgd.nn import blas
 from syncsgd.nn.mlp import MLP, describe
 
 if importlib.util.find_spec("scipy") is None:
@@ -38,6 +40,9 @@ if importlib.util.find_spec("scipy") is None:
         "syncsgd's Numba kernels need SciPy: np.dot inside Numba calls SciPy's BLAS "
         "(pip install scipy)"
     )
+# The one place the kernels' BLAS kernels are chosen: SciPy's OpenBLAS loads at the first kernel
+# call, after this import, and reads OPENBLAS_CORETYPE then.
+blas.choose_core()
 
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 RELU, TANH = 0, 1

@@ -137,9 +137,11 @@ def first_step(comm: Any, options: argparse.Namespace, run: Run) -> dict:
         source = "already loaded"
     import_s, step_s, call_s = slowest(comm, [import_seconds, result.seconds, call_seconds])
     blas_threads = os.environ.get("OPENBLAS_NUM_THREADS", "unset")  # train_rank may set it
+    from syncsgd.nn.blas import describe  # after the first step: SciPy's OpenBLAS is loaded
+
     return {
         "import_s": import_s, "first_step_s": step_s, "first_call_s": call_s, "source": source,
-        "blas_threads": blas_threads,
+        "blas_threads": blas_threads, "blas": describe(),
     }  # fmt: skip
 
 
@@ -549,6 +551,7 @@ def scaling_section(options: argparse.Namespace, call: Callable, rank_counts: li
         f"OPENBLAS_NUM_THREADS={jit['blas_threads']}",
         flush=True,
     )
+    say(f"# kernels' BLAS: {jit['blas']}", flush=True)
     say("# times in ms per step, steady state: each run's first step left out", flush=True)
     say(SCALING_HEADER, flush=True)
     rows: list[dict] = []
