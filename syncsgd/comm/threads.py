@@ -159,7 +159,7 @@ def _earliest(queues: Queues, keys: Any, tag: int) -> Found | None:
         if queue is None:
             continue
         for index, other in enumerate(queue):  # the head, unless tags are mixed on one queue
-            if other.tag == tag or ANY_TAG in (other.tag, tag):
+            if other.tag == tag or other.tag == ANY_TAG or tag == ANY_TAG:
                 if best is None or other.seq < best[0].seq:
                     best = (other, queue, index)
                 break
@@ -169,7 +169,10 @@ def _earliest(queues: Queues, keys: Any, tag: int) -> Found | None:
 def _take(queues: Queues, key: tuple[int, int], found: Found) -> Request:
     """Remove a matched request from its queue (dropping the queue once empty) and return it."""
     request, queue, index = found
-    del queue[index]
+    if index:
+        del queue[index]
+    else:
+        queue.popleft()
     if not queue:
         del queues[key]
     return request
@@ -216,8 +219,7 @@ class _World:
 
     def _match_send(self, send: Request) -> tuple[Request, Request] | None:
         recvs, context = self.recvs[send.peer], send.context
-        keys = (send.rank, context), (ANY_SOURCE, context)
-        found = _earliest(recvs, keys, send.tag)
+        found = _earliest(recvs, ((send.rank, context), (ANY_SOURCE, context)), send.tag)
         if found is None:
             self.sends[send.peer].setdefault((send.rank, context), deque()).append(send)
             return None
@@ -226,11 +228,12 @@ class _World:
 
     def _match_recv(self, recv: Request) -> tuple[Request, Request] | None:
         sends, context = self.sends[recv.rank], recv.context
-        if recv.peer == ANY_SOURCE:  # every source with a message waiting (rarely more than one)
-            keys: Any = [key for key in sends if key[1] == context]
+        if not sends:
+            found = None
+        elif recv.peer == ANY_SOURCE:  # every source with a message waiting (rarely more than one)
+            found = _earliest(sends, [key for key in sends if key[1] == context], recv.tag)
         else:
-            keys = ((recv.peer, context),)
-        found = _earliest(sends, keys, recv.tag)
+            found = _earliest(sends, ((recv.peer, context),), recv.tag)
         if found is None:
             self.recvs[recv.rank].setdefault((recv.peer, context), deque()).append(recv)
             return None
@@ -266,12 +269,18 @@ class _World:
                 f"(tag {send.tag}) into a buffer of {len(recv.data)} bytes"
             )
         send.done = recv.done = True
-        for req in (send, recv):
-            if req.awaited:
-                req.awaited = False
-                self.outstanding[req.rank] -= 1
-                if self.outstanding[req.rank] == 0 and self.sleeping.pop(req.rank, None):
-                    self.gates[req.rank].release()
+        if send.awaited:
+            self._wake(send)
+        if recv.awaited:
+            self._wake(recv)
+
+    def _wake(self, req: Request) -> None:
+        """One of the requests a rank sleeps on is done: open its gate if it was the last."""
+        req.awaited = False
+        rank = req.rank
+        self.outstanding[rank] -= 1
+        if self.outstanding[rank] == 0 and self.sleeping.pop(rank, ()):
+            self.gates[rank].release()
 
     # -- waiting ----------------------------------------------------------------------------
     def wait(self, rank: int, requests: tuple[Request, ...]) -> None:
@@ -399,7 +408,8 @@ class ThreadComm:
         send = self._request("send", sendbuf, dest, sendtag, _P2P)
         world = self._world
         world.post((recv, send))
-        world.wait(self._rank, (recv, send))
+        if not (recv.done and send.done):
+            world.wait(self._rank, (recv, send))
         recv.finish(status)
 
     # -- collectives (built on point-to-point messages in their own context) ----------------
