@@ -141,7 +141,8 @@ class DataParallelStep:
         # float32 model.
         self.grad_mean = (self.grad_sum if self.grad_sum.dtype == model.dtype
                           else np.empty(model.n_params, model.dtype))  # fmt: skip
-        self.buckets = bucket_slices(model, self.comm_buffer, config.bucket_bytes)
+        buckets = bucket_slices(model, self.comm_buffer, config.bucket_bytes)
+        self.buckets = [self.comm_buffer[bucket] for bucket in buckets]
         # check=False: every rank built the same buffer from options and data that the start-up
         # fingerprint showed to be the same on every rank; no agreement round per call.
         self.allreduce_ = variant.allreduce(functools.partial(
@@ -164,8 +165,8 @@ class DataParallelStep:
         for rider in self.riders:  # stop flag, noise sums: summed with the gradient
             rider.fill_(rider.slots, self.grad_sum, len(shard))
         computed = time.perf_counter()
-        for bucket in self.buckets:
-            self.allreduce_(self.comm_buffer[bucket], self.comm)
+        for bucket in self.buckets:  # views of the buffer, in parameter order
+            self.allreduce_(bucket, self.comm)
         reduced = time.perf_counter()
         loss, finite = self.divide_once_(len(global_batch))
         for rider in self.riders:
