@@ -386,3 +386,53 @@ def test_divide_finite_does_not_overflow_on_large_finite_values():
     assert divide_finite_(big, 1.0, np.empty(8))
     assert divide_finite_(big, 1.0, big)
     assert not divide_finite_(big, 2.0, np.empty(8, np.float32))  # 5e307 is inf in float32
+
+
+# --- the first-load notice --------------------------------------------------------------------
+
+
+def test_a_slow_first_call_is_announced_once(monkeypatch):
+    import io
+    import time
+
+    from syncsgd.nn import kernels
+
+    monkeypatch.setattr(kernels, "SLOW_LOAD_SECONDS", 0.01)
+    notice, stream = kernels.FirstLoadNotice(), io.StringIO()
+    notice.arm(stream)
+    with notice.timing():
+        time.sleep(0.2)
+    with notice.timing():  # the notice was taken by the first call
+        time.sleep(0.2)
+    assert stream.getvalue() == kernels.LOADING_MESSAGE + "\n"
+
+
+def test_a_fast_or_unarmed_first_call_says_nothing():
+    import io
+
+    from syncsgd.nn.kernels import FirstLoadNotice
+
+    fast, stream = FirstLoadNotice(), io.StringIO()
+    fast.arm(stream)
+    with fast.timing():
+        pass
+    with FirstLoadNotice().timing():
+        pass
+    assert stream.getvalue() == ""
+    assert fast.armed is None
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_only_the_first_rank_of_a_run_that_talks_arms_the_notice(monkeypatch, quiet):
+    from syncsgd.comm.world import launch
+    from syncsgd.nn import kernels
+    from syncsgd.training.config import TrainConfig
+    from syncsgd.training.loop import train_rank
+    from syncsgd.training.run import prepare
+
+    armed = []
+    monkeypatch.setattr(kernels.first_load, "arm", armed.append)
+    run = prepare(TrainConfig(samples=64, features=4, hidden=(3,), classes=2, batch_size=8,
+                              steps=1))  # fmt: skip
+    launch(train_rank, run, backend="threads", ranks=2, quiet=quiet)
+    assert armed == ([] if quiet else [sys.stderr])

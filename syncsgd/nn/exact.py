@@ -20,6 +20,7 @@ from syncsgd.nn.kernels import (
     check_batch,
     check_count,
     check_flat,
+    first_load,
     layer_input,
     layer_params,
     layer_rows,
@@ -381,10 +382,11 @@ class ExactGradient:
         inputs[...] = X  # a copy: the caller may reuse its shard buffer before `accumulate`
         self._m = None  # a failed pass must not leave stale workspaces to accumulate
         kernel = xent_local_pass_ if self.model.loss == "xent" else mse_local_pass_
-        correct = kernel(
-            params, self._layers, self._activation, inputs, y, self._activations, self._deltas,
-            self._transposed, self._losses, bounds_out,
-        )  # fmt: skip
+        with first_load.timing():  # the first call compiles or loads the kernels: maybe say so
+            correct = kernel(
+                params, self._layers, self._activation, inputs, y, self._activations, self._deltas,
+                self._transposed, self._losses, bounds_out,
+            )  # fmt: skip
         self._local_bounds[:] = bounds_out
         self._m = m
         return int(correct)

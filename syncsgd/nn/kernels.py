@@ -25,9 +25,13 @@ otherwise go on running the old code.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import TextIO
 
 import numpy as np
 from numba import njit
@@ -65,6 +69,49 @@ def limit_blas_threads(threads: int = 1) -> bool:
         return False
     os.environ["OPENBLAS_NUM_THREADS"] = str(int(threads))
     return True
+
+
+SLOW_LOAD_SECONDS = 1.0  # a first kernel call longer than this is announced
+LOADING_MESSAGE = "syncsgd: compiling kernels, first run only ..."
+
+
+class FirstLoadNotice:
+    """One line on a stream when the first kernel call (compile or cache load) takes long."""
+
+    # Armed by the run's first rank; the first kernel call of any rank takes the notice, so it is
+    # said at most once per process. Numba makes the other ranks wait for the same compile.
+
+    def __init__(self) -> None:
+        self.armed: TextIO | None = None
+        self._lock = threading.Lock()
+
+    def arm(self, stream: TextIO) -> None:
+        """Announce on `stream` if the next first kernel call takes over SLOW_LOAD_SECONDS."""
+        self.armed = stream
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Around a kernel call: the armed stream hears the message if the call takes long."""
+        with self._lock:
+            stream, self.armed = self.armed, None
+        if stream is None:
+            yield
+            return
+        timer = threading.Timer(SLOW_LOAD_SECONDS, say_loading, (stream,))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+
+def say_loading(stream: TextIO) -> None:
+    """The message, flushed at once: the user is waiting for it."""
+    print(LOADING_MESSAGE, file=stream, flush=True)
+
+
+first_load = FirstLoadNotice()
 
 
 def layer_table(model: MLP) -> np.ndarray:
@@ -330,6 +377,14 @@ class Gradient:
             raise ValueError("grad_out is read-only")
         X, y = check_batch(self.model, self.max_batch, X, y)
         kernel = xent_gradient_ if self.model.loss == "xent" else mse_gradient_
+        if first_load.armed is not None:
+            with first_load.timing():
+                return self._run(kernel, params, X, y, grad_out)
+        return self._run(kernel, params, X, y, grad_out)
+
+    def _run(self, kernel: Callable, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+             grad_out: np.ndarray) -> tuple[float, int]:  # fmt: skip
+        """The kernel call on checked arguments."""
         loss_sum, correct = kernel(
             params,
             self._layers,

@@ -47,12 +47,14 @@ def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
                timeline_path: str | None = None, save_path: str | None = None,
                quiet: bool = True, record_digests: bool = False) -> TrainResult:  # fmt: skip
     """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary."""
-    from syncsgd.nn.kernels import limit_blas_threads  # imports Numba: only when training
+    from syncsgd.nn.kernels import first_load, limit_blas_threads  # imports Numba: when training
 
     # One BLAS thread per rank, as torchrun does: ranks share the cores (see docs/measurements.md).
     limit_blas_threads(1)
-    check_agreement(comm, run)
     master_process = comm.Get_rank() == 0
+    if master_process and not quiet:  # armed before the first step's collectives reach any rank
+        first_load.arm(sys.stderr)
+    check_agreement(comm, run)
     params, sgd, first_step = starting_state(comm, run)
     result = TrainResult(params, run.model, run.steps)
     timeline = Timeline(comm) if timeline_path is not None else None
