@@ -20,6 +20,7 @@ mpi4py is imported lazily: nothing here needs an MPI library unless the MPI back
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections import deque
@@ -125,7 +126,7 @@ class Request:
         return self.done  # one attribute read: atomic, and set only after the bytes moved
 
     def Wait(self, status: Status | None = None) -> None:
-        self.world.wait(self.rank, (self,))
+        self.world.wait(self.rank, (self,), [])
         self.finish(status)
 
     def finish(self, status: Status | None) -> None:
@@ -201,10 +202,15 @@ class _World:
         self.failure: tuple[int, BaseException] | None = None  # (rank, exception); -1: deadlock
         self.slots: list[Any] = [None] * size  # per-rank scratch for Allreduce
         self.total: Any = None  # Allreduce's result, computed once by rank 0
+        self.opening: list[Any] = []  # gates to open once the lock is released; empty when free
 
     # -- matching ---------------------------------------------------------------------------
-    def post(self, requests: tuple[Request, ...]) -> None:
-        """Match each request with its partner (copying the bytes) or queue it, in order."""
+    def post(self, requests: tuple[Request, ...]) -> list[Any]:
+        """Match each request with its partner (copying the bytes) or queue it, in order.
+
+        Returns the gates of the ranks this completed for, which the caller must open: best just
+        before it sleeps itself, so that a woken rank finds the GIL free rather than waking twice.
+        """
         large = []
         with self.lock:
             self._raise_if_failed(requests[0].rank)
@@ -214,8 +220,10 @@ class _World:
                 pair = self._match_send(req) if req.kind == "send" else self._match_recv(req)
                 if pair is not None and not self._copy_small(*pair):
                     large.append(pair)
+            opening, self.opening = self.opening, []
         for send, recv in large:
             self._copy_large(send, recv)
+        return opening
 
     def _match_send(self, send: Request) -> tuple[Request, Request] | None:
         recvs, context = self.recvs[send.peer], send.context
@@ -259,6 +267,9 @@ class _World:
             with self.lock:
                 self.copying -= 1
                 self._complete(send, recv, nbytes)
+                opening, self.opening = self.opening, []
+            for gate in opening:
+                gate.release()
 
     def _complete(self, send: Request, recv: Request, nbytes: int) -> None:
         """Mark a matched pair done (with a truncation error if so) and wake whom it concerns."""
@@ -280,23 +291,27 @@ class _World:
         rank = req.rank
         self.outstanding[rank] -= 1
         if self.outstanding[rank] == 0 and self.sleeping.pop(rank, ()):
-            self.gates[rank].release()
+            self.opening.append(self.gates[rank])  # opened by the caller, after the lock
 
     # -- waiting ----------------------------------------------------------------------------
-    def wait(self, rank: int, requests: tuple[Request, ...]) -> None:
-        """Block until all of `rank`'s `requests` complete; raise if the world failed."""
-        if all(req.done for req in requests):  # no lock: `done` is set last, under the lock
-            return
-        with self.lock:
-            self._raise_if_failed(rank)
-            pending = tuple(req for req in requests if not req.done)
-            if not pending:
+    def wait(self, rank: int, requests: tuple[Request, ...], opening: list[Any]) -> None:
+        """Open the gates in `opening`, then block until all of `rank`'s `requests` complete."""
+        try:
+            if all(req.done for req in requests):  # no lock: `done` is set last, under the lock
                 return
-            for req in pending:
-                req.awaited = True
-            self.outstanding[rank] = len(pending)
-            self.sleeping[rank] = pending
-            self._check_deadlock()
+            with self.lock:
+                self._raise_if_failed(rank)
+                pending = tuple(req for req in requests if not req.done)
+                if not pending:
+                    return
+                for req in pending:
+                    req.awaited = True
+                self.outstanding[rank] = len(pending)
+                self.sleeping[rank] = pending
+                self._check_deadlock()
+        finally:
+            for gate in opening:  # even when raising: those ranks' requests are done
+                gate.release()
         self.gates[rank].acquire()  # opened once: by the last completion, a failure or deadlock
         if not all(req.done for req in requests):
             with self.lock:
@@ -375,9 +390,19 @@ class ThreadComm:
         return Request(self._world, self._rank, kind, peer, tag, context, data)
 
     def _post(self, kind: str, buf: Any, peer: int, tag: int, context: int) -> Request:
+        """Post a request and return it at once (Isend, Irecv)."""
         req = self._request(kind, buf, peer, tag, context)
-        self._world.post((req,))
+        for gate in self._world.post((req,)):
+            gate.release()
         return req
+
+    def _call(self, kind: str, buf: Any, peer: int, tag: int, context: int,
+              status: Status | None = None) -> None:  # fmt: skip
+        """Post a request and wait for it (Send, Recv): whom it woke runs once we sleep."""
+        req = self._request(kind, buf, peer, tag, context)
+        world = self._world
+        world.wait(self._rank, (req,), world.post((req,)))
+        req.finish(status)
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         return self._post("send", buf, dest, tag, _P2P)
@@ -386,12 +411,12 @@ class ThreadComm:
         return self._post("recv", buf, source, tag, _P2P)
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
-        self.Isend(buf, dest, tag).Wait()
+        self._call("send", buf, dest, tag, _P2P)
 
     def Recv(
         self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Status | None = None
     ) -> None:
-        self.Irecv(buf, source, tag).Wait(status)
+        self._call("recv", buf, source, tag, _P2P, status)
 
     def Sendrecv(
         self,
@@ -407,9 +432,7 @@ class ThreadComm:
         recv = self._request("recv", recvbuf, source, recvtag, _P2P)
         send = self._request("send", sendbuf, dest, sendtag, _P2P)
         world = self._world
-        world.post((recv, send))
-        if not (recv.done and send.done):
-            world.wait(self._rank, (recv, send))
+        world.wait(self._rank, (recv, send), world.post((recv, send)))
         recv.finish(status)
 
     # -- collectives (built on point-to-point messages in their own context) ----------------
@@ -418,12 +441,12 @@ class ThreadComm:
         empty = np.empty(0, np.uint8)
         if self._rank == 0:
             for source in range(1, self.size):
-                self._post("recv", empty, source, 0, _COLL).Wait()
+                self._call("recv", empty, source, 0, _COLL)
             for dest in range(1, self.size):
-                self._post("send", empty, dest, 0, _COLL).Wait()
+                self._call("send", empty, dest, 0, _COLL)
         else:
-            self._post("send", empty, 0, 0, _COLL).Wait()
-            self._post("recv", empty, 0, 0, _COLL).Wait()
+            self._call("send", empty, 0, 0, _COLL)
+            self._call("recv", empty, 0, 0, _COLL)
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         """Root sends its buffer to every other rank."""
@@ -435,7 +458,7 @@ class ThreadComm:
             for req in requests:
                 req.Wait()
         else:
-            self._post("recv", buf, root, 1, _COLL).Wait()
+            self._call("recv", buf, root, 1, _COLL)
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
         """Plain NumPy reduction of all ranks' buffers, in rank order, copied to every rank."""
@@ -475,14 +498,178 @@ def _is_in_place(buf: Any) -> bool:
     return mpi is not None and buf is mpi.IN_PLACE
 
 
+# -- how many thread ranks this machine holds -------------------------------------------------
+
+SMALL_WORLD = 64  # up to this many ranks, threads keep the platform's default stack
+RANK_STACK_BYTES = 1 << 20  # beyond: 1 MiB each (Numba compiles fine in 256 KiB; see the docs)
+RANK_BYTES = 64 * 1024  # resident bytes an idle thread rank costs, rounded up from measurements
+_SPARE_THREADS = 64  # threads left for everything else (BLAS, Numba, the rest of the machine)
+
+
+def _numbers(path: str) -> list[int] | None:
+    """The integers in a small /proc or /sys file ('max' counts as none), or None if unreadable."""
+    try:
+        with open(path, encoding="ascii") as file:
+            text = file.read()
+    except OSError:
+        return None
+    return [int(word) for word in text.replace("/", " ").split() if word.isdigit()]
+
+
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo field in bytes, or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as file:
+            for line in file:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup(name: str) -> tuple[int, int] | None:
+    """(limit, current) of a cgroup v2 controller file pair for this process, if limited."""
+    base = _cgroup_path()
+    if base is None:
+        return None
+    limit, current = _numbers(f"{base}/{name}.max"), _numbers(f"{base}/{name}.current")
+    if not limit or not current:  # no file, or "max": not limited
+        return None
+    return limit[0], current[0]
+
+
+def _cgroup_path() -> str | None:
+    """This process's cgroup v2 directory, or None."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as file:
+            unified = [line.split(":", 2)[2].strip() for line in file if line.startswith("0::")]
+    except OSError:
+        return None
+    return "/sys/fs/cgroup" + unified[0] if unified else None
+
+
+def _thread_room() -> tuple[int, str] | None:
+    """How many more threads this process may start, and which limit says so (Linux)."""
+    rooms = []
+    total = _numbers("/proc/loadavg")  # "0.1 0.2 0.3 running/total last-pid": threads in use
+    in_use = total[4] if total and len(total) > 4 else 0
+    for path in ("/proc/sys/kernel/threads-max", "/proc/sys/kernel/pid_max"):
+        limit = _numbers(path)
+        if limit:
+            rooms.append((limit[0] - in_use, path))
+    pids = _cgroup("pids")
+    if pids is not None:
+        rooms.append((pids[0] - pids[1], "the cgroup's pids.max"))
+    nproc = _rlimit("RLIMIT_NPROC")
+    if nproc is not None and os.geteuid() != 0:  # root is not held to it
+        rooms.append((nproc - in_use, "RLIMIT_NPROC (ulimit -u)"))
+    return min(rooms) if rooms else None
+
+
+def _rlimit(name: str) -> int | None:
+    """The soft limit `resource.<name>` of this process, or None if unlimited or unknown."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    soft = resource.getrlimit(getattr(resource, name))[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def stack_bytes(size: int) -> int:
+    """The stack size the threads of a world of `size` ranks get (0: the platform's default)."""
+    return 0 if size <= SMALL_WORLD else RANK_STACK_BYTES
+
+
+def capacity_problem(size: int, rank_bytes: int = 0) -> str | None:
+    """Why this machine cannot hold `size` thread ranks using `rank_bytes` each, or None."""
+    threads = _thread_room()
+    if threads is not None and size > threads[0] - _SPARE_THREADS:
+        return f"{threads[1]} leaves room for about {max(threads[0] - _SPARE_THREADS, 0)} threads"
+    per_rank = RANK_BYTES + rank_bytes
+    rooms = [(_meminfo("MemAvailable"), "available memory")]
+    memory = _cgroup("memory")
+    if memory is not None:
+        rooms.append((memory[0] - memory[1], "the cgroup's memory.max"))
+    for room, what in rooms:
+        if room is not None and size * per_rank > room:
+            return (f"they need about {size * per_rank / 2**20:.0f} MiB "
+                    f"({per_rank / 2**10:.0f} KiB per rank), more than the "
+                    f"{room / 2**20:.0f} MiB of {what}")  # fmt: skip
+    return _address_problem(size)
+
+
+def _address_problem(size: int) -> str | None:
+    """Why the stacks of `size` rank threads do not fit the address-space or commit limits."""
+    stack = stack_bytes(size) or _rlimit("RLIMIT_STACK") or 8 << 20
+    need = size * stack
+    address = _rlimit("RLIMIT_AS")
+    if address is not None and need > address:
+        return f"their stacks need {need / 2**20:.0f} MiB, more than RLIMIT_AS (ulimit -v)"
+    strict = _numbers("/proc/sys/vm/overcommit_memory") == [2]
+    commit, committed = _meminfo("CommitLimit"), _meminfo("Committed_AS")
+    if strict and commit is not None and committed is not None and need > commit - committed:
+        return f"their stacks need {need / 2**20:.0f} MiB, more than the commit limit left"
+    return None
+
+
+def check_capacity(size: int, rank_bytes: int = 0) -> None:
+    """Refuse, in one line, a world this machine cannot hold (threads, memory); see the docs.
+
+    `rank_bytes`: what each rank's own work adds (model copies, shards), if the caller knows.
+    """
+    problem = capacity_problem(size, rank_bytes)
+    if problem is not None:
+        raise ValueError(
+            f"cannot run {size} thread ranks on this machine: {problem}; "
+            "use fewer ranks, or the MPI backend"
+        )
+
+
+_START_LOCK = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
+
+
+def _start(threads: list[threading.Thread], size: int) -> BaseException | None:
+    """Start the rank threads with their stack size; the error that stopped it, if any."""
+    with _START_LOCK:
+        previous = threading.stack_size(stack_bytes(size))
+        try:
+            for thread in threads:
+                thread.start()
+        except (RuntimeError, MemoryError) as exc:  # "can't start new thread"
+            return exc
+        finally:
+            threading.stack_size(previous)
+    return None
+
+
+def _name_failure(errors: list[BaseException | None], size: int) -> BaseException | None:
+    """The lowest failing rank's exception with a note naming it (the cause, not the released)."""
+    failed = [(rank, exc) for rank, exc in enumerate(errors) if exc is not None]
+    if not failed:
+        return None
+    primary = [(r, e) for r, e in failed if not isinstance(e, RankAborted)]
+    rank, exc = (primary or failed)[0]
+    note = f"(raised on rank {rank} of {size}, threads backend)"
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: the same attribute, which tracebacks there do not print
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+    return exc
+
+
 def run_threads(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
     """Run `fn(comm, *args, **kwargs)` on `size` thread ranks; return the results in rank order.
 
     If a rank raises, the other ranks are released from any communication call and the exception
-    of the lowest failing rank is re-raised here with a note naming that rank.
+    of the lowest failing rank is re-raised here with a note naming that rank. A world larger
+    than the machine holds is refused up front (`check_capacity`).
     """
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         raise ValueError(f"the number of ranks must be a positive integer, got {size!r}")
+    if size > SMALL_WORLD:  # a few small worlds always fit: no /proc reads on the common path
+        check_capacity(int(size))
     world = _World(int(size))
     results: list[Any] = [None] * world.size
     errors: list[BaseException | None] = [None] * world.size
@@ -500,20 +687,19 @@ def run_threads(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
         threading.Thread(target=rank_main, args=(rank,), name=f"syncsgd-rank-{rank}", daemon=True)
         for rank in range(world.size)
     ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
+    refused = _start(threads, world.size)
+    started = [thread for thread in threads if thread.ident is not None]
+    if refused is not None:  # release the started ranks as if the first unstarted one failed
+        for rank in range(len(started), world.size):
+            world.finish(rank, refused)
+    for thread in started:
         thread.join()
-
-    failed = [(rank, exc) for rank, exc in enumerate(errors) if exc is not None]
-    if failed:
-        # The rank that caused the failure, not the ranks that were merely released by it.
-        primary = [(r, e) for r, e in failed if not isinstance(e, RankAborted)]
-        rank, exc = (primary or failed)[0]
-        note = f"(raised on rank {rank} of {world.size}, threads backend)"
-        if hasattr(exc, "add_note"):
-            exc.add_note(note)
-        else:  # Python 3.10: the same attribute, which tracebacks there do not print
-            exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
-        raise exc
+    if refused is not None:
+        raise RuntimeError(
+            f"could start only {len(started)} of {world.size} thread ranks ({refused}); "
+            "use fewer ranks"
+        ) from refused
+    failure = _name_failure(errors, world.size)
+    if failure is not None:
+        raise failure
     return results

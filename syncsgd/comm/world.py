@@ -16,6 +16,7 @@ from syncsgd.comm.threads import (
     SUM,
     Status,
     ThreadComm,
+    check_capacity as check_capacity,  # re-exported: callers that know their per-rank bytes
     run_threads,
 )
 
@@ -42,7 +43,6 @@ def constants(comm: Any) -> SimpleNamespace:
         )  # fmt: skip
     _CONSTANTS[type(comm)] = found
     return found
-
 
 
 # -- choosing a backend --------------------------------------------------------------------------
@@ -89,10 +89,11 @@ def launch(fn: Callable[..., Any], *args: Any, backend: str = "auto", ranks: int
 
     Threads: `ranks` thread ranks (default 1); returns every rank's result. MPI: this process is one
     rank of `MPI.COMM_WORLD`, and `ranks`, if given, must equal the world size; returns
-    `[this rank's result]`.
+    `[this rank's result]`. Thread ranks beyond what the machine holds are refused up front with
+    a ValueError; a caller that knows its per-rank memory calls `check_capacity` first.
     """
     if resolve_backend(backend) == "threads":
-        return run_threads(1 if ranks is None else ranks, fn, *args, **kwargs)
+        return run_threads(1 if ranks is None else ranks, fn, *args, **kwargs)  # checks capacity
     comm = mpi_world()
     if ranks is not None and ranks != comm.Get_size():
         raise ValueError(
