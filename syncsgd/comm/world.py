@@ -16,8 +16,10 @@ from syncsgd.comm.threads import (
     SUM,
     Status,
     ThreadComm,
-    check_capacity as check_capacity,  # re-exported: callers that know their per-rank bytes
     run_threads,
+)
+from syncsgd.comm.threads import (
+    check_capacity as check_capacity,  # re-exported: callers that know their per-rank bytes
 )
 
 _CONSTANTS: dict[type, SimpleNamespace] = {}  # per communicator type: built once, then looked up
