@@ -1,0 +1,138 @@
+"""Run an MPI command on N emulated nodes: network namespaces on a bridge, links shaped by tc.
+
+`syncsgd cluster --nodes 2 --link 1gbit -- syncsgd bench allreduce --json b.json` makes two
+namespaces joined by a bridge (in a third), shapes each node's link to 1 Gbit/s both ways by a
+token bucket, runs the command as one MPI job of N*K ranks (K per node) with the installed
+launcher, returns its exit status and deletes every namespace, link and qdisc afterwards - also
+on Ctrl-C, on failure and when --timeout ends the job. Needs root and Linux.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+from syncsgd.apps import cluster_launch, cluster_net
+from syncsgd.util.argtypes import positive_float, positive_int
+
+GRACE = 5.0  # seconds between asking the launcher to stop and killing it
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `syncsgd cluster`."""
+    parser.add_argument("--nodes", type=positive_int, default=2, help="emulated hosts (2)")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=1,
+                        help="MPI ranks on each node; they share memory (1)")  # fmt: skip
+    parser.add_argument("--link", type=link_rate, default="1gbit",
+                        help="each node's link rate, both ways, e.g. 100mbit, 10gbit, or "
+                        "'none' for unshaped veths (1gbit)")  # fmt: skip
+    parser.add_argument("--mpiexec", metavar="PATH",
+                        help="the launcher: MPICH's hydra or Open MPI's mpirun (default: the "
+                        "mpiexec next to this Python, else the first on PATH)")  # fmt: skip
+    parser.add_argument("--timeout", type=positive_float, metavar="SECONDS",
+                        help="end the job after this long: exit status 124 (default none)")
+    parser.add_argument("--cleanup", action="store_true",
+                        help="only delete the namespaces of killed clusters' processes")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                        help="the MPI program and its arguments")  # fmt: skip
+
+
+def link_rate(text: str) -> int | None:
+    """--link: a rate like 1gbit, or none."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return cluster_net.parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def main(options: argparse.Namespace) -> int:
+    """`syncsgd cluster`: make the nodes, run the job, tear down; COMMAND's exit status."""
+    why = cluster_net.unsupported()
+    if why:
+        print(f"syncsgd cluster: {why}", file=sys.stderr)
+        return 1
+    if options.cleanup:
+        stale = cluster_net.stale()
+        cluster_net.teardown(stale)
+        print(f"syncsgd cluster: deleted {len(stale)} stale namespace(s)", file=sys.stderr)
+        return 0
+    argv = list(options.command)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        raise ValueError("no command: syncsgd cluster [options] -- COMMAND...")
+    argv[0] = shutil.which(argv[0]) or argv[0]  # the nodes get our PATH, but be explicit
+    mpiexec = cluster_launch.find_mpiexec(options.mpiexec)
+    kind = cluster_launch.flavour(mpiexec)
+    with _stop_on_signals(), tempfile.TemporaryDirectory(prefix="syncsgd-cluster-") as tmp:
+        with cluster_net.emulated(options.nodes, options.link) as cluster:
+            script = cluster_launch.write_enter_script(cluster, os.path.join(tmp, "enter"))
+            launch = cluster_launch.command(kind, mpiexec, cluster, options.ranks_per_node,
+                                            script, argv)  # fmt: skip
+            env = {**os.environ, **cluster_launch.environment(kind)}
+            print(f"syncsgd cluster: {describe(cluster, options.ranks_per_node, kind)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            # The launcher starts in node 0: no address of the emulated network on the machine.
+            entered = ["ip", "netns", "exec", cluster.nodes[0].namespace, *launch]
+            return supervise(entered, env, options.timeout)
+
+
+def describe(cluster: cluster_net.Cluster, per_node: int, kind: str) -> str:
+    """One line: the nodes, ranks, link rate and launcher."""
+    bits = cluster.rate_bits
+    rate = "unshaped" if bits is None else f"{bits / 1e6:g} Mbit/s"
+    launcher = {"mpich": "MPICH (hydra)", "openmpi": "Open MPI"}[kind]
+    first, last = cluster.nodes[0].address, cluster.nodes[-1].address
+    return (f"{len(cluster.nodes)} nodes x {per_node} rank(s), links {rate}, {launcher}, "
+            f"{first}..{last}")  # fmt: skip
+
+
+def supervise(command: list[str], env: dict[str, str], timeout: float | None) -> int:
+    """Run the launcher in its own process group; stop it on a signal or after `timeout`."""
+    job = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"syncsgd cluster: the job ran longer than --timeout {timeout:g} s; ending it",
+              file=sys.stderr, flush=True)  # fmt: skip
+        stop(job)
+        return 124
+    except BaseException:
+        stop(job)
+        raise
+
+
+def stop(job: subprocess.Popen) -> None:
+    """Ask the launcher's process group to stop (SIGINT), then kill it after GRACE seconds."""
+    for sig, wait in ((signal.SIGINT, GRACE), (signal.SIGKILL, GRACE)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, sig)
+        try:
+            job.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so that the namespaces are deleted."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
