@@ -503,6 +503,9 @@ def _is_in_place(buf: Any) -> bool:
 SMALL_WORLD = 64  # up to this many ranks, threads keep the platform's default stack
 RANK_STACK_BYTES = 1 << 20  # beyond: 1 MiB each (Numba compiles fine in 256 KiB; see the docs)
 RANK_BYTES = 64 * 1024  # resident bytes an idle thread rank costs, rounded up from measurements
+# What a rank's collectives keep per peer: the ring's per-thread plan holds 2(P-1) steps, measured
+# at about 1.7 KiB per peer - so a world's memory grows as P^2 and 5000 ranks would need ~40 GiB.
+PEER_BYTES = 2 * 1024
 _SPARE_THREADS = 64  # threads left for everything else (BLAS, Numba, the rest of the machine)
 
 
@@ -587,7 +590,7 @@ def capacity_problem(size: int, rank_bytes: int = 0) -> str | None:
     threads = _thread_room()
     if threads is not None and size > threads[0] - _SPARE_THREADS:
         return f"{threads[1]} leaves room for about {max(threads[0] - _SPARE_THREADS, 0)} threads"
-    per_rank = RANK_BYTES + rank_bytes
+    per_rank = RANK_BYTES + PEER_BYTES * size + rank_bytes
     rooms = [(_meminfo("MemAvailable"), "available memory")]
     memory = _cgroup("memory")
     if memory is not None:
