@@ -1,4 +1,4 @@
-"""`syncsgd ring-demo`: every step printed against a naive ring, plain and colour, the PNG."""
+"""`syncsgd ring-demo`: every round printed against a naive ring, plain and colour, the figures."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from syncsgd.apps import demo
+from syncsgd import collectives
+from syncsgd.apps import demo, demo_png
+from syncsgd.apps.costmodel import ALGORITHMS, cost
 from syncsgd.collectives import chunk_bounds
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,9 +61,9 @@ def test_every_step_of_p3_n7_matches_a_naive_ring(capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out
     steps = blocks(out)
-    names = [f"reduce-scatter step {s} of 2" for s in (1, 2)]
-    names += [f"allgather step {s} of 2" for s in (1, 2)]
-    assert [name for name in steps if "step" in name] == names
+    names = [f"round {s} of 4: reduce-scatter {s} of 2" for s in (1, 2)]
+    names += [f"round {s + 2} of 4: allgather {s} of 2" for s in (1, 2)]
+    assert [name for name in steps if name.startswith("round")] == names
     bounds = chunk_bounds(7, 3)
     for number, (name, state) in enumerate(zip(names, naive_ring_states(3, 7), strict=True)):
         rows = steps[name]
@@ -80,9 +82,10 @@ def test_every_step_of_p3_n7_matches_a_naive_ring(capsys):
             expected = state[rank][bounds[received] : bounds[received + 1]].tolist()
             assert [int(v) for v in inside.split()] == expected
             verb = "added" if number < 2 else "copied"
+            span = [f"[{bounds[c]}:{bounds[c + 1]})" for c in (sent, received)]
             assert match[3] == (
-                f"-> rank {(rank + 1) % 3}: chunk {sent}; "
-                f"<- rank {(rank - 1) % 3}: chunk {received} ({verb})"
+                f"-> rank {(rank + 1) % 3}: chunk {sent} {span[0]}; "
+                f"<- rank {(rank - 1) % 3}: chunk {received} {span[1]} ({verb})"
             )
     assert [line.split(":")[1].split() for line in steps["result"][:3]] == [["111"] * 7] * 3
     assert steps["result"][3].split(":")[1].split() == ["111"] * 7  # the NumPy line
@@ -94,8 +97,9 @@ def test_colour_marks_with_escape_codes_and_no_brackets(capsys):
     out = capsys.readouterr().out
     assert demo.ADDED in out and demo.COPIED in out and demo.RESET in out
     plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
-    assert "[" not in plain.split("\nstart\n")[1]  # the colours replace the brackets
-    assert "reduce-scatter step 2 of 2" in plain and "111 111 111 111 111 111 111" in plain
+    ranges = re.compile(r"\[\d+:\d+\)")  # the ranges named after the buffers
+    assert "[" not in ranges.sub("", plain.split("\nstart\n")[1])  # colours replace brackets
+    assert "round 2 of 4: reduce-scatter 2 of 2" in plain and "111 111 111 111 111 111 111" in plain
 
 
 class FakeTerminal(io.StringIO):
@@ -128,7 +132,34 @@ def test_png_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     run = demo.run_demo(2, 3)
     with pytest.raises(RuntimeError, match=r"pip install 'syncsgd\[plot\]'"):
-        demo.draw_png(run, str(tmp_path / "x.png"))
+        demo_png.draw_png(run, str(tmp_path / "x.png"))
+
+
+@pytest.mark.parametrize(("ranks", "length", "algorithm"),
+                         [(8, 10, "ring"), (16, 16, "ring"), (8, 12, "rabenseifner"),
+                          (16, 8, "tree"), (16, 16, "recursive-doubling")])  # fmt: skip
+def test_no_text_overflows_its_box_at_p8_and_p16(ranks, length, algorithm):
+    run = demo.run_demo(ranks, length, algorithm)
+    assert demo_png.overflows(demo_png.grid_canvas(run)) == []
+    for row in (0, 1, len(run.steps) // 2, len(run.steps)):
+        assert demo_png.overflows(demo_png.frame_canvas(run, row)) == [], row
+
+
+def test_frames_never_take_a_chunk_colour():
+    for chunks in (4, 10, 16):
+        colours = [tuple(demo_png.chunk_colour(c, chunks)) for c in range(chunks)]
+        assert (0.0, 0.0, 0.0) not in colours and len(set(colours)) == chunks
+    assert demo_png.FRAME == "black"
+
+
+def test_frames_writes_one_png_per_round(tmp_path, capsys):
+    directory = tmp_path / "frames"
+    argv = ("--ranks", "4", "--length", "8", "--frames", str(directory))
+    assert demo.main(parse(*argv)) == 0
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == [f"step-{k:03d}.png" for k in range(7)]  # the start and 2(P-1) rounds
+    assert all((directory / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+    assert "wrote 7 frames" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("ranks", "length"), [(1, 3), (2, 0), (4, 2), (5, 13), (11, 4)])
@@ -161,16 +192,40 @@ def test_every_algorithm_counts_each_rank_once(ranks):
         assert f"{run.algorithm} allreduce result: equal to the NumPy sum" in text
 
 
-def test_tree_steps_name_the_peers():
-    pytest.importorskip("syncsgd.collectives")
+def test_tree_rounds_name_the_peers_one_message_at_a_time():
     text = demo.render_text(demo.run_demo(3, 2, "tree"))
-    reduce = blocks(text)["reduce step 1 of 1"]
-    assert reduce == [
+    assert blocks(text)["round 1 of 4: reduce"] == [
         "  rank 0: [ 11  11]   <- rank 1: the buffer (added)",
-        "  rank 0: [111 111]   <- rank 2: the buffer (added)",
         "  rank 1:   10  10    -> rank 0: the buffer",
+        "  rank 2:  100 100    (idle)",
+    ]
+    assert blocks(text)["round 2 of 4: reduce"] == [
+        "  rank 0: [111 111]   <- rank 2: the buffer (added)",
+        "  rank 1:   10  10    (idle)",
         "  rank 2:  100 100    -> rank 0: the buffer",
     ]
+    assert "4 rounds, each rank sending and receiving at most one message in each: " in text
+    assert "`syncsgd model`'s 4α" in text
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_rounds_are_the_alpha_terms_of_the_cost_model(algorithm):
+    for ranks in range(1, 17):
+        schedules = [collectives.schedule(algorithm, 10, ranks, r) for r in range(ranks)]
+        rounds = demo.schedule_rounds(schedules)
+        count = max((numbers[-1] + 1 for numbers in rounds if numbers), default=0)
+        assert count == cost(algorithm, ranks).a, ranks
+        for numbers in rounds:  # a rank takes its steps in order, one per round
+            assert numbers == sorted(set(numbers))
+
+
+def test_rabenseifner_names_the_range_of_chunks_that_moves():
+    text = demo.render_text(demo.run_demo(4, 6, "rabenseifner"))
+    first = blocks(text)["round 1 of 4: reduce-scatter 1 of 2"]
+    # chunks of 6 elements over p' = 4: [0:2) [2:4) [4:5) [5:6)
+    assert first[0].endswith("-> rank 1: chunks 2-3 [4:6); <- rank 1: chunks 0-1 [0:4) (added)")
+    second = blocks(text)["round 2 of 4: reduce-scatter 2 of 2"]
+    assert second[0].endswith("-> rank 2: chunk 1 [2:4); <- rank 2: chunk 0 [0:2) (added)")
 
 
 @pytest.mark.parametrize(
