@@ -1,0 +1,400 @@
+"""syncsgd's training step against PyTorch DDP (gloo) and JAX pmap: same MLP, batch and cores.
+
+    pip install -e '.[peers]'                 # PyTorch (CPU) and JAX; each is skipped if missing
+    python benchmarks/peers.py                # P = 1, 2; float32, float64; 5 rounds of 20 steps
+    python benchmarks/peers.py --ranks 2 --dtypes float32 --rounds 9 --json peers.json
+
+What is timed: one synchronous data-parallel SGD step of an MLP 784-256-256-10 (relu, softmax
+cross-entropy, plain SGD at lr 0.01) on a global batch of 256 samples drawn from 2048 synthetic
+ones, split over P ranks, each rank on its own core:
+  syncsgd  `train_rank` on P thread ranks (the training loop a user runs; the steady state, its
+           first step left out), one BLAS thread per rank;
+  ddp      PyTorch DistributedDataParallel over gloo, P processes, torch.set_num_threads(1);
+  jax      `jax.pmap` over P forced host devices (XLA_FLAGS=
+           --xla_force_host_platform_device_count=P), the gradient averaged with `lax.pmean`,
+           the update inside the pmapped step.
+Every contender gathers its shard from the sample array each step, and each runs in its own
+process, pinned to the first P cores, kept alive across rounds. A round asks every contender in
+turn for `--steps` steps (interleaved, so a noisy neighbour slows all alike); the median over
+rounds of the ms per step is quoted, with the ratios syncsgd / peer.
+
+JAX on CPU with several devices was seen to hang in a collective rendezvous on the development
+machine when steps were dispatched ahead without waiting for them: here every step is awaited
+(`block_until_ready` on the new parameters) before the next is dispatched, which is also how
+the other contenders run.
+
+The GEMM floor (P = 1): the step's floating-point operations divided by the best single-core GEMM
+rate measured in the same run (a 256 x 784 x 256 product through the kernels' BLAS, SciPy's
+OpenBLAS, from Numba, one thread); the share is floor / syncsgd's step. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+SIZES = (784, 256, 256, 10)
+BATCH, SAMPLES, LR, SEED = 256, 2048, 0.01, 0
+GEMM_SHAPE = (256, 784, 256)  # the step's largest product (m, k, n)
+PEERS = {"ddp": "torch", "jax": "jax"}
+
+
+def step_flops(sizes: tuple[int, ...] = SIZES, batch: int = BATCH) -> int:
+    """Multiply-adds x 2 of one step: forward, weight gradients, deltas below the first layer."""
+    products = [a * b for a, b in zip(sizes[:-1], sizes[1:], strict=False)]
+    return 2 * batch * (2 * sum(products) + sum(products[1:]))
+
+
+def pin(ranks: int) -> None:
+    """Run this process (and the processes it starts) on the first `ranks` cores, if there are."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= ranks:
+        os.sched_setaffinity(0, cores[:ranks])
+
+
+def shared_data(dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The samples and labels every contender trains on (syncsgd's synthetic data)."""
+    from syncsgd.training.run import prepare
+
+    run = prepare(syncsgd_config(dtype, steps=1))
+    return np.ascontiguousarray(run.X), np.ascontiguousarray(run.y, dtype=np.int64)
+
+
+def syncsgd_config(dtype: str, steps: int) -> Any:
+    """The TrainConfig of the benchmark's run."""
+    from syncsgd.training.config import TrainConfig
+
+    return TrainConfig(samples=SAMPLES, features=SIZES[0], hidden=SIZES[1:-1],
+                       classes=SIZES[-1], batch_size=BATCH, steps=steps, lr=LR, seed=SEED,
+                       dtype=dtype, activation="relu", loss="xent")  # fmt: skip
+
+
+def batches(seed: int, steps: int) -> list[np.ndarray]:
+    """The global batches of `steps` steps: sample indices, the same on every rank."""
+    rng = np.random.default_rng(seed)
+    return [rng.choice(SAMPLES, BATCH, replace=False) for _ in range(steps)]
+
+
+# --- contenders: each serves "N" on stdin with seconds per step on stdout ----------------------
+
+
+def serve(measure: Any) -> None:
+    """Answer 'N' lines with seconds per step over N steps until stdin closes."""
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(repr(measure(int(line))), flush=True)
+
+
+def serve_syncsgd(ranks: int, dtype: str) -> None:
+    """syncsgd's training loop on `ranks` thread ranks; the steady state of each run."""
+    from dataclasses import replace
+
+    from syncsgd.comm.threads import run_threads
+    from syncsgd.training.loop import train_rank
+    from syncsgd.training.run import prepare
+
+    run = prepare(syncsgd_config(dtype, steps=2))
+
+    def measure(steps: int) -> float:
+        results = run_threads(ranks, train_rank, replace(run, steps=steps + 1), quiet=True)
+        return max(r.steady_seconds for r in results) / results[0].steady_steps
+
+    serve(measure)
+
+
+def serve_gemm(dtype: str) -> None:
+    """Seconds per step's worth of GEMM at the rate of the step's largest product, one thread."""
+    from numba import njit
+
+    import syncsgd.nn.kernels  # noqa: F401  (chooses the BLAS kernels, as training does)
+
+    @njit(nogil=True)
+    def product(a, b, out, times):  # type: ignore[no-untyped-def]
+        for _ in range(times):
+            np.dot(a, b, out)
+
+    m, k, n = GEMM_SHAPE
+    rng = np.random.default_rng(SEED)
+    a, b = rng.random((m, k)).astype(dtype), rng.random((k, n)).astype(dtype)
+    out = np.empty((m, n), dtype)
+    product(a, b, out, 3)
+
+    def measure(steps: int) -> float:
+        repeats = 4 * steps  # about as long as the step's products
+        started = time.perf_counter()
+        product(a, b, out, repeats)
+        rate = 2 * m * k * n * repeats / (time.perf_counter() - started)
+        return step_flops() / rate
+
+    serve(measure)
+
+
+def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any) -> None:
+    """One PyTorch DDP rank: N from rank 0 by broadcast, N steps, the slowest rank's seconds."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ranks)  # fmt: skip
+    torch_dtype = getattr(torch, dtype)
+    X, y = (torch.from_numpy(array) for array in shared_data(dtype))
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 10)).to(torch_dtype)  # fmt: skip
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    shard = slice(rank * BATCH // ranks, (rank + 1) * BATCH // ranks)
+    request, elapsed = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.float64)
+    for round_ in range(1 << 30):
+        request[0] = int(commands.get()) if rank == 0 else 0
+        dist.broadcast(request, 0)
+        if request[0] == 0:
+            break
+        indices = [torch.from_numpy(b[shard]) for b in batches(round_, int(request[0]))]
+        dist.barrier()
+        started = time.perf_counter()
+        for index in indices:
+            loss = F.cross_entropy(ddp(X[index]), y[index])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        elapsed[0] = (time.perf_counter() - started) / len(indices)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(repr(float(elapsed[0])), flush=True)
+    dist.destroy_process_group()
+
+
+def serve_ddp(ranks: int, dtype: str) -> None:
+    """PyTorch DDP: this process is rank 0, the others are spawned processes."""
+    import queue
+    import socket
+    import threading
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:  # a free port for gloo's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    others = [context.Process(target=ddp_rank, args=(r, ranks, dtype, port, None))
+              for r in range(1, ranks)]  # fmt: skip
+    for process in others:
+        process.start()
+    commands: queue.Queue = queue.Queue()
+    threading.Thread(target=relay_stdin, args=(commands,), daemon=True).start()
+    ddp_rank(0, ranks, dtype, port, commands)
+    for process in others:
+        process.join()
+
+
+def relay_stdin(commands: Any) -> None:
+    """Pass the coordinator's step counts to rank 0; 0 when stdin closes."""
+    print("ready", flush=True)
+    for line in sys.stdin:
+        commands.put(int(line))
+    commands.put(0)
+
+
+def serve_jax(ranks: int, dtype: str) -> None:
+    """JAX pmap over `ranks` forced host devices; every step awaited."""
+    import jax
+
+    if dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    from syncsgd.nn.mlp import MLP
+
+    model = MLP(SIZES, "relu", "xent", np.dtype(dtype))
+    views = model.views(model.init_params(SEED))
+    params = [(np.stack([views[f"W{i}"]] * ranks), np.stack([views[f"b{i}"]] * ranks))
+              for i in range(model.n_layers)]  # fmt: skip
+    X, y = shared_data(dtype)
+
+    def loss(params: Any, x: Any, labels: Any) -> Any:
+        for W, b in params[:-1]:
+            x = jax.nn.relu(x @ W + b)
+        logits = x @ params[-1][0] + params[-1][1]
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)
+        return -jnp.mean(picked)
+
+    def step(params: Any, x: Any, labels: Any) -> Any:
+        grads = jax.lax.pmean(jax.grad(loss)(params, x, labels), "ranks")
+        return jax.tree.map(lambda p, g: p - LR * g, params, grads)
+
+    pmapped = jax.pmap(step, axis_name="ranks")
+    state = {"params": pmapped(params, X[:BATCH].reshape(ranks, -1, SIZES[0]),
+                               y[:BATCH].reshape(ranks, -1))}  # fmt: skip
+
+    def measure(steps: int) -> float:
+        indices = batches(steps, steps)
+        started = time.perf_counter()
+        for index in indices:
+            x, labels = X[index].reshape(ranks, -1, SIZES[0]), y[index].reshape(ranks, -1)
+            state["params"] = pmapped(state["params"], x, labels)
+            jax.block_until_ready(state["params"])  # never dispatch ahead: it can deadlock
+        return (time.perf_counter() - started) / steps
+
+    serve(measure)
+
+
+# --- the coordinator ------------------------------------------------------------------------------
+
+
+class Contender:
+    """A contender's process, asked for seconds per step over N steps."""
+
+    def __init__(self, kind: str, ranks: int, dtype: str) -> None:
+        env = dict(os.environ)
+        if kind == "jax":  # read when JAX loads: set in the child only
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ranks}"
+        command = [sys.executable, __file__, "--serve", kind, "--ranks", str(ranks),
+                   "--dtypes", dtype]  # fmt: skip
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, env=env)  # fmt: skip
+        self.read()  # "ready"
+
+    def read(self) -> str:
+        """The next line the contender prints; RuntimeError if it died."""
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"contender {self.process.args!r} exited: {self.process.wait()}")
+        return line.strip()
+
+    def ask(self, steps: int) -> float:
+        """Seconds per step over `steps` steps."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{steps}\n")
+        self.process.stdin.flush()
+        return float(self.read())
+
+    def close(self) -> None:
+        """Close stdin: the contender finishes and exits."""
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def contenders_to_run(options: argparse.Namespace) -> list[tuple[str, int, str]]:
+    """(kind, P, dtype) of every contender, peers only where installed (a line says if not)."""
+    kinds = ["syncsgd"]
+    for kind, module in PEERS.items():
+        if importlib.util.find_spec(module) is None:
+            print(f"# {kind} skipped: {module} is not installed (pip install -e '.[peers]')")
+        else:
+            kinds.append(kind)
+    keys = [(kind, p, d) for d in options.dtypes for p in options.ranks for kind in kinds]
+    if 1 in options.ranks:
+        keys += [("gemm", 1, d) for d in options.dtypes]
+    return keys
+
+
+def measure_all(options: argparse.Namespace, keys: list[tuple[str, int, str]]) -> dict:
+    """Median seconds per step of every contender over interleaved rounds."""
+    contenders = {key: Contender(*key) for key in keys}
+    try:
+        for contender in contenders.values():
+            contender.ask(options.warmup)
+        samples: dict = {key: [] for key in keys}
+        for _ in range(options.rounds):
+            for key, contender in contenders.items():
+                samples[key].append(contender.ask(options.steps))
+    finally:
+        for contender in contenders.values():
+            contender.close()
+    return samples
+
+
+def report(options: argparse.Namespace, samples: dict) -> list[dict]:
+    """Print ms per step and the ratios; return one row per (P, dtype)."""
+    median = {key: statistics.median(values) for key, values in samples.items()}
+    rows = []
+    print(f"{'P':>2} {'dtype':>8} {'syncsgd':>8} {'ddp':>8} {'jax':>8} {'/ddp':>6} {'/jax':>6} "
+          f"{'floor':>7} {'share':>6}   ms/step, medians of {options.rounds} rounds")  # fmt: skip
+    for dtype in options.dtypes:
+        for ranks in options.ranks:
+            ms = {kind: median.get((kind, ranks, dtype), float("nan")) * 1e3
+                  for kind in ("syncsgd", "ddp", "jax", "gemm")}  # fmt: skip
+            row = {"ranks": ranks, "dtype": dtype, **{f"{k}_ms": v for k, v in ms.items()}}
+            row["ratio_ddp"] = ms["syncsgd"] / ms["ddp"]
+            row["ratio_jax"] = ms["syncsgd"] / ms["jax"]
+            row["floor_share"] = ms["gemm"] / ms["syncsgd"]
+            rows.append(row)
+            print(f"{ranks:>2} {dtype:>8} {ms['syncsgd']:>8.3f} {ms['ddp']:>8.3f} "
+                  f"{ms['jax']:>8.3f} {row['ratio_ddp']:>6.2f} {row['ratio_jax']:>6.2f} "
+                  f"{ms['gemm']:>7.3f} {row['floor_share']:>6.2f}", flush=True)  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Coordinate the contenders, or (--serve) be one."""
+    from syncsgd.util.argtypes import dtype_list, rank_list
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=rank_list, default=[1, 2], help="rank counts (1,2)")
+    parser.add_argument("--dtypes", type=dtype_list, default=["float32", "float64"])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per round (20)")
+    parser.add_argument("--warmup", type=int, default=10, help="burn-in steps (10)")
+    parser.add_argument("--json", metavar="PATH", help="write the rows and samples as JSON")
+    parser.add_argument(
+        "--serve", choices=("syncsgd", "gemm", "ddp", "jax"), help=argparse.SUPPRESS
+    )
+    options = parser.parse_args(argv)
+    if options.serve:
+        main_worker(options)
+        return 0
+    from syncsgd.nn.blas import describe
+
+    print(
+        f"# MLP {'-'.join(map(str, SIZES))} relu xent, global batch {BATCH}, SGD lr {LR}; "
+        f"{options.steps} steps x {options.rounds} rounds after {options.warmup}; "
+        f"each rank pinned to a core; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
+    )
+    print(f"# GEMM floor (P = 1): {step_flops() / 1e6:.1f} MFLOP per step at the rate of a "
+          f"{'x'.join(map(str, GEMM_SHAPE))} product; share = floor / syncsgd")  # fmt: skip
+    samples = measure_all(options, contenders_to_run(options))
+    rows = report(options, samples)
+    print(f"# syncsgd's BLAS: {describe()}; load at the end {os.getloadavg()[0]:.2f}")
+    if options.json:
+        from syncsgd.util.files import write_text
+
+        text = json.dumps(
+            {"rows": rows, "samples": {"/".join(map(str, k)): v for k, v in samples.items()}},
+            indent=1,
+        )
+        write_text(options.json, text + "\n")
+    return 0
+
+
+def main_worker(options: argparse.Namespace) -> None:
+    """The contender process: pin to its cores, then serve."""
+    pin(options.ranks[0])
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    dtype, ranks = options.dtypes[0], options.ranks[0]
+    if options.serve == "syncsgd":
+        serve_syncsgd(ranks, dtype)
+    elif options.serve == "gemm":
+        serve_gemm(dtype)
+    elif options.serve == "ddp":
+        serve_ddp(ranks, dtype)
+    else:
+        serve_jax(ranks, dtype)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
