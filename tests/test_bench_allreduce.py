@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -32,6 +33,9 @@ def test_sweep_prints_a_table_and_writes_json_and_csv(tmp_path, capsys):
     assert main(argv) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0] == "# allreduce sweep: 3 ranks, threads backend, float32"
+    assert table[1].startswith("# baseline 'numpy-sum': threads backend")
+    assert any(line.startswith("# paired = median over the rounds") for line in table)
+    assert any(line.startswith("# medians = the baseline's median time") for line in table)
 
     result = json.loads(json_path.read_text())
     assert (result["backend"], result["ranks"], result["dtype"]) == ("threads", 3, "float32")
@@ -52,11 +56,19 @@ def test_sweep_prints_a_table_and_writes_json_and_csv(tmp_path, capsys):
         # vs mpi pairs the batches of one round: the median of 2 is the mean of the two ratios
         ratios = [b / r for b, r in zip(baseline["batch_us"], ring["batch_us"], strict=True)]
         assert ring["vs_mpi"] == pytest.approx(sum(ratios) / 2)
+        # and beside it the ratio of the printed medians, which need not be the same
+        assert ring["vs_mpi_of_medians"] == pytest.approx(baseline["time_us"] / ring["time_us"])
     # one table line per row, with the same numbers
     lines = [
-        line.split() for line in table if line and not line.startswith(("#", " " * 4 + "size"))
+        line.split() for line in table if line and not line.startswith(("#", " " * 2 + "size"))
     ]
-    assert [(int(f[0]), f[3]) for f in lines] == [(r["size_bytes"], r["algorithm"]) for r in rows]
+    # on threads the baseline is a NumPy sum, and the table says so; the JSON keeps its role
+    named = [(r["size_bytes"], {"mpi": "numpy-sum"}.get(r["algorithm"], r["algorithm"]))
+             for r in rows]  # fmt: skip
+    assert [(int(f[0]), f[3]) for f in lines] == named
+    for fields, row in zip(lines, rows, strict=True):
+        assert float(fields[-2]) == pytest.approx(row["vs_mpi"], abs=0.006)
+        assert float(fields[-1]) == pytest.approx(row["vs_mpi_of_medians"], abs=0.006)
 
     with open(csv_path, newline="") as handle:
         records = list(csv.DictReader(handle))
@@ -67,6 +79,39 @@ def test_sweep_prints_a_table_and_writes_json_and_csv(tmp_path, capsys):
             and record["algorithm"] == row["algorithm"]
         )
         assert float(record["time_us"]) == pytest.approx(row["time_us"])
+
+
+def test_help_explains_both_ratios(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "allreduce", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "paired = median over the rounds of (baseline time / this time)" in text
+    assert "medians = the baseline's median time / this median time" in text
+    assert "('numpy-sum') on the threads backend" in text
+
+
+def test_the_bar_is_printed_only_with_check(monkeypatch, capsys):
+    # A made-up MPI sweep that misses the bar: the verdict line appears with --check only.
+    rows = [{"size_bytes": 8, "algorithm": "ring", "vs_mpi": 0.1},
+            {"size_bytes": 8, "algorithm": "mpi", "vs_mpi": 1.0}]  # fmt: skip
+    bar = allreduce.performance_bar(rows)
+    assert bar is not None and not allreduce.bar_met(bar)
+    monkeypatch.setattr(allreduce, "sweep", lambda comm, options, report: rows)
+    monkeypatch.setattr(allreduce, "library_name", lambda comm: "a fake MPI")
+
+    class FakeMpiComm:
+        def Get_rank(self) -> int:
+            return 0
+
+        def Get_size(self) -> int:
+            return 2
+
+    for check in (False, True):
+        options = argparse.Namespace(dtype="float64", batches=3, timeline=None, json=None,
+                                     csv=None, png=None, check=check)  # fmt: skip
+        allreduce.run(FakeMpiComm(), options)
+        printed = capsys.readouterr().out
+        assert ("# bar:" in printed) == check and ("MISSED" in printed) == check
 
 
 def test_png_plot_is_written(tmp_path, capsys):

@@ -8,14 +8,16 @@ Method: for each message size, check once that every algorithm gives the same su
 time `--batches` rounds; in each round every algorithm runs one batch of iterations (after one
 untimed call), in ABBA order (this machine is shared and noisy: comparing numbers taken minutes
 apart measures the neighbours).
-A batch's per-op time is the slowest rank's; `time` is the median over the rounds, and `vs mpi` is
-the median over the rounds of the baseline's batch time over the algorithm's in the same round
-(paired, so load that comes and goes during the sweep slows both sides of a pair alike). busbw =
+A batch's per-op time is the slowest rank's; `time` is the median over the rounds. `paired` is the
+median over the rounds of the baseline's batch time over the algorithm's in the same round (load
+that comes and goes during the sweep slows both sides of a pair alike), so it need not equal the
+ratio of the printed medians, printed beside it as `medians`. busbw =
 algbw * 2(P-1)/P, the nccl-tests convention, so a bandwidth-optimal allreduce reads as the link
 speed at any P. The JSON file keeps every batch time.
 
-On the threads backend the baseline ("mpi") is `ThreadComm.Allreduce`, a plain NumPy sum of all
-ranks' buffers.
+The baseline is the communicator's own Allreduce: the MPI library's ("mpi"), or on the threads
+backend `ThreadComm.Allreduce`, a plain NumPy sum of all ranks' buffers, labelled "numpy-sum" in
+the table (its JSON rows keep the role's name, "mpi", for the tools that read them).
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.options import BACKEND, JSON, RANKS
 
-BASELINE = "mpi"
+BASELINE = "mpi"  # the role: the communicator's own Allreduce
+THREADS_BASELINE = "numpy-sum"  # what that is on the threads backend
+PAIRED = "paired = median over the rounds of (baseline time / this time) within a round"
+MEDIANS = "medians = the baseline's median time / this median time (the printed times' ratio)"
+RATIOS_EXPLAINED = f"{PAIRED}; {MEDIANS}"
 MMAP_THRESHOLD = 32 << 20  # glibc's largest mmap threshold: mallocs this big get fresh pages
 # The bar, both ratios taken in the same run: the ring's time at 8 B at most 3x the MPI
 # library's, and its busbw at least 0.95x the library's at every size from 1 MiB.
@@ -177,6 +183,7 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
                 "busbw_GBps": algbw * 2 * (size - 1) / size,
                 # busbw / busbw_mpi, round by round (and defined at P = 1 too)
                 "vs_mpi": statistics.median(paired),
+                "vs_mpi_of_medians": statistics.median(times[BASELINE]) / seconds,
                 "iters": iters,
                 "batches": options.batches,
                 "batch_us": [t * 1e6 for t in times[name]],  # JSON only
@@ -187,19 +194,21 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
 
 
 COLUMNS = ("size_bytes", "count", "dtype", "algorithm", "time_us", "algbw_GBps", "busbw_GBps",
-           "vs_mpi")  # fmt: skip
+           "vs_mpi", "vs_mpi_of_medians")  # fmt: skip
 CSV_COLUMNS = [*COLUMNS, "iters", "batches"]
 HEADER = (
-    f"{'size (B)':>12} {'count':>10} {'dtype':>7} {'algorithm':>18} {'time (us)':>11} "
-    f"{'algbw GB/s':>11} {'busbw GB/s':>11} {'vs mpi':>7}"
+    f"{'size (B)':>10} {'count':>9} {'dtype':>7} {'algorithm':>18} {'time (us)':>10} "
+    f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'paired':>7} {'medians':>7}"
 )
 
 
-def format_row(row: dict) -> str:
+def format_row(row: dict, baseline: str = BASELINE) -> str:
+    """A table line; the baseline's rows named `baseline` (on threads, what it really is)."""
+    name = baseline if row["algorithm"] == BASELINE else row["algorithm"]
     return (
-        f"{row['size_bytes']:>12} {row['count']:>10} {row['dtype']:>7} {row['algorithm']:>18} "
-        f"{row['time_us']:>11.2f} {row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f} "
-        f"{row['vs_mpi']:>7.2f}"
+        f"{row['size_bytes']:>10} {row['count']:>9} {row['dtype']:>7} {name:>18} "
+        f"{row['time_us']:>10.2f} {row['algbw_GBps']:>10.3f} {row['busbw_GBps']:>10.3f} "
+        f"{row['vs_mpi']:>7.2f} {row['vs_mpi_of_medians']:>7.2f}"
     )
 
 
@@ -270,14 +279,17 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
     """The sweep on one rank; rank 0 prints the table, writes the files and returns the rows."""
     master_process = comm.Get_rank() == 0
     backend = "threads" if isinstance(comm, ThreadComm) else "mpi"
+    baseline = THREADS_BASELINE if backend == "threads" else BASELINE
     if master_process:
         print(f"# allreduce sweep: {comm.Get_size()} ranks, {backend} backend, {options.dtype}")
-        print(f"# baseline '{BASELINE}': {library_name(comm)}")
+        print(f"# baseline '{baseline}': {library_name(comm)}")
+        print(f"# time: median over {options.batches} rounds of the slowest rank's per-op time")
+        print(f"# {PAIRED}\n# {MEDIANS}")
         print(HEADER, flush=True)
 
     def report(row: dict) -> None:
         if master_process:
-            print(format_row(row), flush=True)
+            print(format_row(row, baseline), flush=True)
 
     rows = sweep(comm, options, report)
     if options.timeline:
@@ -292,7 +304,7 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
         )
     # The bar compares with an MPI library; on threads the baseline is only a NumPy sum.
     bar = performance_bar(rows) if backend == "mpi" else None
-    if bar:
+    if bar and options.check:  # the verdict is asked for; the JSON keeps it either way
         print(describe_bar(bar), flush=True)
     result = {
         "benchmark": "allreduce",
@@ -359,6 +371,11 @@ def draw_png(rows: list[dict], path: str, title: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench allreduce`."""
+    parser.epilog = (
+        f"Columns: time = median per-op time of the slowest rank; {RATIOS_EXPLAINED}. The "
+        f"baseline is the library's Allreduce under MPI, a NumPy sum ('{THREADS_BASELINE}') on "
+        f"the threads backend."
+    )
     RANKS.add(parser, help="thread ranks (threads backend; default 2); under mpiexec, -n decides")
     BACKEND.add(parser)
     parser.add_argument("--dtype", choices=("float64", "float32", "int64"), default="float64")
