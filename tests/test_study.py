@@ -145,7 +145,14 @@ def test_time_model_picks_the_fastest_batch_size_and_where_ranks_stop_paying():
         assert line.best_seconds == min(naive.values())
         assert naive[line.best_batch_size] == line.best_seconds
     gains = [table[i - 1].best_seconds / table[i].best_seconds for i in range(1, len(table))]
-    assert [line.speedup for line in table[1:]] == pytest.approx(gains)
+    assert [line.gain for line in table[1:]] == pytest.approx(gains)
+    # the speedup is over one rank, not over the previous row
+    assert [line.speedup for line in table] == pytest.approx(
+        [table[0].best_seconds / line.best_seconds for line in table])
+    assert table[0].speedup == 1.0 and table[-1].speedup == pytest.approx(math.prod(gains))
+    later = study.time_model(rows, COSTS, [4, 16], 80_000, MACHINE)  # no P = 1 row
+    assert later[0].speedup == pytest.approx(table[2].speedup)
+    assert later[1].speedup == pytest.approx(table[4].speedup)
     first_small = next(i for i, g in enumerate(gains) if g < 1.1)
     assert study.stops_paying(table) == table[first_small].ranks
 

@@ -402,32 +402,39 @@ class TimeRow:
     seconds: dict[int, float]  # batch size -> predicted seconds to target (only P <= B)
     best_batch_size: int | None
     best_seconds: float | None
-    speedup: float | None  # the previous row's best time / this row's
+    speedup: float | None  # the best time on one rank (the first row) / this row's
+    gain: float | None  # the previous row's best time / this row's
 
 
 def time_model(rows: Sequence[Row], costs: StepCosts, rank_counts: Sequence[int],
                gradient_bytes: int, params: costmodel.Params,
                algorithm: str = "ring") -> list[TimeRow]:  # fmt: skip
     """Predicted time to target for every P and every batch size that met the target (P <= B)."""
-    table: list[TimeRow] = []
-    for ranks in rank_counts:
+
+    def best_on(ranks: int) -> tuple[dict[int, float], int | None, float | None]:
         seconds = {
             batch: steps * step_seconds(costs, batch, ranks, gradient_bytes, params, algorithm)
             for batch, steps in reached(rows)
             if ranks <= batch
         }
         best = min(seconds, key=lambda b: (seconds[b], b)) if seconds else None
-        best_seconds = None if best is None else seconds[best]
+        return seconds, best, None if best is None else seconds[best]
+
+    single = best_on(1)[2]  # the speedup is over one rank, whichever P the table starts at
+    table: list[TimeRow] = []
+    for ranks in rank_counts:
+        seconds, best, best_seconds = best_on(ranks)
         previous = table[-1].best_seconds if table else None
-        speedup = previous / best_seconds if previous and best_seconds else None
-        table.append(TimeRow(ranks, seconds, best, best_seconds, speedup))
+        gain = previous / best_seconds if previous and best_seconds else None
+        speedup = single / best_seconds if single and best_seconds else None
+        table.append(TimeRow(ranks, seconds, best, best_seconds, speedup, gain))
     return table
 
 
 def stops_paying(table: Sequence[TimeRow], threshold: float = STOPS_PAYING) -> int | None:
     """The last P after which the table's next P gains less than `threshold` (None: never)."""
     for previous, row in zip(table[:-1], table[1:], strict=True):
-        if row.speedup is None or row.speedup < 1 + threshold:
+        if row.gain is None or row.gain < 1 + threshold:
             return previous.ranks
     return None
 
@@ -511,14 +518,15 @@ def time_model_lines(table: Sequence[TimeRow], costs: StepCosts, gradient_bytes:
         costmodel.describe_params(params),
         f"{'P':>6} "
         + " ".join(f"{'B=' + str(b):>9}" for b in sizes)
-        + f" {'best B':>7} {'time':>9} {'speedup':>8}",
+        + f" {'best B':>7} {'time':>9} {'speedup':>8} {'vs prev':>8}",
     ]
     for row in table:
         cells = " ".join(f"{fmt(row.seconds[b]) if b in row.seconds else '-':>9}" for b in sizes)
         best = "-" if row.best_batch_size is None else str(row.best_batch_size)
         best_time = "-" if row.best_seconds is None else fmt(row.best_seconds)
         speedup = "-" if row.speedup is None else f"{row.speedup:.3g}x"
-        lines.append(f"{row.ranks:>6} {cells} {best:>7} {best_time:>9} {speedup:>8}")
+        gain = "-" if row.gain is None else f"{row.gain:.3g}x"
+        lines.append(f"{row.ranks:>6} {cells} {best:>7} {best_time:>9} {speedup:>8} {gain:>8}")
     last = stops_paying(table)
     if last is None:
         lines.append(
