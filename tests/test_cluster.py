@@ -1,0 +1,179 @@
+"""`syncsgd cluster`: MPI across emulated nodes gives the single-host bits, leaves nothing behind.
+
+The emulated cluster needs root, `ip netns` and `tc`; elsewhere these tests are skipped. The runs
+across nodes are marked `cluster`: a few seconds each, run once by CI.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import mpiexec_path
+
+from syncsgd import TrainConfig, train
+from syncsgd.apps import cluster, cluster_net
+from syncsgd.cli import build_parser
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "mpi_collectives_check.py")
+SMALL = ["--samples", "120", "--features", "6", "--hidden", "5", "--batch-size", "20",
+         "--steps", "6", "--momentum", "0.9"]  # fmt: skip
+SMALL_CONFIG = TrainConfig(samples=120, features=6, hidden=(5,), batch_size=20, steps=6,
+                           momentum=0.9)  # fmt: skip
+# P = 4 as 2 nodes of 2 ranks: shared memory within a node, the emulated link between them.
+SHAPES = [(2, 1), (3, 1), (2, 2)]
+
+
+def _why_not() -> str | None:
+    """Why the emulated cluster cannot run here, or None."""
+    why = cluster_net.unsupported()
+    if why is None and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode:
+        why = "`ip netns` does not work here"
+    if why is None and mpiexec_path() is None:
+        why = "needs mpiexec"
+    return why
+
+
+requires_cluster = pytest.mark.skipif(_why_not() is not None, reason=f"{_why_not()}")
+
+
+def run_cluster(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`syncsgd cluster ARGS`, driving the mpiexec the other MPI tests use."""
+    command = [sys.executable, "-m", "syncsgd.cli", "cluster", "--mpiexec", str(mpiexec_path()),
+               *args]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def network_state() -> tuple[list[str], str, str]:
+    """Namespaces, links and qdiscs of the machine's own namespace, for before/after checks."""
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+    names = sorted(n for n in cluster_net.namespaces() if n.startswith(cluster_net.PREFIX))
+    # other agents' links may come and go: compare only names that a cluster could have made
+    ours = "\n".join(line for line in links.splitlines() if "syncsgd" in line or " br0" in line)
+    return names, ours, "\n".join(q for q in qdiscs.splitlines() if "tbf" in q)
+
+
+def test_link_rates_parse():
+    assert cluster_net.parse_rate("1gbit") == 10**9
+    assert cluster_net.parse_rate("100mbit") == 10**8
+    assert cluster_net.parse_rate("2.5Gbit") == 25 * 10**8
+    assert cluster.link_rate("none") is None
+    for bad in ("fast", "1bit", "10tbit"):
+        with pytest.raises(ValueError):
+            cluster_net.parse_rate(bad)
+
+
+def test_without_root_it_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(cluster_net.os, "geteuid", lambda: 1000)
+    options = build_parser().parse_args(["cluster", "--nodes", "2", "--", "true"])
+    assert cluster.main(options) == 1
+    err = capsys.readouterr().err
+    assert err == "syncsgd cluster: needs root (network namespaces and tc)\n"
+
+
+@requires_cluster
+def test_exit_status_and_teardown_on_success_failure_and_timeout():
+    before = network_state()
+    assert run_cluster("--nodes", "2", "--", "true").returncode == 0
+    assert run_cluster("--nodes", "3", "--", "sh", "-c", "exit 7").returncode == 7
+    done = run_cluster("--nodes", "2", "--timeout", "2", "--", "sleep", "60")
+    assert done.returncode == 124 and "--timeout 2 s" in done.stderr
+    assert network_state() == before
+
+
+@requires_cluster
+def test_ctrl_c_tears_everything_down():
+    before = network_state()
+    command = [sys.executable, "-m", "syncsgd.cli", "cluster", "--nodes", "2", "--mpiexec",
+               str(mpiexec_path()), "--", "sleep", "60"]  # fmt: skip
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    deadline = time.monotonic() + 30
+    while network_state() == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # the launcher has started
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 130, err
+    assert network_state() == before
+
+
+@requires_cluster
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("nodes", "per_node"), SHAPES)
+def test_training_across_nodes_is_bitwise_the_single_host_run(tmp_path, nodes, per_node):
+    ranks = nodes * per_node
+    saved, exact = tmp_path / "float.npz", tmp_path / "exact.npz"
+    for path, extra in ((saved, []), (exact, ["--exact"])):
+        done = run_cluster("--nodes", str(nodes), "--ranks-per-node", str(per_node), "--",
+                           sys.executable, "-m", "syncsgd.cli", "train", *SMALL, *extra,
+                           "--save", str(path), "--quiet", timeout=240)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    threads = train(SMALL_CONFIG, ranks=ranks).arrays()  # the same ring on one host
+    serial = train(SMALL_CONFIG, ranks=1, exact=True).arrays()  # what verify compares with
+    with np.load(saved) as got, np.load(exact) as got_exact:
+        for name in threads:
+            assert got[name].tobytes() == threads[name].tobytes(), name
+            assert got_exact[name].tobytes() == serial[name].tobytes(), name
+
+
+@requires_cluster
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("nodes", "per_node"), SHAPES)
+def test_every_collective_passes_its_checks_across_nodes(nodes, per_node):
+    done = run_cluster("--nodes", str(nodes), "--ranks-per-node", str(per_node), "--",
+                       sys.executable, WORKER, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"ok: {nodes * per_node} ranks" in done.stdout
+
+
+LOOP = """
+import time, numpy as np
+from mpi4py import MPI
+from syncsgd.collectives.api import allreduce
+buf = np.ones(1 << 16)
+while True:
+    allreduce(buf, MPI.COMM_WORLD, "ring")
+"""
+
+
+@requires_cluster
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_a_node_whose_link_is_cut_ends_the_job_within_a_minute(tmp_path):
+    # No collective times out: the ranks would wait for the lost node forever, so the cluster's
+    # own --timeout is the watchdog that ends the job.
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    before = network_state()
+    command = [sys.executable, "-m", "syncsgd.cli", "cluster", "--nodes", "2", "--timeout", "25",
+               "--mpiexec", str(mpiexec_path()), "--", sys.executable, str(script)]  # fmt: skip
+    start = time.monotonic()
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node = _wait_for_namespace("-n1", before[0])
+    time.sleep(4.0)  # the ranks are in their loop
+    subprocess.run(["ip", "netns", "exec", node, "ip", "link", "set", "eth0", "down"], check=True)
+    _, err = job.communicate(timeout=90)
+    assert job.returncode != 0, err
+    assert time.monotonic() - start < 60
+    assert network_state() == before
+
+
+def _wait_for_namespace(suffix: str, existing: list[str]) -> str:
+    """The name of the new namespace ending in `suffix`, once it exists."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = [n for n in cluster_net.namespaces() if n.endswith(suffix) and n not in existing]
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    pytest.fail("the cluster's namespaces did not appear")
