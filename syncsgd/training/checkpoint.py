@@ -10,15 +10,18 @@ exact mode also on a different number of ranks, since nothing in the state depen
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
 import re
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from syncsgd.util.files import atomic_path
+from syncsgd.util.files import atomic_file, check_regular_file
 
 _NAME = re.compile(r"ckpt-(\d{8,})\.npz$")
 FORMAT = "syncsgd-checkpoint-1"
@@ -59,24 +62,106 @@ def save(directory: str, state: Checkpoint, fingerprint: str) -> str:
     }
     arrays["checksum"] = np.array(checksum(arrays))
     path = path_for(directory, state.step)
-    with atomic_path(path) as tmp:
-        np.savez(tmp, **arrays)  # type: ignore[arg-type]  # stub: **arrays might fill allow_pickle
+    with atomic_file(path) as handle:
+        np.savez(handle, **arrays)  # type: ignore[arg-type]  # stub: **arrays might fill allow_pickle
     return path
 
 
 def latest(directory: str) -> str:
     """The path of the checkpoint with the most steps in `directory`."""
+    return candidates(directory)[0]
+
+
+def candidates(directory: str) -> list[str]:
+    """The checkpoints (regular files named ckpt-NNNNNNNN.npz) in `directory`, newest first."""
     if not os.path.isdir(directory):
         raise ValueError(f"--resume {directory}: no such directory")
     found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(directory, "ckpt-*.npz"))
-             if (m := _NAME.search(p))]  # fmt: skip
+             if (m := _NAME.search(p)) and os.path.isfile(p)]  # fmt: skip
     if not found:
         raise ValueError(f"--resume {directory}: no checkpoint (ckpt-NNNNNNNN.npz) in it")
-    return max(found)[1]
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def load_latest(directory: str, fingerprint: str, n_params: int, dtype: np.dtype) -> Checkpoint:
+    """The newest checkpoint in `directory` that belongs to this run (others' are passed over)."""
+    paths = candidates(directory)
+    for path in paths:
+        try:
+            return load(path, fingerprint, n_params, dtype)
+        except OtherRunError:
+            continue
+    return load(paths[0], fingerprint, n_params, dtype)  # none is this run's: say why the newest
+
+
+class OtherRunError(ValueError):
+    """A valid checkpoint, of a run with other options or data."""
+
+
+LOCK = "lock"
+
+
+@contextlib.contextmanager
+def locked(directory: str, fingerprint: str) -> Iterator[None]:
+    """Hold `directory` for this run: a second run writing there would overwrite its checkpoints.
+
+    The lock file names its owner (host, process, run); a lock left by a process of this host
+    that no longer exists is taken over.
+    """
+    path = os.path.join(directory, LOCK)
+    me = f"{socket.gethostname()} {os.getpid()} {fingerprint}\n"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            _take_over_if_stale(path, directory)
+            continue
+        with os.fdopen(fd, "w") as handle:
+            handle.write(me)
+        break
+    else:
+        raise ValueError(f"cannot take {path}")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            with open(path) as handle:
+                mine = handle.read() == me
+            if mine:
+                os.unlink(path)
+
+
+def _take_over_if_stale(path: str, directory: str) -> None:
+    """Remove the lock at `path` if its owner is a dead process of this host; else refuse."""
+    try:
+        with open(path) as handle:
+            host, pid, *_ = handle.read().split() + ["", ""]
+    except FileNotFoundError:  # released meanwhile
+        return
+    if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    raise ValueError(
+        f"checkpoint directory {directory} is in use by process {pid or '?'} on {host or '?'}; "
+        f"use another directory, or remove {path} if that run has ended"
+    )
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def load(path: str, fingerprint: str, n_params: int, dtype: np.dtype) -> Checkpoint:
     """Read and verify a checkpoint; ValueError if it is corrupt or belongs to another run."""
+    check_regular_file(path, "checkpoint")  # a FIFO would block np.load forever
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}
@@ -88,8 +173,11 @@ def load(path: str, fingerprint: str, n_params: int, dtype: np.dtype) -> Checkpo
     stored = str(arrays.pop("checksum"))
     if checksum(arrays) != stored:
         raise ValueError(f"checkpoint {path} is corrupt: its checksum does not match its contents")
+    step = arrays["step"]
+    if step.shape != () or step.dtype.kind not in "iu" or step < 0:
+        raise ValueError(f"{path} is not a syncsgd checkpoint: step {step} is not a step count")
     if str(arrays["fingerprint"]) != fingerprint:
-        raise ValueError(
+        raise OtherRunError(
             f"checkpoint {path} belongs to a different run (model, data or training options "
             f"differ); resume with the options it was written with"
         )

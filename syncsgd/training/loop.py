@@ -12,14 +12,14 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import numpy as np
 
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.world import launch
 from syncsgd.nn.optim import SGD
-from syncsgd.training import data
+from syncsgd.training import checkpoint, data
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.hooks import (
     Checkpointing,
@@ -35,12 +35,12 @@ from syncsgd.training.hooks import (
     TimelineSpans,
 )
 from syncsgd.training.result import TrainResult, summary
-from syncsgd.training.run import Run, check_agreement, first_params, prepare
+from syncsgd.training.run import Run, agree, check_agreement, first_params, prepare
 from syncsgd.training.step import DataParallelStep
 from syncsgd.training.timeline import Timeline
 from syncsgd.training.timeline import write as write_timeline
 from syncsgd.training.variants import variant
-from syncsgd.util.files import atomic_path
+from syncsgd.util.files import atomic_file
 
 
 def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
@@ -59,6 +59,7 @@ def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
     result = TrainResult(params, run.model, run.steps)
     timeline = Timeline(comm) if timeline_path is not None else None
     with contextlib.ExitStack() as outputs:
+        hold_checkpoints(comm, run, outputs)
         log = outputs.enter_context(log_file(log_path if master_process else None))
         hooks = make_hooks(comm, run, result, first_step, log=log, timeline=timeline,
                            progress=master_process and not quiet and sys.stderr.isatty(),
@@ -68,7 +69,7 @@ def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
         chosen = variant(run.config.pitfall, run.config.clip_norm)  # the correct run, or a pitfall
         stepper = DataParallelStep(comm, run, params, sgd, chosen, riders, trace=trace)
         started = time.perf_counter()
-        take_steps(stepper, hooks, range(first_step, run.steps))
+        result.steps = take_steps(stepper, hooks, range(first_step, run.steps))
         result.seconds = time.perf_counter() - started
     if timeline is not None:
         assert timeline_path is not None  # a timeline is kept only with a path to write it to
@@ -78,18 +79,24 @@ def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
     return result
 
 
-def take_steps(stepper: DataParallelStep, hooks: list[Hook], steps: range) -> None:
-    """Take the steps, each followed by every hook; stop after a step a hook ends the run at."""
+def take_steps(stepper: DataParallelStep, hooks: list[Hook], steps: range) -> int:
+    """Take the steps, each followed by every hook; stop after a step a hook ends the run at.
+
+    Returns the number of steps done (counting those of a resumed run's start).
+    """
     for hook in hooks:
         hook.attach(stepper)
+    done = steps.start
     try:
         for step in steps:
             record = stepper.take_(step)
             stopping = False
             for hook in hooks:  # every hook sees the step, even after one asked to stop
                 stopping = hook.after_step(record, stopping) or stopping
+            done = step + 1
             if stopping:
                 break
+        return done
     finally:
         for hook in hooks:
             hook.close()
@@ -126,12 +133,26 @@ def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,
     if progress:
         hooks.append(Progress(first_step, run.steps))
     hooks.append(StopRequest(result))
-    if master_process and config.checkpoint is not None:
-        hooks.append(Checkpointing(run))
     wants_eval = config.eval_every > 0 or config.target_loss is not None
     if run.X_eval is not None and (wants_eval or config.target_accuracy is not None):
         hooks.append(Evaluation(comm, run, result))
+    if master_process and config.checkpoint is not None:  # last: it sees a target met, too
+        hooks.append(Checkpointing(run))
     return hooks
+
+
+def hold_checkpoints(comm: Any, run: Run, outputs: contextlib.ExitStack) -> None:
+    """Rank 0 locks the checkpoint directory for the run; every rank learns if it could not."""
+    directory = run.config.checkpoint
+    if directory is None:
+        return
+    error = None
+    if comm.Get_rank() == 0:
+        try:
+            outputs.enter_context(checkpoint.locked(directory, run.fingerprint))
+        except (ValueError, OSError) as exc:
+            error = str(exc)
+    agree(comm, error)
 
 
 def finish(comm: Any, run: Run, result: TrainResult, save_path: str | None, quiet: bool) -> None:
@@ -151,8 +172,9 @@ def finish(comm: Any, run: Run, result: TrainResult, save_path: str | None, quie
 
 def save_params(path: str, result: TrainResult) -> None:
     """Write the final parameters as W0, b0, W1, b1, ... to an .npz file, atomically."""
-    with atomic_path(path) as tmp:
-        np.savez(tmp, **result.arrays())  # type: ignore[arg-type]  # stub: might fill allow_pickle
+    # To a handle, not a name: np.savez appends .npz to a name that lacks it.
+    with atomic_file(path) as handle:
+        np.savez(handle, **result.arrays())  # type: ignore[arg-type]  # stub: might fill allow_pickle
 
 
 @contextlib.contextmanager
@@ -161,8 +183,8 @@ def log_file(path: str | None) -> Iterator[TextIO | None]:
     if path is None:
         yield None
         return
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
-        yield handle
+    with atomic_file(path, "w", encoding="utf-8") as handle:
+        yield cast(TextIO, handle)  # opened in text mode
 
 
 def train(config: TrainConfig | None = None, *, ranks: int = 1, backend: str = "threads",

@@ -16,7 +16,7 @@ class TrainResult:
 
     params: np.ndarray  # final flat parameters, identical on every rank
     model: MLP
-    steps: int
+    steps: int  # steps done when training ended: fewer than asked for if a target was met
     losses: list[float] = field(default_factory=list)  # global-batch mean loss before each step
     seconds: float = 0.0
     compute_seconds: float = 0.0
@@ -69,7 +69,8 @@ def summary(result: TrainResult, comm_size: int, backend: str) -> str:
 def timing(result: TrainResult) -> str:
     """Steps/s and the allreduce's share after the first step, and what the first step took."""
     if result.steady_steps == 0 or result.steady_seconds <= 0:  # one step: no steady state
-        rate = result.steps / result.seconds if result.seconds > 0 else math.inf
+        taken = len(result.losses)  # in this process: a resumed run started further on
+        rate = taken / result.seconds if result.seconds > 0 else math.inf
         share = result.comm_seconds / result.seconds if result.seconds > 0 else 0.0
         return (f"{rate:.1f} steps/s, {100 * share:.1f}% of the time in the allreduce "
                 f"(one step: start-up included)")  # fmt: skip

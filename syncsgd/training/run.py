@@ -18,6 +18,50 @@ from syncsgd.training.config import TrainConfig, _require, fingerprint
 from syncsgd.training.variants import variant
 
 
+class AgreedError(ValueError):
+    """An error every rank knows of, agreed on by a collective: rank 0 reports it, once."""
+
+    uniform = True  # how the command line tells it from an error of this rank alone
+
+
+MESSAGE_BYTES = 1024  # the longest error message the ranks pass on
+
+
+def agree(comm: Any, error: str | None) -> None:
+    """Raise the same AgreedError on every rank if any rank has an `error`, naming the rank.
+
+    A collective every rank reaches: a rank that failed alone (a file on its node only) must
+    not leave the others waiting in their next collective. An error every rank has alike is
+    told once as it is; otherwise the first failing rank's, with its number.
+    """
+    rank, size, mpi = comm.Get_rank(), comm.Get_size(), constants(comm)
+    mine = None if error is None else _clip(error)
+    first = np.array([size if mine is None else rank], np.int64)
+    failed = np.array([mine is not None], np.int64)
+    comm.Allreduce(mpi.IN_PLACE, first, op=mpi.MIN)
+    comm.Allreduce(mpi.IN_PLACE, failed, op=mpi.SUM)
+    if failed[0] == 0:
+        return
+    text = np.zeros(MESSAGE_BYTES, np.uint8)
+    if mine is not None and rank == first[0]:
+        encoded = mine.encode()
+        text[: len(encoded)] = np.frombuffer(encoded, np.uint8)
+    comm.Bcast(text, root=int(first[0]))
+    message = bytes(text).rstrip(b"\0").decode()
+    alike = np.array([mine == message], np.int64)
+    comm.Allreduce(mpi.IN_PLACE, alike, op=mpi.MIN)
+    if alike[0]:
+        raise AgreedError(message)
+    others = int(failed[0]) - 1
+    more = f" (and {others} other rank{'s' * (others != 1)})" if others else ""
+    raise AgreedError(f"rank {first[0]}: {message}{more}")
+
+
+def _clip(message: str) -> str:
+    """`message` cut to at most MESSAGE_BYTES bytes of UTF-8, on a character boundary."""
+    return message.encode()[:MESSAGE_BYTES].decode(errors="ignore")
+
+
 @dataclass
 class Run:
     """What every rank needs before the first step: the model, the data and the step count."""
@@ -70,11 +114,11 @@ def prepare(config: TrainConfig) -> Run:
     if config.checkpoint is not None:
         os.makedirs(config.checkpoint, exist_ok=True)  # fail now rather than after the first steps
     if config.resume is not None:
-        path = checkpoint.latest(config.resume)
-        run.start = checkpoint.load(path, run.fingerprint, model.n_params, model.dtype)
+        run.start = checkpoint.load_latest(config.resume, run.fingerprint, model.n_params,
+                                           model.dtype)  # fmt: skip
         _require(
             run.start.step <= steps,
-            f"{path} is at step {run.start.step}, beyond --steps {steps}",
+            f"--resume {config.resume} is at step {run.start.step}, beyond --steps {steps}",
         )
     return run
 
@@ -108,7 +152,7 @@ def check_agreement(comm: Any, run: Run) -> None:
     mpi = constants(comm)
     comm.Allreduce(mpi.IN_PLACE, differs, op=mpi.MAX)
     if differs[0]:
-        raise ValueError(
+        raise AgreedError(
             "the ranks were started with different options or data (their configuration "
             "fingerprints differ from rank 0's); start every rank with the same command and files"
         )

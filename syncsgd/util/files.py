@@ -4,40 +4,146 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterator
+from typing import IO, Any
+
+_MODE = 0o666  # the umask takes its bits away, as for any file a program creates with open()
 
 
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
-    """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds."""
+def target_of(path: str | os.PathLike[str]) -> str:
+    """Where writing `path` lands: a symlink is written through, to the file it points to."""
     target = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(target))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"cannot write {target}: directory {directory} does not exist")
-    suffix = os.path.splitext(target)[1]  # keep the extension: np.savez appends .npz otherwise
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
-    os.close(fd)
-    try:
-        yield tmp
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write `text` to `path` atomically."""
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
+    if target == "" or target.endswith(os.sep):
+        raise ValueError(f"cannot write {target!r}: not a file name")
+    return os.path.realpath(target) if os.path.islink(target) else target
 
 
 def check_writable(path: str | os.PathLike[str]) -> None:
     """Fail before any work, not after it, if an output file could not be written."""
-    target = os.fspath(path)
+    shown = os.fspath(path)
+    target = target_of(path)
     directory = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(directory):
-        raise ValueError(f"cannot write {target}: directory {directory} does not exist")
-    if os.path.isdir(target):
-        raise ValueError(f"cannot write {target}: it is a directory")
+        raise ValueError(f"cannot write {shown}: directory {directory} does not exist")
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise ValueError(f"cannot write {shown}: {exc.strerror}") from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise ValueError(f"cannot write {shown}: it is a directory")
+    if mode is not None and not stat.S_ISREG(mode):  # a device or a FIFO is never replaced
+        raise ValueError(f"cannot write {shown}: not a regular file (a device, FIFO or socket)")
+    try:  # the real test: root passes os.access on read-only directories, not on read-only mounts
+        with _temporary(directory, ""):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write {shown}: {exc.strerror} ({directory})") from None
+
+
+def check_distinct(inputs: dict[str, str | None], outputs: dict[str, str | None]) -> None:
+    """Refuse an output that is one of the inputs or another output (by what the path names)."""
+    seen: dict[str, str] = {}
+    for role, path in inputs.items():
+        if path:
+            seen.setdefault(os.path.realpath(path), f"{role} {path}")
+    for role, path in outputs.items():
+        if path:
+            key = os.path.realpath(path)
+            if key in seen:
+                raise ValueError(f"{role} {path} is the same file as {seen[key]}: refusing to "
+                                 f"overwrite it")  # fmt: skip
+            seen[key] = f"{role} {path}"
+
+
+def check_regular_file(path: str, what: str = "file") -> None:
+    """ValueError unless `path` is an existing regular file (a FIFO would block the reader)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ValueError(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise ValueError(f"{what} {path} is {kind}")
+
+
+@contextlib.contextmanager
+def _temporary(directory: str, suffix: str) -> Iterator[str]:
+    """A new empty file in `directory` (mode 0666 less the umask), removed unless renamed."""
+    while True:
+        tmp = os.path.join(directory, f".tmp-{secrets.token_hex(6)}{suffix}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _MODE))
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield tmp
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
+    """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.
+
+    For writers that take a file name (savefig). The temporary name keeps the suffix, so a
+    writer that appends one does not miss it; writers that take a handle use `atomic_file`.
+    """
+    check_writable(path)
+    target = target_of(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    with _temporary(directory, os.path.splitext(target)[1]) as tmp:
+        yield tmp
+        os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], mode: str = "wb", **kwargs: Any) -> Iterator[IO]:
+    """An open file that appears, complete, at `path` when the block succeeds, else nowhere.
+
+    On Linux the file has no name until then (O_TMPFILE): a process killed mid-write leaves
+    nothing behind. Elsewhere a hidden temporary file is renamed.
+    """
+    check_writable(path)
+    target = target_of(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    try:
+        fd = os.open(directory, getattr(os, "O_TMPFILE", 0) | os.O_RDWR, _MODE)
+    except (OSError, AttributeError):  # no O_TMPFILE (macOS, some file systems): a named file
+        fd = None
+    if fd is None:
+        with atomic_path(path) as tmp, open(tmp, mode, **kwargs) as handle:
+            yield handle
+        return
+    with open(fd, mode, **kwargs) as handle:
+        yield handle
+        handle.flush()
+        _name(fd, directory, target)
+
+
+def _name(fd: int, directory: str, target: str) -> None:
+    """Give the nameless file `fd` the name `target`: link it, or copy it where links fail."""
+    with _temporary(directory, "") as tmp:
+        try:
+            os.unlink(tmp)  # reserve a free name, then give the nameless file that name
+            os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)
+        except OSError:  # e.g. EXDEV on overlay file systems: copy the bytes instead
+            with open(tmp, "wb") as out:
+                offset = 0
+                while chunk := os.pread(fd, 1 << 20, offset):
+                    out.write(chunk)
+                    offset += len(chunk)
+        os.replace(tmp, target)
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write `text` to `path` atomically."""
+    with atomic_file(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
