@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,12 +33,41 @@ OUTPUT = "output"
 class UniformError(ValueError):
     """An error that every rank raised alike, before any communication: reported once, by rank 0."""
 
+    uniform = True
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (no usage dump) and exits with status 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        text = f"{message} (see --help)"
+        if job_size() > 1:  # the other ranks may be waiting to start: tell them, print once
+            text = agreed_text(text)
+            if launcher_rank() != 0:
+                self.exit(2)
+        self.exit(2, f"{self.prog}: error: {text}\n")
+
+
+def agreed_text(error: str | None) -> str:
+    """Under MPI: the one line every rank agrees on (naming the rank if not every rank had it)."""
+    try:
+        from syncsgd.comm.world import mpi_world
+        from syncsgd.training.run import agree
+
+        agree(mpi_world(), error)
+    except ValueError as exc:  # the agreed error
+        return str(exc)
+    except (ImportError, RuntimeError):  # no mpi4py: nothing to agree with
+        pass
+    return error or ""
+
+
+def job_size() -> int:
+    """The number of processes the MPI launcher started (1 when not launched by MPI)."""
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "large-batch SGD for any number of ranks.",
     )  # fmt: skip
     add_train_arguments(train)
+    train.set_defaults(mpi=True)  # under mpiexec, every rank takes part
     check = _command(
         commands, "verify", run_verify,
         "train on P = 1, 2, 3, ... ranks and compare each with serial SGD",
@@ -92,7 +123,9 @@ def _add_apps(commands: argparse._SubParsersAction) -> None:
         (allreduce, "allreduce", "ring vs the library's Allreduce, 8 B to 64 MiB"),
         (step, "step", "training-step time split into compute, allreduce and update, P = 1..N"),
     ):
-        module.add_arguments(_command(benchmarks, name, module.main, summary, _first_line(module)))
+        sub = _command(benchmarks, name, module.main, summary, _first_line(module))
+        sub.set_defaults(mpi=True)  # under mpiexec, every rank takes part
+        module.add_arguments(sub)
 
 
 def _first_line(module: object) -> str:
@@ -184,15 +217,22 @@ def run_train(options: argparse.Namespace) -> int:
     from syncsgd.comm.world import launch, resolve_backend
     from syncsgd.training.loop import prepare, train_rank
 
+    backend = resolve_backend(options.backend)
+    error = None
     try:
-        for path in (options.save, options.log, options.timeline):
-            if path is not None:
-                check_writable(path)
         config = config_from_options(options)
-        backend = resolve_backend(options.backend)
+        if launcher_rank() == 0:  # rank 0 writes the outputs: its node must have their directory
+            check_outputs(options, config)
         problem = prepare(config)
-    except ValueError as exc:
-        raise UniformError(str(exc)) from exc  # every rank fails here alike
+    except (ValueError, OSError, MemoryError) as exc:
+        error = one_line(exc)
+    if backend == "mpi":  # before any other communication: no rank waits for one that failed
+        from syncsgd.comm.world import mpi_world
+        from syncsgd.training.run import agree
+
+        agree(mpi_world(), error)
+    elif error is not None:
+        raise UniformError(error)  # thread ranks: one process, one error
     ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
     with graceful_stop():
         [result, *_] = launch(
@@ -205,6 +245,28 @@ def run_train(options: argparse.Namespace) -> int:
             print(f"syncsgd: interrupted after step {result.stopped_after}{where}", file=sys.stderr)
         return 130
     return 0
+
+
+def check_outputs(options: argparse.Namespace, config: Any) -> None:
+    """Every output can be written, and none is an input or another output."""
+    from syncsgd.util.files import check_distinct
+
+    outputs = {"--save": options.save, "--log": options.log, "--timeline": options.timeline}
+    for path in outputs.values():
+        if path is not None:
+            check_writable(path)
+    data = config.data if config.data.lower().endswith((".npz", ".csv")) else None
+    check_distinct({"--data": data, "--init": config.init}, outputs)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error in one line that names the file an OSError is about (not '[Errno 2] ...')."""
+    if isinstance(exc, MemoryError):
+        return f"out of memory{': ' + str(exc) if str(exc) else ''}"
+    if isinstance(exc, OSError) and exc.strerror:
+        where = exc.filename if exc.filename is not None else ""
+        return f"{where}: {exc.strerror}" if where != "" else exc.strerror
+    return str(exc)
 
 
 @contextlib.contextmanager
@@ -239,6 +301,8 @@ def launcher_rank() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `syncsgd` console script."""
     options = build_parser().parse_args(argv)
+    if launcher_rank() != 0 and not getattr(options, "mpi", False):
+        return 0  # a command on thread ranks, started by mpiexec: rank 0 runs it, once per job
     if options.debug and launcher_rank() == 0:  # before the run: a wrong core type would crash it
         from syncsgd.nn.blas import describe
 
@@ -252,14 +316,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("syncsgd: interrupted", file=sys.stderr)
         _abort_mpi_job()
         return 130
-    except (ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         if options.debug:
-            raise
-        uniform = isinstance(exc, UniformError)  # raised alike on every rank: say it once
-        if not uniform or launcher_rank() == 0:
+            traceback.print_exc()
+        uniform = getattr(exc, "uniform", False)  # known to every rank: say it once
+        if not options.debug and (not uniform or launcher_rank() == 0):
             rank = getattr(exc, "__notes__", None)
             where = f" {rank[-1]}" if rank and os.environ.get("SYNCSGD_VERBOSE_ERRORS") else ""
-            print(f"syncsgd: error: {exc}{where}", file=sys.stderr)
+            alone = f"rank {launcher_rank()}: " if not uniform and job_size() > 1 else ""
+            print(f"syncsgd: error: {alone}{one_line(exc)}{where}", file=sys.stderr)
         if not uniform:
             _abort_mpi_job()
         return 1
