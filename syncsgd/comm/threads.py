@@ -631,6 +631,10 @@ def check_capacity(size: int, rank_bytes: int = 0) -> None:
 
 
 _START_LOCK = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
+# Beyond SMALL_WORLD ranks, most threads are ready and waiting for the GIL; each waiter asks the
+# holder to drop it every switch interval (5 ms by default), and the forced switches cost more
+# than the work (P = 256: about 20% of the time per message). Large worlds run with this interval.
+LARGE_WORLD_SWITCH_INTERVAL = 0.05
 
 
 def _start(threads: list[threading.Thread], size: int) -> BaseException | None:
@@ -690,13 +694,19 @@ def run_threads(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
         threading.Thread(target=rank_main, args=(rank,), name=f"syncsgd-rank-{rank}", daemon=True)
         for rank in range(world.size)
     ]
-    refused = _start(threads, world.size)
-    started = [thread for thread in threads if thread.ident is not None]
-    if refused is not None:  # release the started ranks as if the first unstarted one failed
-        for rank in range(len(started), world.size):
-            world.finish(rank, refused)
-    for thread in started:
-        thread.join()
+    interval = sys.getswitchinterval()
+    if world.size > SMALL_WORLD:
+        sys.setswitchinterval(max(interval, LARGE_WORLD_SWITCH_INTERVAL))
+    try:
+        refused = _start(threads, world.size)
+        started = [thread for thread in threads if thread.ident is not None]
+        if refused is not None:  # release the started ranks as if the first unstarted one failed
+            for rank in range(len(started), world.size):
+                world.finish(rank, refused)
+        for thread in started:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
     if refused is not None:
         raise RuntimeError(
             f"could start only {len(started)} of {world.size} thread ranks ({refused}); "
