@@ -195,6 +195,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     JSON.add(parser, help="write the table as JSON (default: none)")
     groups = {name: parser.add_argument_group(name) for name in GROUPS if name != "output"}
     add_options(parser, TrainConfig, groups, keep=lambda declared: declared.verify)
+    from syncsgd.apps.verify import allow_all
+
+    allow_all(parser)  # --pitfall all: every pitfall, a row each
 
 
 def config_from_options(options: argparse.Namespace):  # -> TrainConfig (imported lazily)
@@ -208,8 +211,7 @@ def run_verify(options: argparse.Namespace) -> int:
     """`syncsgd verify`: the table of max |Δθ|, ULPs and digests against the serial run."""
     from syncsgd.apps import verify
 
-    return verify.main(config_from_options(options), options.ranks, options.tolerance,
-                       options.json)  # fmt: skip
+    return verify.run_options(options, config_from_options)
 
 
 def run_train(options: argparse.Namespace) -> int:

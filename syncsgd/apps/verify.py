@@ -3,6 +3,7 @@
     syncsgd verify --ranks 1,2,3,4,8                       # float mode: within the tolerance
     syncsgd verify --ranks 1,2,3,5,8 --exact               # exact mode: every bit
     syncsgd verify --ranks 2,3 --pitfall mean-of-means     # watch a known pitfall break it
+    syncsgd verify --pitfall all                           # every pitfall, one row each
 
 The reference is the serial run: one rank, no pitfall, the same mode. A run matches when its final
 parameters are bitwise equal to the reference's (exact mode), or within the documented relative
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import textwrap
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -36,7 +38,8 @@ class Row:
     ranks: int
     max_abs_diff: float
     relative_diff: float
-    max_ulps: int
+    max_ulps: int  # over the elements whose signs agree (a sign flip has no useful ULP count)
+    sign_flips: int
     bitwise_equal: bool
     sha256: str
     first_difference: int | None  # steps taken when the parameters first differed; None: never
@@ -56,6 +59,15 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
         return np.where(raw < 0, lowest - raw, raw).astype(object)  # Python ints: no overflow
 
     return int(np.max(np.abs(ordered(a) - ordered(b))))
+
+
+def same_sign_ulps(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
+    """(the ULP distance over the elements whose signs agree, how many elements flipped sign)."""
+    # Between -x and +x lie all the floats near zero: about 9e18 ULPs for float64, which says
+    # only that the sign flipped. Zero agrees with either sign.
+    flipped = (np.sign(a) * np.sign(b)) < 0
+    kept = ~flipped
+    return ulp_distance(a[kept], b[kept]), int(np.count_nonzero(flipped))
 
 
 def sha256(params: np.ndarray) -> str:
@@ -79,13 +91,16 @@ def compare(reference: TrainResult, result: TrainResult, ranks: int, exact: bool
     pairs = zip(result.digests, reference.digests, strict=True)
     first = next((step + 1 for step, (a, b) in enumerate(pairs) if a != b), None)
     matches = bitwise if exact else relative <= tolerance
-    return Row(ranks, max_abs, relative, ulp_distance(ours, theirs), bitwise, sha256(ours), first,
+    ulps, flips = same_sign_ulps(ours, theirs)
+    return Row(ranks, max_abs, relative, ulps, flips, bitwise, sha256(ours), first,
                matches)  # fmt: skip
 
 
-def verify(config: TrainConfig, ranks_list: list[int], tolerance: float, report=None) -> list[Row]:
+def verify(config: TrainConfig, ranks_list: list[int], tolerance: float, report=None,
+           reference: TrainResult | None = None) -> list[Row]:  # fmt: skip
     """Compare a run on each P of `ranks_list` with the serial run; call `report` per row."""
-    reference = run(replace(config, pitfall=None), 1)
+    if reference is None:
+        reference = run(replace(config, pitfall=None), 1)
     rows = []
     for ranks in ranks_list:
         row = compare(reference, run(config, ranks), ranks, config.exact, tolerance)
@@ -95,31 +110,53 @@ def verify(config: TrainConfig, ranks_list: list[int], tolerance: float, report=
     return rows
 
 
-HEADER = (f"{'P':>4} {'max |Δθ|':>10} {'relative':>10} {'max ULPs':>18} {'bitwise':>8} "
-          f"{'first diff':>10}  {'SHA-256':<16}  match")  # fmt: skip
+HEADER = (f"{'P':>3} {'max |Δθ|':>9} {'relative':>9} {'max ULPs':>8} {'flips':>5} {'bitwise':>7} "
+          f"{'first diff':>10} {'SHA-256':<12} match")  # fmt: skip
 
 
-def format_row(row: Row) -> str:
+def format_row(row: Row, scale: float) -> str:
+    """One line of at most 80 columns; `relative` is '=' where it equals max |Δθ| (scale <= 1)."""
     first = "-" if row.first_difference is None else f"step {row.first_difference}"
+    relative = "=" if scale <= 1 else f"{row.relative_diff:.3g}"
     return (
-        f"{row.ranks:>4} {row.max_abs_diff:>10.3g} {row.relative_diff:>10.3g} {row.max_ulps:>18} "
-        f"{'yes' if row.bitwise_equal else 'no':>8} {first:>10}  {row.sha256[:16]}  "
-        f"{'ok' if row.matches else 'MISMATCH'}"
-    )
+        f"{row.ranks:>3} {row.max_abs_diff:>9.3g} {relative:>9} {_compact(row.max_ulps):>8} "
+        f"{row.sign_flips:>5} {'yes' if row.bitwise_equal else 'no':>7} {first:>10} "
+        f"{row.sha256[:12]:<12} {'ok' if row.matches else 'MISMATCH':<8}"
+    ).rstrip()
 
 
+def _compact(count: int) -> str:
+    """3072, or 1.96e+10 where an integer would not fit the column."""
+    return str(count) if count < 10**7 else f"{count:.2e}"
+
+
+# Why a pitfall's run on one rank differs from serial SGD, where it does: it is not distributed.
+AT_ONE_RANK = {
+    "fp32-allreduce": "P = 1 differs too: the gradient is rounded to float32 around the "
+    "allreduce on one rank as well; that loss of precision is there at every P, and how the "
+    "batch is split then changes the rounding",
+    "local-clip": "P = 1 differs only in exact mode: one rank's clipping is the global "
+    "clipping, but it scales the sum before the division by B instead of the mean after it, "
+    "so the last bits round differently (far inside the float tolerance)",
+}
 def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
          json_path: str | None) -> int:  # fmt: skip
     """Print the verify table; exit status 1 if a run that should match does not."""
     tolerance = TOLERANCE[config.dtype] if tolerance is None else tolerance
-    mode = (
-        "exact mode: bitwise" if config.exact else f"float mode: relative tolerance {tolerance:g}"
-    )
+    mode = "exact mode: bitwise" if config.exact else f"float mode: tolerance {tolerance:g}"
     pitfall = f", pitfall {config.pitfall}" if config.pitfall else ""
-    print(f"# verify against serial SGD (1 rank, no pitfall); {mode}{pitfall}")
+    print(comment(f"against serial SGD (1 rank, no pitfall); {mode}{pitfall}"))
     print(HEADER, flush=True)
-    rows = verify(config, ranks_list, tolerance, report=lambda r: print(format_row(r), flush=True))
+    reference = run(replace(config, pitfall=None), 1)
+    scale = max(1.0, float(np.max(np.abs(reference.params), initial=0.0)))
+    rows = verify(config, ranks_list, tolerance, reference=reference,
+                  report=lambda row: print(format_row(row, scale), flush=True))  # fmt: skip
+    if scale <= 1:
+        print("# relative = max |Δθ| / max(1, max |θ|), the same here ('='): max |θ| <= 1")
+    print("# ULPs: over the elements whose signs agree; flips: elements that changed sign")
     failed = [row.ranks for row in rows if not row.matches]
+    if 1 in failed and config.pitfall in AT_ONE_RANK:
+        print(comment(AT_ONE_RANK[config.pitfall]))
     if json_path:
         document = {"config": asdict(config), "rows": [asdict(row) for row in rows],
                     "matches": not failed}  # fmt: skip
@@ -129,3 +166,105 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
         return 1
     print(f"all {len(rows)} runs match serial SGD")
     return 0
+
+
+def comment(text: str) -> str:
+    """`text` as '# ' lines of at most 80 columns."""
+    return textwrap.fill(text, 80, initial_indent="# ", subsequent_indent="# ")
+
+
+ALL = "all"  # --pitfall all: every pitfall, one row each
+
+ALL_HEADER = (f"{'pitfall':<16} {'P':>2} {'loss':>8} {'serial':>8} {'acc':>6} {'serial':>6} "
+              f"{'relative':>9} {'first diff':>10} {'shows':>5}")  # fmt: skip
+
+
+@dataclass
+class PitfallRow:
+    """One pitfall at the P it shows at, beside serial SGD run with the same options."""
+
+    pitfall: str
+    ranks: int
+    options: dict[str, Any]  # what the pitfall needs to show (its shows_with)
+    loss: float
+    serial_loss: float
+    accuracy: float | None
+    serial_accuracy: float | None
+    row: Row
+    why: str
+
+    @property
+    def shows(self) -> bool:
+        """The pitfall broke the equality with serial SGD, as it should."""
+        return not self.row.matches
+
+
+def pitfall_row(config: TrainConfig, name: str, tolerance: float) -> PitfallRow:
+    """Run pitfall `name` at its P with its options, and the serial run it should equal."""
+    from syncsgd.training.variants import VARIANTS
+
+    kind = VARIANTS[name]
+    base = replace(config, pitfall=None, **kind.shows_with)
+    reference = run(base, 1)
+    result = run(replace(base, pitfall=name), kind.shows_at)
+    row = compare(reference, result, kind.shows_at, config.exact, tolerance)
+    assert result.final_loss is not None and reference.final_loss is not None  # rank 0's results
+    return PitfallRow(name, kind.shows_at, dict(kind.shows_with), result.final_loss,
+                      reference.final_loss, result.accuracy, reference.accuracy, row,
+                      kind.why)  # fmt: skip
+
+
+def format_pitfall(line: PitfallRow) -> str:
+    """One row of the pitfall table, at most 80 columns."""
+    def accuracy(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    first = "-" if line.row.first_difference is None else f"step {line.row.first_difference}"
+    return (
+        f"{line.pitfall:<16} {line.ranks:>2} {line.loss:>8.5g} {line.serial_loss:>8.5g} "
+        f"{accuracy(line.accuracy):>6} {accuracy(line.serial_accuracy):>6} "
+        f"{line.row.relative_diff:>9.3g} {first:>10} {'yes' if line.shows else 'NO':>5}"
+    )
+
+
+def main_all(config: TrainConfig, tolerance: float | None, json_path: str | None) -> int:
+    """Every pitfall at the P it shows at: exit status 1 if one does not show."""
+    from syncsgd.training.variants import VARIANTS
+
+    tolerance = TOLERANCE[config.dtype] if tolerance is None else tolerance
+    mode = "exact mode: bitwise" if config.exact else f"float mode: tolerance {tolerance:g}"
+    print(comment(f"every pitfall on the P and with the options it shows with, against serial "
+                  f"SGD (1 rank, no pitfall, the same options); {mode}; relative = max |Δθ| / "
+                  f"max(1, max |θ|)"))  # fmt: skip
+    print(ALL_HEADER, flush=True)
+    lines = []
+    for name in VARIANTS:
+        lines.append(pitfall_row(config, name, tolerance))
+        print(format_pitfall(lines[-1]), flush=True)
+    for line in lines:
+        options = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in line.options.items())
+        print(comment(f"{line.pitfall}: {line.why}" + (f" ({options})" if options else "")))
+    if json_path:
+        document = {"config": asdict(config), "pitfalls": [asdict(line) for line in lines]}
+        write_text(json_path, json.dumps(document, indent=1, default=str) + "\n")
+    hidden = [line.pitfall for line in lines if not line.shows]
+    if hidden:
+        print(f"NOT SHOWN: {', '.join(hidden)} matched serial SGD")
+        return 1
+    print(f"all {len(lines)} pitfalls differ from serial SGD, as they should")
+    return 0
+
+
+def allow_all(parser: Any) -> None:
+    """Let verify's --pitfall take 'all' as well as a pitfall's name."""
+    for action in parser._actions:
+        if action.dest == "pitfall" and action.choices is not None:
+            action.choices = (*action.choices, ALL)
+
+
+def run_options(options: Any, config_from_options: Any) -> int:
+    """`syncsgd verify` from its parsed options: one pitfall's table, or every pitfall's."""
+    if options.pitfall == ALL:
+        options.pitfall = None
+        return main_all(config_from_options(options), options.tolerance, options.json)
+    return main(config_from_options(options), options.ranks, options.tolerance, options.json)
