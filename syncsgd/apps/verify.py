@@ -24,7 +24,7 @@ import numpy as np
 from syncsgd.comm.threads import run_threads
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, prepare, train_rank
-from syncsgd.util.files import write_text
+from syncsgd.util.files import check_writable, write_text
 
 # Float mode: the relative distance from serial SGD that a correct run stays within (the tolerance
 # the README documents).
@@ -264,6 +264,8 @@ def allow_all(parser: Any) -> None:
 
 def run_options(options: Any, config_from_options: Any) -> int:
     """`syncsgd verify` from its parsed options: one pitfall's table, or every pitfall's."""
+    if options.json:
+        check_writable(options.json)  # before the runs, not after them
     if options.pitfall == ALL:
         options.pitfall = None
         return main_all(config_from_options(options), options.tolerance, options.json)

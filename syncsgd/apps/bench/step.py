@@ -54,7 +54,7 @@ from syncsgd.util.argtypes import (
     positive_int,
     rank_list,
 )
-from syncsgd.util.files import write_text
+from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS
 
 DEFAULT_RANKS = (1, 2, 3, 4)
@@ -472,6 +472,9 @@ def main(options: argparse.Namespace) -> int:
     backend = resolve_backend(options.backend)
     call, rank_counts, master_process = phase_runner(options, backend)
     check_batch_sizes(options, rank_counts)
+    for path in (options.json, options.csv) if master_process else ():
+        if path:
+            check_writable(path)  # before the work, not after it
     say = print if master_process else (lambda *args, **kwargs: None)
     model = "-".join(map(str, (options.features, *parse_hidden(options.hidden), options.classes)))
     say(
