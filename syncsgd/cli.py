@@ -166,6 +166,10 @@ class TrainOutputs:
     timeline: str | None = output(
         None, "write a Chrome trace (chrome://tracing, Perfetto): one row per rank", metavar="PATH"
     )
+    timeline_png: str | None = output(
+        None, "draw the timeline as a Gantt chart, a row per rank, for slides (PNG)",
+        metavar="PATH",
+    )  # fmt: skip
     quiet: bool = output(False, "print nothing but errors")
 
 
@@ -236,11 +240,13 @@ def run_train(options: argparse.Namespace) -> int:
     elif error is not None:
         raise UniformError(error)  # thread ranks: one process, one error
     ranks = options.ranks if options.ranks is not None or backend == "mpi" else 2
-    with graceful_stop():
+    with graceful_stop(), _trace_path(options) as trace:
         [result, *_] = launch(
             train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
-            save_path=options.save, timeline_path=options.timeline, quiet=options.quiet,
+            save_path=options.save, timeline_path=trace, quiet=options.quiet,
         )  # fmt: skip
+        if options.timeline_png and trace and result.stopped_after is None:
+            _draw_timeline(trace, options.timeline_png, options.quiet)
     if result.stopped_after is not None:  # every rank stopped after the same step
         if launcher_rank() == 0:
             where = f"; checkpoint written to {config.checkpoint}" if config.checkpoint else ""
@@ -269,6 +275,33 @@ def one_line(exc: BaseException) -> str:
         where = exc.filename if exc.filename is not None else ""
         return f"{where}: {exc.strerror}" if where != "" else exc.strerror
     return str(exc)
+
+
+@contextlib.contextmanager
+def _trace_path(options: argparse.Namespace) -> Iterator[str | None]:
+    """Where train writes its Chrome trace: --timeline, or a scratch file for --timeline-png."""
+    if options.timeline_png and launcher_rank() == 0:  # rank 0 draws: its node must have the dir
+        from syncsgd.util.files import check_writable as writable
+
+        writable(options.timeline_png)
+    if options.timeline or not options.timeline_png:
+        yield options.timeline
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="syncsgd-trace-") as scratch:
+        yield os.path.join(scratch, "trace.json")
+
+
+def _draw_timeline(trace: str, png: str, quiet: bool) -> None:
+    """Rank 0 draws the trace it wrote as a Gantt chart."""
+    if launcher_rank() != 0:
+        return
+    from syncsgd.training.timeline import draw_gantt_file
+
+    draw_gantt_file(trace, png, "syncsgd train: compute, allreduce steps, update per rank")
+    if not quiet:
+        print(f"wrote {png}")
 
 
 @contextlib.contextmanager

@@ -67,3 +67,84 @@ def write(comm: Any, timeline: Timeline, path: str) -> None:
         comm.Recv(data, source=source, tag=_TAG)
         events.extend(json.loads(data.tobytes()))
     write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}) + "\n")
+
+
+# -- a Gantt chart of the same spans, for slides -------------------------------------------------
+
+COLOURS = {  # by category, then by the phase of an allreduce step
+    "compute": "#4c72b0", "update": "#55a868", "reduce-scatter": "#dd8452", "allgather": "#8172b3",
+    "exchange": "#c44e52", "reduce": "#ccb974", "broadcast": "#64b5cd", "fold": "#937860",
+    "unfold": "#937860",
+}  # fmt: skip
+OTHER = "#8c8c8c"
+
+
+def _kind(event: dict) -> str:
+    """What a span is drawn as: compute, update, or the phase of an allreduce step."""
+    if event.get("cat") == "allreduce":
+        return str(event["name"]).rsplit(" ", 1)[0]
+    return str(event.get("cat", "other"))
+
+
+def draw_gantt(events: list[dict], path: str, title: str = "timeline") -> None:
+    """Chrome trace events as one bar row per rank, coloured by what the rank did, as a PNG."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise RuntimeError("--timeline-png needs matplotlib: pip install 'syncsgd[plot]'") from None
+    from syncsgd.util.files import atomic_path
+
+    spans = [e for e in events if e.get("ph") == "X"]
+    ranks = sorted({int(e["tid"]) for e in events if "tid" in e})
+    figure = Figure(figsize=(12, 1.2 + 0.45 * max(len(ranks), 1)), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    unit, scale = ("ms", 1e-3) if not spans or max(e["ts"] + e["dur"] for e in spans) < 2e6 else (
+        "s", 1e-6)  # fmt: skip
+    kinds: dict[str, str] = {}
+    for event in spans:
+        kind = _kind(event)
+        colour = COLOURS.get(kind, OTHER)
+        if event.get("cat") == "call":  # a whole traced call (bench): an outline around its steps
+            axes.broken_barh([(event["ts"] * scale, event["dur"] * scale)],
+                             (event["tid"] - 0.45, 0.9), facecolors="none",
+                             edgecolors="black", linewidth=0.6)  # fmt: skip
+            continue
+        kinds.setdefault(kind, colour)
+        axes.broken_barh([(event["ts"] * scale, max(event["dur"] * scale, 0))],
+                         (event["tid"] - 0.35, 0.7), facecolors=colour)  # fmt: skip
+    start = _steady_start(spans)
+    if start is not None:  # the first step loads the kernels: it would squeeze the rest to a line
+        first = start - min(e["ts"] for e in spans)
+        end = max(e["ts"] + e["dur"] for e in spans)
+        axes.set_xlim(start * scale, (end + 0.02 * (end - start)) * scale)
+        title += f" (from the second step; the first, start-up included, took {first / 1e6:.2f} s)"
+    axes.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    axes.invert_yaxis()
+    axes.set_xlabel(f"time ({unit}) from the common start")
+    axes.set_title(title)
+    axes.grid(True, axis="x", alpha=0.3)
+    handles = [Patch(facecolor=colour, label=kind) for kind, colour in kinds.items()]
+    if handles:
+        axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=120)
+
+
+def _steady_start(spans: list[dict]) -> float | None:
+    """When the second training step started (µs), or None for a trace of fewer steps."""
+    steps = sorted({e["args"]["step"] for e in spans
+                    if e.get("cat") == "compute" and "step" in e.get("args", {})})  # fmt: skip
+    if len(steps) < 2:
+        return None
+    return min(e["ts"] for e in spans
+               if e.get("cat") == "compute" and e["args"].get("step") == steps[1])  # fmt: skip
+
+
+def draw_gantt_file(trace_path: str, path: str, title: str = "timeline") -> None:
+    """Draw the Chrome trace written to `trace_path` as a Gantt chart PNG at `path`."""
+    with open(trace_path, encoding="utf-8") as handle:
+        events = json.load(handle)["traceEvents"]
+    draw_gantt(events, path, title)

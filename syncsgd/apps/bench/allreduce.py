@@ -27,8 +27,10 @@ import csv
 import functools
 import io
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +40,7 @@ import numpy as np
 from syncsgd.collectives import ALGORITHMS, Trace, allreducer, ring_allreduce
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.world import constants, launch, resolve_backend
-from syncsgd.training.timeline import Timeline
+from syncsgd.training.timeline import Timeline, draw_gantt_file
 from syncsgd.training.timeline import write as write_timeline
 from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.files import check_writable, write_text
@@ -292,7 +294,7 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
             print(format_row(row, baseline), flush=True)
 
     rows = sweep(comm, options, report)
-    if options.timeline:
+    if options.timeline or options.timeline_png:
         traced_calls(comm, options)
     if not master_process:
         return None
@@ -341,7 +343,13 @@ def traced_calls(comm: Any, options: argparse.Namespace) -> None:
             start = time.perf_counter()
             op(buf)
             timeline.span(f"{name} {nbytes} B", "call", start, time.perf_counter(), bytes=nbytes)
-    write_timeline(comm, timeline, options.timeline)
+    with tempfile.TemporaryDirectory(prefix="syncsgd-trace-") as scratch:
+        path = options.timeline or os.path.join(scratch, "trace.json")
+        write_timeline(comm, timeline, path)  # collective: rank 0 writes
+        if options.timeline_png and comm.Get_rank() == 0:
+            ranks = comm.Get_size()
+            title = f"bench allreduce: a traced call per algorithm and size, {ranks} ranks"
+            draw_gantt_file(path, options.timeline_png, title)
 
 
 def draw_png(rows: list[dict], path: str, title: str) -> None:
@@ -412,6 +420,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", metavar="PATH",
                         help="after the sweep, one traced call per algorithm and size as a "
                         "Chrome trace (one row per rank, a span per step)")  # fmt: skip
+    parser.add_argument("--timeline-png", metavar="PATH",
+                        help="the same traced calls as a Gantt chart per rank (PNG)")  # fmt: skip
     parser.add_argument(
         "--check",
         action="store_true",
@@ -425,10 +435,10 @@ def main(options: argparse.Namespace) -> int:
     """Run the sweep on the backend the options ask for."""
     if options.min_bytes > options.max_bytes:
         raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
-    for path in (options.json, options.csv, options.png, options.timeline):
+    for path in (options.json, options.csv, options.png, options.timeline, options.timeline_png):
         if path:
             check_writable(path)
-    if options.png:
+    if options.png or options.timeline_png:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
