@@ -186,7 +186,7 @@ def test_bad_files_raise_one_clear_line(tmp_path):
         (write_npz(tmp_path, X=np.ones((4, 0)), y=np.zeros(4, int)), "has no features"),
         (write_npz(tmp_path, X=ones), "has no array 'y' .found: X"),
         (write_npz(tmp_path, X=ones.astype(str), y=np.zeros(4, int)), "'X' holds <U32"),
-        (write_csv(tmp_path, "garbage", ".npz"), "is not a readable .npz file"),
+        (write_csv(tmp_path, "garbage", ".npz"), "is not an .npz file .not a zip archive.$"),
         (write_csv(tmp_path, "1,2,0\n3,4\n"), "line 2: 2 columns, but the first data line has 3"),
         (write_csv(tmp_path, "a,b,y\n1,2,0\n3,x,1\n"), "line 3: 'x' is not a number"),
         (write_csv(tmp_path, "1,2,0\n3,,1\n"), "line 2: '' is not a number"),

@@ -22,6 +22,7 @@ import zipfile
 import numpy as np
 
 from syncsgd.nn.mlp import LOSSES
+from syncsgd.util.files import check_regular_file
 from syncsgd.util.validate import choice, float_dtype, integer
 
 SOURCES = (
@@ -81,6 +82,9 @@ def load_data(
     default_classes = 4 if is_labels else 1
     n_classes = default_classes if classes is None else _check_positive_int("classes", classes)
     _check_seed(seed)
+    # The generators hold a few float64 copies of X and of the targets at once.
+    what = f"{samples} samples, {features} features, {n_classes} classes/outputs"
+    check_memory(4 * 8 * samples * (features + n_classes), what)
     X, y = _SYNTHETIC[source](np.random.default_rng(seed), samples, features, n_classes)
     return _finish(source, X, y, is_labels, n_classes, loss, dtype)
 
@@ -229,17 +233,67 @@ _SYNTHETIC = {
 # --- files ------------------------------------------------------------------------------------
 
 
-def _check_file(path: str) -> None:
-    """ValueError unless `path` is an existing regular file."""
-    if not os.path.exists(path):
-        raise ValueError(f"data file {path} does not exist")
-    if not os.path.isfile(path):
-        raise ValueError(f"data file {path} is not a regular file")
+def check_npz(path: str, what: str = "data file") -> None:
+    """ValueError unless `path` is an .npz file whose arrays fit in memory (read from headers)."""
+    check_regular_file(path, what)
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # every .npz is a zip archive
+        raise ValueError(f"{path} is not an .npz file (not a zip archive)")
+    total = 0
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                with archive.open(name) as member:
+                    version = np.lib.format.read_magic(member)
+                    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                            else np.lib.format.read_array_header_2_0)  # fmt: skip
+                    shape, _, dtype = read(member)
+                total += math.prod(shape) * dtype.itemsize
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path} is not a readable .npz file: {exc}") from None
+    check_memory(total, f"the arrays of {path}")
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate: MemAvailable, or less under a cgroup limit."""
+    found = []
+    try:
+        with open("/proc/meminfo") as handle:
+            found += [int(line.split()[1]) * 1024 for line in handle
+                      if line.startswith("MemAvailable:")]  # fmt: skip
+    except (OSError, ValueError, IndexError):
+        found.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    try:
+        with open("/sys/fs/cgroup/memory.max") as handle:
+            limit = handle.read().strip()
+        if limit.isdigit():
+            found.append(int(limit))
+    except OSError:
+        pass
+    return min(found)
+
+
+def check_memory(needed: int, what: str) -> None:
+    """ValueError, before allocating, if `needed` bytes exceed what the machine has free."""
+    free = available_memory()
+    if needed > free:
+        raise ValueError(f"{what}: about {_size(needed)} of memory needed, "
+                         f"{_size(free)} available")  # fmt: skip
+
+
+def _size(count: float) -> str:
+    """'3.2 GiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if count < 1024 or unit == "PiB":
+            return f"{count:.3g} {unit}"
+        count /= 1024
+    return f"{count:.3g} PiB"
 
 
 def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray, bool]:
     """Arrays X and y of an .npz file (no pickles); y holds labels if its dtype is integer."""
-    _check_file(path)
+    check_npz(path)
     try:
         with np.load(path, allow_pickle=False) as archive:
             missing = [key for key in ("X", "y") if key not in archive.files]
@@ -260,16 +314,17 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray, bool]:
 
 
 def _read_csv(path: str) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Features and target column of a .csv file; a non-numeric first line is a header."""
-    _check_file(path)
+    """Features and target column of a .csv file; a first line without numbers is a header."""
+    check_regular_file(path, "data file")
+    check_memory(os.path.getsize(path) * 4, f"the numbers of {path}")  # 8 B a number of 2+ B
     try:
         with open(path, encoding="utf-8-sig") as handle:
             lines = handle.read().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not a readable text file: {exc}") from None
     numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
-    if numbered and not _is_numeric_row(numbered[0][1]):
-        numbered = numbered[1:]  # the header
+    if numbered and _is_header(numbered[0][1]):
+        numbered = numbered[1:]  # a line with a number in it is data: a typo is reported
     if not numbered:
         raise ValueError(f"{path} has no samples")
     try:
@@ -284,11 +339,13 @@ def _read_csv(path: str) -> tuple[np.ndarray, np.ndarray, bool]:
     return table[:, :-1], table[:, -1], False
 
 
-def _is_numeric_row(line: str) -> bool:
-    """True if every comma-separated field of `line` parses as a float."""
-    try:
-        [float(field) for field in line.split(",")]
-    except ValueError:
+def _is_header(line: str) -> bool:
+    """True if no comma-separated field of `line` parses as a number (column names)."""
+    for field in line.split(","):
+        try:
+            float(field)
+        except ValueError:
+            continue
         return False
     return True
 
@@ -333,7 +390,8 @@ def _finish(
         raise ValueError(f"{source} has no samples")
     if X.shape[1] == 0:
         raise ValueError(f"{source} has no features")
-    X = np.ascontiguousarray(X, dtype=dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # reported below, not as a warning
+        X = np.ascontiguousarray(X, dtype=dtype)
     if not np.isfinite(X).all():
         raise ValueError(f"{source}: X contains NaN or infinite values (in {dtype})")
     if y.dtype.kind == "f" and not np.isfinite(y).all():
@@ -350,7 +408,8 @@ def _finish(
             f"{source} has {targets.shape[1]} regression output(s), "
             f"but classes={classes} was asked for"
         )
-    targets = np.ascontiguousarray(targets, dtype=dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        targets = np.ascontiguousarray(targets, dtype=dtype)
     if not np.isfinite(targets).all():
         raise ValueError(f"{source}: y contains values too large for {dtype}")
     return X, targets

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -35,7 +36,14 @@ from syncsgd.training.hooks import (
     TimelineSpans,
 )
 from syncsgd.training.result import TrainResult, summary
-from syncsgd.training.run import Run, agree, check_agreement, first_params, prepare
+from syncsgd.training.run import (
+    Run,
+    agree,
+    check_agreement,
+    check_outputs,
+    first_params,
+    prepare,
+)
 from syncsgd.training.step import DataParallelStep
 from syncsgd.training.timeline import Timeline
 from syncsgd.training.timeline import write as write_timeline
@@ -147,8 +155,9 @@ def hold_checkpoints(comm: Any, run: Run, outputs: contextlib.ExitStack) -> None
     if directory is None:
         return
     error = None
-    if comm.Get_rank() == 0:
+    if comm.Get_rank() == 0:  # it alone writes checkpoints: its node must have the directory
         try:
+            os.makedirs(directory, exist_ok=True)
             outputs.enter_context(checkpoint.locked(directory, run.fingerprint))
         except (ValueError, OSError) as exc:
             error = str(exc)
@@ -196,7 +205,9 @@ def train(config: TrainConfig | None = None, *, ranks: int = 1, backend: str = "
     `timeline` are the paths of the outputs of `syncsgd train`.
     """
     config = replace(config or TrainConfig(), **options)
-    run = prepare(config)  # loaded once, shared read-only by the thread ranks
+    check_outputs(config, save=save, log=log, timeline=timeline)
+    # Loaded once, shared read-only by the thread ranks.
+    run = prepare(config, ranks if backend == "threads" else 1)
     results = launch(train_rank, run, backend=backend, ranks=ranks, log_path=log,
                      save_path=save, timeline_path=timeline)  # fmt: skip
     return results[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +14,9 @@ from syncsgd.nn.optim import OptimConfig
 from syncsgd.training import checkpoint, data
 from syncsgd.training.checkpoint import Checkpoint
 from syncsgd.training.config import TrainConfig, _require, fingerprint
+from syncsgd.training.data import check_memory, check_npz
 from syncsgd.training.variants import variant
+from syncsgd.util.files import check_distinct, check_writable
 
 
 class AgreedError(ValueError):
@@ -79,8 +80,11 @@ class Run:
     y_eval: np.ndarray | None = None
 
 
-def prepare(config: TrainConfig) -> Run:
-    """Load the data and build the model and optimizer settings that `config` describes."""
+def prepare(config: TrainConfig, ranks: int = 1) -> Run:
+    """Load the data and build the model and optimizer settings that `config` describes.
+
+    `ranks`: the thread ranks this process will hold, for the estimate of the memory needed.
+    """
     X, y = data.load_data(
         config.data, samples=config.samples, features=config.features, classes=config.classes,
         loss=config.loss, seed=config.seed, dtype=config.dtype,
@@ -98,6 +102,8 @@ def prepare(config: TrainConfig) -> Run:
     if config.loss == "xent" and config.classes is not None:
         outputs = max(outputs, config.classes)
     sizes = (X.shape[1], *config.hidden, outputs)
+    needed = model_bytes(sizes, config.batch_size, np.dtype(config.dtype).itemsize, ranks)
+    check_memory(needed, f"a model of layer sizes {','.join(map(str, sizes))} on {ranks} rank(s)")
     model = MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype))
     optim = OptimConfig(
         lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
@@ -111,8 +117,6 @@ def prepare(config: TrainConfig) -> Run:
                       X_eval=X_eval, y_eval=y_eval)  # fmt: skip
     if config.init is not None:
         run.init = model.from_arrays(load_npz(config.init))
-    if config.checkpoint is not None:
-        os.makedirs(config.checkpoint, exist_ok=True)  # fail now rather than after the first steps
     if config.resume is not None:
         run.start = checkpoint.load_latest(config.resume, run.fingerprint, model.n_params,
                                            model.dtype)  # fmt: skip
@@ -121,6 +125,24 @@ def prepare(config: TrainConfig) -> Run:
             f"--resume {config.resume} is at step {run.start.step}, beyond --steps {steps}",
         )
     return run
+
+
+def model_bytes(sizes: tuple[int, ...], batch_size: int, itemsize: int, ranks: int) -> int:
+    """About the memory a model needs: per rank the parameters, the gradient, the
+    communication buffer, momentum and the update's workspace, and the batch's activations."""
+    params = sum((a + 1) * b for a, b in zip(sizes[:-1], sizes[1:], strict=False))
+    per_rank = 5 * params * itemsize + 3 * batch_size * sum(sizes) * itemsize
+    return ranks * per_rank + params * itemsize  # and rank 0's first draw
+
+
+def check_outputs(config: TrainConfig, **outputs: str | None) -> None:
+    """Before any work: each output (save=..., log=...) can be written, and none is an input."""
+    for path in outputs.values():
+        if path is not None:
+            check_writable(path)
+    data = config.data if config.data.lower().endswith((".npz", ".csv")) else None
+    check_distinct({"--data": data, "--init": config.init},
+                   {f"--{name}": path for name, path in outputs.items()})  # fmt: skip
 
 
 def split_holdout(X: np.ndarray, y: np.ndarray, fraction: float, seed: int):
@@ -169,6 +191,7 @@ def first_params(run: Run) -> np.ndarray:
 
 def load_npz(path: str) -> dict[str, np.ndarray]:
     """All arrays of an .npz file, loaded without pickle; ValueError for a missing or bad file."""
+    check_npz(path, "file")
     try:
         with np.load(path, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}

@@ -68,8 +68,8 @@ def check_regular_file(path: str, what: str = "file") -> None:
     except OSError as exc:
         raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
     if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise ValueError(f"{what} {path} is {kind}")
+        kind = "a directory" if stat.S_ISDIR(mode) else "a device, FIFO or socket"
+        raise ValueError(f"{what} {path} is not a regular file ({kind})")
 
 
 @contextlib.contextmanager
