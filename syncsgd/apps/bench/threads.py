@@ -3,6 +3,7 @@
     python benchmarks/threads.py                       # P = 2, 16, 64, 256, 1024
     python benchmarks/threads.py --ranks 2,16,64 --rounds 5
     python benchmarks/threads.py --memory 1024         # resident bytes per idle thread rank
+    python benchmarks/threads.py --against OLD/syncsgd/comm/threads.py   # old vs new, interleaved
 
 A ring allreduce on P ranks sends 2P(P-1) messages (every rank does 2(P-1) `Sendrecv`s), so the
 cost per message is the time of one allreduce divided by 2P(P-1). Rounds are interleaved over the
@@ -44,13 +45,32 @@ def _ring_rank(comm: Any, reps: int) -> float:
     return time.perf_counter() - started
 
 
-def seconds_per_message(size: int, min_messages: int) -> float:
+def seconds_per_message(size: int, min_messages: int, run: Any = None) -> float:
     """Seconds per message of a ring allreduce of 8 float64 on `size` thread ranks."""
     from syncsgd import run_threads
 
     reps = max(1, math.ceil(min_messages / messages(size)))
-    elapsed = run_threads(size, _ring_rank, reps)[0]
+    elapsed = (run or run_threads)(size, _ring_rank, reps)[0]
     return elapsed / reps / messages(size)
+
+
+def other_run_threads(path: str) -> Any:
+    """`run_threads` of another copy of the thread communicator's module (e.g. an older one)."""
+    import importlib.util
+    import sys
+
+    from syncsgd.comm import world
+    from syncsgd.comm.threads import ThreadComm
+
+    spec = importlib.util.spec_from_file_location("syncsgd_other_threads", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    # The collectives look their constants up by communicator type: the same values serve both.
+    world._CONSTANTS[module.ThreadComm] = world.constants(ThreadComm.__new__(ThreadComm))
+    return module.run_threads
 
 
 def resident_bytes() -> int:
@@ -91,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median quoted)")
     parser.add_argument("--messages", type=int, default=20000,
                         help="at least this many messages per measurement")  # fmt: skip
+    parser.add_argument("--against", metavar="FILE",
+                        help="also time the run_threads of this threads.py")  # fmt: skip
     parser.add_argument("--memory", type=int, default=0, metavar="P",
                         help="measure resident bytes per rank of P idle ranks instead")  # fmt: skip
     args = parser.parse_args(argv)
@@ -101,15 +123,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.memory} idle thread ranks: {bytes_per_rank(args.memory) / 1024:.1f} KiB each")
         return 0
     sizes = [int(p) for p in args.ranks.split(",")]
-    rounds: dict[int, list[float]] = {p: [] for p in sizes}
+    runs = {"this": None}
+    if args.against:
+        runs["other"] = other_run_threads(args.against)
+        print(f"# other: {args.against}")
+    rounds: dict[tuple[str, int], list[float]] = {(k, p): [] for k in runs for p in sizes}
     for _ in range(args.rounds):
         for size in sizes:
-            rounds[size].append(seconds_per_message(size, args.messages))
-    base = statistics.median(rounds[sizes[0]])
-    print(f"{'P':>6} {'messages':>10} {'us/message':>11} {'ratio':>7}  rounds (us)")
-    for size in sizes:
-        median = statistics.median(rounds[size])
-        every = " ".join(f"{s * 1e6:.1f}" for s in rounds[size])
-        figures = f"{messages(size):>10} {median * 1e6:>11.2f} {median / base:>7.2f}"
-        print(f"{size:>6} {figures}  {every}")
+            for name, run in runs.items():
+                rounds[name, size].append(seconds_per_message(size, args.messages, run))
+    print(f"{'':>5} {'P':>6} {'messages':>10} {'us/message':>11} {'ratio':>7}  rounds (us)")
+    for name in runs:
+        base = statistics.median(rounds[name, sizes[0]])
+        for size in sizes:
+            median = statistics.median(rounds[name, size])
+            every = " ".join(f"{s * 1e6:.1f}" for s in rounds[name, size])
+            figures = f"{messages(size):>10} {median * 1e6:>11.2f} {median / base:>7.2f}"
+            print(f"{name:>5} {size:>6} {figures}  {every}")
     return 0
