@@ -499,3 +499,33 @@ def test_fit_reads_a_real_bench_sweep(tmp_path, capsys):
     for row, original in zip(rows, [r for r in measured if r["algorithm"] == "ring"], strict=True):
         assert costmodel.format_bytes(original["size_bytes"]) == " ".join(row[1:3])
         assert costmodel.format_seconds(original["time_us"] * 1e-6) == " ".join(row[3:5])
+
+
+# -- the lecture figure and the warning of a poor fit ---------------------------------------------
+
+
+def test_a_poor_fit_warns_before_it_predicts(tmp_path, capsys):
+    # Times that do not grow with the size at all, scattered: no α-β-γ line explains them.
+    rng = np.random.default_rng(1)
+    rows = [{"size_bytes": n, "algorithm": "ring", "time_us": float(t)}
+            for n, t in zip(SIZES, rng.uniform(50, 500, len(SIZES)), strict=True)]  # fmt: skip
+    bench = write(tmp_path, {"benchmark": "allreduce", "ranks": 2, "rows": rows})
+    out = tmp_path / "model.json"
+    lines = run(capsys, "--fit", bench, "--ranks", "2,1024", "--json", str(out))
+    warning = " ".join(line[2:] for line in lines if line.startswith("# "))
+    assert "WARNING: R^2 = " in warning and "for P = 1024 (measured at P = 2)" in warning
+    assert "WARNING" in json.loads(out.read_text())["fit"]["warning"]
+    good = write(tmp_path, sweep(TRUE, 4, noise=0.01), "good.json")
+    assert not any("WARNING" in line for line in run(capsys, "--fit", good, "--ranks", "1024"))
+
+
+def test_png_is_the_lecture_figure(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "model.png"
+    lines = run(capsys, "--ranks", "4,1024", "--png", str(png))
+    assert lines[-1] == f"wrote {png}" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bench = write(tmp_path, sweep(TRUE, 4, noise=0.01))
+    fitted = tmp_path / "fit.png"
+    run(capsys, "--fit", bench, "--ranks", "4,1024", "--png", str(fitted))
+    assert fitted.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "fit.png", "model.png"]

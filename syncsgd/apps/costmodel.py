@@ -55,6 +55,7 @@ DEFAULT_GAMMA = 1e-10  # seconds per byte reduced: 10 GB/s
 DEFAULT_RANKS = (2, 8, 1024)
 DEFAULT_SIZES = (8, 1 << 10, 64 << 10, 1 << 20, 64 << 20)
 FIT_BAR_FROM = 64 << 10  # a fit should predict every size from 64 KiB up within 30%
+POOR_FIT = 0.9  # below this R², the fitted α, β, γ explain too little to extrapolate from
 
 
 class Params(NamedTuple):
@@ -502,12 +503,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the rows of the sweep to fit (default ring)",
     )
     JSON.add(parser, help="write the predictions as JSON")
+    parser.add_argument("--png", metavar="PATH",
+                        help="draw time against size per algorithm (log-log), the fastest "
+                        "shaded and where it changes marked; with --fit, the measurements and "
+                        "their residuals")  # fmt: skip
 
 
 def main(options: argparse.Namespace) -> int:
     """`syncsgd model`: the prediction table, the crossovers and, with --fit, the fit."""
-    if options.json:
-        check_writable(options.json)
+    for path in (options.json, options.png):
+        if path:
+            check_writable(path)
     given = {
         name: getattr(options, name)
         for name in PARAM_NAMES
@@ -520,7 +526,9 @@ def main(options: argparse.Namespace) -> int:
         fitted = fit(samples, sweep_ranks, given)
         params = fitted.params
         lines += describe_fit(fitted, options.fit, sweep_ranks)
+        lines += fit_warning(fitted, sweep_ranks, options.ranks)
         result["fit"] = fit_json(fitted, options.fit, sweep_ranks)
+        result["fit"]["warning"] = " ".join(fit_warning(fitted, sweep_ranks, options.ranks))
     else:
         defaults = {"alpha": DEFAULT_ALPHA, "beta": DEFAULT_BETA, "gamma": DEFAULT_GAMMA}
         params = Params(**{**defaults, **given})
@@ -529,6 +537,11 @@ def main(options: argparse.Namespace) -> int:
     for ranks in options.ranks:
         lines += describe_crossovers(ranks, params, options.algorithms)
     print("\n".join(lines))
+    if options.png:
+        fit_result, fit_ranks = (fitted, sweep_ranks) if options.fit else (None, None)
+        draw_png(options.png, options.ranks, options.sizes, options.algorithms, params,
+                 fit_result, fit_ranks)  # fmt: skip
+        print(f"wrote {options.png}")
     if options.json:
         result.update(predictions_json(options.ranks, options.sizes, options.algorithms, params))
         write_text(options.json, json.dumps(result, indent=1) + "\n")
@@ -635,6 +648,21 @@ def describe_fit(result: Fit, path: str, ranks: int) -> list[str]:
     return lines
 
 
+def fit_warning(result: Fit, sweep_ranks: int, ranks: Sequence[int]) -> list[str]:
+    """A warning when a poor fit (low R²) is about to predict other numbers of ranks."""
+    poor = math.isnan(result.r_squared) or result.r_squared < POOR_FIT
+    elsewhere = [p for p in ranks if p != sweep_ranks]
+    if not poor:
+        return []
+    where = f" for P = {', '.join(map(str, elsewhere))}" if elsewhere else ""
+    return textwrap.wrap(
+        f"WARNING: R^2 = {result.r_squared:.2f} < {POOR_FIT}: these α, β, γ explain little of "
+        f"the measured times, so the predictions below{where} (measured at P = {sweep_ranks}) "
+        f"are not to be trusted; measure more sizes or batches, or under less load",
+        98, initial_indent="# ", subsequent_indent="# ",
+    )  # fmt: skip
+
+
 def linear_floors(result: Fit) -> dict[str, float]:
     """The worst error of each algorithm's `best_line` through its rows from FIT_BAR_FROM bytes."""
     floors = {}
@@ -700,3 +728,129 @@ def predictions_json(ranks: Sequence[int], sizes: Sequence[int], algorithms: Seq
         ],
         "crossovers": [c._asdict() for p in ranks for c in crossovers(p, params, algorithms)],
     }
+
+
+# -- the figure (--png): time against size per algorithm, the fastest shaded ----------------------
+
+LOWEST, HIGHEST = 8, 1 << 30  # the sizes drawn, in bytes, widened to the ones asked about
+
+
+def _figure_modules() -> tuple[Any, Any]:
+    """matplotlib's Figure and Agg canvas, or a RuntimeError saying how to install them."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RuntimeError("--png needs matplotlib: pip install 'syncsgd[plot]'") from None
+    return Figure, FigureCanvasAgg
+
+
+def draw_png(path: str, ranks: Sequence[int], sizes: Sequence[int], algorithms: Sequence[str],
+             params: Params, fitted: Fit | None = None,
+             fit_ranks: int | None = None) -> None:  # fmt: skip
+    """Write the figure to `path` (PNG): a panel per P, and the residuals of a fit."""
+    Figure, FigureCanvasAgg = _figure_modules()
+    from syncsgd.util.files import atomic_path
+
+    shown = list(ranks)[:4]  # more panels than four are unreadable on a slide
+    residuals = fitted is not None and fit_ranks in shown
+    figure = Figure(figsize=(5.2 * len(shown), 6.4 if residuals else 4.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    grid = figure.add_gridspec(2 if residuals else 1, len(shown),
+                               height_ratios=[3, 1] if residuals else [1])  # fmt: skip
+    colours = _colours(algorithms)
+    n = np.geomspace(min(LOWEST, *sizes), max(HIGHEST, *sizes), 400)
+    for column, p in enumerate(shown):
+        axes = figure.add_subplot(grid[0, column])
+        _panel(axes, p, n, algorithms, params, colours)
+        if fitted is not None and p == fit_ranks:
+            _measured(axes, fitted, colours)
+            _residuals(figure.add_subplot(grid[1, column], sharex=axes), fitted, colours)
+    figure.suptitle("α-β-γ model: " + _params_text(params), fontsize=11)
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=120)
+
+
+def _colours(algorithms: Sequence[str]) -> dict[str, Any]:
+    """A tab10 colour per algorithm."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10"]
+    return {name: palette(i % 10) for i, name in enumerate(algorithms)}
+
+
+def _params_text(params: Params) -> str:
+    """'α = 2 µs, β = 80 ps/B (12.5 GB/s), γ = 100 ps/B'."""
+    def rate(per_byte: float) -> str:
+        return f" ({1 / per_byte / 1e9:.3g} GB/s)" if per_byte > 0 else ""
+
+    return (f"α = {params.alpha * 1e6:.3g} µs, β = {params.beta:.3g} s/B{rate(params.beta)}, "
+            f"γ = {params.gamma:.3g} s/B{rate(params.gamma)}")  # fmt: skip
+
+
+def _panel(axes: Any, ranks: int, n: np.ndarray, algorithms: Sequence[str], params: Params,
+           colours: dict[str, Any]) -> None:  # fmt: skip
+    """One P: a line per algorithm, the fastest one's region shaded, its changes marked."""
+    times = {name: np.array([predict(name, ranks, x, params) for x in n]) for name in algorithms}
+    for name in algorithms:
+        axes.plot(n, times[name], color=colours[name], label=name, linewidth=1.8)
+    fastest = np.min(np.stack(list(times.values())), axis=0)
+    bottom = fastest.min() / 3
+    for region in best_by_size(ranks, params, algorithms):
+        inside = (n >= region.start) & (n <= (region.stop or np.inf))
+        axes.fill_between(n[inside], bottom, fastest[inside], alpha=0.18, linewidth=0,
+                          color=colours[region.algorithms[0]])  # fmt: skip
+        if region.start > 0 and n[0] <= region.start <= n[-1]:
+            at = float(np.interp(region.start, n, fastest))
+            axes.axvline(region.start, color="black", linestyle=":", linewidth=1)
+            axes.plot([region.start], [at], "o", color="black", markersize=5)
+            axes.annotate(f"{' = '.join(region.algorithms)}\nfrom {format_bytes(region.start)}",
+                          (region.start, at), textcoords="offset points", xytext=(6, 8),
+                          fontsize=8)  # fmt: skip
+    _ring_crossovers(axes, ranks, n, times, params, algorithms)
+    axes.set(xscale="log", yscale="log", ylim=(bottom, None), xlabel="message size (bytes)",
+             ylabel="predicted time (s)", title=f"P = {ranks}: shaded = the fastest")  # fmt: skip
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left")
+
+
+def _ring_crossovers(axes: Any, ranks: int, n: np.ndarray, times: dict[str, np.ndarray],
+                     params: Params, algorithms: Sequence[str]) -> None:  # fmt: skip
+    """Hollow markers where the ring overtakes another algorithm, listed in a corner."""
+    if "ring" not in times:
+        return
+    labels = []
+    for crossing in crossovers(ranks, params, algorithms):
+        if "ring" not in (crossing.faster, crossing.slower) or not n[0] <= crossing.nbytes <= n[-1]:
+            continue
+        at = float(np.interp(crossing.nbytes, n, times["ring"]))
+        axes.plot([crossing.nbytes], [at], "o", markerfacecolor="white", markeredgecolor="black",
+                  markersize=6)  # fmt: skip
+        labels.append(f"{crossing.faster} < {crossing.slower} above "
+                      f"{format_bytes(crossing.nbytes)}")  # fmt: skip
+    if labels:
+        axes.text(0.98, 0.03, "○ " + "\n○ ".join(labels), transform=axes.transAxes, ha="right",
+                  va="bottom", fontsize=7.5,
+                  bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0})  # fmt: skip
+
+
+def _measured(axes: Any, fitted: Fit, colours: dict[str, Any]) -> None:
+    """The sweep's measured times as points on the panel of its P."""
+    for name in dict.fromkeys(row.algorithm for row in fitted.rows):
+        rows = [row for row in fitted.rows if row.algorithm == name]
+        axes.plot([r.nbytes for r in rows], [r.measured for r in rows], "x",
+                  color=colours.get(name, "black"), markersize=6,
+                  label=f"{name} measured")  # fmt: skip
+    axes.legend(fontsize=8, loc="upper left")
+
+
+def _residuals(axes: Any, fitted: Fit, colours: dict[str, Any]) -> None:
+    """(predicted - measured) / measured of every fitted row, against the size."""
+    for name in dict.fromkeys(row.algorithm for row in fitted.rows):
+        rows = [row for row in fitted.rows if row.algorithm == name]
+        axes.plot([r.nbytes for r in rows], [100 * r.relative_error for r in rows], "x-",
+                  color=colours.get(name, "black"), linewidth=0.8)  # fmt: skip
+    axes.axhline(0, color="black", linewidth=0.8)
+    axes.set(xscale="log", xlabel="message size (bytes)", ylabel="fit error (%)",
+             title=f"residuals of the fit, R² = {fitted.r_squared:.3f}")  # fmt: skip
+    axes.grid(True, alpha=0.3)
