@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncsgd.util.argtypes import positive_float
-from syncsgd.util.files import check_writable
 from syncsgd.util.options import (
     BACKEND,
     DEBUG,
@@ -78,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with a hand-written ring allreduce.",
     )
     DEBUG.add(parser)
+    parser.add_argument("--version", action="version", version=f"syncsgd {_version()}")
     commands = _subcommands(parser, "command", "COMMAND")
     train = _command(
         commands, "train", run_train,
@@ -97,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_arguments(check)
     _add_apps(commands)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (the source tree's when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("syncsgd")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _add_apps(commands: argparse._SubParsersAction) -> None:
@@ -227,9 +237,12 @@ def run_train(options: argparse.Namespace) -> int:
     error = None
     try:
         config = config_from_options(options)
+        ranks_here = job_size() if backend == "mpi" else options.ranks or 2
+        if config.noise_scale and ranks_here < 2:  # the API returns None; a command says why
+            raise ValueError("--noise-scale needs 2 or more ranks (it compares their gradients)")
         if launcher_rank() == 0:  # rank 0 writes the outputs: its node must have their directory
             check_outputs(options, config)
-        problem = prepare(config)
+        problem = prepare(config, ranks_here if backend == "threads" else 1)
     except (ValueError, OSError, MemoryError) as exc:
         error = one_line(exc)
     if backend == "mpi":  # before any other communication: no rank waits for one that failed
@@ -257,14 +270,9 @@ def run_train(options: argparse.Namespace) -> int:
 
 def check_outputs(options: argparse.Namespace, config: Any) -> None:
     """Every output can be written, and none is an input or another output."""
-    from syncsgd.util.files import check_distinct
+    from syncsgd.training.run import check_outputs as check
 
-    outputs = {"--save": options.save, "--log": options.log, "--timeline": options.timeline}
-    for path in outputs.values():
-        if path is not None:
-            check_writable(path)
-    data = config.data if config.data.lower().endswith((".npz", ".csv")) else None
-    check_distinct({"--data": data, "--init": config.init}, outputs)
+    check(config, save=options.save, log=options.log, timeline=options.timeline)
 
 
 def one_line(exc: BaseException) -> str:

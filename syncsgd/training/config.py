@@ -35,13 +35,17 @@ EVALUATION, REPRODUCIBILITY = "evaluation", "reproducibility"
 
 
 def _data_source(flag: str, source: str) -> str | None:
-    if source in DATA_SOURCES or source.endswith((".npz", ".csv")):
+    if source in DATA_SOURCES or source.lower().endswith((".npz", ".csv")):
         return None
     return f"unknown {flag} {source!r}: use one of {', '.join(DATA_SOURCES)} or a .npz/.csv path"
 
 
 def _hidden_sizes(flag: str, hidden: tuple[int, ...]) -> str | None:
     return None if all(h >= 1 for h in hidden) else f"{flag} sizes must be >= 1: {hidden}"
+
+
+def _accuracy(flag: str, value: float | None) -> str | None:
+    return None if value is None or 0 <= value <= 1 else f"{flag} must be in [0, 1], got {value}"
 
 
 def _fraction(flag: str, value: float) -> str | None:
@@ -153,7 +157,7 @@ class TrainConfig:
     )  # fmt: skip
     target_accuracy: float | None = option(
         None, "stop once the held-out accuracy is at least this", group=EVALUATION,
-        type=finite_float, shown="none", fingerprint=False,
+        type=finite_float, check=_accuracy, shown="none", fingerprint=False,
     )  # fmt: skip
     noise_scale: bool = option(
         False, "estimate the gradient noise scale B_simple (McCandlish et al.; 2+ ranks)",
@@ -177,6 +181,10 @@ class TrainConfig:
         _require(
             self.target_accuracy is None or self.loss == "xent",
             "--target-accuracy needs --loss xent",
+        )
+        _require(
+            self.classes is None or self.classes >= 2 or self.loss != "xent",
+            f"--classes {self.classes}: cross-entropy needs at least 2 classes",
         )
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from syncsgd.util.argtypes import positive_int, rank_list
 
@@ -119,11 +121,49 @@ def from_options(cls: type, options: argparse.Namespace) -> Any:
 
 
 def errors(instance: Any) -> Iterator[str]:
-    """What is wrong with each field of a dataclass instance, field by field."""
+    """What is wrong with each field of a dataclass instance, field by field: its type, then
+    its check (a value of the wrong type given in Python gets one clear line too)."""
+    annotations = {field.name: field.type for field in dataclasses.fields(instance)}
     for name, declared in options_of(type(instance)):
-        error = declared.error(getattr(instance, name))
+        value = getattr(instance, name)
+        error = type_error(declared.flag, value, str(annotations[name])) or declared.error(value)
         if error is not None:
             yield error
+
+
+# The annotations of option fields, and what a value of each must be.
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((numbers.Integral,), "an integer"),
+    "float": ((numbers.Real,), "a number"),
+    "str": ((str,), "a string"),
+    "bool": ((bool,), "True or False"),
+    "None": ((type(None),), "None"),
+    "tuple[int, ...]": ((tuple, list), "a tuple of integers"),
+}
+
+
+def type_error(flag: str, value: Any, annotation: str) -> str | None:
+    """Why `value` does not have the annotated type (e.g. 'int | None'), or None if it has."""
+    kinds = [kind.strip() for kind in annotation.split("|")]
+    if any(kind not in _KINDS for kind in kinds):
+        return None  # a type this check does not know
+    for kind in kinds:
+        if _is_kind(value, kind):
+            if kind == "float" and not math.isfinite(value):
+                return f"{flag} must be a finite number, got {value!r}"
+            return None
+    wanted = " or ".join(_KINDS[kind][1] for kind in kinds)
+    return f"{flag} must be {wanted}, not {value!r}"
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    """Whether `value` is of the annotated `kind` (a bool is not a number here)."""
+    types, _ = _KINDS[kind]
+    if not isinstance(value, types) or (kind in ("int", "float") and isinstance(value, bool)):
+        return False
+    if kind == "tuple[int, ...]":
+        return all(_is_kind(item, "int") for item in cast(Sequence[Any], value))
+    return True
 
 
 def at_least(low: int) -> Check:
