@@ -1,5 +1,5 @@
-"""Issue 7: no hangs, no half-written files, clear errors: signals, non-finite steps, mismatched
-ranks, a rank that dies, and fuzzed data files."""
+"""No hangs, no half-written files, clear errors: signals, non-finite steps, mismatched ranks, a
+rank that dies, fuzzed data files; start-up errors on some MPI ranks only; outputs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import mpiexec_path, requires_mpi
+from conftest import mpiexec_flags, mpiexec_path, requires_mpi
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -157,3 +157,70 @@ def test_npz_files_of_any_shape_load_or_fail_cleanly(tmp_path_factory, rows, col
     else:
         assert X_loaded.shape == (rows, columns) and len(y_loaded) == rows
         assert np.isfinite(X_loaded).all()
+
+
+# -- start-up errors under a real mpiexec: some ranks fail, the job ends with one line ----------
+
+CLI = [sys.executable, "-m", "syncsgd.cli"]
+QUICK = ["--samples", "200", "--features", "4", "--hidden", "4", "--batch-size", "20", "--steps",
+         "3", "--quiet"]  # fmt: skip
+
+
+def mpmd(first: list[str], second: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    """`mpiexec -n 1 syncsgd FIRST : -n 1 syncsgd SECOND`; a job that outlives `timeout` fails."""
+    path = str(mpiexec_path())
+    command = [path, *mpiexec_flags(path), "-n", "1", *CLI, *first, ":", "-n", "1", *CLI, *second]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)  # a hung rank ignores SIGTERM
+        job.communicate()
+        pytest.fail(f"{' '.join(command)} did not end within {timeout} s")
+    return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error" in line]
+
+
+@requires_mpi
+@pytest.mark.parametrize("failing", [0, 1])
+@pytest.mark.parametrize(
+    "option, expected",
+    [(["--data", "missing.csv"], "data file missing.csv does not exist"),
+     (["--init", "missing.npz"], "file missing.npz does not exist"),
+     (["--resume", "missing-dir"], "--resume missing-dir: no such directory")],
+)  # fmt: skip
+def test_a_start_up_error_on_one_rank_ends_the_job_with_one_line(tmp_path, failing, option,
+                                                                 expected):  # fmt: skip
+    ranks = [["train", *QUICK], ["train", *QUICK, *option]]
+    if failing == 0:
+        ranks.reverse()
+    done = mpmd(*ranks)
+    assert done.returncode != 0
+    assert error_lines(done.stderr) == [f"syncsgd: error: rank {failing}: {expected}"], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@requires_mpi
+def test_a_parse_error_on_one_rank_ends_the_job_and_one_on_all_is_printed_once():
+    done = mpmd(["train", *QUICK], ["train", "--lr", "abc"])
+    assert done.returncode != 0
+    assert error_lines(done.stderr) == [
+        "syncsgd: error: rank 1: argument --lr: not a number: 'abc' (see --help)"
+    ], done.stderr
+    done = mpmd(["train", "--lr", "abc"], ["train", "--lr", "abc"])
+    assert done.returncode == 2
+    assert done.stderr.count("not a number: 'abc'") == 1, done.stderr
+
+
+@requires_mpi
+def test_commands_on_thread_ranks_print_once_per_job():
+    alone = subprocess.run([*CLI, "ring-demo", "--ranks", "3", "--length", "6"],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = mpmd(["ring-demo", "--ranks", "3", "--length", "6"],
+                ["ring-demo", "--ranks", "3", "--length", "6"], timeout=60)  # fmt: skip
+    assert done.returncode == 0 and alone.returncode == 0
+    assert done.stdout == alone.stdout and "\x1b[" not in done.stdout
