@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -346,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     if launcher_rank() != 0 and not getattr(options, "mpi", False):
         return 0  # a command on thread ranks, started by mpiexec: rank 0 runs it, once per job
+    if not options.debug:  # an overflow is reported by the run, in one line, with its step
+        warnings.simplefilter("ignore", RuntimeWarning)
     if options.debug and launcher_rank() == 0:  # before the run: a wrong core type would crash it
         from syncsgd.nn.blas import describe
 

@@ -223,6 +223,11 @@ def test_messages_name_the_problem(tmp_path, capsys, monkeypatch):
     fails_with(capsys, ["train", *TINY, "--data", "typo.csv"], "line 1: '2x' is not a number")
     np.savez(tmp_path / "big.npz", X=np.full((60, 4), 1e300), y=np.arange(60) % 2)
     fails_with(capsys, ["train", *TINY, "--data", "big.npz", "--dtype", "float32"], "infinite")
+    diverging = ["--lr", "1e10", "--loss", "mse", "--data", "synthetic-regression", "--steps", "40",
+                 "--skip-nonfinite", "--ranks", "2"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "train", *TINY, *diverging],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "Warning" not in done.stderr, done.stderr
     assert one_line(FileNotFoundError(2, "No such file or directory", "x.npz")) == (
         "x.npz: No such file or directory"
     )
