@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,10 +46,12 @@ def mpiexec_path() -> str | None:
 def mpiexec_flags(path: str) -> tuple[str, ...]:
     """What this launcher needs to run P ranks on a small machine, as root if we are root."""
     done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
-    if "open mpi" not in (done.stdout + done.stderr).lower():
+    text = (done.stdout + done.stderr).lower()
+    if not any(name in text for name in ("open mpi", "openrte", "open-mpi")):
         return ()  # MPICH's hydra runs any number of ranks anywhere as anyone
-    # Open MPI refuses more ranks than cores without --oversubscribe, and root without consent.
-    flags = ("--oversubscribe",)
+    # Open MPI refuses more ranks than cores without --oversubscribe, and root without consent;
+    # it forwards the ranks' output in chunks that split lines, unless it tags each line.
+    flags = ("--oversubscribe", "--tag-output")
     return (*flags, "--allow-run-as-root") if os.geteuid() == 0 else flags
 
 
@@ -62,6 +65,18 @@ def run_mpiexec(ranks: int, args: list[str], timeout: float = 120) -> subprocess
     path = str(mpiexec_path())
     command = [path, *mpiexec_flags(path), "-n", str(ranks), sys.executable, *args]
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{' '.join(command)} did not finish in {timeout} s (deadlock?): {exc}")
+    done.stdout, done.stderr = _untagged(done.stdout), _untagged(done.stderr)
+    return done
+
+
+def _untagged(text: str) -> str:
+    """Each rank's output whole, rank after rank, from Open MPI's tagged chunks (a no-op else)."""
+    # --tag-output puts `[job,rank]<stdout>:` before every chunk it forwards, even mid-line.
+    pieces = re.split(r"\[\d+,(\d+)\]<std(?:out|err)>:", text)
+    by_rank: dict[int, list[str]] = {}
+    for rank, chunk in zip(pieces[1::2], pieces[2::2], strict=True):
+        by_rank.setdefault(int(rank), []).append(chunk)
+    return pieces[0] + "".join("".join(by_rank[rank]) for rank in sorted(by_rank))
