@@ -274,7 +274,8 @@ def library_name(comm: Any) -> str:
         return "threads backend: comm.Allreduce is a NumPy sum of all ranks' buffers"
     from mpi4py import MPI
 
-    return MPI.Get_library_version().strip().splitlines()[0]
+    # Open MPI's version string ends in a NUL byte, which would reach the header and the JSON
+    return MPI.Get_library_version().replace("\0", "").strip().splitlines()[0]
 
 
 def run(comm: Any, options: argparse.Namespace) -> dict | None:
