@@ -1,4 +1,4 @@
-"""Every command in docs/tutorial.md runs, in order, and exits as the tutorial says."""
+"""Every command in docs/tutorial.md and docs/instructor.md runs, in order, and exits as it says."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import sys
 
 import pytest
 
-TUTORIAL = os.path.join(os.path.dirname(__file__), "..", "docs", "tutorial.md")
+DOCS = os.path.join(os.path.dirname(__file__), "..", "docs")
+TUTORIAL = os.path.join(DOCS, "tutorial.md")
+INSTRUCTOR = os.path.join(DOCS, "instructor.md")
 
 
-def tutorial_commands() -> list[tuple[str, int]]:
+def tutorial_commands(path: str = TUTORIAL) -> list[tuple[str, int]]:
     """The `$ syncsgd ...` lines of the console blocks, with the exit status they announce."""
     commands = []
-    for line in open(TUTORIAL, encoding="utf-8"):
+    for line in open(path, encoding="utf-8"):
         if line.startswith("$ "):
             command, _, comment = line[2:].partition("#")
             status = re.search(r"exit status (\d+)", comment)
@@ -27,6 +29,8 @@ def tutorial_commands() -> list[tuple[str, int]]:
 def test_the_tutorial_has_commands():
     commands = tutorial_commands()
     assert len(commands) >= 10 and all(c.startswith("syncsgd ") for c, _ in commands)
+    guide = tutorial_commands(INSTRUCTOR)
+    assert len(guide) >= 5 and all(c.startswith("syncsgd ") for c, _ in guide)
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +39,42 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("tutorial")
 
 
-@pytest.mark.parametrize(("command", "status"), tutorial_commands(), ids=lambda v: str(v)[:60])
-def test_tutorial_command(workdir, command, status):
+def run_command(workdir, command: str, status: int) -> subprocess.CompletedProcess:
+    """Run a documented command in `workdir` and check its exit status."""
     argv = [sys.executable, "-m", "syncsgd.cli", *shlex.split(command)[1:]]
     done = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "MPLBACKEND": "Agg"})  # fmt: skip
     assert done.returncode == status, f"{command}\n{done.stdout}\n{done.stderr}"
     assert "Traceback" not in done.stderr
+    return done
+
+
+@pytest.mark.parametrize(("command", "status"), tutorial_commands(), ids=lambda v: str(v)[:60])
+def test_tutorial_command(workdir, command, status):
+    run_command(workdir, command, status)
+
+
+@pytest.mark.parametrize(("command", "status"), tutorial_commands(INSTRUCTOR),
+                         ids=lambda v: str(v)[:60])  # fmt: skip
+def test_instructor_command(workdir, command, status):
+    run_command(workdir, command, status)
+
+
+def test_the_instructors_figures_are_what_the_guide_says(workdir):
+    """The slides the guide prepares: one frame per round, the page, the model figure."""
+    run_command(workdir, "syncsgd ring-demo --ranks 4 --length 8 --frames ring4 --html ring4.html",
+                0)  # fmt: skip
+    frames = sorted(p.name for p in (workdir / "ring4").iterdir())
+    assert frames == [f"step-{k:03d}.png" for k in range(7)]
+    assert "2(P−1)/P·n = 96 bytes" in (workdir / "ring4.html").read_text(encoding="utf-8")
+    done = run_command(workdir, "syncsgd model --ranks 1024 --sizes 1M --alpha 4e-6", 0)
+    assert "ring overtakes recursive-doubling above 5.04 MiB" in done.stdout
+    done = run_command(workdir, "syncsgd model --ranks 1024 --sizes 1M", 0)
+    assert "ring overtakes recursive-doubling above 2.52 MiB" in done.stdout
+    done = run_command(workdir, "syncsgd ring-demo --ranks 3 --length 2 --algorithm tree", 0)
+    assert "4 rounds" in done.stdout and "4α" in done.stdout
+    # exercise 1's losses and accuracies are deterministic: the guide quotes them
+    for hidden, quoted in (("", "final loss 0.278171, accuracy 0.9043"),
+                           ("128,128", "final loss 0.219218, accuracy 0.9175")):  # fmt: skip
+        done = run_command(workdir, f"syncsgd train --ranks 1 --steps 100 --hidden '{hidden}'", 0)
+        assert quoted in done.stdout

@@ -22,7 +22,8 @@ result at the end (α + nβ), so both pay 2α + 2nβ + nγ more. The tree is the
 `syncsgd.collectives` (the children of rank i are 2i+1 and 2i+2; a parent receives and adds its
 children one after the other, then sends to each in turn): R and B are the rounds on its critical
 paths, about 2 log2 P each (R = B = 2 for P = 3; R = 19, B = 18 for P = 1024), where Thakur et
-al.'s binomial tree needs ⌈log2 P⌉ each.
+al.'s binomial tree needs ⌈log2 P⌉ each. A round is what `ring-demo` shows as one: every rank sends
+and receives at most one message in it, so the demo's rounds are every algorithm's α coefficient.
 
 Every time is linear in n, so two algorithms cross at most once, at n = Δ(fixed) / Δ(per byte),
 and the best algorithm by size is the lower envelope of the lines. `--fit bench.json` fits α, β, γ

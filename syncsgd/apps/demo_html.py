@@ -75,7 +75,7 @@ def page(demo: Demo) -> str:
         "model": model_bytes(demo), "rounds": rounds_line(demo), "correct": demo.correct,
         "bounds": chunk_layout(demo.algorithm, demo.length, demo.ranks),
     }  # fmt: skip
-    payload = json.dumps(document).replace("</", "<\\/")  # never ends the script element
+    payload = json.dumps(document, ensure_ascii=False).replace("</", "<\\/")  # never ends <script>
     title = html.escape(f"{demo.algorithm} allreduce on {demo.ranks} ranks")
     return TEMPLATE.replace("@TITLE@", title).replace("@DATA@", payload)
 
