@@ -4,8 +4,10 @@ P thread ranks run the allreduce on int64 buffers. Rank r starts with 10**r in e
 (for P <= 9), so each decimal digit of a partial sum says which ranks it already contains: 101 is
 ranks 0 and 2, and the final 111 is everyone; a 2 would be a rank counted twice. (For P > 9 rank
 r starts with r + 1.) The trace callback runs on each rank's thread right after each step, and
-copies the rank's buffer there; the steps are then printed in order, each rank's buffer with the
-chunk it just received in [brackets] (in colour on a terminal), with the chunk sent and to whom.
+copies the rank's buffer there. The steps are grouped into rounds from the algorithm's schedules
+(in a round each rank sends and receives at most one message, as the cost model counts them) and
+printed round by round: each rank's buffer with the range it just received in [brackets] (in
+colour on a terminal), and which chunks, as element ranges, it sent and received, and with whom.
 """
 
 from __future__ import annotations
@@ -346,7 +348,7 @@ def what_moves(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str
 
 
 def render_text(demo: Demo, color: bool = False) -> str:
-    """Every step of `demo`: each rank's buffer, the chunk received marked, the chunk sent."""
+    """Every round of `demo`: each rank's buffer, the range received marked, what moved."""
     everything = [*demo.start, *demo.final] + [s.buffer for _, group in demo.steps for s in group]
     width = max([len(str(int(v))) for buf in everything for v in buf] or [1])
     label = max(len(f"rank {demo.ranks - 1}"), 6)  # the width of the row names
