@@ -12,6 +12,7 @@ from oracle import serial_sgd
 
 from syncsgd import TrainConfig, run_threads, train
 from syncsgd.nn.mlp import MLP
+from syncsgd.training.hooks import progress_lines
 from syncsgd.training.loop import prepare, train_rank
 from syncsgd.training.result import NonFiniteError
 from syncsgd.training.step import bucket_slices
@@ -196,3 +197,16 @@ def test_noise_scale_needs_two_batch_sizes_and_is_positive():
     result = train(config, ranks=4)
     assert result.noise_scale is not None and result.noise_scale > 0
     assert len(result.noise_scales) == 60 and result.noise_scales[-1] == result.noise_scale
+
+
+def test_a_long_run_off_a_terminal_says_how_far_it_is_now_and_then(capsys):
+    now = [0.0]
+    update = progress_lines(100, first=10, every=30, clock=lambda: now[0])
+    for step, seconds in enumerate([1, 9, 11, 20, 40, 42, 50]):
+        now[0] = seconds
+        update(step, 0.5)
+    update(None, None)
+    assert capsys.readouterr().err.splitlines() == [
+        "syncsgd: step 3/100, loss 0.5, 11 s",  # the first after 10 s
+        "syncsgd: step 6/100, loss 0.5, 42 s",  # then 30 s after the last
+    ]

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -183,11 +184,12 @@ class Log(Hook):
 
 
 class Progress(Hook):
-    """A progress bar on rank 0's terminal (tqdm if installed, else one line)."""
+    """Rank 0's progress: a bar on a terminal; elsewhere a line now and then in a long run."""
 
     def __init__(self, first_step: int, total: int) -> None:
         self.first_step, self.total = first_step, total - first_step
-        self.update = progress_bar(self.total)
+        terminal = sys.stderr.isatty()
+        self.update = progress_bar(self.total) if terminal else progress_lines(self.total)
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
         self.update(record.step - self.first_step, record.loss)
@@ -272,6 +274,24 @@ def progress_bar(total: int) -> Callable[[int | None, float | None], None]:
         else:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    return update
+
+
+def progress_lines(total: int, first: float = 10.0, every: float = 30.0,
+                   clock: Callable[[], float] = time.monotonic,
+                   ) -> Callable[[int | None, float | None], None]:  # fmt: skip
+    """For a log file or a pipe: one line after `first` seconds, then every `every` seconds."""
+    started = clock()
+    due = [started + first]
+
+    def update(step: int | None, loss: float | None) -> None:
+        now = clock()
+        if step is None or now < due[0]:
+            return
+        due[0] = now + every
+        print(f"syncsgd: step {step + 1}/{total}, loss {loss:.4g}, {now - started:.0f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     return update
 

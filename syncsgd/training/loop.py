@@ -70,7 +70,7 @@ def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
         hold_checkpoints(comm, run, outputs)
         log = outputs.enter_context(log_file(log_path if master_process else None))
         hooks = make_hooks(comm, run, result, first_step, log=log, timeline=timeline,
-                           progress=master_process and not quiet and sys.stderr.isatty(),
+                           progress=master_process and not quiet,
                            digests=record_digests)  # fmt: skip
         riders = [hook.rider for hook in hooks if hook.rider is not None]
         trace = timeline.collective_step if timeline is not None else None
