@@ -49,9 +49,8 @@ def mpiexec_flags(path: str) -> tuple[str, ...]:
     text = (done.stdout + done.stderr).lower()
     if not any(name in text for name in ("open mpi", "openrte", "open-mpi")):
         return ()  # MPICH's hydra runs any number of ranks anywhere as anyone
-    # Open MPI refuses more ranks than cores without --oversubscribe, and root without consent;
-    # it forwards the ranks' output in chunks that split lines, unless it tags each line.
-    flags = ("--oversubscribe", "--tag-output")
+    # Open MPI refuses more ranks than cores without --oversubscribe, and root without consent.
+    flags = ("--oversubscribe",)
     return (*flags, "--allow-run-as-root") if os.geteuid() == 0 else flags
 
 
@@ -63,7 +62,10 @@ requires_mpi = pytest.mark.skipif(
 def run_mpiexec(ranks: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `mpiexec -n ranks python args...`; a hang fails the test after `timeout` seconds."""
     path = str(mpiexec_path())
-    command = [path, *mpiexec_flags(path), "-n", str(ranks), sys.executable, *args]
+    flags = mpiexec_flags(path)
+    if flags:  # Open MPI forwards output in chunks that split lines: tag them to reassemble
+        flags = (*flags, "--tag-output")
+    command = [path, *flags, "-n", str(ranks), sys.executable, *args]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
