@@ -21,7 +21,9 @@ case "$host" in
 {cases}
   *) echo "syncsgd cluster: no emulated node $host" >&2; exit 255 ;;
 esac
-exec ip netns exec "$namespace" sh -c "$*"
+# Its own hostname too (a UTS namespace): Open MPI names its shared-memory files by hostname,
+# and nodes sharing one would write into each other's.
+exec ip netns exec "$namespace" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$node" "$*"
 """
 
 
@@ -53,7 +55,8 @@ def flavour(mpiexec: str) -> str:
 def write_enter_script(cluster: Cluster, path: str) -> str:
     """Write the ssh stand-in that maps each node's address to its namespace."""
     cases = "\n".join(
-        f"  {node.address}) namespace={shlex.quote(node.namespace)} ;;" for node in cluster.nodes
+        f"  {node.address}) namespace={shlex.quote(node.namespace)} node=node{node.index} ;;"
+        for node in cluster.nodes
     )
     with open(path, "w", encoding="utf-8") as script:
         script.write(ENTER_SCRIPT.format(cases=cases))
