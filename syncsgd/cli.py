@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import signal
 import sys
@@ -344,7 +345,9 @@ def launcher_rank() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `syncsgd` console script."""
-    options = build_parser().parse_args(argv)
+    quiet = launcher_rank() != 0 and job_size() > 1  # --help and --version: once per job
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        options = build_parser().parse_args(argv)
     if launcher_rank() != 0 and not getattr(options, "mpi", False):
         return 0  # a command on thread ranks, started by mpiexec: rank 0 runs it, once per job
     if not options.debug:  # an overflow is reported by the run, in one line, with its step

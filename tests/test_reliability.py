@@ -226,3 +226,5 @@ def test_commands_on_thread_ranks_print_once_per_job():
                 ["ring-demo", "--ranks", "3", "--length", "6"], timeout=60)  # fmt: skip
     assert done.returncode == 0 and alone.returncode == 0
     assert done.stdout == alone.stdout and "\x1b[" not in done.stdout
+    done = mpmd(["--version"], ["--version"])
+    assert done.returncode == 0 and done.stdout.count("syncsgd ") == 1, done.stdout
