@@ -228,3 +228,21 @@ def test_commands_on_thread_ranks_print_once_per_job():
     assert done.stdout == alone.stdout and "\x1b[" not in done.stdout
     done = mpmd(["--version"], ["--version"])
     assert done.returncode == 0 and done.stdout.count("syncsgd ") == 1, done.stdout
+
+
+def test_a_double_interrupt_leaves_no_temporary_file(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = start(["train", "--ranks", "2", *LONG, "--checkpoint", str(ckpt), "--checkpoint-every",
+                 "20", "--log", str(tmp_path / "log.jsonl"), "--save", str(tmp_path / "p.npz")])
+    wait_for(str(ckpt / "ckpt-00000020.npz"))
+    job.send_signal(signal.SIGINT)
+    job.send_signal(signal.SIGINT)  # the second: stop at once
+    try:
+        _, stderr = job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail("the run did not stop within 30 s of two interrupts")
+    assert job.returncode == 130 and "Traceback" not in stderr, stderr
+    assert [name for name in os.listdir(tmp_path) if name.startswith(".tmp")] == []
+    assert [name for name in os.listdir(ckpt) if name.startswith(".tmp")] == []
+    assert not (tmp_path / "p.npz").exists()
