@@ -274,7 +274,8 @@ def check_outputs(options: argparse.Namespace, config: Any) -> None:
     """Every output can be written, and none is an input or another output."""
     from syncsgd.training.run import check_outputs as check
 
-    check(config, save=options.save, log=options.log, timeline=options.timeline)
+    check(config, save=options.save, log=options.log, timeline=options.timeline,
+          timeline_png=options.timeline_png)  # fmt: skip
 
 
 def one_line(exc: BaseException) -> str:

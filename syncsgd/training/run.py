@@ -141,8 +141,8 @@ def check_outputs(config: TrainConfig, **outputs: str | None) -> None:
         if path is not None:
             check_writable(path)
     data = config.data if config.data.lower().endswith((".npz", ".csv")) else None
-    check_distinct({"--data": data, "--init": config.init},
-                   {f"--{name}": path for name, path in outputs.items()})  # fmt: skip
+    flags = {"--" + name.replace("_", "-"): path for name, path in outputs.items()}
+    check_distinct({"--data": data, "--init": config.init}, flags)
 
 
 def split_holdout(X: np.ndarray, y: np.ndarray, fraction: float, seed: int):
