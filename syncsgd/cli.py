@@ -367,17 +367,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         _abort_mpi_job()
         return 130
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
-        if options.debug:
-            traceback.print_exc()
-        uniform = getattr(exc, "uniform", False)  # known to every rank: say it once
-        if not options.debug and (not uniform or launcher_rank() == 0):
-            rank = getattr(exc, "__notes__", None)
-            where = f" {rank[-1]}" if rank and os.environ.get("SYNCSGD_VERBOSE_ERRORS") else ""
-            alone = f"rank {launcher_rank()}: " if not uniform and job_size() > 1 else ""
-            print(f"syncsgd: error: {alone}{one_line(exc)}{where}", file=sys.stderr)
-        if not uniform:
-            _abort_mpi_job()
+        report(exc, options.debug)
         return 1
+
+
+def report(exc: BaseException, debug: bool) -> None:
+    """One line on stderr (the traceback with --debug); an error of this rank alone ends the job."""
+    if debug:
+        traceback.print_exc()
+    uniform = getattr(exc, "uniform", False)  # known to every rank: say it once
+    if not debug and (not uniform or launcher_rank() == 0):
+        rank = getattr(exc, "__notes__", None)
+        where = f" {rank[-1]}" if rank and os.environ.get("SYNCSGD_VERBOSE_ERRORS") else ""
+        alone = f"rank {launcher_rank()}: " if not uniform and job_size() > 1 else ""
+        print(f"syncsgd: error: {alone}{one_line(exc)}{where}", file=sys.stderr)
+    if not uniform:
+        _abort_mpi_job()
 
 
 def _abort_mpi_job() -> None:
