@@ -216,6 +216,8 @@ def test_a_parse_error_on_one_rank_ends_the_job_and_one_on_all_is_printed_once()
     done = mpmd(["train", "--lr", "abc"], ["train", "--lr", "abc"])
     assert done.returncode == 2
     assert done.stderr.count("not a number: 'abc'") == 1, done.stderr
+    done = mpmd(["train", "--data", "missing.csv"], ["train", "--data", "missing.csv"])
+    assert error_lines(done.stderr) == ["syncsgd: error: data file missing.csv does not exist"]
 
 
 @requires_mpi
