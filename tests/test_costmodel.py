@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -529,3 +530,32 @@ def test_png_is_the_lecture_figure(tmp_path, capsys):
     run(capsys, "--fit", bench, "--ranks", "4,1024", "--png", str(fitted))
     assert fitted.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "fit.png", "model.png"]
+
+
+def brute_force_tree_rounds(ranks: int) -> tuple[int, int]:
+    """The tree's critical paths rank by rank, as the definition reads (O(P))."""
+    done = [0] * ranks
+    for rank in reversed(range(ranks)):
+        for child in (2 * rank + 1, 2 * rank + 2):
+            if child < ranks:
+                done[rank] = max(done[rank], done[child]) + 1
+    arrive = [0] * ranks
+    for rank in range(ranks):
+        for turn, child in enumerate((2 * rank + 1, 2 * rank + 2), start=1):
+            if child < ranks:
+                arrive[child] = arrive[rank] + turn
+    return done[0], max(arrive)
+
+
+def test_tree_rounds_match_the_definition_and_take_no_time_at_a_billion_ranks():
+    assert [costmodel.tree_rounds(p) for p in range(1, 700)] == [
+        brute_force_tree_rounds(p) for p in range(1, 700)
+    ]
+    assert costmodel.tree_rounds(10**9) == (58, 57)  # log-time: a billion ranks answer at once
+
+
+def test_a_sweep_that_is_not_a_regular_file_is_refused_not_read(tmp_path):
+    fifo = tmp_path / "sweep.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        costmodel.load_sweep(str(fifo))

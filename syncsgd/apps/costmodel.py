@@ -39,6 +39,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -108,18 +109,41 @@ def tree_rounds(ranks: int) -> tuple[int, int]:
     """Messages on the critical paths of the binary tree's reduce and of its broadcast."""
     # Rank i's children are 2i+1 and 2i+2. In the reduce a rank receives (and adds) its children's
     # sums one after the other, each only once that child has its own; in the broadcast a rank sends
-    # to its children one after the other, once it has the sum.
-    done = [0] * ranks  # reduce: the round in which rank i has its subtree's sum
-    for rank in reversed(range(ranks)):
-        for child in (2 * rank + 1, 2 * rank + 2):
-            if child < ranks:
-                done[rank] = max(done[rank], done[child]) + 1
-    arrive = [0] * ranks  # broadcast: the round in which the sum reaches rank i
-    for rank in range(ranks):
-        for turn, child in enumerate((2 * rank + 1, 2 * rank + 2), start=1):
-            if child < ranks:
-                arrive[child] = arrive[rank] + turn
-    return done[0], max(arrive)
+    # to its children one after the other, once it has the sum. Both in O(log² P), for any P.
+    return _reduce_rounds(0, ranks), _broadcast_rounds(ranks)
+
+
+def _perfect_height(rank: int, ranks: int) -> int | None:
+    """The height of rank's subtree if all its levels are full, else None."""
+    first, width, height = rank, 1, 0
+    while 2 * first + 1 < ranks:  # the leftmost node one level down exists
+        first, width, height = 2 * first + 1, 2 * width, height + 1
+    return height if first + width - 1 < ranks else None
+
+
+def _reduce_rounds(rank: int, ranks: int) -> int:
+    """The round in which `rank` holds its subtree's sum."""
+    height = _perfect_height(rank, ranks)
+    if height is not None:  # each level adds the left child's sum, then the right child's
+        return 2 * height
+    done = 0  # only the subtrees on the path to the last rank are not perfect: O(log P) of them
+    for child in (2 * rank + 1, 2 * rank + 2):
+        if child < ranks:
+            done = max(done, _reduce_rounds(child, ranks)) + 1
+    return done
+
+
+def _broadcast_rounds(ranks: int) -> int:
+    """The round in which the sum reaches the last rank to get it."""
+    # Rank k is reached along the bits of k + 1 after its leading one: 0 is a left child (one
+    # round after its parent), 1 a right child (two rounds): depth + ones. The most ones on the
+    # deepest level: n itself, or n with a set bit cleared and every bit below it set.
+    deepest = ranks.bit_length() - 1
+    candidates = [ranks] + [(ranks & ~(1 << j)) | ((1 << j) - 1)
+                            for j in range(deepest) if ranks >> j & 1]  # fmt: skip
+    ones = max(bin(x).count("1") for x in candidates if x.bit_length() - 1 == deepest)
+    one_level_up = 2 * (deepest - 1) if deepest >= 1 else 0  # its all-right path
+    return max(one_level_up, deepest + ones - 1)
 
 
 def predict(algorithm: str, ranks: int, nbytes: float, params: Params) -> float:
@@ -387,6 +411,8 @@ def load_sweep(path: str, algorithms: Iterable[str] = ("ring",)) -> tuple[int, l
 
 def _read_json(path: str) -> Any:
     """The parsed JSON of `path`; a missing, unreadable or malformed file is a ValueError."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block the reader
+        raise ValueError(f"cannot read {path}: not a regular file")
     try:
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
