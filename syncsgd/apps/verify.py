@@ -75,6 +75,17 @@ def sha256(params: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(params).tobytes()).hexdigest()
 
 
+COMPRESSED_AT_ONE_RANK = (
+    "P = 1 differs too: the gradient sums are rounded to the narrow format around the allreduce "
+    "on one rank as well; how the batch is split then changes what is rounded"
+)
+
+
+def serial(config: TrainConfig) -> TrainConfig:
+    """The reference's options: serial SGD, no pitfall, the gradient sums in the model's dtype."""
+    return replace(config, pitfall=None, allreduce_dtype=None)
+
+
 def run(config: TrainConfig, ranks: int) -> TrainResult:
     """Train `config` on `ranks` thread ranks, recording a digest of the parameters per step."""
     problem = prepare(config)
@@ -100,7 +111,7 @@ def verify(config: TrainConfig, ranks_list: list[int], tolerance: float, report=
            reference: TrainResult | None = None) -> list[Row]:  # fmt: skip
     """Compare a run on each P of `ranks_list` with the serial run; call `report` per row."""
     if reference is None:
-        reference = run(replace(config, pitfall=None), 1)
+        reference = run(serial(config), 1)
     rows = []
     for ranks in ranks_list:
         row = compare(reference, run(config, ranks), ranks, config.exact, tolerance)
@@ -145,9 +156,11 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
     tolerance = TOLERANCE[config.dtype] if tolerance is None else tolerance
     mode = "exact mode: bitwise" if config.exact else f"float mode: tolerance {tolerance:g}"
     pitfall = f", pitfall {config.pitfall}" if config.pitfall else ""
+    if config.allreduce_dtype is not None:
+        pitfall += f", allreduce in {config.allreduce_dtype} (the serial run's in {config.dtype})"
     print(comment(f"against serial SGD (1 rank, no pitfall); {mode}{pitfall}"))
     print(HEADER, flush=True)
-    reference = run(replace(config, pitfall=None), 1)
+    reference = run(serial(config), 1)
     scale = max(1.0, float(np.max(np.abs(reference.params), initial=0.0)))
     rows = verify(config, ranks_list, tolerance, reference=reference,
                   report=lambda row: print(format_row(row, scale), flush=True))  # fmt: skip
@@ -157,6 +170,8 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
     failed = [row.ranks for row in rows if not row.matches]
     if 1 in failed and config.pitfall in AT_ONE_RANK:
         print(comment(AT_ONE_RANK[config.pitfall]))
+    if 1 in failed and config.allreduce_dtype is not None:
+        print(comment(COMPRESSED_AT_ONE_RANK))
     if json_path:
         document = {"config": asdict(config), "rows": [asdict(row) for row in rows],
                     "matches": not failed}  # fmt: skip

@@ -30,6 +30,8 @@ DATA_SOURCES = (
 )
 
 
+ALLREDUCE_DTYPES = ("float16", "bfloat16")  # syncsgd.nn.precision.ALLREDUCE_CODES: no Numba here
+
 RANKS, DATA, OPTIMIZATION = "ranks", "data and model", "optimization"
 EVALUATION, REPRODUCIBILITY = "evaluation", "reproducibility"
 
@@ -121,6 +123,10 @@ class TrainConfig:
     )  # fmt: skip
     algorithm: str = option("ring", "the allreduce algorithm", group=RANKS, choices=ALGORITHMS,
                             list_choices=True, fingerprint=False)  # fmt: skip
+    allreduce_dtype: str | None = option(
+        None, "compress the gradient sums to this format for the allreduce (Horovod's fp16)",
+        group=RANKS, choices=ALLREDUCE_DTYPES, shown="the model's dtype",
+    )  # fmt: skip
     exact: bool = option(False, "bitwise the same parameters for every number of ranks",
                          group=REPRODUCIBILITY)  # fmt: skip
     pitfall: str | None = option(
@@ -169,6 +175,8 @@ class TrainConfig:
             raise ValueError(error)
         _require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
         variant(self.pitfall, self.clip_norm)  # a pitfall may need other options (local-clip)
+        _require(not (self.exact and self.allreduce_dtype is not None),
+                 "--allreduce-dtype rounds the sums by how the batch is split: not with --exact")
         _require(
             self.checkpoint_every is None or self.checkpoint is not None,
             "--checkpoint-every needs --checkpoint DIR",
@@ -193,6 +201,11 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+# Options that determine the trajectory, added after checkpoints were written: left out of the
+# fingerprint at their defaults, so that those checkpoints still resume.
+ADDED_LATER = {"allreduce_dtype": None}
+
+
 def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:
     """A digest of the data and of every option declared to change the trajectory."""
     # Left out (fingerprint=False): the run length (a resumed run may go further; only the cosine
@@ -201,6 +214,9 @@ def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -
     # ranks and the outputs are not config fields: the result does not depend on them.
     ignored = {name for name, declared in options_of(TrainConfig) if not declared.fingerprint}
     options = {k: v for k, v in asdict(config).items() if k not in ignored}
+    for name, default in ADDED_LATER.items():  # at its default: the digest of before
+        if options.get(name, default) == default:
+            options.pop(name, None)
     if config.schedule == "cosine":
         options["total_steps"] = steps
     digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode())

@@ -152,8 +152,11 @@ class DataParallelStep:
         self.want_grad_norm = False  # a log that records the norm sets this
         self.optim = run.optim
         from syncsgd.nn.kernels import divide_finite_  # imports Numba: only when training
+        from syncsgd.nn.precision import ALLREDUCE_CODES, round_flat_
 
-        self.divide_finite_ = divide_finite_
+        self.divide_finite_, self.round_flat_ = divide_finite_, round_flat_
+        # 0: the sums travel as they are; else the format they are cast to and restored from.
+        self.wire_format = ALLREDUCE_CODES.get(config.allreduce_dtype or "", 0)
 
     def take_(self, step: int) -> StepRecord:
         """Shard -> local gradient SUM -> allreduce (sum of sums) -> divide once by B -> update."""
@@ -165,8 +168,7 @@ class DataParallelStep:
         for rider in self.riders:  # stop flag, noise sums: summed with the gradient
             rider.fill_(rider.slots, self.grad_sum, len(shard))
         computed = time.perf_counter()
-        for bucket in self.buckets:  # views of the buffer, in parameter order
-            self.allreduce_(bucket, self.comm)
+        self.reduce_()
         reduced = time.perf_counter()
         loss, finite = self.divide_once_(len(global_batch))
         for rider in self.riders:
@@ -174,6 +176,17 @@ class DataParallelStep:
         lr, grad_norm = self.update_(step, finite)
         return StepRecord(step, len(shard), len(global_batch), loss, finite, lr, grad_norm,
                           started, computed, reduced, time.perf_counter())  # fmt: skip
+
+    def reduce_(self) -> None:
+        """Allreduce every bucket; with --allreduce-dtype, the gradient sums compressed."""
+        # Only the gradient is cast: the riders (loss sum, flags, counts) travel as they are.
+        # The sums are not scaled by 1/P first: docs/mixed-precision.md says why.
+        if self.wire_format:
+            self.round_flat_(self.grad_sum, self.wire_format)  # cast before the allreduce
+        for bucket in self.buckets:  # views of the buffer, in parameter order
+            self.allreduce_(bucket, self.comm)
+        if self.wire_format:
+            self.round_flat_(self.grad_sum, self.wire_format)  # the narrow sum, restored
 
     def local_sum_(self, shard: np.ndarray) -> None:
         """This shard's gradient sum and loss sum, into the communication buffer."""
