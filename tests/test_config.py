@@ -16,7 +16,7 @@ from syncsgd.util.options import GROUPS, options_of
 FIELDS = [field.name for field in dataclasses.fields(TrainConfig)]
 NOT_FINGERPRINTED = {"steps", "epochs", "init", "checkpoint", "checkpoint_every", "resume",
                      "bucket_bytes", "algorithm", "skip_nonfinite", "eval_every", "target_loss",
-                     "target_accuracy", "noise_scale"}  # fmt: skip
+                     "target_accuracy", "noise_scale", "timeout"}  # fmt: skip
 NOT_VERIFIED = {"checkpoint", "checkpoint_every", "resume", "skip_nonfinite"}
 
 
@@ -85,7 +85,8 @@ def test_every_flag_is_read_into_its_field():
             "--nesterov", "--weight-decay", "0.01", "--clip-norm", "2", "--schedule", "warmup",
             "--warmup-steps", "3", "--lr-scaling", "sqrt", "--base-batch", "5", "--seed", "4",
             "--no-shuffle", "--dtype", "float32", "--init", "a.npz", "--bucket-bytes", "0",
-            "--algorithm", "tree", "--exact", "--pitfall", "mean-of-means", "--checkpoint", "d",
+            "--algorithm", "tree", "--timeout", "7", "--exact", "--pitfall", "mean-of-means",
+            "--checkpoint", "d",
             "--checkpoint-every", "2", "--resume", "r", "--skip-nonfinite", "--holdout", "0.2",
             "--eval-every", "1", "--target-loss", "0.1", "--noise-scale"]  # fmt: skip
     config = config_from_options(build_parser().parse_args(argv))
@@ -96,7 +97,7 @@ def test_every_flag_is_read_into_its_field():
         lr_scaling="sqrt", base_batch=5, seed=4, shuffle=False, dtype="float32", init="a.npz",
         bucket_bytes=0, algorithm="tree", exact=True, pitfall="mean-of-means", checkpoint="d",
         checkpoint_every=2, resume="r", skip_nonfinite=True, holdout=0.2, eval_every=1,
-        target_loss=0.1, noise_scale=True,
+        target_loss=0.1, noise_scale=True, timeout=7.0,
     )  # fmt: skip
     changed = {f.name for f in dataclasses.fields(TrainConfig)
                if getattr(config, f.name) != f.default}  # fmt: skip

@@ -26,6 +26,7 @@ from syncsgd.collectives.executor import (
     ring_allreduce,
     tree_allreduce,
 )
+from syncsgd.comm.watchdog import records, watching
 from syncsgd.comm.world import constants
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree", "mpi", "auto")
@@ -79,7 +80,8 @@ def _agree(buf: Any, comm: Any, name: str) -> None:
     code = NO_DTYPE if defect else DTYPE_CODE[buf.dtype]
     mine = np.array([defect is not None, length, -length, code, -code], np.int64)
     every = np.empty_like(mine)
-    comm.Allreduce(mine, every, op=constants(comm).MAX)  # the extra collective: 40 bytes
+    with watching(f"{name}'s agreement round"):  # the extra collective: 40 bytes
+        comm.Allreduce(mine, every, op=constants(comm).MAX)
     unusable, longest, minus_shortest, last_dtype, minus_first_dtype = every.tolist()
     if defect:
         raise ValueError(defect)
@@ -110,7 +112,13 @@ def _library_allreduce(
     start = time.perf_counter() if trace is not None else 0.0
     mpi = constants(comm)
     flat = buf.view(np.ndarray).ravel()  # as MPI sees it: ThreadComm's Allreduce wants one shape
-    comm.Allreduce(mpi.IN_PLACE, flat, op=mpi.SUM)
+    doing = records.doing  # what a collective timeout names (stored inline: this is hot)
+    outer, doing.what = doing.what, "the library's allreduce"
+    doing.calls += 1
+    try:
+        comm.Allreduce(mpi.IN_PLACE, flat, op=mpi.SUM)
+    finally:
+        doing.what = outer
     if trace is not None:
         whole = (0, buf.size)  # the library's steps are hidden: one event for the whole call
         event = TraceEvent(

@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from syncsgd.collectives.schedules import ADD_OWN_FIRST, COPY, SCHEDULES, CollectiveStep
-from syncsgd.comm.threads import MessageTruncated
+from syncsgd.comm.threads import MessageTruncated, ThreadComm
+from syncsgd.comm.watchdog import records
 from syncsgd.comm.world import constants
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64))
@@ -152,25 +153,40 @@ def execute(algorithm: str, buf: np.ndarray, comm: Any, trace: Trace | None = No
         if defect:
             raise ValueError(defect)
         return buf
-    try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot)
-        planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm)]
-    except (AttributeError, KeyError):
-        planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm)
-    # With a defect, take part with empty messages and the flag raised, then report it.
-    tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None), trace)
+    threads = type(comm) is ThreadComm
+    if threads:  # ranks passing one array would sum into it: refuse
+        shared = comm.claim(None if defect else flat, FUNCTION_NAMES[algorithm])
+        defect, flat = (shared, _NOTHING) if shared else (defect, flat)
+    doing = records.doing  # what the collective timeout names: this call, then each step
+    outer, doing.what = doing.what, FUNCTION_NAMES[algorithm]
+    doing.calls += 1
+    try:
+        try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot)
+            planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm)]
+        except (AttributeError, KeyError):
+            planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm)
+        # With a defect, take part with empty messages and the flag raised, then report it.
+        tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None),
+                                    trace, doing)  # fmt: skip
+    finally:
+        doing.what, doing.step = outer, None
+        if threads:
+            comm.release()
     if tag & 1:
         name = FUNCTION_NAMES[algorithm]
-        raise ValueError(defect or _disagreement(buf, rank, mismatch, name))
+        shared = comm.sharing_note() if threads and not defect else None
+        raise ValueError(defect or shared or _disagreement(buf, rank, mismatch, name))
     return buf
 
 
 def _take_steps(
-    plan: Plan, flat: np.ndarray, comm: Any, tag: int, trace: Trace | None
+    plan: Plan, flat: np.ndarray, comm: Any, tag: int, trace: Trace | None, doing: Any
 ) -> tuple[int, str]:
     """Take every step of `plan` on `flat`: the tag after the last step, and what differed."""
     message, any_tag, status, mismatch = flat.data.cast("B"), plan.any_tag, plan.status, ""
     probe = plan.probe
     for step in plan.steps:
+        doing.step = step  # one store: the watchdog and a thread's timeout name its peer
         send, dest, recv, arrival, source, expected, target, incoming, arriving, own_first, _ = step
         start = time.perf_counter() if trace is not None else 0.0
         if source < 0:

@@ -14,6 +14,9 @@ MPI's semantics, so the collectives are written once and run on either communica
   message is consumed, as in MPI.
 - If any rank fails, every rank blocked in (or later entering) a communication call raises
   `RankAborted`, so `run_threads` always returns or raises - never hangs.
+- A rank that waits longer than its timeout (`set_timeout`, off by default) makes every rank
+  raise `CollectiveTimeout`, naming what each waiting rank waits for; a communicator used after
+  its `run_threads` returned raises `CommClosed`.
 
 mpi4py is imported lazily: nothing here needs an MPI library unless the MPI backend is chosen.
 """
@@ -28,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from syncsgd.comm.watchdog import Doing, bind, describe
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -63,6 +68,18 @@ class RankAborted(CommError):
 
 class DeadlockError(CommError):
     """Every live rank is blocked in a communication call that no other rank can complete."""
+
+
+class CollectiveTimeout(CommError):
+    """A rank waited longer than its timeout: raised on every rank, naming what each waited for."""
+
+
+class CommClosed(CommError):
+    """A thread communicator was used after its `run_threads` had returned."""
+
+
+# Failures of the whole world, raised alike on every rank (not as RankAborted).
+_WORLD_FAILURES = (DeadlockError, CollectiveTimeout, CommClosed)
 
 
 def _bytes_of(buf: Any, *, writable: bool) -> memoryview:
@@ -203,6 +220,10 @@ class _World:
         self.slots: list[Any] = [None] * size  # per-rank scratch for Allreduce
         self.total: Any = None  # Allreduce's result, computed once by rank 0
         self.opening: list[Any] = []  # gates to open once the lock is released; empty when free
+        self.timeouts = [-1.0] * size  # seconds a rank waits before the world times out; -1: ever
+        self.doing = [Doing() for _ in range(size)]  # what each rank is in, for the timeout
+        self.claims: dict[int, Any] = {}  # rank -> the buffer of its hand-written collective
+        self.sharing: dict[int, str] = {}  # collective number -> why its buffers were refused
 
     # -- matching ---------------------------------------------------------------------------
     def post(self, requests: tuple[Request, ...]) -> list[Any]:
@@ -312,10 +333,32 @@ class _World:
         finally:
             for gate in opening:  # even when raising: those ranks' requests are done
                 gate.release()
-        self.gates[rank].acquire()  # opened once: by the last completion, a failure or deadlock
+        timeout = self.timeouts[rank]
+        if not self.gates[rank].acquire(True, timeout):  # opened once: completion, failure...
+            self._expire(rank, timeout)  # ... or not in time
         if not all(req.done for req in requests):
             with self.lock:
                 self._raise_if_failed(rank)
+
+    def _expire(self, rank: int, timeout: float) -> None:
+        """`rank` waited `timeout` seconds: fail the world, unless its gate opened just now."""
+        with self.lock:
+            if rank in self.sleeping:  # nobody is opening the gate: the wait timed out
+                waits = self._waits()
+                del self.sleeping[rank]
+                failure = CollectiveTimeout(
+                    f"collective timeout: no progress for {timeout:g} s (--timeout): {waits}"
+                )
+                self._fail(rank, failure)
+                raise failure
+        self.gates[rank].acquire()  # opened as we gave up: a wake-up, received at once
+
+    def _waits(self) -> str:
+        """What every sleeping rank waits in and for, in rank order."""
+        return "; ".join(
+            f"rank {rank} in {describe(self.doing[rank])}, waiting for {_peers(requests)}"
+            for rank, requests in sorted(self.sleeping.items())
+        )
 
     def _check_deadlock(self) -> None:
         """Every live rank sleeps and no bytes are moving: nobody can proceed."""
@@ -337,8 +380,8 @@ class _World:
         if self.failure is None:
             return
         failed_rank, failure = self.failure
-        if isinstance(failure, DeadlockError):
-            raise DeadlockError(str(failure))
+        if isinstance(failure, _WORLD_FAILURES):
+            raise type(failure)(str(failure))
         raise RankAborted(f"rank {rank} stopped because rank {failed_rank} failed: {failure!r}")
 
     # -- rank life cycle --------------------------------------------------------------------
@@ -351,6 +394,30 @@ class _World:
             else:
                 self._check_deadlock()
 
+    def close(self) -> None:
+        """`run_threads` has returned: any later call on this world's communicators raises."""
+        with self.lock:
+            self._fail(-1, CommClosed(
+                "this thread communicator's run_threads has returned: a communicator is "
+                "usable only inside the function run_threads runs"
+            ))  # fmt: skip
+
+
+def _owner(array: np.ndarray) -> Any:
+    """The array that owns `array`'s memory, or the foreign object (bytes, mmap) that does."""
+    base = array.base
+    while isinstance(base, np.ndarray):
+        array, base = base, base.base
+    return array if base is None else base
+
+
+def _peers(requests: tuple[Request, ...]) -> str:
+    """Whom pending requests wait for: the ranks they receive from, else those they send to."""
+    sources = {req.peer for req in requests if req.kind == "recv"}
+    if sources:
+        return " or ".join("any rank" if p == ANY_SOURCE else f"rank {p}" for p in sorted(sources))
+    return " and ".join(f"rank {p} to receive" for p in sorted({req.peer for req in requests}))
+
 
 class ThreadComm:
     """One rank's handle on a world of thread ranks, with mpi4py's upper-case buffer methods."""
@@ -358,6 +425,7 @@ class ThreadComm:
     def __init__(self, world: _World, rank: int) -> None:
         self._world = world
         self._rank = rank
+        self._collectives = 0  # hand-written collectives entered (`claim`): names a call
 
     def __repr__(self) -> str:
         return f"ThreadComm(rank={self._rank}, size={self._world.size})"
@@ -375,6 +443,52 @@ class ThreadComm:
     @property
     def size(self) -> int:
         return self._world.size
+
+    def set_timeout(self, seconds: float | None) -> float | None:
+        """Fail the world when this rank waits longer than `seconds` (None or 0: never); the
+        previous setting."""
+        timeouts = self._world.timeouts
+        previous = None if timeouts[self._rank] < 0 else timeouts[self._rank]
+        timeouts[self._rank] = min(float(seconds), threading.TIMEOUT_MAX) if seconds else -1.0
+        return previous
+
+    # -- buffers of the hand-written collectives --------------------------------------------
+    def claim(self, array: np.ndarray | None, name: str) -> str | None:
+        """Record `array` (None: unusable) as this rank's buffer for a collective; why not, if
+        another rank's buffer in flight shares memory with it (ranks share one address space)."""
+        world = self._world
+        self._collectives += 1  # every rank counts every call alike: it names the call
+        if array is None or array.size == 0:
+            return None
+        owner = _owner(array)
+        world.claims[self._rank] = owner, array
+        for rank, (other_owner, other) in tuple(world.claims.items()):  # others claim meanwhile
+            # Arrays that own their memory are disjoint: views of different ones never overlap,
+            # so NumPy compares bounds (of C-contiguous arrays: their bytes) only when needed.
+            maybe = other_owner is owner or not isinstance(owner, np.ndarray)
+            if maybe and rank != self._rank and np.may_share_memory(array, other):
+                return self._refuse(name, rank)
+        return None
+
+    def _refuse(self, name: str, rank: int) -> str:
+        """Why this rank's buffer is refused: it shares memory with `rank`'s, now in flight."""
+        why = (
+            f"{name}: rank {self._rank}'s array shares memory with rank {rank}'s; "
+            "thread ranks share one address space: give each its own array"
+        )
+        world, number = self._world, self._collectives
+        # Ranks are at most one call apart: the notes of older calls go.
+        world.sharing = {n: w for n, w in world.sharing.items() if n >= number - 1}
+        world.sharing[number] = why
+        return why
+
+    def release(self) -> None:
+        """This rank's collective is over: its buffer no longer counts as in flight."""
+        self._world.claims.pop(self._rank, None)
+
+    def sharing_note(self) -> str | None:
+        """Why this rank's current collective failed if a rank found shared memory in it."""
+        return self._world.sharing.get(self._collectives)
 
     # -- point to point ---------------------------------------------------------------------
     def _check_peer(self, peer: int, *, any_ok: bool) -> None:
@@ -666,6 +780,24 @@ def _name_failure(errors: list[BaseException | None], size: int) -> BaseExceptio
     return exc
 
 
+# After a timeout, the ranks that were not waiting (stuck in their own code) get this long to end;
+# then run_threads raises without them (their threads are daemons).
+TIMEOUT_GRACE = 2.0
+
+
+def _join(thread: threading.Thread, world: _World) -> None:
+    """Wait for a rank's thread; after a timeout, only for TIMEOUT_GRACE seconds."""
+    while thread.is_alive():
+        failure = world.failure
+        if failure is not None and isinstance(failure[1], CollectiveTimeout):
+            thread.join(TIMEOUT_GRACE)
+            return
+        thread.join(_JOIN_POLL)
+
+
+_JOIN_POLL = 0.5  # how often a join looks whether the world has timed out
+
+
 def run_threads(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
     """Run `fn(comm, *args, **kwargs)` on `size` thread ranks; return the results in rank order.
 
@@ -683,6 +815,7 @@ def run_threads(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
     def rank_main(rank: int) -> None:
         exc: BaseException | None = None
+        bind(world.doing[rank])
         try:
             results[rank] = fn(ThreadComm(world, rank), *args, **kwargs)
         except BaseException as caught:  # noqa: BLE001 - reported to the caller below
@@ -704,9 +837,10 @@ def run_threads(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
             for rank in range(len(started), world.size):
                 world.finish(rank, refused)
         for thread in started:
-            thread.join()
+            _join(thread, world)
     finally:
         sys.setswitchinterval(interval)
+        world.close()
     if refused is not None:
         raise RuntimeError(
             f"could start only {len(started)} of {world.size} thread ranks ({refused}); "

@@ -31,6 +31,9 @@ def constants(comm: Any) -> SimpleNamespace:
         return _CONSTANTS[type(comm)]  # the collectives call this on every call: keep it cheap
     except KeyError:
         pass
+    unwatched = getattr(comm, "unwatched", None)  # a watchdog.Watched: those of the comm within
+    if unwatched is not None:
+        return constants(unwatched)
     if isinstance(comm, ThreadComm):
         found = SimpleNamespace(
             SUM=SUM, MAX=MAX, MIN=MIN, IN_PLACE=IN_PLACE,

@@ -127,6 +127,11 @@ class TrainConfig:
         None, "compress the gradient sums to this format for the allreduce (Horovod's fp16)",
         group=RANKS, choices=ALLREDUCE_DTYPES, shown="the model's dtype",
     )  # fmt: skip
+    timeout: float = option(
+        600.0, "end the job when a collective makes no progress for SECONDS; 0: never",
+        group=RANKS, type=nonnegative_float, check=at_least(0), metavar="SECONDS",
+        fingerprint=False,
+    )  # fmt: skip
     exact: bool = option(False, "bitwise the same parameters for every number of ranks",
                          group=REPRODUCIBILITY)  # fmt: skip
     pitfall: str | None = option(

@@ -18,6 +18,7 @@ from typing import Any, TextIO, cast
 import numpy as np
 
 from syncsgd.comm.threads import ThreadComm
+from syncsgd.comm.watchdog import Watched, bcast_peer, collective_timeout, current, watching
 from syncsgd.comm.world import launch
 from syncsgd.nn.optim import SGD
 from syncsgd.training import checkpoint, data
@@ -54,7 +55,20 @@ from syncsgd.util.files import atomic_file
 def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
                timeline_path: str | None = None, save_path: str | None = None,
                quiet: bool = True, record_digests: bool = False) -> TrainResult:  # fmt: skip
-    """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary."""
+    """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary.
+
+    A collective that makes no progress for `run.config.timeout` seconds ends the job.
+    """
+    with collective_timeout(comm, run.config.timeout):
+        return _train_rank(comm, run, log_path=log_path, timeline_path=timeline_path,
+                           save_path=save_path, quiet=quiet,
+                           record_digests=record_digests)  # fmt: skip
+
+
+def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str | None,
+                save_path: str | None, quiet: bool,
+                record_digests: bool) -> TrainResult:  # fmt: skip
+    """`train_rank` within its collective timeout."""
     from syncsgd.nn.kernels import first_load, limit_blas_threads  # imports Numba: when training
 
     # One BLAS thread per rank, as torchrun does: ranks share the cores (see docs/measurements.md).
@@ -65,7 +79,7 @@ def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
     check_agreement(comm, run)
     params, sgd, first_step = starting_state(comm, run)
     result = TrainResult(params, run.model, run.steps)
-    timeline = Timeline(comm) if timeline_path is not None else None
+    timeline = Timeline(Watched(comm, "the timeline's start")) if timeline_path else None
     with contextlib.ExitStack() as outputs:
         hold_checkpoints(comm, run, outputs)
         log = outputs.enter_context(log_file(log_path if master_process else None))
@@ -81,7 +95,7 @@ def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
         result.seconds = time.perf_counter() - started
     if timeline is not None:
         assert timeline_path is not None  # a timeline is kept only with a path to write it to
-        write_timeline(comm, timeline, timeline_path)
+        write_timeline(Watched(comm, "the timeline's gather"), timeline, timeline_path)
     if master_process:
         finish(comm, run, result, save_path, quiet)
     return result
@@ -106,6 +120,7 @@ def take_steps(stepper: DataParallelStep, hooks: list[Hook], steps: range) -> in
                 break
         return done
     finally:
+        current().during = None  # a timeout after the steps names no step
         for hook in hooks:
             hook.close()
 
@@ -115,7 +130,8 @@ def starting_state(comm: Any, run: Run) -> tuple[np.ndarray, SGD, int]:
     params = np.empty(run.model.n_params, run.model.dtype)
     if comm.Get_rank() == 0:
         params[:] = first_params(run)
-    comm.Bcast(params, root=0)
+    with watching("the broadcast of the first parameters", bcast_peer(comm, 0)):
+        comm.Bcast(params, root=0)
     sgd = SGD(run.optim, run.model.n_params, run.model.dtype)
     if run.start is None:
         return params, sgd, 0
@@ -143,7 +159,7 @@ def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,
     hooks.append(StopRequest(result))
     wants_eval = config.eval_every > 0 or config.target_loss is not None
     if run.X_eval is not None and (wants_eval or config.target_accuracy is not None):
-        hooks.append(Evaluation(comm, run, result))
+        hooks.append(Evaluation(Watched(comm, "the evaluation"), run, result))
     if master_process and config.checkpoint is not None:  # last: it sees a target met, too
         hooks.append(Checkpointing(run))
     return hooks

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from syncsgd.comm.watchdog import Watched
 from syncsgd.comm.world import constants
 from syncsgd.nn.mlp import MLP
 from syncsgd.nn.optim import OptimConfig
@@ -35,6 +36,7 @@ def agree(comm: Any, error: str | None) -> None:
     not leave the others waiting in their next collective. An error every rank has alike is
     told once as it is; otherwise the first failing rank's, with its number.
     """
+    comm = Watched(comm, "the start-up agreement")  # what a collective timeout names
     rank, size, mpi = comm.Get_rank(), comm.Get_size(), constants(comm)
     mine = None if error is None else _clip(error)
     first = np.array([size if mine is None else rank], np.int64)
@@ -165,7 +167,7 @@ def check_agreement(comm: Any, run: Run) -> None:
     buckets - which the fingerprint leaves out (a checkpoint may be resumed with others): each
     step's allreduce trusts that every rank passes the same buffers (check=False).
     """
-    config = run.config
+    config, comm = run.config, Watched(comm, "the start-up agreement")
     agreed = f"{run.fingerprint} {config.algorithm} {config.bucket_bytes}"
     mine = np.frombuffer(hashlib.sha256(agreed.encode()).digest(), np.uint8).copy()
     root = mine.copy()

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from syncsgd.collectives import allreduce as collective_allreduce
+from syncsgd.comm.watchdog import current, watching
 from syncsgd.comm.world import constants
 from syncsgd.nn.mlp import MLP, shape_size
 from syncsgd.nn.optim import SGD, learning_rate
@@ -81,7 +82,8 @@ class ExactLocalGradient:
         """Fill `sums` with the exact gradient sum and the exact loss sum."""
         self.kernel.local_pass(params, X, y, self.bounds)
         mpi = constants(comm)
-        comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)  # agree on the fixed point
+        with watching("exact mode's allreduce of the bounds"):  # agree on the fixed point
+            comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)
         if not np.isfinite(self.bounds).all():  # the same on every rank: all skip or stop alike
             sums[:] = np.nan
             return
@@ -150,6 +152,7 @@ class DataParallelStep:
         self.X_shard = np.empty((largest_shard, run.X.shape[1]), run.X.dtype)
         self.y_shard = np.empty((largest_shard, *run.y.shape[1:]), run.y.dtype)
         self.want_grad_norm = False  # a log that records the norm sets this
+        self.doing = current()  # this rank's record: a collective timeout names the step
         self.optim = run.optim
         from syncsgd.nn.kernels import divide_finite_  # imports Numba: only when training
         from syncsgd.nn.precision import ALLREDUCE_CODES, round_flat_
@@ -161,6 +164,7 @@ class DataParallelStep:
     def take_(self, step: int) -> StepRecord:
         """Shard -> local gradient SUM -> allreduce (sum of sums) -> divide once by B -> update."""
         started = time.perf_counter()
+        self.doing.during = step
         global_batch = self.variant.global_batch(self.order.batch(step), self.size)
         shard = data.contiguous_shard(global_batch, self.rank, self.size)
         self.local_sum_(shard)

@@ -1,0 +1,194 @@
+"""The collective timeout: what each rank is doing, and a watchdog that ends a job stuck in one.
+
+Every rank keeps a `Doing` record of the collective it is in (set by the collectives and by
+`watching` blocks; the hot loop of the hand-written allreduces stores one attribute per step).
+Thread ranks time out in their own waits (`ThreadComm.set_timeout`); an MPI process cannot leave
+a blocking call, so a watchdog thread reads the record and calls `Abort`: docs/thread-backend.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+# After its line, a rank waits this long before it ends the job: the other ranks stuck by the
+# same hang (they time out within a sampling interval of each other) print theirs too.
+ABORT_GRACE = 2.0
+_LONGEST_POLL = 1.0  # the watchdog looks at least this often (and ten times per timeout)
+
+
+class Doing:
+    """What one rank is doing: the collective it is in (None between), its step, its peer."""
+
+    __slots__ = ("calls", "what", "step", "peer", "during")
+
+    def __init__(self) -> None:
+        self.calls = 0  # collectives entered: progress the watchdog can see
+        self.what: str | None = None  # the collective, e.g. "ring_allreduce"; None: in none
+        self.step: Any = None  # the executor's current PlannedStep (peers, phase), or None
+        self.peer: int | None = None  # whom a named call waits for; None: any or every rank
+        self.during: int | None = None  # the training step, if training
+
+
+class _Records(threading.local):
+    """Each thread's record; a thread rank's is bound to its world's (`bind`)."""
+
+    def __init__(self) -> None:
+        self.doing = Doing()
+
+
+records = _Records()  # `records.doing`: this thread's record (the collectives read it per call)
+
+
+def bind(doing: Doing) -> None:
+    """Make `doing` this thread's record (a thread rank: its world reads it when it times out)."""
+    records.doing = doing
+
+
+def current() -> Doing:
+    """This thread's record."""
+    return records.doing
+
+
+class watching:  # noqa: N801 - used as a context manager, like contextlib's
+    """Within: this thread is in the collective `what`, waiting for `peer` (None: any rank)."""
+
+    __slots__ = ("doing", "what", "peer", "previous")
+
+    def __init__(self, what: str, peer: int | None = None) -> None:
+        self.what, self.peer = what, peer
+
+    def __enter__(self) -> None:
+        doing = self.doing = records.doing
+        self.previous = doing.what, doing.step, doing.peer
+        doing.calls += 1
+        doing.what, doing.step, doing.peer = self.what, None, self.peer
+
+    def __exit__(self, *exc: object) -> None:
+        doing = self.doing
+        doing.what, doing.step, doing.peer = self.previous
+
+
+def describe(doing: Doing) -> str:
+    """Where a rank is: the collective, its step and the training step, e.g. for a timeout."""
+    where = doing.what or "a communication call"
+    step = doing.step
+    if step is not None:  # duck-typed: the collectives' PlannedStep (this layer does not import it)
+        where += f" ({step.about.phase} step {step.about.step})"
+    if doing.during is not None:
+        where += f" at training step {doing.during}"
+    return where
+
+
+def awaited_peer(doing: Doing) -> str:
+    """Whom a rank waits for, as far as its record tells."""
+    step = doing.step
+    if step is not None:
+        return f"rank {step.source}" if step.source >= 0 else f"rank {step.dest} to receive"
+    return "every other rank" if doing.peer is None else f"rank {doing.peer}"
+
+
+def timeout_line(rank: int, seconds: float, doing: Doing) -> str:
+    """The one line a rank prints when its collective timed out."""
+    return (f"syncsgd: error: rank {rank}: no progress for {seconds:g} s (--timeout) in "
+            f"{describe(doing)}, waiting for {awaited_peer(doing)}; ending the job")  # fmt: skip
+
+
+class Watchdog:
+    """A daemon thread that aborts this MPI process's job when `doing` makes no progress."""
+
+    def __init__(self, comm: Any, seconds: float, doing: Doing) -> None:
+        self.comm, self.seconds, self.doing = comm, seconds, doing
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="syncsgd-watchdog", daemon=True)
+
+    def run(self) -> None:
+        """Sample the record; the same collective and step for `seconds`: report and abort."""
+        doing, poll = self.doing, min(_LONGEST_POLL, self.seconds / 10)
+        seen: tuple[Any, ...] | None = None
+        since = time.monotonic()
+        while not self.stopped.wait(poll):
+            state = (doing.calls, doing.what, id(doing.step))  # id: steps hold arrays
+            now = time.monotonic()
+            if doing.what is None or state != seen:  # between collectives, or progress
+                seen, since = state, now
+            elif now - since >= self.seconds:
+                self.abort(doing)
+                return
+
+    def abort(self, doing: Doing) -> None:
+        """Print this rank's line, give the others time to print theirs, end the job."""
+        print(timeout_line(self.comm.Get_rank(), self.seconds, doing), file=sys.stderr, flush=True)
+        if self.stopped.wait(ABORT_GRACE):  # the collective finished after all
+            return
+        self.comm.Abort(1)
+
+
+def bcast_peer(comm: Any, root: int) -> int | None:
+    """Whom a rank waits for in a broadcast: the root; the root itself, any rank."""
+    return None if comm.Get_rank() == root else root
+
+
+class Watched:
+    """`comm` whose Bcast, Send, Recv, Barrier and Allreduce are named `what` for the watchdog.
+
+    For code that does not name its collectives itself (the hooks, the timeline's gather).
+    """
+
+    def __init__(self, comm: Any, what: str) -> None:
+        self.unwatched, self.what = comm, what
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.unwatched, name)
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        with watching(f"{self.what} (Bcast)", bcast_peer(self.unwatched, root)):
+            self.unwatched.Bcast(buf, root=root)
+
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        with watching(f"{self.what} (Send)", dest):
+            self.unwatched.Send(buf, dest=dest, tag=tag)
+
+    def Recv(self, buf: Any, source: int | None = None, tag: int | None = None,
+             status: Any = None) -> None:  # fmt: skip
+        given = {"source": source, "tag": tag, "status": status}  # the rest: the comm's defaults
+        with watching(f"{self.what} (Recv)", None if source is None or source < 0 else source):
+            self.unwatched.Recv(buf, **{k: v for k, v in given.items() if v is not None})
+
+    def Barrier(self) -> None:
+        with watching(f"{self.what} (Barrier)"):
+            self.unwatched.Barrier()
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any) -> None:
+        with watching(f"{self.what} (Allreduce)"):
+            self.unwatched.Allreduce(sendbuf, recvbuf, op=op)
+
+
+@contextmanager
+def collective_timeout(comm: Any, seconds: float | None) -> Iterator[None]:
+    """Within: a collective that makes no progress for `seconds` (0 or None: never) fails.
+
+    Thread ranks: every rank raises `CollectiveTimeout`, naming each waiting rank's collective
+    and peer. MPI: each rank prints one line naming them and the job is aborted.
+    """
+    if not seconds:
+        yield
+        return
+    set_timeout = getattr(comm, "set_timeout", None)
+    if set_timeout is not None:  # thread ranks: their waits time out
+        previous = set_timeout(seconds)
+        try:
+            yield
+        finally:
+            set_timeout(previous)
+        return
+    dog = Watchdog(comm, seconds, current())
+    dog.thread.start()
+    try:
+        yield
+    finally:
+        dog.stopped.set()
