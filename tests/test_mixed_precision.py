@@ -1,12 +1,15 @@
-"""Compressed allreduce: the gradient sums cast to a narrow format around the allreduce."""
+"""Mixed precision: the passes in bf16 or fp16; the gradient sums compressed for the allreduce."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from syncsgd.apps import verify
-from syncsgd.nn.precision import ALLREDUCE_CODES, round_array
+from syncsgd.nn.mlp import MLP
+from syncsgd.nn.precision import ALLREDUCE_CODES, BF16, FP16, round_array
 from syncsgd.training import data
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import train
@@ -67,3 +70,96 @@ def test_the_flag_is_read_into_its_field() -> None:
 
     options = build_parser().parse_args(["train", "--allreduce-dtype", "bfloat16"])
     assert config_from_options(options).allreduce_dtype == "bfloat16"
+
+
+# --- --precision bf16|fp16: the passes in the format --------------------------------------------
+
+FORMATS = {"bf16": BF16, "fp16": FP16}
+BITS = {BF16: 8, FP16: 11}
+
+
+def narrow_reference(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                     fmt: int) -> np.ndarray:  # fmt: skip
+    """The rounded passes written again with NumPy (float64 sums of the format's values)."""
+
+    def r(values: np.ndarray) -> np.ndarray:
+        return round_array(np.asarray(values, np.float64), fmt)
+
+    views = {name: r(v) for name, v in model.views(params).items()}
+    inputs, a = [], r(X)
+    for layer in range(model.n_layers):
+        inputs.append(a)
+        z = r(a @ views[f"W{layer}"] + views[f"b{layer}"])
+        a = z if layer == model.n_layers - 1 else r(np.tanh(z))
+    shifted = np.exp(a - a.max(axis=1, keepdims=True))
+    delta = shifted / shifted.sum(axis=1, keepdims=True)
+    delta[np.arange(len(y)), y] -= 1
+    delta = r(delta)
+    grads = {}
+    for layer in range(model.n_layers - 1, -1, -1):
+        grads[f"W{layer}"] = r(inputs[layer].T @ delta)
+        grads[f"b{layer}"] = r(delta.sum(axis=0))
+        if layer:
+            delta = r(r(delta @ views[f"W{layer}"].T) * (1 - inputs[layer] ** 2))
+    return np.concatenate([grads[name].ravel() for name in model.param_names()])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_narrow_gradient_is_the_rounded_passes(precision: str) -> None:
+    from syncsgd.nn.kernels import Gradient
+    from syncsgd.nn.precision import NarrowGradient
+
+    fmt = FORMATS[precision]
+    model = MLP((6, 12, 10, 3), "tanh", "xent")
+    params = model.init_params(3)
+    rng = np.random.default_rng(4)
+    X, y = rng.standard_normal((40, 6)), rng.integers(0, 3, 40)
+    narrow = np.empty(model.n_params)
+    NarrowGradient(model, 40, fmt)(params, X, y, narrow)
+    assert np.array_equal(round_array(narrow, fmt), narrow)  # every sum is a value of the format
+    expected = narrow_reference(model, params, X, y, fmt)
+    peak = np.abs(expected).max()
+    # float32 sums in BLAS against NumPy's float64 sums: now and then one rounding goes the
+    # other way, which is a unit in the last place of the format, propagated.
+    assert np.abs(narrow - expected).max() <= peak * 2.0 ** (4 - BITS[fmt])
+    full = np.empty(model.n_params)
+    Gradient(model, 40)(params, X, y, full)
+    deviation = np.abs(narrow - full).max() / np.abs(full).max()
+    assert 0 < deviation < 2.0 ** (6 - BITS[fmt])
+
+
+def test_a_power_of_two_loss_scale_scales_every_sum_exactly() -> None:
+    from syncsgd.nn.precision import NarrowGradient
+
+    model = MLP((6, 12, 3), "relu", "xent")
+    params = model.init_params(5)
+    rng = np.random.default_rng(6)
+    X, y = rng.standard_normal((30, 6)), rng.integers(0, 3, 30)
+    kernel = NarrowGradient(model, 30, FP16)
+    plain, scaled = np.empty(model.n_params), np.empty(model.n_params)
+    kernel(params, X, y, plain)
+    kernel(params, X, y, scaled, 2.0**10)
+    assert np.array_equal(scaled / 2.0**10, plain)
+
+
+def test_the_fp32_precision_is_the_default_run_bit_for_bit() -> None:
+    config = TrainConfig(**SMALL, steps=3)
+    assert train(config, ranks=2).params.tobytes() == train(
+        config, ranks=2, precision="fp32").params.tobytes()  # fmt: skip
+
+
+@settings(max_examples=6, deadline=None)
+@given(precision=st.sampled_from(["bf16", "fp16"]), seed=st.integers(0, 50),
+       batch=st.integers(5, 40), activation=st.sampled_from(["relu", "tanh"]),
+       loss=st.sampled_from(["xent", "mse"]),
+       dtype=st.sampled_from(["float64", "float32"]))  # fmt: skip
+def test_exact_mode_in_a_narrow_precision_is_bitwise_the_same_for_every_p(
+    precision: str, seed: int, batch: int, activation: str, loss: str, dtype: str
+) -> None:
+    config = TrainConfig(samples=96, features=5, hidden=(9, 7), batch_size=batch, steps=4,
+                         seed=seed, activation=activation, loss=loss, dtype=dtype, exact=True,
+                         precision=precision)  # fmt: skip
+    serial = train(config, ranks=1).params.tobytes()
+    for ranks in (2, 3, 5):
+        assert train(config, ranks=ranks).params.tobytes() == serial, ranks
+    assert train(config, ranks=1, precision="fp32").params.tobytes() != serial

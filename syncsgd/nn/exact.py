@@ -15,6 +15,7 @@ from numba.extending import intrinsic
 
 from syncsgd.nn.kernels import (
     ACTIVATION_CODES,
+    RELU,
     WIDTH_BEFORE,
     add_bias_activate_,
     check_batch,
@@ -31,6 +32,7 @@ from syncsgd.nn.kernels import (
     xent_sample_,
 )
 from syncsgd.nn.mlp import MLP, describe
+from syncsgd.nn.precision import activate_narrow_, narrow_copy_, round_block_, scale_round_
 
 PRODUCT_BLOCK_BYTES = 262144  # rows of W used together by a product: they stay in the L2 cache
 ACCUMULATOR_TILE_BYTES = 16384  # weight-sum rows extracted together: they stay in the L1 cache
@@ -381,15 +383,20 @@ class ExactGradient:
         inputs = self._shard_inputs(m)
         inputs[...] = X  # a copy: the caller may reuse its shard buffer before `accumulate`
         self._m = None  # a failed pass must not leave stale workspaces to accumulate
-        kernel = xent_local_pass_ if self.model.loss == "xent" else mse_local_pass_
         with first_load.timing():  # the first call compiles or loads the kernels: maybe say so
-            correct = kernel(
-                params, self._layers, self._activation, inputs, y, self._activations, self._deltas,
-                self._transposed, self._losses, bounds_out,
-            )  # fmt: skip
+            correct = self._pass(params, inputs, y, bounds_out)
         self._local_bounds[:] = bounds_out
         self._m = m
         return int(correct)
+
+    def _pass(self, params: np.ndarray, inputs: np.ndarray, y: np.ndarray,
+              bounds_out: np.ndarray) -> int:  # fmt: skip
+        """The per-sample kernels on the shard's copy; returns the hits."""
+        kernel = xent_local_pass_ if self.model.loss == "xent" else mse_local_pass_
+        return kernel(
+            params, self._layers, self._activation, inputs, y, self._activations, self._deltas,
+            self._transposed, self._losses, bounds_out,
+        )  # fmt: skip
 
     def accumulate(self, bounds: np.ndarray, global_batch: int, sums_out: np.ndarray) -> None:
         """sums_out (float64, n_params + 1) = extracted per-sample gradient sums, then loss sum."""
@@ -471,3 +478,93 @@ def _checked_bounds(model: MLP, bounds: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["ExactGradient", "exactness_bound", "extraction_exponents", "slot_bounds"]
+
+
+# --- exact mode with --precision bf16|fp16 (docs/mixed-precision.md) ------------------------------
+# The same per-sample passes with the rounding of float mode's narrow kernels: every product reads
+# values of the format and its result is rounded, sample by sample, so the work stays
+# batch-invariant; the products accumulate in the model's dtype, in the fixed order. The weight
+# gradient's terms are products of two values of the format, exact in float64, and their sums are
+# extracted exactly as always: no sum over samples is rounded to the format.
+
+
+@njit(nogil=True, cache=True)
+def forward_exact_narrow_(weights, layers, activation, X, activations, fmt):
+    """Fixed-order products of format values; a = round(act(round(x @ W + b))); the logits."""
+    m = X.shape[0]
+    n_layers = layers.shape[0]
+    for layer in range(n_layers):
+        W, b = layer_params(weights, layers, layer)
+        outputs = layer_rows(activations, layers, layer, m)
+        fixed_order_product_(layer_input(X, activations, layers, layer, m), W, outputs)
+        add_bias_activate_(outputs, b, activation, True)  # is_last: the bias only
+        round_block_(outputs, fmt)
+        if layer < n_layers - 1:
+            activate_narrow_(outputs, activation, fmt)
+    return layer_rows(activations, layers, n_layers - 1, m)
+
+
+@njit(nogil=True, cache=True)
+def backward_exact_narrow_(weights, layers, activation, X, activations, deltas, transposed, fmt):
+    """Per-sample deltas of every layer with fixed-order products, each rounded to the format."""
+    m = X.shape[0]
+    for layer in range(layers.shape[0] - 1, 0, -1):
+        W, _ = layer_params(weights, layers, layer)
+        fan_in, fan_out = W.shape
+        W_T = matrix(transposed, 0, fan_out, fan_in)
+        for k in range(fan_in):
+            for j in range(fan_out):
+                W_T[j, k] = W[k, j]
+        previous = layer_rows(deltas, layers, layer - 1, m)
+        fixed_order_product_(layer_rows(deltas, layers, layer, m), W_T, previous)
+        round_block_(previous, fmt)
+        times_slope_(previous, layer_input(X, activations, layers, layer, m), activation)
+        if activation != RELU:  # tanh: delta * (1 - a^2) is a new value; relu's mask is exact
+            round_block_(previous, fmt)
+
+
+@njit(nogil=True, cache=True)
+def xent_narrow_pass_(weights, layers, activation, X, labels, activations, deltas, transposed,
+                      losses, bounds_out, fmt, scale):  # fmt: skip
+    """Cross-entropy, the passes in the format, the logits' delta scaled; returns the hits."""
+    logits = forward_exact_narrow_(weights, layers, activation, X, activations, fmt)
+    delta = layer_rows(deltas, layers, layers.shape[0] - 1, X.shape[0])
+    correct = xent_sample_losses_(logits, labels, delta, losses[: X.shape[0]])
+    scale_round_(delta, scale, fmt)
+    backward_exact_narrow_(weights, layers, activation, X, activations, deltas, transposed, fmt)
+    peaks_(layers, X, activations, deltas, losses, bounds_out)
+    return correct
+
+
+@njit(nogil=True, cache=True)
+def mse_narrow_pass_(weights, layers, activation, X, targets, activations, deltas, transposed,
+                     losses, bounds_out, fmt, scale):  # fmt: skip
+    """Mean squared error, the passes in the format, the outputs' delta scaled; returns 0."""
+    outputs = forward_exact_narrow_(weights, layers, activation, X, activations, fmt)
+    delta = layer_rows(deltas, layers, layers.shape[0] - 1, X.shape[0])
+    mse_sample_losses_(outputs, targets, delta, losses[: X.shape[0]])
+    scale_round_(delta, scale, fmt)
+    backward_exact_narrow_(weights, layers, activation, X, activations, deltas, transposed, fmt)
+    peaks_(layers, X, activations, deltas, losses, bounds_out)
+    return 0
+
+
+class NarrowExactGradient(ExactGradient):
+    """Exact mode with the passes in bf16 or fp16: bitwise the same sums for every split."""
+
+    def __init__(self, model: MLP, max_batch: int, fmt: int) -> None:
+        super().__init__(model, max_batch)
+        self.fmt, self.scale = fmt, 1.0
+        self._weights = np.zeros(model.n_params, model.dtype)
+
+    def _pass(self, params: np.ndarray, inputs: np.ndarray, y: np.ndarray,
+              bounds_out: np.ndarray) -> int:  # fmt: skip
+        """Round the weights and the shard's inputs (kept for `accumulate`), then the passes."""
+        narrow_copy_(params, self._weights, self.fmt)
+        flat = inputs.reshape(-1)
+        narrow_copy_(flat, flat, self.fmt)
+        kernel = xent_narrow_pass_ if self.model.loss == "xent" else mse_narrow_pass_
+        return kernel(
+            self._weights, self._layers, self._activation, inputs, y, self._activations,
+            self._deltas, self._transposed, self._losses, bounds_out, self.fmt, float(self.scale),
+        )  # fmt: skip

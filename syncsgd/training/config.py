@@ -31,6 +31,7 @@ DATA_SOURCES = (
 
 
 ALLREDUCE_DTYPES = ("float16", "bfloat16")  # syncsgd.nn.precision.ALLREDUCE_CODES: no Numba here
+PRECISIONS = ("fp32", "bf16", "fp16")  # syncsgd.nn.precision.PRECISION_CODES
 
 RANKS, DATA, OPTIMIZATION = "ranks", "data and model", "optimization"
 EVALUATION, REPRODUCIBILITY = "evaluation", "reproducibility"
@@ -113,6 +114,11 @@ class TrainConfig:
                            shown="shuffled every epoch")  # fmt: skip
     dtype: str = option("float64", "the parameters' and the data's float type", group=DATA,
                         choices=("float64", "float32"))  # fmt: skip
+    precision: str = option(
+        "fp32", "the forward and backward passes emulated in this format (autocast); the "
+        "weights, the gradient sums and the optimizer stay in --dtype", group=DATA,
+        choices=PRECISIONS,
+    )  # fmt: skip
     init: str | None = option(
         None, "start from W0, b0, ... in this .npz", group=DATA, metavar="PATH",
         shown="the seeded draw", fingerprint=False,
@@ -208,7 +214,7 @@ def _require(condition: bool, message: str) -> None:
 
 # Options that determine the trajectory, added after checkpoints were written: left out of the
 # fingerprint at their defaults, so that those checkpoints still resume.
-ADDED_LATER = {"allreduce_dtype": None}
+ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32"}
 
 
 def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:

@@ -64,13 +64,33 @@ class FloatLocalGradient:
         sums[self.loss_slot], _ = self.kernel(params, X, y, sums[: self.n_params])
 
 
+class NarrowLocalGradient:
+    """Float mode with --precision bf16|fp16: the passes in the format, the sums in --dtype."""
+
+    def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer,
+                 fmt: int) -> None:  # fmt: skip
+        from syncsgd.nn.precision import NarrowGradient  # imports Numba: only when training
+
+        self.kernel = NarrowGradient(model, max_batch, fmt)
+        self.n_params = model.n_params
+        self.loss_slot = buffer.register("loss sum").start
+        self.scale = 1.0  # the loss scale: the sums are of `scale` times the loss's gradients
+
+    def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                 sums: np.ndarray) -> None:  # fmt: skip
+        """Fill `sums` with this shard's scaled gradient sum and its loss sum."""
+        sums[self.loss_slot], _ = self.kernel(params, X, y, sums[: self.n_params], self.scale)
+
+
 class ExactLocalGradient:
     """Exact mode: batch-invariant kernels, sums extracted at a fixed point all ranks agree on."""
 
-    def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer) -> None:
-        from syncsgd.nn.exact import ExactGradient  # imports Numba: only when training
+    def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer,
+                 fmt: int = 0) -> None:  # fmt: skip
+        from syncsgd.nn.exact import ExactGradient, NarrowExactGradient  # imports Numba
 
-        self.kernel = ExactGradient(model, max_batch)
+        self.kernel = NarrowExactGradient(model, max_batch, fmt) if fmt else ExactGradient(
+            model, max_batch)  # fmt: skip
         self.bounds = np.zeros(self.kernel.bound_count, np.float64)
         self.global_batch = global_batch
         self.n_params = model.n_params
@@ -88,6 +108,9 @@ class ExactLocalGradient:
             sums[:] = np.nan
             return
         self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.loss_slot + 1])
+
+
+LocalGradient = FloatLocalGradient | NarrowLocalGradient | ExactLocalGradient
 
 
 class StepRecord(NamedTuple):
@@ -130,8 +153,7 @@ class DataParallelStep:
                                       variant.order_seed(config.seed, self.rank), config.shuffle)
         largest_shard = -(-config.batch_size // self.size)
         buffer = CommBuffer(model.n_params, np.dtype(np.float64 if config.exact else model.dtype))
-        kind = ExactLocalGradient if config.exact else FloatLocalGradient
-        self.local_gradient = kind(model, largest_shard, config.batch_size, buffer)
+        self.local_gradient = local_gradient(config, model, largest_shard, buffer)
         spans = [buffer.register(rider.name, rider.count) for rider in riders]
         self.comm_buffer = buffer.build()
         self.grad_sum = self.comm_buffer[: model.n_params]
@@ -215,6 +237,20 @@ class DataParallelStep:
             return learning_rate(self.optim, step), math.nan
         info = self.sgd.step_(self.params, self.grad_mean, step, want_norm=self.want_grad_norm)
         return info["lr"], info["grad_norm"]
+
+
+def local_gradient(config: Any, model: MLP, largest_shard: int,
+                   buffer: CommBuffer) -> LocalGradient:  # fmt: skip
+    """The kernel that fills the buffer with this rank's sums, for the mode and the precision."""
+    if config.precision != "fp32":
+        from syncsgd.nn.precision import PRECISION_CODES
+
+        fmt = PRECISION_CODES[config.precision]
+        if config.exact:
+            return ExactLocalGradient(model, largest_shard, config.batch_size, buffer, fmt)
+        return NarrowLocalGradient(model, largest_shard, config.batch_size, buffer, fmt)
+    kind = ExactLocalGradient if config.exact else FloatLocalGradient
+    return kind(model, largest_shard, config.batch_size, buffer)
 
 
 def bucket_slices(model: MLP, buffer: np.ndarray, bucket_bytes: int | None) -> list[slice]:
