@@ -671,6 +671,68 @@ def test_an_unknown_algorithm_is_refused_on_every_rank(size):
         assert all(name in message for name in ALGORITHMS)
 
 
+# Buffers thread ranks share: each rank's array is made from its rank by one of these.
+_SHARED = np.ones(12)
+_RAW = bytearray(12 * 8)
+SHARED_MEMORY = {
+    "the same array": lambda rank: _SHARED,
+    "overlapping views": lambda rank: _SHARED[2 * rank : 2 * rank + 6],
+    "views of one bytearray": lambda rank: np.frombuffer(_RAW, np.float64)[rank : rank + 4],
+    "through two memoryviews": lambda rank: np.frombuffer(memoryview(_RAW), np.float64)[:4],
+}
+
+
+@pytest.mark.parametrize("algorithm", HAND_WRITTEN)
+@pytest.mark.parametrize("sharing", SHARED_MEMORY)
+@pytest.mark.parametrize("size", [2, 3])
+def test_buffers_that_share_memory_across_thread_ranks_raise_on_every_rank(
+    algorithm, sharing, size
+):
+    # Summed in place into one array, the ranks would add each other's partial sums (all 4s
+    # instead of 3s): refused before anything is added.
+    def reduce(comm):
+        buf = SHARED_MEMORY[sharing](comm.Get_rank())
+        before = buf.copy()
+        with pytest.raises(ValueError) as info:
+            allreduce(buf, comm, algorithm)
+        return str(info.value), np.array_equal(buf, before)
+
+    for message, unchanged in run_threads(size, reduce):
+        assert "array shares memory with rank" in message, message
+        assert "give each its own array" in message
+        assert unchanged
+
+
+@pytest.mark.parametrize("algorithm", HAND_WRITTEN)
+def test_disjoint_views_of_one_array_are_summed(algorithm):
+    base = np.zeros(12)
+
+    def reduce(comm):
+        mine = base[4 * comm.Get_rank() : 4 * comm.Get_rank() + 4]
+        mine[:] = comm.Get_rank() + 1
+        return allreduce(mine, comm, algorithm).copy()
+
+    for result in run_threads(3, reduce):
+        assert np.array_equal(result, np.full(4, 6.0))
+
+
+def test_shared_memory_is_refused_call_by_call():
+    # A refused call leaves nothing behind: the same ranks then sum their own arrays.
+    def reduce(comm):
+        refused = 0
+        for _ in range(20):
+            try:
+                allreduce(_SHARED, comm, "ring")
+            except ValueError:
+                refused += 1
+            own = np.full(3, float(comm.Get_rank()))
+            allreduce(own, comm, "ring")
+            assert np.array_equal(own, np.full(3, 3.0))
+        return refused
+
+    assert run_threads(3, reduce) == [20, 20, 20]
+
+
 # -- the same checks under a real mpiexec ---------------------------------------------------------
 
 

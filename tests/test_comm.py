@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from syncsgd.collectives import ring_allreduce
 from syncsgd.comm.threads import (
     ANY_SOURCE,
     ANY_TAG,
@@ -15,6 +16,7 @@ from syncsgd.comm.threads import (
     MAX,
     MIN,
     SUM,
+    CommClosed,
     DeadlockError,
     MessageTruncated,
     RankAborted,
@@ -332,3 +334,33 @@ def test_backend_choice(monkeypatch):
 def test_launch_on_threads_runs_every_rank():
     assert launch(lambda comm, x: comm.rank * x, 3, backend="threads", ranks=3) == [0, 3, 6]
     assert launch(lambda comm: comm.size, backend="threads") == [1]
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda comm: comm.Barrier(),
+        lambda comm: comm.Send(np.ones(1), dest=1 - comm.Get_rank()),
+        lambda comm: comm.Recv(np.ones(1)),
+        lambda comm: comm.Isend(np.ones(1), dest=0),
+        lambda comm: comm.Bcast(np.ones(1), root=0),
+        lambda comm: comm.Allreduce(IN_PLACE, np.ones(1), op=SUM),
+        lambda comm: ring_allreduce(np.ones(3), comm),
+    ],
+)
+def test_a_communicator_used_after_run_threads_returned_raises(use):
+    comms = run_threads(2, lambda comm: comm)
+    outcome: list[BaseException] = []
+
+    def call() -> None:  # in a thread, so that a hang fails the test instead of stalling it
+        try:
+            use(comms[0])
+        except BaseException as exc:  # noqa: BLE001 - examined below
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive(), "hung"
+    assert len(outcome) == 1 and isinstance(outcome[0], CommClosed), outcome
+    assert "run_threads has returned" in str(outcome[0])
