@@ -15,6 +15,9 @@ from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import train
 from syncsgd.training.run import first_params, prepare
 
+# An inf plus a -inf in the allreduce of an overflowed step: NumPy says so, the step is skipped.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
 SMALL = {"samples": 256, "features": 8, "hidden": (16,), "batch_size": 60}
 
 
@@ -163,3 +166,95 @@ def test_exact_mode_in_a_narrow_precision_is_bitwise_the_same_for_every_p(
     for ranks in (2, 3, 5):
         assert train(config, ranks=ranks).params.tobytes() == serial, ranks
     assert train(config, ranks=1, precision="fp32").params.tobytes() != serial
+
+
+# --- loss scaling -----------------------------------------------------------------------------
+
+SCALED = {"samples": 512, "features": 8, "hidden": (16,), "batch_size": 64,
+          "precision": "fp16"}  # fmt: skip
+
+
+def every_rank(config: TrainConfig, ranks: int) -> list:
+    """The results of every thread rank, not only rank 0's."""
+    from syncsgd.comm.threads import run_threads
+    from syncsgd.training.loop import train_rank
+
+    return run_threads(ranks, train_rank, prepare(config))
+
+
+def gradscaler_scales(skipped: list[int], steps: int, window: int, scale: float = 2.0**16,
+                      good: int = 0) -> list[float]:  # fmt: skip
+    """GradScaler's scale per step, given the steps it skipped: halve on one, double per window."""
+    scales = []
+    for step in range(steps):
+        scales.append(scale)
+        if step in skipped:
+            scale, good = scale / 2, 0
+        else:
+            good += 1
+            if good == window:
+                scale, good = scale * 2, 0
+    return scales
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_an_overflow_skips_the_same_steps_and_halves_the_scale_on_every_rank(exact: bool) -> None:
+    # A huge learning rate drives the weights, and with them the scaled gradients, beyond fp16.
+    config = TrainConfig(**SCALED, steps=24, lr=50.0, scale_window=3, exact=exact)
+    results = every_rank(config, 3)
+    first = results[0]
+    assert first.skipped_steps[0] == 0  # 2^16 times a delta of about 1 is beyond 65504
+    assert len(first.skipped_steps) > 3
+    for result in results[1:]:
+        assert result.skipped_steps == first.skipped_steps
+        assert result.loss_scales == first.loss_scales
+        assert result.params.tobytes() == first.params.tobytes()
+    assert first.loss_scales == gradscaler_scales(first.skipped_steps, 24, window=3)
+    assert max(first.loss_scales) > min(first.loss_scales) * 2  # halved more than once
+
+
+def test_a_fixed_scale_neither_changes_nor_skips() -> None:
+    from syncsgd.training.result import NonFiniteError
+
+    result = train(TrainConfig(**SCALED, steps=4, loss_scale="512"), ranks=2)
+    assert result.loss_scales == [512.0] * 4 and result.skipped_steps == []
+    with pytest.raises(NonFiniteError):  # an overflow under a fixed scale is the usual error
+        train(TrainConfig(**SCALED, steps=4, loss_scale="1e6"), ranks=2)
+    with pytest.raises(ValueError, match="--loss-scale .* needs --precision"):
+        TrainConfig(loss_scale="dynamic")
+
+
+def test_the_log_and_the_summary_carry_the_scale_and_the_skipped_steps(tmp_path) -> None:
+    import json
+
+    from syncsgd.training.result import summary
+
+    log = tmp_path / "log.jsonl"
+    result = train(TrainConfig(**SCALED, steps=5), ranks=2, log=str(log))
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["loss_scale"] for line in lines] == result.loss_scales
+    assert lines[0]["loss_scale"] == 2.0**16
+    skipped = len(result.skipped_steps)
+    assert f", {skipped} step{'s' * (skipped != 1)} skipped by the loss scaler" in summary(
+        result, 2, "threads")  # fmt: skip
+
+
+def test_resume_restores_the_scale_and_the_count_of_finite_steps_bitwise(tmp_path) -> None:
+    from syncsgd.training import checkpoint
+
+    config = TrainConfig(**SCALED, steps=16, scale_window=4, lr=2.0)
+    whole = train(config, ranks=2)
+    assert 0 < len(whole.skipped_steps) < 14  # the scale went down and up again
+    directory = str(tmp_path / "ckpt")
+    first = train(config, ranks=2, steps=7, checkpoint=directory)
+    state = checkpoint.load(checkpoint.path_for(directory, 7), prepare(config).fingerprint,
+                            whole.model.n_params, whole.model.dtype)  # fmt: skip
+    # The next step's scale, and the finite steps in a row since the last change, by the rule.
+    good = 0
+    for step in range(7):
+        good = 0 if step in whole.skipped_steps else (good + 1) % 4
+    assert float(state.scaler["scale"]) == whole.loss_scales[7]
+    assert int(state.scaler["good_steps"]) == good
+    resumed = train(config, ranks=2, resume=directory)
+    assert first.loss_scales + resumed.loss_scales == whole.loss_scales
+    assert resumed.params.tobytes() == whole.params.tobytes()

@@ -17,7 +17,7 @@ import os
 import re
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,7 @@ class Checkpoint:
     step: int
     params: np.ndarray
     optimizer: dict[str, np.ndarray]
+    scaler: dict[str, np.ndarray] = field(default_factory=dict)  # the loss scale, if any
 
 
 def path_for(directory: str, step: int) -> str:
@@ -59,6 +60,7 @@ def save(directory: str, state: Checkpoint, fingerprint: str) -> str:
         "params": state.params,
         "fingerprint": np.array(fingerprint),
         **{f"optimizer.{name}": value for name, value in state.optimizer.items()},
+        **{f"scaler.{name}": value for name, value in state.scaler.items()},
     }
     arrays["checksum"] = np.array(checksum(arrays))
     path = path_for(directory, state.step)
@@ -187,4 +189,5 @@ def load(path: str, fingerprint: str, n_params: int, dtype: np.dtype) -> Checkpo
                          f"expected ({n_params},) {dtype}")  # fmt: skip
     optimizer = {k.removeprefix("optimizer."): v for k, v in arrays.items()
                  if k.startswith("optimizer.")}  # fmt: skip
-    return Checkpoint(int(arrays["step"]), params, optimizer)
+    scaler = {k.removeprefix("scaler."): v for k, v in arrays.items() if k.startswith("scaler.")}
+    return Checkpoint(int(arrays["step"]), params, optimizer, scaler)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -49,6 +50,26 @@ def _hidden_sizes(flag: str, hidden: tuple[int, ...]) -> str | None:
 
 def _accuracy(flag: str, value: float | None) -> str | None:
     return None if value is None or 0 <= value <= 1 else f"{flag} must be in [0, 1], got {value}"
+
+
+def _loss_scale(flag: str, value: str | None) -> str | None:
+    if value is None or value in ("dynamic", "none"):
+        return None
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = float("nan")
+    if math.isfinite(scale) and scale > 0:
+        return None
+    return f"{flag} must be dynamic, none or a positive number, got {value!r}"
+
+
+def loss_scaling(config: TrainConfig) -> float | None:
+    """The run's loss scale: 0.0 for dynamic (GradScaler's), a fixed scale, or None: none."""
+    chosen = config.loss_scale or ("dynamic" if config.precision == "fp16" else "none")
+    if chosen == "none":
+        return None
+    return 0.0 if chosen == "dynamic" else float(chosen)
 
 
 def _fraction(flag: str, value: float) -> str | None:
@@ -108,6 +129,16 @@ class TrainConfig:
                              group=OPTIMIZATION, choices=LR_SCALINGS)  # fmt: skip
     base_batch: int = option(256, "the batch size --lr was tuned for", group=OPTIMIZATION,
                              type=positive_int, check=at_least(1))  # fmt: skip
+    loss_scale: str | None = option(
+        None, "loss scaling: dynamic (GradScaler's: 2^16, halved and the step skipped on an inf "
+        "or NaN, doubled after --scale-window finite steps), none, or a fixed N",
+        group=OPTIMIZATION, metavar="dynamic|none|N", check=_loss_scale,
+        shown="dynamic with --precision fp16, else none",
+    )  # fmt: skip
+    scale_window: int = option(
+        2000, "finite steps in a row after which the dynamic loss scale doubles",
+        group=OPTIMIZATION, type=positive_int, check=at_least(1),
+    )  # fmt: skip
     seed: int = option(0, "seed of the data, the first parameters and the shuffle", group=DATA,
                        type=nonnegative_int, check=at_least(0))  # fmt: skip
     shuffle: bool = option(True, "visit the samples in order every epoch", group=DATA,
@@ -186,6 +217,8 @@ class TrainConfig:
             raise ValueError(error)
         _require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
         variant(self.pitfall, self.clip_norm)  # a pitfall may need other options (local-clip)
+        _require(self.precision != "fp32" or self.loss_scale in (None, "none"),
+                 "--loss-scale guards a narrow format's range: it needs --precision bf16|fp16")
         _require(not (self.exact and self.allreduce_dtype is not None),
                  "--allreduce-dtype rounds the sums by how the batch is split: not with --exact")
         _require(
@@ -214,7 +247,8 @@ def _require(condition: bool, message: str) -> None:
 
 # Options that determine the trajectory, added after checkpoints were written: left out of the
 # fingerprint at their defaults, so that those checkpoints still resume.
-ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32"}
+ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32", "loss_scale": None,
+               "scale_window": 2000}  # fmt: skip
 
 
 def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:

@@ -26,6 +26,8 @@ from syncsgd.training.run import Run
 from syncsgd.training.step import DataParallelStep, Rider, StepRecord
 from syncsgd.training.timeline import Timeline
 
+INITIAL_LOSS_SCALE = 2.0**16  # torch.cuda.amp.GradScaler's init_scale
+
 # Set by the command line's SIGINT/SIGTERM handlers; the ranks agree through the allreduce.
 stop_requested = threading.Event()
 
@@ -62,6 +64,50 @@ class NonFinitePolicy(Hook):
             )
         self.result.skipped_steps.append(record.step)
         return False
+
+
+class LossScaler(Hook):
+    """GradScaler's loss scale: halved and the step skipped on an inf or NaN, doubled after a
+    window of finite steps; or a fixed scale. Every rank decides alike from the allreduce."""
+
+    def __init__(self, result: TrainResult, fixed: float | None, window: int,
+                 start: dict[str, np.ndarray] | None) -> None:  # fmt: skip
+        self.result, self.dynamic, self.window = result, fixed is None, window
+        self.scale, self.good_steps = INITIAL_LOSS_SCALE if fixed is None else fixed, 0
+        if start:  # resumed: the scale and the count of finite steps in a row, as they were
+            self.scale, self.good_steps = float(start["scale"]), int(start["good_steps"])
+        self.overflowed = False
+        self.rider = Rider("ranks with a non-finite gradient", 1, self.fill_, self.read_)
+
+    def attach(self, stepper: DataParallelStep) -> None:
+        self.gradient = stepper.local_gradient
+        self.gradient.scale = self.scale
+
+    def fill_(self, slots: np.ndarray, grad_sum: np.ndarray, shard_size: int) -> None:
+        slots[0] = 0 if np.isfinite(grad_sum).all() else 1  # this rank's verdict, summed
+
+    def read_(self, slots: np.ndarray, grad_mean: np.ndarray, batch_size: int,
+              finite: bool) -> None:  # fmt: skip
+        # An inf or NaN on any rank also makes the summed gradient non-finite on every rank, so
+        # `finite` and the count agree; both are the same on every rank.
+        self.overflowed = slots[0] > 0 or not finite
+
+    def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        self.result.loss_scales.append(self.scale)  # the scale this step was taken with
+        if self.overflowed:
+            self.good_steps = 0
+            self.scale = self.scale / 2 if self.dynamic else self.scale
+        else:
+            self.good_steps += 1
+            if self.dynamic and self.good_steps == self.window:
+                self.scale, self.good_steps = self.scale * 2, 0
+        self.gradient.scale = self.scale
+        return False
+
+    def state(self) -> dict[str, np.ndarray]:
+        """What a checkpoint keeps: the next step's scale and the finite steps in a row."""
+        return {"scale": np.array(self.scale, np.float64),
+                "good_steps": np.array(self.good_steps, np.int64)}  # fmt: skip
 
 
 class Recorder(Hook):
@@ -179,6 +225,8 @@ class Log(Hook):
             line["steady_comm_share"] = result.steady_comm_seconds / result.steady_seconds
         if self.noise:
             line["noise_scale"] = result.noise_scales[-1]
+        if result.loss_scales:
+            line["loss_scale"] = result.loss_scales[-1]
         self.handle.write(json.dumps(line) + "\n")
         return False
 
@@ -202,8 +250,8 @@ class Progress(Hook):
 class Checkpointing(Hook):
     """Rank 0 writes a checkpoint every --checkpoint-every steps, after the last, and on a stop."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
+    def __init__(self, run: Run, scaler: LossScaler | None = None) -> None:
+        self.run, self.scaler = run, scaler
 
     def attach(self, stepper: DataParallelStep) -> None:
         self.params, self.sgd = stepper.params, stepper.sgd
@@ -214,7 +262,8 @@ class Checkpointing(Hook):
         due = steps_done == self.run.steps or (every is not None and steps_done % every == 0)
         if due or stopping:
             assert config.checkpoint is not None  # the hook is made for --checkpoint only
-            state = Checkpoint(steps_done, self.params, self.sgd.state_arrays())
+            scaler = self.scaler.state() if self.scaler is not None else {}
+            state = Checkpoint(steps_done, self.params, self.sgd.state_arrays(), scaler)
             checkpoint.save(config.checkpoint, state, self.run.fingerprint)
         return False
 

@@ -22,13 +22,14 @@ from syncsgd.comm.watchdog import Watched, bcast_peer, collective_timeout, curre
 from syncsgd.comm.world import launch
 from syncsgd.nn.optim import SGD
 from syncsgd.training import checkpoint, data
-from syncsgd.training.config import TrainConfig
+from syncsgd.training.config import TrainConfig, loss_scaling
 from syncsgd.training.hooks import (
     Checkpointing,
     Digests,
     Evaluation,
     Hook,
     Log,
+    LossScaler,
     NoiseScale,
     NonFinitePolicy,
     Progress,
@@ -144,7 +145,15 @@ def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,
                digests: bool) -> list[Hook]:  # fmt: skip
     """The run's instruments, in the order they see each step."""
     config, master_process = run.config, comm.Get_rank() == 0
-    hooks: list[Hook] = [NonFinitePolicy(config.skip_nonfinite, result), Recorder(result)]
+    scaling = loss_scaling(config)  # None: none; 0.0: dynamic; else a fixed scale
+    # The dynamic scaler skips a step with an inf or NaN, as GradScaler does, on every rank alike.
+    skip = config.skip_nonfinite or scaling == 0.0
+    hooks: list[Hook] = [NonFinitePolicy(skip, result), Recorder(result)]
+    scaler = None
+    if scaling is not None:
+        start = run.start.scaler if run.start is not None else None
+        scaler = LossScaler(result, scaling or None, config.scale_window, start)
+        hooks.append(scaler)
     if timeline is not None:
         hooks.append(TimelineSpans(timeline))
     if digests:
@@ -161,7 +170,7 @@ def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,
     if run.X_eval is not None and (wants_eval or config.target_accuracy is not None):
         hooks.append(Evaluation(Watched(comm, "the evaluation"), run, result))
     if master_process and config.checkpoint is not None:  # last: it sees a target met, too
-        hooks.append(Checkpointing(run))
+        hooks.append(Checkpointing(run, scaler))
     return hooks
 
 

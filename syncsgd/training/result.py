@@ -39,6 +39,7 @@ class TrainResult:
     steps_to_target: int | None = None  # steps done at the first evaluation that met the target
     noise_scale: float | None = None  # B_simple = tr(Σ) / |G|² over the run (None at P = 1)
     noise_scales: list[float] = field(default_factory=list)  # its running estimate, per step
+    loss_scales: list[float] = field(default_factory=list)  # per step, with loss scaling only
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The parameters as W0, b0, W1, b1, ... (copies)."""
@@ -59,6 +60,9 @@ def summary(result: TrainResult, comm_size: int, backend: str) -> str:
         )
     if result.noise_scale is not None:
         extras += f", noise scale B_simple {result.noise_scale:.3g}"
+    if result.loss_scales:
+        skipped = len(result.skipped_steps)
+        extras += f", {skipped} step{'s' * (skipped != 1)} skipped by the loss scaler"
     steps, ranks = result.steps, comm_size
     return (
         f"trained {steps} step{'s' * (steps != 1)} on {ranks} rank{'s' * (ranks != 1)} "

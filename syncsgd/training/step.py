@@ -51,6 +51,8 @@ class CommBuffer:
 class FloatLocalGradient:
     """Float mode: the Numba kernels' sum of per-sample gradients, in the model's dtype."""
 
+    scale = 1.0  # no loss scaling in fp32
+
     def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer) -> None:
         from syncsgd.nn.kernels import Gradient  # imports Numba: only when training
 
@@ -95,11 +97,14 @@ class ExactLocalGradient:
         self.global_batch = global_batch
         self.n_params = model.n_params
         self.loss_slot = buffer.register("loss sum").start  # the exact sums end with the loss
+        self.scale, self.narrow = 1.0, bool(fmt)  # the sums are of `scale` times the gradients
         assert self.loss_slot == self.n_params
 
     def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
                  sums: np.ndarray) -> None:  # fmt: skip
         """Fill `sums` with the exact gradient sum and the exact loss sum."""
+        if self.narrow:  # the loss scale the loss scaler set, for the narrow kernels
+            self.kernel.scale = self.scale  # type: ignore[attr-defined]
         self.kernel.local_pass(params, X, y, self.bounds)
         mpi = constants(comm)
         with watching("exact mode's allreduce of the bounds"):  # agree on the fixed point
@@ -227,7 +232,10 @@ class DataParallelStep:
         # After the allreduce, once: averaging per-rank means instead would weigh uneven shards
         # wrongly. Every rank holds the same sums, so every rank decides alike on finiteness.
         loss = float(self.comm_buffer[self.loss_slot]) / batch_size
-        divisor = self.grad_sum.dtype.type(batch_size)  # B in the sums' dtype, as NumPy would
+        # B in the sums' dtype, as NumPy would; times the loss scale S when the sums are scaled
+        # (B * S: one division unscales and averages; exact for S a power of two).
+        scale = self.local_gradient.scale
+        divisor = self.grad_sum.dtype.type(batch_size if scale == 1.0 else batch_size * scale)
         gradient_finite = self.divide_finite_(self.grad_sum, divisor, self.grad_mean)
         return loss, math.isfinite(loss) and gradient_finite
 
