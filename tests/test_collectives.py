@@ -733,6 +733,46 @@ def test_shared_memory_is_refused_call_by_call():
     assert run_threads(3, reduce) == [20, 20, 20]
 
 
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_sharing_is_found_whatever_the_ranks_passed_before(size):
+    # Each round every rank picks an array from a few (its own two, or views of one pool, some
+    # overlapping); rounds repeat and change the choices, as loops do. Exactly the rounds in
+    # which two ranks' arrays overlap raise, on every rank; the others sum.
+    pool = np.zeros(16)
+    own = [[np.zeros(4) for _ in range(2)] for _ in range(size)]
+    views = [pool[0:4], pool[4:8], pool[8:12], pool[2:6]]  # the last overlaps the first two
+    rounds = 150
+    rng = np.random.default_rng(size)
+    choices = [rng.integers(0, 6, size) for _ in range(rounds // 3)]
+    plan = [choices[i] for i in rng.integers(0, len(choices), rounds)]
+
+    def pick(rank: int, choice: int) -> np.ndarray:
+        return own[rank][choice] if choice < 2 else views[choice - 2]
+
+    def overlaps(round_: int) -> bool:
+        picked = [pick(rank, int(c)) for rank, c in enumerate(plan[round_])]
+        return any(np.shares_memory(a, b) for i, a in enumerate(picked) for b in picked[:i])
+
+    def reduce(comm):
+        rank, outcomes = comm.Get_rank(), []
+        for round_ in range(rounds):
+            buf = pick(rank, int(plan[round_][rank]))
+            comm.Barrier()  # every rank has read the last sum before the arrays are refilled
+            buf[:] = 1.0
+            comm.Barrier()
+            try:
+                allreduce(buf, comm, "ring")
+                outcomes.append(bool(np.all(buf == size)))
+            except ValueError:
+                outcomes.append(None)
+        return outcomes
+
+    expected = [None if overlaps(r) else True for r in range(rounds)]
+    assert None in expected and True in expected
+    for outcomes in run_threads(size, reduce):
+        assert outcomes == expected
+
+
 # -- the same checks under a real mpiexec ---------------------------------------------------------
 
 

@@ -364,3 +364,23 @@ def test_a_communicator_used_after_run_threads_returned_raises(use):
     assert not caller.is_alive(), "hung"
     assert len(outcome) == 1 and isinstance(outcome[0], CommClosed), outcome
     assert "run_threads has returned" in str(outcome[0])
+
+
+def test_claims_find_sharing_whichever_rank_claims_first():
+    # The order in which two ranks reach a collective changes call by call; the array they share
+    # is found in every call, even by a rank that found nothing the call before.
+    shared, order = np.zeros(4), (0, 1, 0, 0, 1, 1, 0)
+
+    def rank(comm):
+        me, found = comm.Get_rank(), []
+        for first in order:
+            for turn in (first, 1 - first):
+                if turn == me:
+                    found.append(comm.claim(shared.ravel(), shared, "f") is not None)
+                comm.Barrier()
+            comm.failed()  # the call fails on every rank (the flag reaches them all)
+        return found
+
+    by_rank = run_threads(2, rank)
+    # Whoever claims second sees the first one's array in the same call.
+    assert all(by_rank[1 - first][call] for call, first in enumerate(order))

@@ -71,6 +71,7 @@ class Plan(NamedTuple):
     status: Any  # the communicator's kind of Status, reused by every call of this thread
     steps: tuple[PlannedStep, ...]
     probe: bool = False  # receive only after a probe told the size: see _probed_exchange
+    doing: Any = None  # this thread's record for the collective timeout (watchdog.Doing)
 
 
 def signature(length: int, dtype: np.dtype) -> int:
@@ -135,7 +136,7 @@ def plan_for(algorithm: str, length: int, dtype: np.dtype, size: int, rank: int,
     mpi = constants(comm)
     planned = tuple(_planned(step, dtype.itemsize, scratch) for step in steps)
     result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), planned,
-                  _truncation_unsafe(comm))  # fmt: skip
+                  _truncation_unsafe(comm), records.doing)  # fmt: skip
     _local.plans[key] = result
     return result
 
@@ -153,28 +154,24 @@ def execute(algorithm: str, buf: np.ndarray, comm: Any, trace: Trace | None = No
         if defect:
             raise ValueError(defect)
         return buf
-    threads = type(comm) is ThreadComm
+    name, threads = FUNCTION_NAMES[algorithm], type(comm) is ThreadComm
     if threads:  # ranks passing one array would sum into it: refuse
-        shared = comm.claim(None if defect else flat, FUNCTION_NAMES[algorithm])
+        shared = comm.claim(None if defect else flat, buf, name)
         defect, flat = (shared, _NOTHING) if shared else (defect, flat)
-    doing = records.doing  # what the collective timeout names: this call, then each step
-    outer, doing.what = doing.what, FUNCTION_NAMES[algorithm]
+    try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot)
+        planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm)]
+    except (AttributeError, KeyError):
+        planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm)
+    doing = planned.doing  # what the collective timeout names: this call, then each step
+    outer, doing.what = doing.what, name
     doing.calls += 1
-    try:
-        try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot)
-            planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm)]
-        except (AttributeError, KeyError):
-            planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm)
-        # With a defect, take part with empty messages and the flag raised, then report it.
+    try:  # with a defect, take part with empty messages and the flag raised, then report it
         tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None),
                                     trace, doing)  # fmt: skip
     finally:
         doing.what, doing.step = outer, None
-        if threads:
-            comm.release()
     if tag & 1:
-        name = FUNCTION_NAMES[algorithm]
-        shared = comm.sharing_note() if threads and not defect else None
+        shared = comm.failed() if threads else None
         raise ValueError(defect or shared or _disagreement(buf, rank, mismatch, name))
     return buf
 

@@ -222,7 +222,9 @@ class _World:
         self.opening: list[Any] = []  # gates to open once the lock is released; empty when free
         self.timeouts = [-1.0] * size  # seconds a rank waits before the world times out; -1: ever
         self.doing = [Doing() for _ in range(size)]  # what each rank is in, for the timeout
-        self.claims: dict[int, Any] = {}  # rank -> the buffer of its hand-written collective
+        # (call number, memory owner, array) of each rank's latest hand-written collective
+        self.claims: list[tuple[int, Any, Any]] = [(0, None, None)] * size
+        self.epoch = 0  # moves when a rank claims another array than last time: look again
         self.sharing: dict[int, str] = {}  # collective number -> why its buffers were refused
 
     # -- matching ---------------------------------------------------------------------------
@@ -411,6 +413,24 @@ def _owner(array: np.ndarray) -> Any:
     return array if base is None else base
 
 
+def _sharing(claims: list[tuple[int, Any, Any]], me: int, number: int) -> int | None:
+    """A rank whose buffer in call `number` shares memory with rank `me`'s, or None.
+
+    Only the same call counts: a rank cannot finish a call before every rank has claimed in it,
+    so of two ranks that share memory the later sees the earlier (nothing is released). A rank
+    not in the call yet will look at ours; if it finds sharing, the call fails on every rank.
+    """
+    _, owner, array = claims[me]
+    foreign = not isinstance(owner, np.ndarray)
+    for rank, (called, other_owner, other) in enumerate(claims):
+        # Arrays that own their memory are disjoint: views of different ones never overlap, so
+        # NumPy compares bounds (of C-contiguous arrays: their bytes) only when needed.
+        maybe = other_owner is owner or foreign or not isinstance(other_owner, np.ndarray)
+        if called == number and maybe and rank != me and np.may_share_memory(array, other):
+            return rank
+    return None
+
+
 def _peers(requests: tuple[Request, ...]) -> str:
     """Whom pending requests wait for: the ranks they receive from, else those they send to."""
     sources = {req.peer for req in requests if req.kind == "recv"}
@@ -426,6 +446,9 @@ class ThreadComm:
         self._world = world
         self._rank = rank
         self._collectives = 0  # hand-written collectives entered (`claim`): names a call
+        self._buf: Any = None  # the caller's array of the last claim, its memory's owner, and
+        self._owner: Any = None  # the world's epoch when this rank last found no sharing
+        self._epoch = -1
 
     def __repr__(self) -> str:
         return f"ThreadComm(rank={self._rank}, size={self._world.size})"
@@ -453,22 +476,29 @@ class ThreadComm:
         return previous
 
     # -- buffers of the hand-written collectives --------------------------------------------
-    def claim(self, array: np.ndarray | None, name: str) -> str | None:
-        """Record `array` (None: unusable) as this rank's buffer for a collective; why not, if
-        another rank's buffer in flight shares memory with it (ranks share one address space)."""
-        world = self._world
-        self._collectives += 1  # every rank counts every call alike: it names the call
+    def claim(self, array: np.ndarray | None, buf: Any, name: str) -> str | None:
+        """Record `array`, the flat view of the caller's `buf` (None: unusable), as this rank's
+        buffer for its next collective; why not, if another rank's shares memory with it."""
+        number = self._collectives = self._collectives + 1  # every rank counts calls alike
         if array is None or array.size == 0:
+            return None  # the slot keeps an older call's number: never compared
+        world, me = self._world, self._rank
+        if buf is self._buf:  # the caller's array of last time: same memory, known owner
+            world.claims[me] = number, self._owner, array
+            # No rank has passed another array since a look that found no sharing, and no
+            # call has failed since: the ranks' arrays are those already compared.
+            if world.epoch == self._epoch:
+                return None
+        else:
+            self._buf, self._owner = buf, _owner(array)
+            world.claims[me] = number, self._owner, array  # written before the epoch moves
+            world.epoch += 1
+        self._epoch = world.epoch
+        rank = _sharing(world.claims, me, number)
+        if rank is None:
             return None
-        owner = _owner(array)
-        world.claims[self._rank] = owner, array
-        for rank, (other_owner, other) in tuple(world.claims.items()):  # others claim meanwhile
-            # Arrays that own their memory are disjoint: views of different ones never overlap,
-            # so NumPy compares bounds (of C-contiguous arrays: their bytes) only when needed.
-            maybe = other_owner is owner or not isinstance(owner, np.ndarray)
-            if maybe and rank != self._rank and np.may_share_memory(array, other):
-                return self._refuse(name, rank)
-        return None
+        self._epoch = -1  # look again next time
+        return self._refuse(name, rank)
 
     def _refuse(self, name: str, rank: int) -> str:
         """Why this rank's buffer is refused: it shares memory with `rank`'s, now in flight."""
@@ -482,12 +512,10 @@ class ThreadComm:
         world.sharing[number] = why
         return why
 
-    def release(self) -> None:
-        """This rank's collective is over: its buffer no longer counts as in flight."""
-        self._world.claims.pop(self._rank, None)
-
-    def sharing_note(self) -> str | None:
-        """Why this rank's current collective failed if a rank found shared memory in it."""
+    def failed(self) -> str | None:
+        """This rank's collective failed: look for sharing again next time. Why, if a rank
+        found shared memory in it."""
+        self._epoch = -1  # a verdict that counted on another rank's look is void
         return self._world.sharing.get(self._collectives)
 
     # -- point to point ---------------------------------------------------------------------
