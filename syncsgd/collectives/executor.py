@@ -16,7 +16,6 @@ import numpy as np
 
 from syncsgd.collectives.schedules import ADD_OWN_FIRST, COPY, SCHEDULES, CollectiveStep
 from syncsgd.comm.threads import MessageTruncated, ThreadComm
-from syncsgd.comm.watchdog import records
 from syncsgd.comm.world import constants
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64))
@@ -71,7 +70,8 @@ class Plan(NamedTuple):
     status: Any  # the communicator's kind of Status, reused by every call of this thread
     steps: tuple[PlannedStep, ...]
     probe: bool = False  # receive only after a probe told the size: see _probed_exchange
-    doing: Any = None  # this thread's record for the collective timeout (watchdog.Doing)
+    name: str = ""  # the function the user called, which errors name
+    threads: bool = False  # on thread ranks: buffers sharing memory across ranks are refused
 
 
 def signature(length: int, dtype: np.dtype) -> int:
@@ -136,7 +136,8 @@ def plan_for(algorithm: str, length: int, dtype: np.dtype, size: int, rank: int,
     mpi = constants(comm)
     planned = tuple(_planned(step, dtype.itemsize, scratch) for step in steps)
     result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), planned,
-                  _truncation_unsafe(comm), records.doing)  # fmt: skip
+                  _truncation_unsafe(comm), FUNCTION_NAMES[algorithm],
+                  type(comm) is ThreadComm)  # fmt: skip
     _local.plans[key] = result
     return result
 
@@ -154,36 +155,30 @@ def execute(algorithm: str, buf: np.ndarray, comm: Any, trace: Trace | None = No
         if defect:
             raise ValueError(defect)
         return buf
-    name, threads = FUNCTION_NAMES[algorithm], type(comm) is ThreadComm
-    if threads:  # ranks passing one array would sum into it: refuse
-        shared = comm.claim(None if defect else flat, buf, name)
-        defect, flat = (shared, _NOTHING) if shared else (defect, flat)
     try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot)
         planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm)]
     except (AttributeError, KeyError):
         planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm)
-    doing = planned.doing  # what the collective timeout names: this call, then each step
-    outer, doing.what = doing.what, name
-    doing.calls += 1
-    try:  # with a defect, take part with empty messages and the flag raised, then report it
-        tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None),
-                                    trace, doing)  # fmt: skip
-    finally:
-        doing.what, doing.step = outer, None
+    if planned.threads:  # ranks passing one array would sum into it: refuse
+        shared = comm.claim(None if defect else flat, buf, planned.name)
+        if shared:
+            defect, flat = shared, _NOTHING
+            planned = plan_for(algorithm, 0, _NOTHING.dtype, size, rank, comm)
+    # With a defect, take part with empty messages and the flag raised, then report it.
+    tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None), trace)
     if tag & 1:
-        shared = comm.failed() if threads else None
-        raise ValueError(defect or shared or _disagreement(buf, rank, mismatch, name))
+        shared = comm.failed() if planned.threads else None
+        raise ValueError(defect or shared or _disagreement(buf, rank, mismatch, planned.name))
     return buf
 
 
 def _take_steps(
-    plan: Plan, flat: np.ndarray, comm: Any, tag: int, trace: Trace | None, doing: Any
+    plan: Plan, flat: np.ndarray, comm: Any, tag: int, trace: Trace | None
 ) -> tuple[int, str]:
     """Take every step of `plan` on `flat`: the tag after the last step, and what differed."""
     message, any_tag, status, mismatch = flat.data.cast("B"), plan.any_tag, plan.status, ""
     probe = plan.probe
-    for step in plan.steps:
-        doing.step = step  # one store: the watchdog and a thread's timeout name its peer
+    for step in plan.steps:  # `plan`, `step`: read from this frame by a collective timeout
         send, dest, recv, arrival, source, expected, target, incoming, arriving, own_first, _ = step
         start = time.perf_counter() if trace is not None else 0.0
         if source < 0:

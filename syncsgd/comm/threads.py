@@ -358,7 +358,7 @@ class _World:
     def _waits(self) -> str:
         """What every sleeping rank waits in and for, in rank order."""
         return "; ".join(
-            f"rank {rank} in {describe(self.doing[rank])}, waiting for {_peers(requests)}"
+            f"rank {rank} in {describe(self.doing[rank], _peers(requests))}"
             for rank, requests in sorted(self.sleeping.items())
         )
 

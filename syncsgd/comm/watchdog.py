@@ -1,7 +1,9 @@
 """The collective timeout: what each rank is doing, and a watchdog that ends a job stuck in one.
 
-Every rank keeps a `Doing` record of the collective it is in (set by the collectives and by
-`watching` blocks; the hot loop of the hand-written allreduces stores one attribute per step).
+Every rank keeps a `Doing` record of the named collective it is in (`watching` blocks, the
+library's allreduce) and of its training step. The hand-written allreduces record nothing - their
+hot loop must not slow down: the watchdog finds them in the thread's frames (`_take_steps`), and
+reads their plan and current step from that frame only when it reports.
 Thread ranks time out in their own waits (`ThreadComm.set_timeout`); an MPI process cannot leave
 a blocking call, so a watchdog thread reads the record and calls `Abort`: docs/thread-backend.md.
 """
@@ -24,14 +26,14 @@ _LONGEST_POLL = 1.0  # the watchdog looks at least this often (and ten times per
 class Doing:
     """What one rank is doing: the collective it is in (None between), its step, its peer."""
 
-    __slots__ = ("calls", "what", "step", "peer", "during")
+    __slots__ = ("calls", "what", "peer", "during", "thread")
 
     def __init__(self) -> None:
-        self.calls = 0  # collectives entered: progress the watchdog can see
-        self.what: str | None = None  # the collective, e.g. "ring_allreduce"; None: in none
-        self.step: Any = None  # the executor's current PlannedStep (peers, phase), or None
+        self.calls = 0  # named collectives entered: progress the watchdog can see
+        self.what: str | None = None  # the named collective it is in; None: in none
         self.peer: int | None = None  # whom a named call waits for; None: any or every rank
         self.during: int | None = None  # the training step, if training
+        self.thread = threading.get_ident()  # the thread whose record it is
 
 
 class _Records(threading.local):
@@ -46,6 +48,7 @@ records = _Records()  # `records.doing`: this thread's record (the collectives r
 
 def bind(doing: Doing) -> None:
     """Make `doing` this thread's record (a thread rank: its world reads it when it times out)."""
+    doing.thread = threading.get_ident()
     records.doing = doing
 
 
@@ -64,38 +67,70 @@ class watching:  # noqa: N801 - used as a context manager, like contextlib's
 
     def __enter__(self) -> None:
         doing = self.doing = records.doing
-        self.previous = doing.what, doing.step, doing.peer
+        self.previous = doing.what, doing.peer
         doing.calls += 1
-        doing.what, doing.step, doing.peer = self.what, None, self.peer
+        doing.what, doing.peer = self.what, self.peer
 
     def __exit__(self, *exc: object) -> None:
         doing = self.doing
-        doing.what, doing.step, doing.peer = self.previous
+        doing.what, doing.peer = self.previous
 
 
-def describe(doing: Doing) -> str:
-    """Where a rank is: the collective, its step and the training step, e.g. for a timeout."""
-    where = doing.what or "a communication call"
-    step = doing.step
-    if step is not None:  # duck-typed: the collectives' PlannedStep (this layer does not import it)
+_EXECUTOR = "_take_steps"  # the hand-written allreduces' loop, whose locals `plan`, `step` we read
+
+
+def executor_frame(doing: Doing) -> Any:
+    """The frame of the hand-written collective the record's thread is in, or None."""
+    frames = getattr(sys, "_current_frames", None)  # CPython's
+    frame = frames().get(doing.thread) if frames is not None else None
+    while frame is not None and frame.f_code.co_name != _EXECUTOR:
+        frame = frame.f_back
+    return frame
+
+
+def in_collective(doing: Doing) -> Any:
+    """What shows progress in the collective the rank is in (None: in none): a named call's
+    number, or the executor's frame (a new one per call)."""
+    frame = executor_frame(doing)
+    if frame is not None:
+        return frame
+    return None if doing.what is None else doing.calls
+
+
+# Duck-typed below: the executor's Plan (.name, .steps) and PlannedStep (.source, .dest, .about
+# with .phase and .step); this layer does not import them.
+
+
+def describe(doing: Doing, awaited: str | None = None) -> str:
+    """Where a rank is and whom it waits for (`awaited`, if the caller knows better), e.g.
+    "ring_allreduce (reduce-scatter step 0) at training step 3, waiting for rank 1"."""
+    frame = executor_frame(doing)
+    step = plan = None
+    if frame is not None:
+        local = frame.f_locals  # only now, when reporting
+        plan, step = local.get("plan"), local.get("step")
+    where = plan.name if plan is not None else doing.what or "a communication call"
+    if step is not None:
         where += f" ({step.about.phase} step {step.about.step})"
     if doing.during is not None:
         where += f" at training step {doing.during}"
-    return where
+    return f"{where}, waiting for {awaited or _awaited(doing, plan, step)}"
 
 
-def awaited_peer(doing: Doing) -> str:
-    """Whom a rank waits for, as far as its record tells."""
-    step = doing.step
+def _awaited(doing: Doing, plan: Any, step: Any) -> str:
+    """Whom a rank waits for, as far as its record and the executor's frame tell."""
     if step is not None:
         return f"rank {step.source}" if step.source >= 0 else f"rank {step.dest} to receive"
+    if plan is not None:  # the step is unknown: every rank the call receives from
+        sources = sorted({s.source for s in plan.steps if s.source >= 0})
+        return " or ".join(f"rank {source}" for source in sources) or "no rank"
     return "every other rank" if doing.peer is None else f"rank {doing.peer}"
 
 
 def timeout_line(rank: int, seconds: float, doing: Doing) -> str:
     """The one line a rank prints when its collective timed out."""
     return (f"syncsgd: error: rank {rank}: no progress for {seconds:g} s (--timeout) in "
-            f"{describe(doing)}, waiting for {awaited_peer(doing)}; ending the job")  # fmt: skip
+            f"{describe(doing)}; ending the job")  # fmt: skip
 
 
 class Watchdog:
@@ -107,14 +142,14 @@ class Watchdog:
         self.thread = threading.Thread(target=self.run, name="syncsgd-watchdog", daemon=True)
 
     def run(self) -> None:
-        """Sample the record; the same collective and step for `seconds`: report and abort."""
+        """Sample the rank; in the same collective call for `seconds`: report and abort."""
         doing, poll = self.doing, min(_LONGEST_POLL, self.seconds / 10)
-        seen: tuple[Any, ...] | None = None
+        seen: Any = None  # (holding a frame keeps it alive: a new call cannot reuse it)
         since = time.monotonic()
         while not self.stopped.wait(poll):
-            state = (doing.calls, doing.what, id(doing.step))  # id: steps hold arrays
+            state = in_collective(doing)
             now = time.monotonic()
-            if doing.what is None or state != seen:  # between collectives, or progress
+            if state is None or state is not seen:  # between collectives, or progress
                 seen, since = state, now
             elif now - since >= self.seconds:
                 self.abort(doing)
