@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.comm.watchdog import Doing, bind, describe
+from syncsgd.comm.watchdog import Doing, bind, current_frames, describe
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -357,8 +357,9 @@ class _World:
 
     def _waits(self) -> str:
         """What every sleeping rank waits in and for, in rank order."""
+        frames = current_frames()  # once: every rank's frames
         return "; ".join(
-            f"rank {rank} in {describe(self.doing[rank], _peers(requests))}"
+            f"rank {rank} in {describe(self.doing[rank], _peers(requests), frames)}"
             for rank, requests in sorted(self.sleeping.items())
         )
 

@@ -79,10 +79,15 @@ class watching:  # noqa: N801 - used as a context manager, like contextlib's
 _EXECUTOR = "_take_steps"  # the hand-written allreduces' loop, whose locals `plan`, `step` we read
 
 
-def executor_frame(doing: Doing) -> Any:
+def current_frames() -> dict[int, Any]:
+    """Every thread's innermost frame (CPython's `sys._current_frames`; elsewhere none)."""
+    frames = getattr(sys, "_current_frames", None)
+    return frames() if frames is not None else {}
+
+
+def executor_frame(doing: Doing, frames: dict[int, Any] | None = None) -> Any:
     """The frame of the hand-written collective the record's thread is in, or None."""
-    frames = getattr(sys, "_current_frames", None)  # CPython's
-    frame = frames().get(doing.thread) if frames is not None else None
+    frame = (current_frames() if frames is None else frames).get(doing.thread)
     while frame is not None and frame.f_code.co_name != _EXECUTOR:
         frame = frame.f_back
     return frame
@@ -101,10 +106,10 @@ def in_collective(doing: Doing) -> Any:
 # with .phase and .step); this layer does not import them.
 
 
-def describe(doing: Doing, awaited: str | None = None) -> str:
+def describe(doing: Doing, awaited: str | None = None, frames: dict[int, Any] | None = None) -> str:
     """Where a rank is and whom it waits for (`awaited`, if the caller knows better), e.g.
     "ring_allreduce (reduce-scatter step 0) at training step 3, waiting for rank 1"."""
-    frame = executor_frame(doing)
+    frame = executor_frame(doing, frames)
     step = plan = None
     if frame is not None:
         local = frame.f_locals  # only now, when reporting
