@@ -203,9 +203,9 @@ class Watched:
         with watching(f"{self.what} (Barrier)"):
             self.unwatched.Barrier()
 
-    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any) -> None:
-        with watching(f"{self.what} (Allreduce)"):
-            self.unwatched.Allreduce(sendbuf, recvbuf, op=op)
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
+        with watching(f"{self.what} (Allreduce)"):  # op None: the communicator's default, SUM
+            self.unwatched.Allreduce(sendbuf, recvbuf, *(() if op is None else (op,)))
 
 
 @contextmanager
