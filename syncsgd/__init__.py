@@ -1,13 +1,22 @@
 """syncsgd: synchronous data-parallel SGD with a hand-written ring allreduce."""
 
 from syncsgd.collectives import ALGORITHMS, TraceEvent, allreduce, allreducer, ring_allreduce
-from syncsgd.comm.threads import DeadlockError, RankAborted, ThreadComm, run_threads
+from syncsgd.comm.threads import (
+    CollectiveTimeout,
+    CommClosed,
+    DeadlockError,
+    RankAborted,
+    ThreadComm,
+    run_threads,
+)
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, train
 
 __version__ = "0.1.0"
 __all__ = [
     "ALGORITHMS",
+    "CollectiveTimeout",
+    "CommClosed",
     "DeadlockError",
     "RankAborted",
     "ThreadComm",
