@@ -178,6 +178,7 @@ def test_auto_bar_takes_the_worst_size():
         (["--min-bytes", "1M", "--max-bytes", "8"], "exceeds --max-bytes"),
         (["--json", "/no/such/directory/x.json"], "does not exist"),
         (["--png", "/no/such/directory/x.png"], "does not exist"),
+        (["--max-bytes", str(10**15)], "memory needed"),  # refused before the first size
     ],
 )
 def test_bad_options_give_one_line_on_stderr(bad_options, words, capsys):

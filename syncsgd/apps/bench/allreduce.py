@@ -40,6 +40,7 @@ import numpy as np
 from syncsgd.collectives import ALGORITHMS, Trace, allreducer, ring_allreduce
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.world import constants, launch, resolve_backend
+from syncsgd.training.data import check_memory
 from syncsgd.training.timeline import Timeline, draw_gantt_file
 from syncsgd.training.timeline import write as write_timeline
 from syncsgd.util.argtypes import positive_float, positive_int
@@ -447,6 +448,9 @@ def main(options: argparse.Namespace) -> int:
     ranks = options.ranks
     if ranks is None and options.backend != "mpi":
         ranks = 2 if resolve_backend(options.backend) == "threads" else None
+    # Each rank in this process holds the buffer, scratch of about its size and, on threads, the
+    # baseline's sum: refuse now rather than fail at the largest size after the smaller ones.
+    check_memory(3 * options.max_bytes * (ranks or 1), f"messages of {options.max_bytes} bytes")
     result = launch(run, options, backend=options.backend, ranks=ranks)[0]
     bar = result and result["bar"]
     if options.check and bar and not bar_met(bar):
