@@ -113,6 +113,9 @@ def test_auto_colour_only_on_a_terminal(monkeypatch):
     assert demo.use_color("auto", FakeTerminal())
     assert not demo.use_color("auto", io.StringIO())
     assert demo.use_color("always", io.StringIO()) and not demo.use_color("never", FakeTerminal())
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # Open MPI gives ranks a pseudo-terminal
+    assert not demo.use_color("auto", FakeTerminal())
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
     monkeypatch.setenv("NO_COLOR", "1")
     assert not demo.use_color("auto", FakeTerminal())
 

@@ -27,6 +27,7 @@ from syncsgd.apps.demo_core import (  # noqa: F401  (the names tests and users r
 )
 from syncsgd.apps.demo_html import write_html
 from syncsgd.apps.demo_png import draw_png, write_frames
+from syncsgd.comm.world import launched_by_mpi
 from syncsgd.util.argtypes import nonnegative_int
 from syncsgd.util.options import RANKS
 
@@ -57,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--color",
         choices=("auto", "always", "never"),
         default="auto",
-        help="highlight in colour: auto = on a terminal unless NO_COLOR is set (default auto)",
+        help="highlight in colour: auto = on a terminal, not under mpiexec, unless NO_COLOR is "
+        "set (default auto)",
     )
 
 
@@ -65,6 +67,8 @@ def use_color(choice: str, stream: Any = None) -> bool:
     """Whether to print ANSI colours for --color `choice` on `stream` (default stdout)."""
     if choice in ("always", "never"):
         return choice == "always"
+    if launched_by_mpi():  # a launcher may give a rank a pseudo-terminal while writing to a file
+        return False
     stream = sys.stdout if stream is None else stream
     terminal = hasattr(stream, "isatty") and stream.isatty()
     return terminal and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
