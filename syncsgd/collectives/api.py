@@ -20,6 +20,7 @@ from syncsgd.collectives.executor import (
     Trace,
     TraceEvent,
     buffer_defect,
+    execute,
     naive_allreduce,
     rabenseifner_allreduce,
     recursive_doubling_allreduce,
@@ -139,7 +140,7 @@ def allreduce(
     `algorithm` and `check`.
     """
     if algorithm in _HAND_WRITTEN:
-        return _HAND_WRITTEN[algorithm](buf, comm, trace=trace)
+        return execute(algorithm, buf, comm, trace)
     if algorithm == "mpi":
         return _library_allreduce(buf, comm, trace, check)
     if algorithm == "auto":
@@ -164,6 +165,8 @@ def allreducer(
     """`allreduce` with `comm`, `algorithm` and `check` resolved once: `reduce_(buf, trace=...)`."""
     if algorithm not in ALGORITHMS:
         raise _unknown(algorithm)
+    if algorithm in _HAND_WRITTEN:  # straight to the executor: two Python calls less per use
+        return functools.partial(execute, algorithm, comm=comm)
     if algorithm != "auto" or check:
         return functools.partial(allreduce, comm=comm, algorithm=algorithm, check=check)
     library_sum, mpi = comm.Allreduce, constants(comm)  # looked up here, once, not per call
