@@ -220,7 +220,7 @@ def test_a_world_the_machine_cannot_hold_is_refused_at_once(monkeypatch):
     monkeypatch.setattr(threads, "_thread_room", lambda: (500, "a test limit"))
     with pytest.raises(ValueError, match="a test limit leaves room for about 436 threads"):
         run_threads(437, lambda comm: None)
-    monkeypatch.setattr(threads, "_meminfo", lambda field: 2**30)
+    monkeypatch.setattr(threads, "memory_rooms", lambda: [(2**30, "available memory")])
     with pytest.raises(ValueError, match="per rank.*available memory"):
         check_capacity(100, rank_bytes=2**24)
     check_capacity(100, rank_bytes=2**20)  # 100 MiB fits in 1 GiB

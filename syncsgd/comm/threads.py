@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from syncsgd.comm.watchdog import Doing, bind, current_frames, describe
+from syncsgd.util.machine import cgroup, meminfo, memory_rooms, numbers
 
 ANY_SOURCE = -1
 ANY_TAG = -1
@@ -652,59 +653,16 @@ PEER_BYTES = 2 * 1024
 _SPARE_THREADS = 64  # threads left for everything else (BLAS, Numba, the rest of the machine)
 
 
-def _numbers(path: str) -> list[int] | None:
-    """The integers in a small /proc or /sys file ('max' counts as none), or None if unreadable."""
-    try:
-        with open(path, encoding="ascii") as file:
-            text = file.read()
-    except OSError:
-        return None
-    return [int(word) for word in text.replace("/", " ").split() if word.isdigit()]
-
-
-def _meminfo(field: str) -> int | None:
-    """A /proc/meminfo field in bytes, or None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as file:
-            for line in file:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _cgroup(name: str) -> tuple[int, int] | None:
-    """(limit, current) of a cgroup v2 controller file pair for this process, if limited."""
-    base = _cgroup_path()
-    if base is None:
-        return None
-    limit, current = _numbers(f"{base}/{name}.max"), _numbers(f"{base}/{name}.current")
-    if not limit or not current:  # no file, or "max": not limited
-        return None
-    return limit[0], current[0]
-
-
-def _cgroup_path() -> str | None:
-    """This process's cgroup v2 directory, or None."""
-    try:
-        with open("/proc/self/cgroup", encoding="ascii") as file:
-            unified = [line.split(":", 2)[2].strip() for line in file if line.startswith("0::")]
-    except OSError:
-        return None
-    return "/sys/fs/cgroup" + unified[0] if unified else None
-
-
 def _thread_room() -> tuple[int, str] | None:
     """How many more threads this process may start, and which limit says so (Linux)."""
     rooms = []
-    total = _numbers("/proc/loadavg")  # "0.1 0.2 0.3 running/total last-pid": threads in use
+    total = numbers("/proc/loadavg")  # "0.1 0.2 0.3 running/total last-pid": threads in use
     in_use = total[4] if total and len(total) > 4 else 0
     for path in ("/proc/sys/kernel/threads-max", "/proc/sys/kernel/pid_max"):
-        limit = _numbers(path)
+        limit = numbers(path)
         if limit:
             rooms.append((limit[0] - in_use, path))
-    pids = _cgroup("pids")
+    pids = cgroup("pids")
     if pids is not None:
         rooms.append((pids[0] - pids[1], "the cgroup's pids.max"))
     nproc = _rlimit("RLIMIT_NPROC")
@@ -734,12 +692,8 @@ def capacity_problem(size: int, rank_bytes: int = 0) -> str | None:
     if threads is not None and size > threads[0] - _SPARE_THREADS:
         return f"{threads[1]} leaves room for about {max(threads[0] - _SPARE_THREADS, 0)} threads"
     per_rank = RANK_BYTES + PEER_BYTES * size + rank_bytes
-    rooms = [(_meminfo("MemAvailable"), "available memory")]
-    memory = _cgroup("memory")
-    if memory is not None:
-        rooms.append((memory[0] - memory[1], "the cgroup's memory.max"))
-    for room, what in rooms:
-        if room is not None and size * per_rank > room:
+    for room, what in memory_rooms():
+        if size * per_rank > room:
             return (f"they need about {size * per_rank / 2**20:.0f} MiB "
                     f"({per_rank / 2**10:.0f} KiB per rank), more than the "
                     f"{room / 2**20:.0f} MiB of {what}")  # fmt: skip
@@ -753,8 +707,8 @@ def _address_problem(size: int) -> str | None:
     address = _rlimit("RLIMIT_AS")
     if address is not None and need > address:
         return f"their stacks need {need / 2**20:.0f} MiB, more than RLIMIT_AS (ulimit -v)"
-    strict = _numbers("/proc/sys/vm/overcommit_memory") == [2]
-    commit, committed = _meminfo("CommitLimit"), _meminfo("Committed_AS")
+    strict = numbers("/proc/sys/vm/overcommit_memory") == [2]
+    commit, committed = meminfo("CommitLimit"), meminfo("Committed_AS")
     if strict and commit is not None and committed is not None and need > commit - committed:
         return f"their stacks need {need / 2**20:.0f} MiB, more than the commit limit left"
     return None

@@ -23,6 +23,7 @@ import numpy as np
 
 from syncsgd.nn.mlp import LOSSES
 from syncsgd.util.files import check_regular_file
+from syncsgd.util.machine import check_memory
 from syncsgd.util.validate import choice, float_dtype, integer
 
 SOURCES = (
@@ -253,42 +254,6 @@ def check_npz(path: str, what: str = "data file") -> None:
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise ValueError(f"{path} is not a readable .npz file: {exc}") from None
     check_memory(total, f"the arrays of {path}")
-
-
-def available_memory() -> int:
-    """Bytes this process may still allocate: MemAvailable, or less under a cgroup limit."""
-    found = []
-    try:
-        with open("/proc/meminfo") as handle:
-            found += [int(line.split()[1]) * 1024 for line in handle
-                      if line.startswith("MemAvailable:")]  # fmt: skip
-    except (OSError, ValueError, IndexError):
-        found.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    try:
-        with open("/sys/fs/cgroup/memory.max") as handle:
-            limit = handle.read().strip()
-        if limit.isdigit():
-            found.append(int(limit))
-    except OSError:
-        pass
-    return min(found)
-
-
-def check_memory(needed: int, what: str) -> None:
-    """ValueError, before allocating, if `needed` bytes exceed what the machine has free."""
-    free = available_memory()
-    if needed > free:
-        raise ValueError(f"{what}: about {_size(needed)} of memory needed, "
-                         f"{_size(free)} available")  # fmt: skip
-
-
-def _size(count: float) -> str:
-    """'3.2 GiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if count < 1024 or unit == "PiB":
-            return f"{count:.3g} {unit}"
-        count /= 1024
-    return f"{count:.3g} PiB"
 
 
 def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray, bool]:

@@ -15,9 +15,10 @@ from syncsgd.nn.optim import OptimConfig
 from syncsgd.training import checkpoint, data
 from syncsgd.training.checkpoint import Checkpoint
 from syncsgd.training.config import TrainConfig, _require, fingerprint
-from syncsgd.training.data import check_memory, check_npz
+from syncsgd.training.data import check_npz
 from syncsgd.training.variants import variant
 from syncsgd.util.files import check_distinct, check_writable
+from syncsgd.util.machine import check_memory
 
 
 class AgreedError(ValueError):

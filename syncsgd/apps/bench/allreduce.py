@@ -40,11 +40,11 @@ import numpy as np
 from syncsgd.collectives import ALGORITHMS, Trace, allreducer, ring_allreduce
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.world import constants, launch, resolve_backend
-from syncsgd.training.data import check_memory
 from syncsgd.training.timeline import Timeline, draw_gantt_file
 from syncsgd.training.timeline import write as write_timeline
 from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.files import check_writable, write_text
+from syncsgd.util.machine import check_memory
 from syncsgd.util.options import BACKEND, JSON, RANKS
 
 BASELINE = "mpi"  # the role: the communicator's own Allreduce
