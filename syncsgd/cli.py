@@ -27,6 +27,7 @@ from syncsgd.util.options import (
     from_options,
     option,
 )
+from syncsgd.util.signals import handling
 
 OUTPUT = "output"
 
@@ -327,12 +328,10 @@ def graceful_stop() -> Iterator[None]:
         if launcher_rank() == 0:
             print("syncsgd: stopping after this step (again to stop at once)", file=sys.stderr)
 
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        with handling((signal.SIGINT, signal.SIGTERM), request_stop):
+            yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         stop_requested.clear()
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from syncsgd.apps import cluster_launch, cluster_net
 from syncsgd.util.argtypes import positive_float, positive_int
+from syncsgd.util.signals import handling
 
 GRACE = 5.0  # seconds between asking the launcher to stop and killing it
 
@@ -130,9 +131,5 @@ def _stop_on_signals() -> Iterator[None]:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with handling((signal.SIGTERM, signal.SIGHUP), interrupt):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
