@@ -132,10 +132,10 @@ class SampleOrder:
         self.seed, self.shuffle = _check_seed(seed), bool(shuffle)
 
     def batch(self, step: int) -> np.ndarray:
-        """Indices (int64, length B) of the samples of global batch `step` (0-based)."""
+        """Indices (int64, length B) of the samples of global batch `step`: a read-only view."""
         epoch, position = divmod(step, self.per_epoch)
         order = _cached_order(self.n_samples, epoch, self.seed, self.shuffle)
-        return order[position * self.batch_size : (position + 1) * self.batch_size].copy()
+        return order[position * self.batch_size : (position + 1) * self.batch_size]
 
 
 def global_batch(
@@ -143,7 +143,7 @@ def global_batch(
 ) -> np.ndarray:
     """Indices (int64, length B) of the samples of global batch `step` (0-based), on every rank."""
     order = SampleOrder(n_samples, batch_size, seed, shuffle)
-    return order.batch(_check_nonnegative_int("step", step))
+    return order.batch(_check_nonnegative_int("step", step)).copy()  # the caller's to change
 
 
 def shard(global_batch: np.ndarray, rank: int, size: int) -> np.ndarray:
