@@ -4,7 +4,9 @@ It does not import syncsgd (no kernels, no optimizer, no data order, no communic
 and backward passes are whole-batch NumPy matmuls, and its sample order, learning-rate schedule and
 update are written out again from their definitions. The integration tests train with syncsgd on P
 ranks and compare with `serial_sgd`. Parameters are dicts of arrays W0, b0, W1, b1, ...; W{l} has
-shape (fan_in, fan_out) and b{l} shape (fan_out,).
+shape (fan_in, fan_out) and b{l} shape (fan_out,). With BatchNorm every hidden layer l also has
+gamma{l} and beta{l} (fan_out,), and the statistics are over the whole batch (Ioffe and Szegedy's
+training mode; its backward pass is their chain rule, step by step).
 """
 
 from __future__ import annotations
@@ -20,15 +22,39 @@ def layer_count(params: Mapping[str, np.ndarray]) -> int:
     count = 0
     while f"W{count}" in params:
         count += 1
-    if count == 0 or len(params) != 2 * count:
+    normalised = 2 * (count - 1) if "gamma0" in params else 0
+    if count == 0 or len(params) != 2 * count + normalised:
         raise ValueError(f"parameters must be W0, b0, W1, b1, ...; got {sorted(params)}")
     return count
 
 
+def batch_norm(z: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float) -> tuple:
+    """Training-mode BatchNorm over the rows of z: (output, what the backward pass needs)."""
+    mean = z.mean(axis=0)
+    var = ((z - mean) ** 2).mean(axis=0)  # biased, as the normalisation uses
+    zhat = (z - mean) / np.sqrt(var + eps)
+    return gamma * zhat + beta, (z, mean, var, zhat, gamma, eps)
+
+
+def batch_norm_backward(dout: np.ndarray, saved: tuple) -> tuple:
+    """(dz, dgamma, dbeta) by the chain rule through mean, variance and zhat, one at a time."""
+    z, mean, var, zhat, gamma, eps = saved
+    n = len(z)
+    dzhat = dout * gamma
+    dvar = (dzhat * (z - mean)).sum(axis=0) * -0.5 * (var + eps) ** -1.5
+    dmean = -(dzhat / np.sqrt(var + eps)).sum(axis=0) + dvar * (-2.0 * (z - mean)).mean(axis=0)
+    dz = dzhat / np.sqrt(var + eps) + dvar * 2.0 * (z - mean) / n + dmean / n
+    return dz, (dout * zhat).sum(axis=0), dout.sum(axis=0)
+
+
 def forward(
-    params: Mapping[str, np.ndarray], X: np.ndarray, hidden_activation: str
+    params: Mapping[str, np.ndarray], X: np.ndarray, hidden_activation: str, eps: float = 1e-5,
+    saved: list | None = None,
 ) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Logits of the MLP for the rows of X, and the input of every layer (for the backward pass)."""
+    """Logits of the MLP for the rows of X, and the input of every layer (for the backward pass).
+
+    With BatchNorm (gamma0 in params), `saved` receives each hidden layer's normalisation state.
+    """
     inputs = []
     h = X
     layers = layer_count(params)
@@ -37,6 +63,10 @@ def forward(
         z = h @ params[f"W{layer}"] + params[f"b{layer}"]
         if layer == layers - 1:
             return z, inputs  # the last layer is linear
+        if "gamma0" in params:
+            z, state = batch_norm(z, params[f"gamma{layer}"], params[f"beta{layer}"], eps)
+            if saved is not None:
+                saved.append(state)
         h = np.maximum(z, 0) if hidden_activation == "relu" else np.tanh(z)
     raise AssertionError("unreachable")
 
@@ -57,10 +87,13 @@ def loss_and_grad(
     *,
     hidden_activation: str,
     loss: str,
+    eps: float = 1e-5,
+    saved: list | None = None,
 ) -> tuple[float, dict[str, np.ndarray]]:
     """Mean loss over the batch and its gradient (dict like params), by whole-batch backprop."""
     batch = len(X)
-    logits, inputs = forward(params, X, hidden_activation)
+    saved = [] if saved is None else saved
+    logits, inputs = forward(params, X, hidden_activation, eps, saved)
     losses = per_sample_losses(logits, y, loss)
     # d loss_i / d logits_i, per sample (not yet divided by the batch size)
     if loss == "xent":
@@ -77,6 +110,9 @@ def loss_and_grad(
             dh = dz @ params[f"W{layer}"].T
             h = inputs[layer]  # = act(z) of the layer below
             dz = dh * (h > 0) if hidden_activation == "relu" else dh * (1 - h * h)
+            if saved:  # through the layer below's BatchNorm
+                dz, sums[f"gamma{layer - 1}"], sums[f"beta{layer - 1}"] = batch_norm_backward(
+                    dz, saved[layer - 1])
     # the mean over the global batch: sum of per-sample gradients, divided once by B
     grads = {name: sums[name] / batch for name in params}
     return float(losses.sum()) / batch, grads
@@ -181,10 +217,14 @@ def serial_sgd(
     base_batch: int = 256,
     noam_dim: int = 1,
     dtype: np.dtype | type = np.float64,
+    bn_eps: float = 1e-5,
+    bn_momentum: float = 0.1,
 ) -> tuple[dict[str, np.ndarray], list[float]]:
     """Large-batch SGD on one process; final params and the global-batch mean loss before each step.
 
-    `total_steps` (for the cosine schedule) defaults to `steps`.
+    `total_steps` (for the cosine schedule) defaults to `steps`. With BatchNorm (gamma0 in
+    `params`) the final params also hold the running statistics, running_mean{l} and
+    running_var{l}.
     """
     if not 1 <= batch_size <= len(X):
         raise ValueError(f"batch size {batch_size} must be in 1..{len(X)}")
@@ -194,11 +234,15 @@ def serial_sgd(
     y = np.asarray(y, dtype=np.int64 if loss == "xent" else float_type)
     velocity = None
     losses = []
+    running = initial_running(theta)
     for step in range(steps):
         rows = batch_indices(step, len(X), batch_size, seed, shuffle)
+        saved: list = []
         value, grads = loss_and_grad(
-            theta, X[rows], y[rows], hidden_activation=hidden_activation, loss=loss
+            theta, X[rows], y[rows], hidden_activation=hidden_activation, loss=loss, eps=bn_eps,
+            saved=saved,
         )
+        update_running(running, saved, bn_momentum)
         losses.append(value)
         rate = schedule_lr(
             step,
@@ -221,4 +265,44 @@ def serial_sgd(
             weight_decay=weight_decay,
             clip_norm=clip_norm,
         )
-    return theta, losses
+    return {**theta, **running}, losses
+
+
+def initial_running(params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """PyTorch's first running statistics: mean 0 and variance 1 per feature of each BN layer."""
+    running = {}
+    for name, gamma in params.items():
+        if name.startswith("gamma"):
+            layer = name.removeprefix("gamma")
+            running[f"running_mean{layer}"] = np.zeros_like(gamma)
+            running[f"running_var{layer}"] = np.ones_like(gamma)
+    return running
+
+
+def update_running(running: dict[str, np.ndarray], saved: list, momentum: float) -> None:
+    """running = (1 - momentum) running + momentum batch; the batch variance unbiased (n >= 2)."""
+    for layer, (z, mean, var, *_) in enumerate(saved):
+        n = len(z)
+        old_mean = running[f"running_mean{layer}"]
+        running[f"running_mean{layer}"] = ((1 - momentum) * old_mean + momentum * mean).astype(
+            old_mean.dtype)
+        if n >= 2:
+            old_var = running[f"running_var{layer}"]
+            running[f"running_var{layer}"] = (
+                (1 - momentum) * old_var + momentum * var * n / (n - 1)).astype(old_var.dtype)
+
+
+def evaluation_loss(params: Mapping[str, np.ndarray], X: np.ndarray, y: np.ndarray, *,
+                    hidden_activation: str, loss: str, eps: float = 1e-5) -> float:
+    """Mean loss in evaluation mode: BatchNorm normalises with the running statistics."""
+    h = X
+    layers = sum(1 for name in params if name.startswith("W"))
+    for layer in range(layers):
+        z = h @ params[f"W{layer}"] + params[f"b{layer}"]
+        if layer == layers - 1:
+            return float(per_sample_losses(z, y, loss).mean())
+        if f"gamma{layer}" in params:
+            mean, var = params[f"running_mean{layer}"], params[f"running_var{layer}"]
+            z = params[f"gamma{layer}"] * (z - mean) / np.sqrt(var + eps) + params[f"beta{layer}"]
+        h = np.maximum(z, 0) if hidden_activation == "relu" else np.tanh(z)
+    raise AssertionError("unreachable")

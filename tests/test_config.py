@@ -89,7 +89,8 @@ def test_every_flag_is_read_into_its_field():
             "--checkpoint", "d",
             "--checkpoint-every", "2", "--resume", "r", "--skip-nonfinite", "--holdout", "0.2",
             "--eval-every", "1", "--target-loss", "0.1", "--noise-scale",
-            "--precision", "bf16", "--loss-scale", "64", "--scale-window", "7"]  # fmt: skip
+            "--precision", "bf16", "--loss-scale", "64", "--scale-window", "7",
+            "--bn-eps", "0.001", "--bn-momentum", "0.2"]  # fmt: skip
     config = config_from_options(build_parser().parse_args(argv))
     assert config == TrainConfig(
         data="synthetic-regression", samples=50, features=3, classes=2, hidden=(7, 5),
@@ -99,12 +100,13 @@ def test_every_flag_is_read_into_its_field():
         bucket_bytes=0, algorithm="tree", exact=True, pitfall="mean-of-means", checkpoint="d",
         checkpoint_every=2, resume="r", skip_nonfinite=True, holdout=0.2, eval_every=1,
         target_loss=0.1, noise_scale=True, precision="bf16",
-        loss_scale="64", scale_window=7, timeout=7.0,
+        loss_scale="64", scale_window=7, timeout=7.0, bn_eps=0.001, bn_momentum=0.2,
     )  # fmt: skip
     changed = {f.name for f in dataclasses.fields(TrainConfig)
                if getattr(config, f.name) != f.default}  # fmt: skip
-    # --target-accuracy: xent only; --epochs instead of --steps; --allreduce-dtype: not with --exact
-    assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype"}
+    # --target-accuracy: xent only; --epochs instead of --steps; --allreduce-dtype: not with
+    # --exact; --batchnorm: not with --precision bf16
+    assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype", "batchnorm"}
 
 
 def test_outputs_are_declared_once_too():

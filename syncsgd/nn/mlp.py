@@ -1,7 +1,9 @@
 """The MLP family: its shape, the layout of its one flat parameter buffer, and its init.
 
 Layout: W0 (fan_in x fan_out, row-major), b0, W1, b1, ... packed in this order in one flat
-contiguous buffer; gradients use the same layout, so the allreduce sums one buffer (fusion).
+contiguous buffer; gradients use the same layout, so the allreduce sums one buffer (fusion). With
+BatchNorm every hidden layer's gamma{l}, beta{l} follow its b{l}. BatchNorm's running statistics
+are state, not parameters: they live in a second flat buffer, running_mean{l}, running_var{l}.
 Numba is not imported here: the CLI imports this module to build its parser.
 """
 
@@ -16,18 +18,22 @@ import numpy as np
 
 ACTIVATIONS = ("relu", "tanh")
 LOSSES = ("xent", "mse")
+BATCHNORMS = ("none", "local", "sync")
 DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
-_PARAM_NAME = re.compile(r"[Wb]\d+")
+_PARAM_NAME = re.compile(r"(?:W|b|gamma|beta)\d+")
+_RUNNING_NAME = re.compile(r"running_(?:mean|var)\d+")
 
 
 @dataclass(frozen=True)
 class MLP:
-    """Dense layers h = act(x W + b) with act on hidden layers only and a linear last layer."""
+    """Dense layers h = act(x W + b) with act on hidden layers only and a linear last layer;
+    with BatchNorm, h = act(BN(x W + b)) on the hidden layers."""
 
     sizes: tuple[int, ...]  # (features, *hidden, outputs)
     activation: str = "relu"
     loss: str = "xent"
     dtype: np.dtype = field(default=np.dtype(np.float64))
+    batchnorm: str = "none"  # none, local (each rank's shard) or sync (the global batch)
 
     def __post_init__(self) -> None:
         sizes = tuple(self.sizes)
@@ -41,6 +47,8 @@ class MLP:
             raise ValueError(f"unknown activation {self.activation!r} (choose relu or tanh)")
         if self.loss not in LOSSES:
             raise ValueError(f"unknown loss {self.loss!r} (choose xent or mse)")
+        if self.batchnorm not in BATCHNORMS:
+            raise ValueError(f"unknown batchnorm {self.batchnorm!r} (choose none, local or sync)")
         try:
             dtype = np.dtype(self.dtype)
         except TypeError:
@@ -72,10 +80,67 @@ class MLP:
         entries: list[tuple[str, tuple[int, ...], int]] = []
         offset = 0
         for layer, (fan_in, fan_out) in enumerate(self.layer_shapes()):
-            for name, shape in ((f"W{layer}", (fan_in, fan_out)), (f"b{layer}", (fan_out,))):
+            arrays = [(f"W{layer}", (fan_in, fan_out)), (f"b{layer}", (fan_out,))]
+            if self.normalised(layer):
+                arrays += [(f"gamma{layer}", (fan_out,)), (f"beta{layer}", (fan_out,))]
+            for name, shape in arrays:
                 entries.append((name, shape, offset))
                 offset += shape_size(shape)
         return entries
+
+    def normalised(self, layer: int) -> bool:
+        """Whether `layer` normalises its outputs with BatchNorm (hidden layers, if any BN)."""
+        return self.batchnorm != "none" and layer < self.n_layers - 1
+
+    def running_layout(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """(name, shape, offset) of every running statistic in its flat buffer (empty: no BN)."""
+        entries: list[tuple[str, tuple[int, ...], int]] = []
+        offset = 0
+        for layer, (_, fan_out) in enumerate(self.layer_shapes()):
+            if self.normalised(layer):
+                for name in (f"running_mean{layer}", f"running_var{layer}"):
+                    entries.append((name, (fan_out,), offset))
+                    offset += fan_out
+        return entries
+
+    @functools.cached_property
+    def n_running(self) -> int:
+        """Length of the flat buffer of running statistics (0 without BatchNorm)."""
+        return sum(shape_size(shape) for _, shape, _ in self.running_layout())
+
+    def init_running(self) -> np.ndarray:
+        """The running statistics PyTorch starts from: every mean 0, every variance 1."""
+        running = np.zeros(self.n_running, dtype=self.dtype)
+        for name, shape, offset in self.running_layout():
+            if name.startswith("running_var"):
+                running[offset : offset + shape_size(shape)] = 1
+        return running
+
+    def running_views(self, running: np.ndarray) -> dict[str, np.ndarray]:
+        """Views into the flat running statistics, named running_mean0, running_var0, ..."""
+        if running.shape != (self.n_running,):
+            raise ValueError(
+                f"expected {self.n_running} running statistics, got {describe(running)}"
+            )
+        return {name: running[offset : offset + shape_size(shape)]
+                for name, shape, offset in self.running_layout()}  # fmt: skip
+
+    def running_from_arrays(self, arrays: Mapping) -> np.ndarray:
+        """Running statistics from arrays keyed running_mean0, ...; the missing ones at default."""
+        running = self.init_running()
+        names = {name for name, _, _ in self.running_layout()}
+        extra = sorted(k for k in arrays.keys() if _RUNNING_NAME.fullmatch(k) and k not in names)
+        if extra:
+            sizes = ",".join(map(str, self.sizes))
+            raise ValueError(f"{extra[0]!r} does not belong to a model with batchnorm "
+                             f"{self.batchnorm} and sizes {sizes}")  # fmt: skip
+        views = self.running_views(running)
+        for name, shape, _ in self.running_layout():
+            if name in arrays:
+                views[name][...] = _checked(name, arrays[name], shape)
+            if name.startswith("running_var") and np.any(views[name] < 0):
+                raise ValueError(f"{name!r} holds a negative variance")
+        return running
 
     def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """Views (no copies) into `flat` named W0, b0, ...; writing to a view writes to `flat`."""
@@ -104,6 +169,8 @@ class MLP:
                 limit = np.sqrt(6.0 / (fan_in + fan_out))
                 weights = rng.uniform(-limit, limit, size=(fan_in, fan_out))
             views[f"W{layer}"][...] = weights
+            if self.normalised(layer):
+                views[f"gamma{layer}"][...] = 1
         return flat
 
     def to_arrays(self, flat: np.ndarray) -> dict[str, np.ndarray]:
@@ -122,17 +189,25 @@ class MLP:
         flat = np.empty(self.n_params, dtype=self.dtype)
         views = self.views(flat)
         for name, shape, _ in self.layout():
+            if name.startswith(("gamma", "beta")) and name not in arrays:  # saved without BN
+                views[name][...] = 1 if name.startswith("gamma") else 0
+                continue
             if name not in arrays:
                 raise ValueError(f"missing parameter {name!r} (expected shape {shape})")
-            value = np.asarray(arrays[name])
-            if value.shape != shape:
-                raise ValueError(f"parameter {name!r} has shape {value.shape}, expected {shape}")
-            if value.dtype.kind not in "fiu":
-                raise ValueError(f"parameter {name!r} has non-numeric dtype {value.dtype}")
-            if not np.all(np.isfinite(value)):
-                raise ValueError(f"parameter {name!r} contains NaN or infinity")
-            views[name][...] = value
+            views[name][...] = _checked(name, arrays[name], shape)
         return flat
+
+
+def _checked(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:
+    """`array` as a finite numeric array of `shape`, or a ValueError naming `name`."""
+    value = np.asarray(array)
+    if value.shape != shape:
+        raise ValueError(f"parameter {name!r} has shape {value.shape}, expected {shape}")
+    if value.dtype.kind not in "fiu":
+        raise ValueError(f"parameter {name!r} has non-numeric dtype {value.dtype}")
+    if not np.all(np.isfinite(value)):
+        raise ValueError(f"parameter {name!r} contains NaN or infinity")
+    return value
 
 
 def shape_size(shape: tuple[int, ...]) -> int:

@@ -1,8 +1,9 @@
 """Checkpoints: the whole training state in one `.npz`, written atomically, verified when read.
 
-A checkpoint holds the parameters, the optimizer state (the momentum buffer, if any), the number of
-steps taken, a fingerprint of everything else that determines the run (model, data, optimizer,
-seed, exact mode, ...), and a SHA-256 checksum of all of it. No random-generator state is needed:
+A checkpoint holds the parameters, the optimizer state (the momentum buffer, if any), BatchNorm's
+running statistics (if any), the number of steps taken, a fingerprint of everything else that
+determines the run (model, data, optimizer, seed, exact mode, ...), and a SHA-256 checksum of all
+of it. No random-generator state is needed:
 the sample order of every epoch is a pure function of (seed, epoch), so the step number alone says
 where the run is. A run resumed from step k therefore repeats the uninterrupted run exactly - and in
 exact mode also on a different number of ranks, since nothing in the state depends on P.
@@ -35,6 +36,7 @@ class Checkpoint:
     params: np.ndarray
     optimizer: dict[str, np.ndarray]
     scaler: dict[str, np.ndarray] = field(default_factory=dict)  # the loss scale, if any
+    running: np.ndarray | None = None  # BatchNorm's running statistics (rank 0's), if any
 
 
 def path_for(directory: str, step: int) -> str:
@@ -61,6 +63,7 @@ def save(directory: str, state: Checkpoint, fingerprint: str) -> str:
         "fingerprint": np.array(fingerprint),
         **{f"optimizer.{name}": value for name, value in state.optimizer.items()},
         **{f"scaler.{name}": value for name, value in state.scaler.items()},
+        **({} if state.running is None else {"running": state.running}),
     }
     arrays["checksum"] = np.array(checksum(arrays))
     path = path_for(directory, state.step)
@@ -85,15 +88,16 @@ def candidates(directory: str) -> list[str]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
-def load_latest(directory: str, fingerprint: str, n_params: int, dtype: np.dtype) -> Checkpoint:
+def load_latest(directory: str, fingerprint: str, n_params: int, dtype: np.dtype,
+                n_running: int = 0) -> Checkpoint:  # fmt: skip
     """The newest checkpoint in `directory` that belongs to this run (others' are passed over)."""
     paths = candidates(directory)
     for path in paths:
         try:
-            return load(path, fingerprint, n_params, dtype)
+            return load(path, fingerprint, n_params, dtype, n_running)
         except OtherRunError:
             continue
-    return load(paths[0], fingerprint, n_params, dtype)  # none is this run's: say why the newest
+    return load(paths[0], fingerprint, n_params, dtype, n_running)  # none is ours: say why
 
 
 class OtherRunError(ValueError):
@@ -161,7 +165,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def load(path: str, fingerprint: str, n_params: int, dtype: np.dtype) -> Checkpoint:
+def load(path: str, fingerprint: str, n_params: int, dtype: np.dtype,
+         n_running: int = 0) -> Checkpoint:  # fmt: skip
     """Read and verify a checkpoint; ValueError if it is corrupt or belongs to another run."""
     check_regular_file(path, "checkpoint")  # a FIFO would block np.load forever
     try:
@@ -190,4 +195,8 @@ def load(path: str, fingerprint: str, n_params: int, dtype: np.dtype) -> Checkpo
     optimizer = {k.removeprefix("optimizer."): v for k, v in arrays.items()
                  if k.startswith("optimizer.")}  # fmt: skip
     scaler = {k.removeprefix("scaler."): v for k, v in arrays.items() if k.startswith("scaler.")}
-    return Checkpoint(int(arrays["step"]), params, optimizer, scaler)
+    running = arrays.get("running")
+    if n_running and (running is None or running.shape != (n_running,) or running.dtype != dtype):
+        raise ValueError(f"checkpoint {path} holds no {n_running} {dtype} BatchNorm running "
+                         f"statistics")  # fmt: skip
+    return Checkpoint(int(arrays["step"]), params, optimizer, scaler, running)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from syncsgd.collectives import ALGORITHMS
+from syncsgd.nn.mlp import BATCHNORMS
 from syncsgd.nn.optim import LR_SCALINGS, SCHEDULES
 from syncsgd.training.variants import PITFALLS, variant
 from syncsgd.util.argtypes import (
@@ -70,6 +71,14 @@ def loss_scaling(config: TrainConfig) -> float | None:
     if chosen == "none":
         return None
     return 0.0 if chosen == "dynamic" else float(chosen)
+
+
+def _positive(flag: str, value: float) -> str | None:
+    return None if value > 0 and math.isfinite(value) else f"{flag} must be > 0, got {value}"
+
+
+def _momentum(flag: str, value: float) -> str | None:
+    return None if 0 <= value <= 1 else f"{flag} must be in [0, 1], got {value}"
 
 
 def _fraction(flag: str, value: float) -> str | None:
@@ -138,6 +147,16 @@ class TrainConfig:
     scale_window: int = option(
         2000, "finite steps in a row after which the dynamic loss scale doubles",
         group=OPTIMIZATION, type=positive_int, check=at_least(1),
+    )  # fmt: skip
+    batchnorm: str = option(
+        "none", "BatchNorm on every hidden layer: over each rank's shard (local: depends on P) "
+        "or over the global batch (sync: its sums allreduced)", group=DATA, choices=BATCHNORMS,
+    )  # fmt: skip
+    bn_eps: float = option(1e-5, "BatchNorm's epsilon, added to the batch variance", group=DATA,
+                           type=positive_float, check=_positive)  # fmt: skip
+    bn_momentum: float = option(
+        0.1, "BatchNorm's running statistics: running = (1 - m) running + m batch", group=DATA,
+        type=finite_float, check=_momentum, metavar="M",
     )  # fmt: skip
     seed: int = option(0, "seed of the data, the first parameters and the shuffle", group=DATA,
                        type=nonnegative_int, check=at_least(0))  # fmt: skip
@@ -221,6 +240,7 @@ class TrainConfig:
                  "--loss-scale guards a narrow format's range: it needs --precision bf16|fp16")
         _require(not (self.exact and self.allreduce_dtype is not None),
                  "--allreduce-dtype rounds the sums by how the batch is split: not with --exact")
+        _check_batchnorm(self)
         _require(
             self.checkpoint_every is None or self.checkpoint is not None,
             "--checkpoint-every needs --checkpoint DIR",
@@ -240,6 +260,17 @@ class TrainConfig:
         )
 
 
+def _check_batchnorm(config: TrainConfig) -> None:
+    """What --batchnorm local|sync does not combine with, in one line each."""
+    if config.batchnorm == "none":
+        return
+    _require(bool(config.hidden), "--batchnorm normalises hidden layers: give --hidden sizes")
+    _require(config.precision == "fp32", "--batchnorm runs in --precision fp32 only")
+    _require(not getattr(config, "overlap", False),
+             "--overlap starts the gradient allreduce during the backward pass, which BatchNorm's "
+             "own allreduces interleave with: not with --batchnorm")  # fmt: skip
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -248,7 +279,8 @@ def _require(condition: bool, message: str) -> None:
 # Options that determine the trajectory, added after checkpoints were written: left out of the
 # fingerprint at their defaults, so that those checkpoints still resume.
 ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32", "loss_scale": None,
-               "scale_window": 2000}  # fmt: skip
+               "scale_window": 2000, "batchnorm": "none", "bn_eps": 1e-5,
+               "bn_momentum": 0.1}  # fmt: skip
 
 
 def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:

@@ -254,7 +254,9 @@ class Checkpointing(Hook):
         self.run, self.scaler = run, scaler
 
     def attach(self, stepper: DataParallelStep) -> None:
-        self.params, self.sgd = stepper.params, stepper.sgd
+        from syncsgd.training.batchnorm import running_of
+
+        self.params, self.sgd, self.running = stepper.params, stepper.sgd, running_of(stepper)
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
         config, steps_done = self.run.config, record.step + 1
@@ -263,7 +265,8 @@ class Checkpointing(Hook):
         if due or stopping:
             assert config.checkpoint is not None  # the hook is made for --checkpoint only
             scaler = self.scaler.state() if self.scaler is not None else {}
-            state = Checkpoint(steps_done, self.params, self.sgd.state_arrays(), scaler)
+            state = Checkpoint(steps_done, self.params, self.sgd.state_arrays(), scaler,
+                               self.running)  # fmt: skip
             checkpoint.save(config.checkpoint, state, self.run.fingerprint)
         return False
 
@@ -278,7 +281,9 @@ class Evaluation(Hook):
         self.every = config.eval_every or 1  # made with --eval-every or a target only
 
     def attach(self, stepper: DataParallelStep) -> None:
-        self.params = stepper.params
+        from syncsgd.training.batchnorm import running_of
+
+        self.params, self.running = stepper.params, running_of(stepper)
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
         steps_done = record.step + 1
@@ -295,11 +300,12 @@ class Evaluation(Hook):
 
     def evaluate(self, steps_done: int) -> bool:
         """Evaluate on the held-out samples; True if a target is met."""
-        from syncsgd.nn.kernels import evaluate
+        from syncsgd.training.batchnorm import evaluate  # BatchNorm: its running statistics
 
         config, run, result = self.run.config, self.run, self.result
         assert run.X_eval is not None and run.y_eval is not None  # made with --holdout only
-        loss, accuracy = evaluate(run.model, self.params, run.X_eval, run.y_eval)
+        loss, accuracy = evaluate(run.model, self.params, self.running, config.bn_eps, run.X_eval,
+                                  run.y_eval)  # fmt: skip
         result.evals.append((steps_done, loss, accuracy if config.loss == "xent" else math.nan))
         met = (config.target_loss is not None and loss <= config.target_loss) or (
             config.target_accuracy is not None and accuracy >= config.target_accuracy

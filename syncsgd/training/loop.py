@@ -22,6 +22,7 @@ from syncsgd.comm.watchdog import Watched, bcast_peer, collective_timeout, curre
 from syncsgd.comm.world import launch
 from syncsgd.nn.optim import SGD
 from syncsgd.training import checkpoint, data
+from syncsgd.training.batchnorm import start_running
 from syncsgd.training.config import TrainConfig, loss_scaling
 from syncsgd.training.hooks import (
     Checkpointing,
@@ -91,6 +92,7 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
         trace = timeline.collective_step if timeline is not None else None
         chosen = variant(run.config.pitfall, run.config.clip_norm)  # the correct run, or a pitfall
         stepper = DataParallelStep(comm, run, params, sgd, chosen, riders, trace=trace)
+        result.running = start_running(comm, run, stepper)  # BatchNorm's; None without
         started = time.perf_counter()
         result.steps = take_steps(stepper, hooks, range(first_step, run.steps))
         result.seconds = time.perf_counter() - started
@@ -191,9 +193,10 @@ def hold_checkpoints(comm: Any, run: Run, outputs: contextlib.ExitStack) -> None
 
 def finish(comm: Any, run: Run, result: TrainResult, save_path: str | None, quiet: bool) -> None:
     """Rank 0: the loss and accuracy on all the data, the saved parameters, the summary line."""
-    from syncsgd.nn.kernels import evaluate
+    from syncsgd.training.batchnorm import evaluate  # BatchNorm: its running statistics
 
-    result.final_loss, accuracy = evaluate(run.model, result.params, run.X, run.y)
+    result.final_loss, accuracy = evaluate(run.model, result.params, result.running,
+                                           run.config.bn_eps, run.X, run.y)  # fmt: skip
     result.accuracy = None if run.config.loss != "xent" else accuracy
     if result.stopped_after is not None:  # interrupted: a checkpoint, not final parameters
         return
@@ -205,7 +208,7 @@ def finish(comm: Any, run: Run, result: TrainResult, save_path: str | None, quie
 
 
 def save_params(path: str, result: TrainResult) -> None:
-    """Write the final parameters as W0, b0, W1, b1, ... to an .npz file, atomically."""
+    """Write the final parameters as W0, b0, W1, b1, ... (and BatchNorm's) to an .npz file."""
     # To a handle, not a name: np.savez appends .npz to a name that lacks it.
     with atomic_file(path) as handle:
         np.savez(handle, **result.arrays())  # type: ignore[arg-type]  # stub: might fill allow_pickle

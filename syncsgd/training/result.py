@@ -40,10 +40,14 @@ class TrainResult:
     noise_scale: float | None = None  # B_simple = tr(Σ) / |G|² over the run (None at P = 1)
     noise_scales: list[float] = field(default_factory=list)  # its running estimate, per step
     loss_scales: list[float] = field(default_factory=list)  # per step, with loss scaling only
+    running: np.ndarray | None = None  # BatchNorm's running statistics (rank 0's), if any
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The parameters as W0, b0, W1, b1, ... (copies)."""
-        return self.model.to_arrays(self.params)
+        """The parameters as W0, b0, W1, b1, ... and BatchNorm's running statistics (copies)."""
+        arrays = self.model.to_arrays(self.params)
+        if self.running is not None:
+            arrays.update({k: v.copy() for k, v in self.model.running_views(self.running).items()})
+        return arrays
 
 
 class NonFiniteError(ValueError):

@@ -79,6 +79,7 @@ class Run:
     fingerprint: str  # SHA-256 of everything that determines the trajectory (not P, not steps)
     start: Checkpoint | None = None  # the state to resume from
     init: np.ndarray | None = None  # parameters from --init
+    init_running: np.ndarray | None = None  # BatchNorm's running statistics from --init
     X_eval: np.ndarray | None = None  # the held-out samples (--holdout)
     y_eval: np.ndarray | None = None
 
@@ -107,7 +108,8 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     sizes = (X.shape[1], *config.hidden, outputs)
     needed = model_bytes(sizes, config.batch_size, np.dtype(config.dtype).itemsize, ranks)
     check_memory(needed, f"a model of layer sizes {','.join(map(str, sizes))} on {ranks} rank(s)")
-    model = MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype))
+    model = MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype),
+                batchnorm=config.batchnorm)  # fmt: skip
     optim = OptimConfig(
         lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
         weight_decay=config.weight_decay, schedule=config.schedule,
@@ -119,10 +121,11 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     run = Run(config, model, X, y, steps, optim, fingerprint(config, X, y, steps),
                       X_eval=X_eval, y_eval=y_eval)  # fmt: skip
     if config.init is not None:
-        run.init = model.from_arrays(load_npz(config.init))
+        arrays = load_npz(config.init)
+        run.init, run.init_running = model.from_arrays(arrays), model.running_from_arrays(arrays)
     if config.resume is not None:
         run.start = checkpoint.load_latest(config.resume, run.fingerprint, model.n_params,
-                                           model.dtype)  # fmt: skip
+                                           model.dtype, model.n_running)  # fmt: skip
         _require(
             run.start.step <= steps,
             f"--resume {config.resume} is at step {run.start.step}, beyond --steps {steps}",

@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from syncsgd.nn.optim import SGD, learning_rate
 from syncsgd.training import data
 from syncsgd.training.run import Run
 from syncsgd.training.variants import Variant
+
+if TYPE_CHECKING:
+    from syncsgd.training.batchnorm import BatchNormLocalGradient
 
 # The ring's chunk boundaries depend on the buffer's length, and with them the order in which a
 # gradient element's float sum is taken: the buffer keeps at least as many slots for the values
@@ -115,7 +118,8 @@ class ExactLocalGradient:
         self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.loss_slot + 1])
 
 
-LocalGradient = FloatLocalGradient | NarrowLocalGradient | ExactLocalGradient
+LocalGradient = Union[FloatLocalGradient, NarrowLocalGradient, ExactLocalGradient,
+                      "BatchNormLocalGradient"]  # fmt: skip
 
 
 class StepRecord(NamedTuple):
@@ -158,7 +162,7 @@ class DataParallelStep:
                                       variant.order_seed(config.seed, self.rank), config.shuffle)
         largest_shard = -(-config.batch_size // self.size)
         buffer = CommBuffer(model.n_params, np.dtype(np.float64 if config.exact else model.dtype))
-        self.local_gradient = local_gradient(config, model, largest_shard, buffer)
+        self.local_gradient = local_gradient(config, model, largest_shard, buffer, trace)
         spans = [buffer.register(rider.name, rider.count) for rider in riders]
         self.comm_buffer = buffer.build()
         self.grad_sum = self.comm_buffer[: model.n_params]
@@ -247,9 +251,13 @@ class DataParallelStep:
         return info["lr"], info["grad_norm"]
 
 
-def local_gradient(config: Any, model: MLP, largest_shard: int,
-                   buffer: CommBuffer) -> LocalGradient:  # fmt: skip
+def local_gradient(config: Any, model: MLP, largest_shard: int, buffer: CommBuffer,
+                   trace: Any = None) -> LocalGradient:  # fmt: skip
     """The kernel that fills the buffer with this rank's sums, for the mode and the precision."""
+    if config.batchnorm != "none":  # layer by layer: BatchNorm's sums travel between layers
+        from syncsgd.training.batchnorm import BatchNormLocalGradient
+
+        return BatchNormLocalGradient(config, model, largest_shard, buffer, trace)
     if config.precision != "fp32":
         from syncsgd.nn.precision import PRECISION_CODES
 
