@@ -81,6 +81,12 @@ COMPRESSED_AT_ONE_RANK = (
 )
 
 
+LOCAL_BATCHNORM = (
+    "P > 1 differs: --batchnorm local normalises each rank's samples with the statistics of its "
+    "own shard, not of the global batch (--batchnorm sync allreduces them)"
+)
+
+
 def serial(config: TrainConfig) -> TrainConfig:
     """The reference's options: serial SGD, no pitfall, the gradient sums in the model's dtype."""
     return replace(config, pitfall=None, allreduce_dtype=None)
@@ -172,6 +178,8 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
         print(comment(AT_ONE_RANK[config.pitfall]))
     if 1 in failed and config.allreduce_dtype is not None:
         print(comment(COMPRESSED_AT_ONE_RANK))
+    if config.batchnorm == "local" and any(ranks > 1 for ranks in failed):
+        print(comment(LOCAL_BATCHNORM))
     if json_path:
         document = {"config": asdict(config), "rows": [asdict(row) for row in rows],
                     "matches": not failed}  # fmt: skip
