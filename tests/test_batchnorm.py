@@ -289,3 +289,48 @@ def test_under_mpiexec_sync_is_exact_and_local_differs(tmp_path):
         with np.load(saved, allow_pickle=False) as got:
             same = all(got[k].tobytes() == v.tobytes() for k, v in serial.items())
         assert same == (mode == "sync"), mode
+
+
+# -- what the extra allreduces cost --
+
+
+def test_the_cost_model_predicts_the_batchnorm_allreduces():
+    from syncsgd.apps.costmodel import Params, batchnorm_messages, batchnorm_seconds, predict
+
+    assert batchnorm_messages([4]) == [40, 40, 64]
+    assert len(batchnorm_messages([4, 5], exact=True)) == 12
+    params = Params(1e-6, 1e-9, 0.0)
+    assert batchnorm_seconds([4], "ring", 8, params) == pytest.approx(
+        2 * predict("ring", 8, 40, params) + predict("ring", 8, 64, params))
+    done = cli("model", "--ranks", "2,1024", "--batchnorm", "64,64")
+    assert done.returncode == 0 and "--batchnorm sync, hidden 64,64: 6 more" in done.stdout
+
+
+def test_timeline_and_bench_step_show_the_batchnorm_allreduces(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    train(small(steps=2), ranks=2, timeline=str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    per_rank = [e for e in events if e.get("cat") == "allreduce" and e["tid"] == 0]
+    # Two steps, each: 3 BatchNorm allreduces per hidden layer (2 layers) and the gradient's;
+    # the ring on 2 ranks takes one reduce-scatter and one allgather step per allreduce.
+    assert len(per_rank) == 2 * (3 * 2 + 1) * 2
+    report = tmp_path / "bench.json"
+    done = cli("bench", "step", "--ranks", "2", "--scaling", "strong", "--global-batch", "32",
+               "--samples", "64", "--features", "8", "--hidden", "8", "--steps", "3",
+               "--repeats", "1", "--warmup", "1", "--cli-runs", "0", "--batchnorm", "sync",
+               "--no-overhead",
+               "--json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    row = json.loads(report.read_text())["scaling"][0]
+    assert 0 < row["batchnorm_allreduce_ms"] <= row["allreduce_ms"]
+
+
+def test_overlap_is_refused_with_batchnorm():
+    from syncsgd.training.config import TrainConfig as Config
+
+    if "overlap" not in Config.__dataclass_fields__:
+        pytest.skip("no --overlap option")
+    with pytest.raises(ValueError, match="not with --batchnorm"):
+        Config(batchnorm="sync", overlap=True)

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.util.argtypes import comma_list, comma_separated
+from syncsgd.util.argtypes import comma_list, comma_separated, hidden_sizes
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.options import JSON, RANK_COUNTS
 
@@ -529,6 +529,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["ring"],
         help="the rows of the sweep to fit (default ring)",
     )
+    parser.add_argument(
+        "--batchnorm",
+        metavar="WIDTHS",
+        type=hidden_sizes,
+        help="also predict --batchnorm sync's allreduces per step for hidden layers of these "
+        "widths (e.g. 256,256): per layer, the sum and the centred squares ((n + 1) x 8 B each) "
+        "and the backward pair (2n x 8 B)",
+    )
     JSON.add(parser, help="write the predictions as JSON")
     parser.add_argument("--png", metavar="PATH",
                         help="draw time against size per algorithm (log-log), the fastest "
@@ -563,6 +571,10 @@ def main(options: argparse.Namespace) -> int:
     lines += prediction_table(options.ranks, options.sizes, options.algorithms, params)
     for ranks in options.ranks:
         lines += describe_crossovers(ranks, params, options.algorithms)
+    if options.batchnorm:
+        lines += describe_batchnorm(options.batchnorm, options.ranks, options.algorithms, params)
+        result["batchnorm"] = batchnorm_json(options.batchnorm, options.ranks,
+                                             options.algorithms, params)  # fmt: skip
     print("\n".join(lines))
     if options.png:
         fit_result, fit_ranks = (fitted, sweep_ranks) if options.fit else (None, None)
@@ -626,6 +638,53 @@ def prediction_table(ranks: Sequence[int], sizes: Sequence[int], algorithms: Seq
             best = " = ".join(n for n, m in zip(algorithms, marks, strict=True) if m == "*")
             lines.append(f"{p:>7} {format_bytes(nbytes):>9} {cells}  {best}")
     return lines
+
+
+def batchnorm_messages(widths: Sequence[int], exact: bool = False) -> list[int]:
+    """The bytes of each allreduce --batchnorm sync adds per step, for these hidden widths."""
+    # Float64 sums: per layer the sum with the count, the centred squares with a spare slot, and
+    # the backward pair; exact mode first agrees on per-feature bounds (MAX) before each.
+    sizes = []
+    for n in widths:
+        sizes += [8 * (n + 1), 8 * (n + 1), 16 * n]
+        if exact:
+            sizes += [8 * n, 8 * n, 16 * n]
+    return sizes
+
+
+def batchnorm_seconds(widths: Sequence[int], algorithm: str, ranks: int, params: Params,
+                      exact: bool = False) -> float:  # fmt: skip
+    """Predicted seconds per step of --batchnorm sync's allreduces (latency-bound: small)."""
+    return sum(predict(algorithm, ranks, nbytes, params)
+               for nbytes in batchnorm_messages(widths, exact))  # fmt: skip
+
+
+def describe_batchnorm(widths: Sequence[int], ranks: Sequence[int], algorithms: Sequence[str],
+                       params: Params) -> list[str]:  # fmt: skip
+    """One line per P: what --batchnorm sync's allreduces cost per step, float and exact mode."""
+    shown = ",".join(map(str, widths))
+    lines = [f"# --batchnorm sync, hidden {shown}: {3 * len(widths)} more allreduces per step "
+             f"({6 * len(widths)} in exact mode), {sum(batchnorm_messages(widths))} B in all"]
+    for p in ranks:
+        cells = ", ".join(
+            f"{name} {format_seconds(batchnorm_seconds(widths, name, p, params))} "
+            f"(exact {format_seconds(batchnorm_seconds(widths, name, p, params, True))})"
+            for name in algorithms
+        )
+        lines.append(f"#   P = {p}: {cells}")
+    return lines
+
+
+def batchnorm_json(widths: Sequence[int], ranks: Sequence[int], algorithms: Sequence[str],
+                   params: Params) -> dict[str, Any]:  # fmt: skip
+    """--batchnorm sync's predicted seconds per step, per P and algorithm, float and exact."""
+    return {
+        "widths": list(widths), "messages": batchnorm_messages(widths),
+        "seconds": {str(p): {name: batchnorm_seconds(widths, name, p, params)
+                             for name in algorithms} for p in ranks},
+        "exact_seconds": {str(p): {name: batchnorm_seconds(widths, name, p, params, True)
+                                   for name in algorithms} for p in ranks},
+    }  # fmt: skip
 
 
 def describe_crossovers(ranks: int, params: Params, algorithms: Sequence[str]) -> list[str]:

@@ -11,6 +11,7 @@ two-pass variance) and one backward (the two sums of the gradient); exact mode a
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,12 +59,15 @@ class BatchNormLocalGradient:
         self.n_params = model.n_params
         self.allreduce_ = functools.partial(collective_allreduce, algorithm=config.algorithm,
                                             check=False, trace=trace)  # fmt: skip
+        self.comm_seconds = [0.0, 0.0]  # in BatchNorm's allreduces: the first call, the others
+        self.calls = 0
 
     def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
                  sums: np.ndarray) -> None:  # fmt: skip
         """Fill `sums` with this shard's gradient sum and loss sum."""
         X, y = self.kernels.check_batch(self.model, self.max_batch, X, y)
         m = X.shape[0]
+        self.calls += 1
         views = self.model.views(params)
         grads = self.model.views(sums[: self.n_params])
         logits = self.forward_(comm, views, self.work.begin(X), m)
@@ -192,14 +196,17 @@ class BatchNormLocalGradient:
     def sum_(self, comm: Any, values: np.ndarray) -> None:
         """Sync: sum over the ranks (the hand-written allreduce); local: the shard's alone."""
         if self.sync:
+            started = time.perf_counter()
             self.allreduce_(values, comm)
+            self.comm_seconds[self.calls > 1] += time.perf_counter() - started
 
     def max_(self, comm: Any, values: np.ndarray) -> None:
         """Sync: the largest over the ranks; local: the shard's own."""
         if self.sync:
-            mpi = constants(comm)
+            mpi, started = constants(comm), time.perf_counter()
             with watching("batch norm's allreduce of the bounds"):
                 comm.Allreduce(mpi.IN_PLACE, values, op=mpi.MAX)
+            self.comm_seconds[self.calls > 1] += time.perf_counter() - started
 
     def accumulate_(self, comm: Any, m: int, sums: np.ndarray) -> None:
         """Exact mode: the W and b sums and the loss sum, at the agreed fixed point."""
@@ -235,6 +242,12 @@ def first_running(run: Run) -> np.ndarray:
     if run.init_running is not None:
         return run.init_running
     return run.model.init_running()
+
+
+def record_comm(result: Any, stepper: Any) -> None:
+    """Seconds in BatchNorm's allreduces into the result: all steps', and the steady state's."""
+    first, later = getattr(stepper.local_gradient, "comm_seconds", (0.0, 0.0))
+    result.batchnorm_comm_seconds, result.steady_batchnorm_comm_seconds = first + later, later
 
 
 def running_of(stepper: Any) -> np.ndarray | None:

@@ -22,7 +22,7 @@ from syncsgd.comm.watchdog import Watched, bcast_peer, collective_timeout, curre
 from syncsgd.comm.world import launch
 from syncsgd.nn.optim import SGD
 from syncsgd.training import checkpoint, data
-from syncsgd.training.batchnorm import start_running
+from syncsgd.training.batchnorm import record_comm, start_running
 from syncsgd.training.config import TrainConfig, loss_scaling
 from syncsgd.training.hooks import (
     Checkpointing,
@@ -96,6 +96,7 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
         started = time.perf_counter()
         result.steps = take_steps(stepper, hooks, range(first_step, run.steps))
         result.seconds = time.perf_counter() - started
+        record_comm(result, stepper)  # BatchNorm's allreduces, if any
     if timeline is not None:
         assert timeline_path is not None  # a timeline is kept only with a path to write it to
         write_timeline(Watched(comm, "the timeline's gather"), timeline, timeline_path)

@@ -41,6 +41,8 @@ class TrainResult:
     noise_scales: list[float] = field(default_factory=list)  # its running estimate, per step
     loss_scales: list[float] = field(default_factory=list)  # per step, with loss scaling only
     running: np.ndarray | None = None  # BatchNorm's running statistics (rank 0's), if any
+    batchnorm_comm_seconds: float = 0.0  # in BatchNorm's allreduces (within compute_seconds)
+    steady_batchnorm_comm_seconds: float = 0.0
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The parameters as W0, b0, W1, b1, ... and BatchNorm's running statistics (copies)."""

@@ -80,7 +80,7 @@ def train_config(options: argparse.Namespace, batch_size: int) -> TrainConfig:
         samples=options.samples, features=options.features, classes=options.classes,
         hidden=parse_hidden(options.hidden), activation=options.activation, loss="xent",
         batch_size=batch_size, steps=options.steps, lr=options.lr, seed=options.seed,
-        dtype=options.dtype,
+        dtype=options.dtype, batchnorm=options.batchnorm,
     )  # fmt: skip
 
 
@@ -98,19 +98,27 @@ def slowest(comm: Any, values: list[float]) -> list[float]:
 
 
 def per_step_seconds(comm: Any, run: Run) -> list[float]:
-    """One run of `train_rank`: compute, allreduce, update and whole-step seconds per step.
+    """One run of `train_rank`: compute, allreduce, update and whole-step seconds per step."""
+    return timed_run(comm, run)[: len(PARTS)]
+
+
+def timed_run(comm: Any, run: Run) -> list[float]:
+    """`per_step_seconds`, then the seconds in BatchNorm's allreduces per step.
 
     The steady state: the steps after the run's first, which pays the first touch of the run's
     fresh buffers (and, first in a process, the kernels' loading: `first_step` reports that).
     """
     comm.Barrier()
     result = train_rank(comm, run, quiet=True)
+    # BatchNorm's allreduces run inside the compute span: moved to the allreduce column.
     if result.steady_steps == 0:  # --steps 1: no steady state to take apart
-        totals = [result.compute_seconds, result.comm_seconds, result.update_seconds,
-                  result.seconds]  # fmt: skip
+        batchnorm = result.batchnorm_comm_seconds
+        totals = [result.compute_seconds - batchnorm, result.comm_seconds + batchnorm,
+                  result.update_seconds, result.seconds, batchnorm]  # fmt: skip
         return slowest(comm, [total / result.steps for total in totals])
-    totals = [result.steady_compute_seconds, result.steady_comm_seconds,
-              result.steady_update_seconds, result.steady_seconds]  # fmt: skip
+    batchnorm = result.steady_batchnorm_comm_seconds
+    totals = [result.steady_compute_seconds - batchnorm, result.steady_comm_seconds + batchnorm,
+              result.steady_update_seconds, result.steady_seconds, batchnorm]  # fmt: skip
     return slowest(comm, [total / result.steady_steps for total in totals])
 
 
@@ -149,12 +157,13 @@ def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, run: Run) 
     """Burn in, then the median over `--repeats` runs of the slowest rank's per-step times."""
     size = comm.Get_size()
     train_rank(comm, replace(run, steps=options.warmup), quiet=True)
-    runs = [per_step_seconds(comm, run) for _ in range(options.repeats)]
+    runs = [timed_run(comm, run) for _ in range(options.repeats)]
     medians = [statistics.median(times[part] for times in runs) for part in range(len(PARTS))]
-    steps = [times[-1] for times in runs]
+    steps = [times[len(PARTS) - 1] for times in runs]
     batch = run.config.batch_size
     row = {"scaling": scaling, "ranks": size, "global_batch": batch, "shard": -(-batch // size)}
     row.update({f"{part}_ms": seconds * 1e3 for part, seconds in zip(PARTS, medians, strict=True)})
+    row["batchnorm_allreduce_ms"] = statistics.median(times[len(PARTS)] for times in runs) * 1e3
     row["step_min_ms"] = min(steps) * 1e3
     row["step_max_ms"] = max(steps) * 1e3
     row["samples_per_s"] = batch / medians[-1]
@@ -448,6 +457,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--hidden", default="256,256", help="hidden sizes (256,256)")
     add("--classes", type=positive_int, default=10, help="classes (10)")
     add("--activation", choices=("relu", "tanh"), default="relu", help="(default relu)")
+    add("--batchnorm", choices=("none", "local", "sync"), default="none",
+        help="BatchNorm on the hidden layers; its allreduces count in the allreduce column "
+        "(default none)")  # fmt: skip
     add("--dtype", choices=("float64", "float32"), default="float64", help="(default float64)")
     add("--lr", type=positive_float, default=0.01, help="learning rate (0.01)")
     add("--seed", type=nonnegative_int, default=0, help="(default 0)")
@@ -556,6 +568,9 @@ def scaling_section(options: argparse.Namespace, call: Callable, rank_counts: li
     )
     say(f"# kernels' BLAS: {jit['blas']}", flush=True)
     say("# times in ms per step, steady state: each run's first step left out", flush=True)
+    if options.batchnorm == "sync":
+        say("# --batchnorm sync: the allreduce column holds BatchNorm's allreduces too (three "
+            "per hidden layer), moved out of compute", flush=True)  # fmt: skip
     say(SCALING_HEADER, flush=True)
     rows: list[dict] = []
     for scaling, ranks in runs:
@@ -569,6 +584,9 @@ def overhead_section(options: argparse.Namespace, call: Callable, rank_counts: l
                      say: Callable, master_process: bool) -> list[dict]:  # fmt: skip
     """At P = 1: train_rank's step against the kernels called directly, per --overhead-batch."""
     if not options.overhead:
+        return []
+    if options.batchnorm != "none":
+        say("# overhead check skipped: the bare loop has no BatchNorm")
         return []
     if 1 not in rank_counts:
         say("# overhead check skipped: it needs P = 1 (threads, or mpiexec -n 1)")
