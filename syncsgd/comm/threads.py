@@ -128,7 +128,7 @@ class Request:
 
     # Slots: thousands of ranks create one or two of these per message.
     __slots__ = ("world", "rank", "kind", "peer", "tag", "context", "data", "seq", "done",
-                 "awaited", "error", "source", "received_tag", "count")  # fmt: skip
+                 "awaited", "error", "source", "received_tag", "count", "eager")  # fmt: skip
 
     def __init__(self, world: _World, rank: int, kind: str, peer: int, tag: int, context: int,
                  data: memoryview) -> None:  # fmt: skip
@@ -139,6 +139,7 @@ class Request:
         self.awaited = False  # its rank sleeps until this (and its other requests) complete
         self.error: Exception | None = None
         self.source, self.received_tag, self.count = ANY_SOURCE, ANY_TAG, 0
+        self.eager = False  # a send that may complete by copying its bytes aside
 
     def Test(self) -> bool:
         return self.done  # one attribute read: atomic, and set only after the bytes moved
@@ -158,16 +159,36 @@ class Request:
         peer = "any" if self.peer == ANY_SOURCE else self.peer
         tag = "any" if self.tag == ANY_TAG else self.tag
         where = "to" if self.kind == "send" else "from"
-        ctx = "" if self.context == _P2P else " (collective)"
+        ctx = "" if self.context % 2 == _P2P else " (collective)"  # a Dup's contexts: +2n
         return f"{self.kind} {where} {peer} tag {tag}{ctx}"
 
 
 # Messages up to this size are copied under the world's lock (cheaper than taking it twice);
 # longer ones outside it, by NumPy, which drops the GIL so that ranks copy in parallel.
 _COPY_UNDER_LOCK = 1 << 16
+EAGER_BYTES = 1 << 16
 
 Queues = dict[tuple[int, int], deque[Request]]  # (source, context) -> requests in posting order
 Found = tuple[Request, deque[Request], int]  # a matching request, its queue and its place there
+
+
+def _move(data: memoryview, into: memoryview) -> int:
+    """Copy the bytes of a message into a receive buffer, as many as fit; how many."""
+    nbytes = len(data)
+    if nbytes > len(into):
+        nbytes = len(into)
+        into[:] = data[:nbytes]
+    elif nbytes:
+        into[:nbytes] = data
+    return nbytes
+
+
+def _truncation(rank: int, source: int, tag: int, sent: int, room: int) -> MessageTruncated:
+    """The error of a message of `sent` bytes received into a buffer of `room` bytes."""
+    return MessageTruncated(
+        f"rank {rank} received {sent} bytes from rank {source} (tag {tag}) "
+        f"into a buffer of {room} bytes"
+    )
 
 
 def _earliest(queues: Queues, keys: Any, tag: int) -> Found | None:
@@ -253,6 +274,9 @@ class _World:
         recvs, context = self.recvs[send.peer], send.context
         found = _earliest(recvs, ((send.rank, context), (ANY_SOURCE, context)), send.tag)
         if found is None:
+            if send.eager and len(send.data) <= EAGER_BYTES:
+                send.data = memoryview(bytes(send.data))  # the caller's buffer is free again
+                send.done = True
             self.sends[send.peer].setdefault((send.rank, context), deque()).append(send)
             return None
         key = (found[0].peer, context)
@@ -297,15 +321,18 @@ class _World:
 
     def _complete(self, send: Request, recv: Request, nbytes: int) -> None:
         """Mark a matched pair done (with a truncation error if so) and wake whom it concerns."""
-        recv.source, recv.received_tag, recv.count = send.rank, send.tag, nbytes
-        if len(send.data) > len(recv.data):
-            recv.error = MessageTruncated(
-                f"rank {recv.rank} received {len(send.data)} bytes from rank {send.rank} "
-                f"(tag {send.tag}) into a buffer of {len(recv.data)} bytes"
-            )
-        send.done = recv.done = True
-        if send.awaited:
-            self._wake(send)
+        self._deliver(recv, send.rank, send.tag, len(send.data), nbytes)
+        if not send.done:  # an eager send was done when posted
+            send.done = True
+            if send.awaited:
+                self._wake(send)
+
+    def _deliver(self, recv: Request, source: int, tag: int, sent: int, nbytes: int) -> None:
+        """Mark a receive done with `nbytes` of the `sent` bytes `source` sent; wake its rank."""
+        recv.source, recv.received_tag, recv.count = source, tag, nbytes
+        if sent > len(recv.data):
+            recv.error = _truncation(recv.rank, source, tag, sent, len(recv.data))
+        recv.done = True
         if recv.awaited:
             self._wake(recv)
 
@@ -316,6 +343,93 @@ class _World:
         self.outstanding[rank] -= 1
         if self.outstanding[rank] == 0 and self.sleeping.pop(rank, ()):
             self.opening.append(self.gates[rank])  # opened by the caller, after the lock
+
+    # -- Sendrecv of a small message from one source: the collectives' hot path ----------------
+    def exchange(self, rank: int, out: memoryview, dest: int, tag: int, into: memoryview,
+                 source: int, recvtag: int, status: Status | None) -> None:  # fmt: skip
+        """Receive from `source` and send `out` (eagerly) under one lock; sleep at most once."""
+        error = recv = None
+        with self.lock:
+            if self.failure is not None:
+                self._raise_if_failed(rank)
+            send = self._arrived(rank, source, recvtag)
+            if send is None:
+                recv = self._queue_recv(rank, into, source, recvtag)
+            else:
+                error = self._take_in(send, rank, into, status)
+            self._send_eagerly(rank, out, dest, tag)
+            if recv is not None and not recv.done:  # a send to ourselves may have completed it
+                self._sleep_on(rank, (recv,))
+            opening = self._opening()
+        for gate in opening:
+            gate.release()
+        if recv is not None:
+            if not recv.done:
+                self._sleep(rank, (recv,))
+            recv.finish(status)
+        elif error is not None:
+            raise error
+
+    def _arrived(self, rank: int, source: int, tag: int) -> Request | None:
+        """Take the earliest unmatched send from `source` to `rank` that `tag` accepts, if any."""
+        sends = self.sends[rank]
+        if not sends:
+            return None
+        key = (source, _P2P)
+        queue = sends.get(key)
+        if queue is None:
+            return None
+        send = queue[0]
+        if tag != ANY_TAG and send.tag != tag:  # mixed tags: look past the head
+            found = _earliest(sends, (key,), tag)
+            return None if found is None else _take(sends, key, found)
+        queue.popleft()
+        if not queue:
+            del sends[key]
+        return send
+
+    def _take_in(self, send: Request, rank: int, into: memoryview,
+                 status: Status | None) -> MessageTruncated | None:  # fmt: skip
+        """Copy a matched send into `into` and complete it; the truncation error, if any."""
+        nbytes = _move(send.data, into)
+        if status is not None:
+            status.source, status.tag, status.count = send.rank, send.tag, nbytes
+        if not send.done:  # a synchronous send: its sender may go on now
+            send.done = True
+            if send.awaited:
+                self._wake(send)
+        if len(send.data) > len(into):
+            return _truncation(rank, send.rank, send.tag, len(send.data), len(into))
+        return None
+
+    def _queue_recv(self, rank: int, into: memoryview, source: int, tag: int) -> Request:
+        """Post a receive nothing matches yet."""
+        recv = Request(self, rank, "recv", source, tag, _P2P, into)
+        self.seq += 1
+        recv.seq = self.seq
+        self.recvs[rank].setdefault((source, _P2P), deque()).append(recv)
+        return recv
+
+    def _send_eagerly(self, rank: int, out: memoryview, dest: int, tag: int) -> None:
+        """Copy `out` into the earliest receive posted for it, or queue a copy of it."""
+        recvs = self.recvs[dest]
+        found = _earliest(recvs, ((rank, _P2P), (ANY_SOURCE, _P2P)), tag) if recvs else None
+        if found is not None:
+            recv = _take(recvs, (found[0].peer, _P2P), found)
+            self._deliver(recv, rank, tag, len(out), _move(out, recv.data))
+            return
+        send = Request(self, rank, "send", dest, tag, _P2P, memoryview(bytes(out)))
+        send.done = True  # the caller's buffer is free again: its bytes are ours
+        self.seq += 1
+        send.seq = self.seq
+        self.sends[dest].setdefault((rank, _P2P), deque()).append(send)
+
+    def _opening(self) -> list[Any]:
+        """Take the gates to open once the lock is released."""
+        opening = self.opening
+        if opening:
+            self.opening = []
+        return opening
 
     # -- waiting ----------------------------------------------------------------------------
     def wait(self, rank: int, requests: tuple[Request, ...], opening: list[Any]) -> None:
@@ -328,14 +442,22 @@ class _World:
                 pending = tuple(req for req in requests if not req.done)
                 if not pending:
                     return
-                for req in pending:
-                    req.awaited = True
-                self.outstanding[rank] = len(pending)
-                self.sleeping[rank] = pending
-                self._check_deadlock()
+                self._sleep_on(rank, pending)
         finally:
             for gate in opening:  # even when raising: those ranks' requests are done
                 gate.release()
+        self._sleep(rank, requests)
+
+    def _sleep_on(self, rank: int, pending: tuple[Request, ...]) -> None:
+        """Record (under the lock) that `rank` will sleep until its `pending` requests complete."""
+        for req in pending:
+            req.awaited = True
+        self.outstanding[rank] = len(pending)
+        self.sleeping[rank] = pending
+        self._check_deadlock()
+
+    def _sleep(self, rank: int, requests: tuple[Request, ...]) -> None:
+        """Block on `rank`'s gate until its requests complete, or raise the world's failure."""
         timeout = self.timeouts[rank]
         if not self.gates[rank].acquire(True, timeout):  # opened once: completion, failure...
             self._expire(rank, timeout)  # ... or not in time
@@ -477,6 +599,14 @@ class ThreadComm:
         timeouts[self._rank] = min(float(seconds), threading.TIMEOUT_MAX) if seconds else -1.0
         return previous
 
+    def Dup(self) -> ThreadComm:
+        """The same ranks in message contexts of their own (MPI's Dup): a collective call, so
+        every rank's n-th Dup gets the same contexts. Its Allreduce and Barrier share the world's
+        slots: a rank must not be in collectives on both communicators at once."""
+        made = self._world.__dict__.setdefault("duplicates", [0] * self._world.size)
+        made[self._rank] += 1
+        return _Duplicate(self._world, self._rank, 2 * made[self._rank])
+
     # -- buffers of the hand-written collectives --------------------------------------------
     def claim(self, array: np.ndarray | None, buf: Any, name: str) -> str | None:
         """Record `array`, the flat view of the caller's `buf` (None: unusable), as this rank's
@@ -536,6 +666,7 @@ class ThreadComm:
     def _post(self, kind: str, buf: Any, peer: int, tag: int, context: int) -> Request:
         """Post a request and return it at once (Isend, Irecv)."""
         req = self._request(kind, buf, peer, tag, context)
+        req.eager = True
         for gate in self._world.post((req,)):
             gate.release()
         return req
@@ -573,9 +704,16 @@ class ThreadComm:
         status: Status | None = None,
     ) -> None:
         # Both checked before either is posted; posted under one lock, waited for in one sleep.
-        recv = self._request("recv", recvbuf, source, recvtag, _P2P)
-        send = self._request("send", sendbuf, dest, sendtag, _P2P)
+        into, out = _bytes_of(recvbuf, writable=True), _bytes_of(sendbuf, writable=False)
         world = self._world
+        size = world.size
+        if 0 <= source < size and 0 <= dest < size and 0 <= sendtag <= TAG_UB:
+            if len(out) <= EAGER_BYTES:  # the collectives' messages: the hot path
+                world.exchange(self._rank, out, dest, sendtag, into, source, recvtag, status)
+                return
+        recv = self._request("recv", into, source, recvtag, _P2P)
+        send = self._request("send", out, dest, sendtag, _P2P)
+        send.eager = True
         world.wait(self._rank, (recv, send), world.post((recv, send)))
         recv.finish(status)
 
@@ -621,6 +759,27 @@ class ThreadComm:
             world.total = total  # a new array each call: nobody still reads the last one
         self.Barrier()  # the total is ready; every buffer was read, so they may be overwritten
         out[...] = world.total
+
+
+class _Duplicate(ThreadComm):
+    """A `ThreadComm.Dup`: its messages travel in contexts shifted by `shift`."""
+
+    def __init__(self, world: _World, rank: int, shift: int) -> None:
+        super().__init__(world, rank)
+        self._shift = shift
+
+    def _request(self, kind: str, buf: Any, peer: int, tag: int, context: int) -> Request:
+        return super()._request(kind, buf, peer, tag, context + self._shift)
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
+                 status: Status | None = None) -> None:  # fmt: skip
+        # Through `_request`, in this communicator's contexts (not the world's shortcut).
+        recv = self._request("recv", recvbuf, source, recvtag, _P2P)
+        send = self._request("send", sendbuf, dest, sendtag, _P2P)
+        world = self._world
+        world.wait(self._rank, (recv, send), world.post((recv, send)))
+        recv.finish(status)
 
 
 def _op_name(op: Any) -> str:
