@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -31,6 +32,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_configure(config: pytest.Config) -> None:
     """The markers of this suite."""
     config.addinivalue_line("markers", "cluster: runs MPI across emulated nodes (root; seconds)")
+    config.addinivalue_line("markers", "mpi: runs a real mpiexec (`-m mpi`: the MPI tests alone)")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The mpiexec the MPI tests drive and the MPI library mpi4py loads, in pytest's header."""
+    path = mpiexec_path()
+    if path is None:
+        return ["mpiexec: none (the MPI tests are skipped)"]
+    flavour, version = mpiexec_flavour(path)
+    return [f"mpiexec: {path} ({flavour} {version})", f"mpi4py loads: {mpi4py_library()}"]
 
 
 def mpiexec_path() -> str | None:
@@ -43,20 +54,52 @@ def mpiexec_path() -> str | None:
 
 
 @functools.cache
+def mpiexec_flavour(path: str) -> tuple[str, str]:
+    """("MPICH"|"Open MPI", version) of the launcher at `path`, from its --version."""
+    done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    text = done.stdout + done.stderr
+    if re.search(r"open mpi|openrte|open-mpi", text, re.IGNORECASE):
+        found = re.search(r"\(Open(?: MPI|RTE)\) ([\d.]+)", text)
+        return "Open MPI", found.group(1) if found else "?"
+    found = re.search(r"Version:\s+([\d.]+)", text)
+    return "MPICH", found.group(1) if found else "?"
+
+
+@functools.cache
+def mpi4py_library() -> str:
+    """The first line of MPI.Get_library_version() in a fresh process of this Python."""
+    code = "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    if done.returncode != 0:
+        return "none (mpi4py does not load: " + done.stderr.strip()[-200:] + ")"
+    return done.stdout.replace("\0", "").strip()
+
+
+@functools.cache
 def mpiexec_flags(path: str) -> tuple[str, ...]:
     """What this launcher needs to run P ranks on a small machine, as root if we are root."""
-    done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
-    text = (done.stdout + done.stderr).lower()
-    if not any(name in text for name in ("open mpi", "openrte", "open-mpi")):
+    if mpiexec_flavour(path)[0] != "Open MPI":
         return ()  # MPICH's hydra runs any number of ranks anywhere as anyone
     # Open MPI refuses more ranks than cores without --oversubscribe, and root without consent.
     flags = ("--oversubscribe",)
     return (*flags, "--allow-run-as-root") if os.geteuid() == 0 else flags
 
 
-requires_mpi = pytest.mark.skipif(
+def mpiexec_command(ranks: int) -> list[str]:
+    """`mpiexec [flags] -n ranks`, for the launcher the MPI tests drive."""
+    path = str(mpiexec_path())
+    return [path, *mpiexec_flags(path), "-n", str(ranks)]
+
+
+_skip_without_mpiexec = pytest.mark.skipif(
     mpiexec_path() is None, reason="needs mpiexec (pip install 'syncsgd[mpi]')"
 )
+
+
+def requires_mpi(test: Callable) -> Callable:
+    """Mark a test that runs a real mpiexec: marked `mpi`, skipped when there is none."""
+    return pytest.mark.mpi(_skip_without_mpiexec(test))
 
 
 def run_mpiexec(ranks: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -76,9 +119,15 @@ def run_mpiexec(ranks: int, args: list[str], timeout: float = 120) -> subprocess
 
 def _untagged(text: str) -> str:
     """Each rank's output whole, rank after rank, from Open MPI's tagged chunks (a no-op else)."""
-    # --tag-output puts `[job,rank]<stdout>:` before every chunk it forwards, even mid-line.
-    pieces = re.split(r"\[\d+,(\d+)\]<std(?:out|err)>:", text)
+    pieces = re.split(_tag_pattern(), text)
     by_rank: dict[int, list[str]] = {}
     for rank, chunk in zip(pieces[1::2], pieces[2::2], strict=True):
         by_rank.setdefault(int(rank), []).append(chunk)
     return pieces[0] + "".join("".join(by_rank[rank]) for rank in sorted(by_rank))
+
+
+def _tag_pattern() -> str:
+    """What --tag-output puts before every chunk, even mid-line: `[1,0]<stdout>:` (5.x: `: `)."""
+    major = mpiexec_flavour(str(mpiexec_path()))[1].split(".")[0]
+    space = " " if major.isdigit() and int(major) >= 5 else ""
+    return r"\[\d+,(\d+)\]<std(?:out|err)>:" + space

@@ -1,7 +1,8 @@
 """`syncsgd cluster`: MPI across emulated nodes gives the single-host bits, leaves nothing behind.
 
-The emulated cluster needs root, `ip netns` and `tc`; elsewhere these tests are skipped. The runs
-across nodes are marked `cluster`: a few seconds each, run once by CI.
+The emulated cluster needs root, `ip netns` and `tc`; elsewhere these tests are skipped. Every
+test that drives mpiexec is marked `mpi` (CI runs them under MPICH and again under Open MPI); the
+longer runs across nodes are marked `cluster` too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +42,12 @@ def _why_not() -> str | None:
     return why
 
 
-requires_cluster = pytest.mark.skipif(_why_not() is not None, reason=f"{_why_not()}")
+_skip_without_cluster = pytest.mark.skipif(_why_not() is not None, reason=f"{_why_not()}")
+
+
+def requires_cluster(test: Callable) -> Callable:
+    """Mark a test that drives mpiexec on emulated nodes: marked `mpi`, skipped where it can't."""
+    return pytest.mark.mpi(_skip_without_cluster(test))
 
 
 def run_cluster(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import mpiexec_flags, mpiexec_path, requires_mpi
+from conftest import mpiexec_command, requires_mpi
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,7 +26,7 @@ def start(args: list[str], mpi_ranks: int | None = None) -> subprocess.Popen:
     """Start syncsgd in its own process group (so a test can signal the whole job)."""
     command = [sys.executable, "-m", "syncsgd.cli", *args]
     if mpi_ranks is not None:
-        command = [mpiexec_path(), "-n", str(mpi_ranks), *command]
+        command = [*mpiexec_command(mpi_ranks), *command]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
 
@@ -80,7 +80,7 @@ def test_non_finite_training_stops_with_the_step_or_skips_it():
 )
 def test_ranks_started_with_different_options_all_stop_with_one_message(option, first, second):
     common = ["-m", "syncsgd.cli", "train", "--samples", "600", "--steps", "5"]
-    command = [mpiexec_path(), "-n", "1", sys.executable, *common, option, first, ":",
+    command = [*mpiexec_command(1), sys.executable, *common, option, first, ":",
                "-n", "1", sys.executable, *common, option, second]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
@@ -168,8 +168,7 @@ QUICK = ["--samples", "200", "--features", "4", "--hidden", "4", "--batch-size",
 
 def mpmd(first: list[str], second: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
     """`mpiexec -n 1 syncsgd FIRST : -n 1 syncsgd SECOND`; a job that outlives `timeout` fails."""
-    path = str(mpiexec_path())
-    command = [path, *mpiexec_flags(path), "-n", "1", *CLI, *first, ":", "-n", "1", *CLI, *second]
+    command = [*mpiexec_command(1), *CLI, *first, ":", "-n", "1", *CLI, *second]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)  # fmt: skip
     try:
