@@ -262,9 +262,28 @@ def extract_column_sum_(D, magic, sums):
 @njit(nogil=True, cache=True)
 def accumulate_(layers, X, activations, deltas, losses, magics, units, widened, counts, sums_out):
     """Extracted per-sample gradient sums in the flat layout, then the extracted loss sum."""
-    m = X.shape[0]
     n_layers = layers.shape[0]
-    for layer in range(n_layers):
+    accumulate_layers_(layers, X, activations, deltas, magics, units, widened, counts, sums_out,
+                       n_layers - 1, 0)  # fmt: skip
+    accumulate_loss_(losses, X.shape[0], magics[2 * n_layers], sums_out)
+
+
+@njit(nogil=True, cache=True)
+def accumulate_loss_(losses, m, magic, sums_out):
+    """The extracted loss sum of the m samples, into the last slot of sums_out."""
+    loss_sum = 0.0
+    for i in range(m):
+        loss_sum += (magic + losses[i]) - magic
+    sums_out[sums_out.shape[0] - 1] = loss_sum
+
+
+@njit(nogil=True, cache=True)
+def accumulate_layers_(layers, X, activations, deltas, magics, units, widened, counts, sums_out,
+                       top, bottom):  # fmt: skip
+    """Extracted per-sample gradient sums of layers top down to bottom, in the flat layout."""
+    # Exact sums: any order of the layers (all at once, or a few at a time) gives the same bits.
+    m = X.shape[0]
+    for layer in range(top, bottom - 1, -1):
         inputs = layer_input(X, activations, layers, layer, m)
         delta = layer_rows(deltas, layers, layer, m)
         fan_out = delta.shape[1]
@@ -276,11 +295,6 @@ def accumulate_(layers, X, activations, deltas, losses, magics, units, widened, 
         tile = matrix(counts, 0, accumulator_rows(fan_out), fan_out)
         extract_outer_sum_(inputs, wide_delta, magics[2 * layer], units[2 * layer], sums_W, tile)
         extract_column_sum_(wide_delta, magics[2 * layer + 1], sums_b)
-    magic = magics[2 * n_layers]
-    loss_sum = 0.0
-    for i in range(m):
-        loss_sum += (magic + losses[i]) - magic
-    sums_out[sums_out.shape[0] - 1] = loss_sum
 
 
 def slot_bounds(bounds: np.ndarray) -> np.ndarray:
@@ -403,12 +417,20 @@ class ExactGradient:
         # `bounds` are the MAX-allreduced peaks of every rank and `global_batch` is B; both must be
         # the same on every rank. The result is exact, so summing it over ranks in any order (the
         # float64 ring allreduce) gives the same bits for every sharding of the global batch.
+        _check_float64_out("sums_out", sums_out, self.model.n_params + 1)
+        magics, units = self.extraction_scales(bounds, global_batch)
+        accumulate_(
+            self._layers, self._shard_inputs(self._m or 0), self._activations, self._deltas,
+            self._losses, magics, units, self._widened, self._counts, sums_out,
+        )  # fmt: skip
+
+    def extraction_scales(self, bounds: np.ndarray,
+                          global_batch: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """(M_s, ulp(M_s)) per slot from the agreed bounds; ValueError for unusable bounds."""
         if self._m is None:
             raise ValueError("accumulate needs a successful local_pass first")
-        model = self.model
-        bounds = _checked_bounds(model, bounds)
+        bounds = _checked_bounds(self.model, bounds)
         global_batch = check_count("global_batch", global_batch, low=1)
-        _check_float64_out("sums_out", sums_out, model.n_params + 1)
         if global_batch < self._m:
             raise ValueError(
                 f"global batch {global_batch} is smaller than this rank's shard of {self._m}"
@@ -421,10 +443,19 @@ class ExactGradient:
             )
         magics = np.ldexp(1.5, exponents)  # M_s = 1.5 * 2^E_s
         units = np.ldexp(1.0, exponents - UNIT_BITS)  # ulp(M_s)
-        accumulate_(
-            self._layers, self._shard_inputs(self._m), self._activations, self._deltas,
-            self._losses, magics, units, self._widened, self._counts, sums_out,
+        return magics, units
+
+    def accumulate_layers(self, magics: np.ndarray, units: np.ndarray, sums_out: np.ndarray,
+                          top: int, bottom: int) -> None:  # fmt: skip
+        """Layers top down to bottom of `accumulate`, at `extraction_scales`' scales."""
+        accumulate_layers_(
+            self._layers, self._shard_inputs(self._m or 0), self._activations, self._deltas,
+            magics, units, self._widened, self._counts, sums_out, top, bottom,
         )  # fmt: skip
+
+    def accumulate_loss(self, magics: np.ndarray, sums_out: np.ndarray) -> None:
+        """The extracted loss sum of `accumulate`, into the last slot of `sums_out`."""
+        accumulate_loss_(self._losses, self._m or 0, magics[-1], sums_out)
 
     def sample_terms(self) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
         """Views of the last pass: each layer's (m, fan_in) input and (m, fan_out) delta; losses."""

@@ -270,11 +270,21 @@ def times_slope_(delta, below, activation):
 @njit(nogil=True, cache=True)
 def backward_(params, layers, activation, X, activations, delta_a, delta_b, grad_out):
     """Writes the summed gradient into grad_out, starting from the logits' delta in delta_a."""
+    top = layers.shape[0] - 1
+    backward_layers_(params, layers, activation, X, activations, delta_a, delta_b, grad_out, top, 0)
+
+
+@njit(nogil=True, cache=True)
+def backward_layers_(params, layers, activation, X, activations, delta_a, delta_b, grad_out, top,
+                     bottom):  # fmt: skip
+    """Layers top down to bottom of the backward pass: their gradient sums, the delta below."""
+    # Called for every layer at once (backward_) or a few at a time (--overlap): the same sums.
     m = X.shape[0]
     n_layers = layers.shape[0]
-    delta = matrix(delta_a, 0, m, layers[n_layers - 1, FAN_OUT])
-    spare_is_b = True  # the delta of the layer below goes to the buffer not holding `delta`
-    for layer in range(n_layers - 1, -1, -1):
+    for layer in range(top, bottom - 1, -1):
+        # The deltas ping-pong: the last layer's lies in delta_a, the one below it in delta_b, ...
+        in_a = (n_layers - 1 - layer) % 2 == 0
+        delta = matrix(delta_a if in_a else delta_b, 0, m, layers[layer, FAN_OUT])
         inputs = layer_input(X, activations, layers, layer, m)
         grad_W, grad_b = layer_params(grad_out, layers, layer)
         # Sums over the m samples: inside BLAS for W, in sample order for b.
@@ -286,11 +296,9 @@ def backward_(params, layers, activation, X, activations, delta_a, delta_b, grad
         if layer == 0:
             break
         W, _ = layer_params(params, layers, layer)
-        previous = matrix(delta_b if spare_is_b else delta_a, 0, m, layers[layer, FAN_IN])
+        previous = matrix(delta_b if in_a else delta_a, 0, m, layers[layer, FAN_IN])
         np.dot(delta, W.T, previous)
         times_slope_(previous, inputs, activation)
-        spare_is_b = not spare_is_b
-        delta = previous
 
 
 @njit(nogil=True, cache=True)
@@ -397,6 +405,13 @@ class Gradient:
             grad_out,
         )
         return float(loss_sum), int(correct)
+
+    def backward_layers(self, params: np.ndarray, X: np.ndarray, grad_out: np.ndarray, top: int,
+                        bottom: int) -> None:  # fmt: skip
+        """Layers top down to bottom of the backward pass after `loss(params, X, ...)`."""
+        # X: the contiguous array of the model's dtype that `loss` ran on; checked there.
+        backward_layers_(params, self._layers, self._activation, X, self._activations,
+                         self._delta_a, self._delta_b, grad_out, top, bottom)  # fmt: skip
 
     def loss(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         """(sum of losses, argmax hits) of the micro-batch, without the backward pass."""

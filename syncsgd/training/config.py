@@ -177,6 +177,10 @@ class TrainConfig:
         None, "allreduce buckets of about this many bytes; 0: one per layer", group=RANKS,
         type=nonnegative_int, check=at_least(0), shown="one fused allreduce", fingerprint=False,
     )  # fmt: skip
+    overlap: bool = option(
+        False, "allreduce each bucket on a communication thread while the backward pass goes "
+        "on (bitwise the same result; docs/overlap.md)", group=RANKS, fingerprint=False,
+    )  # fmt: skip
     algorithm: str = option("ring", "the allreduce algorithm", group=RANKS, choices=ALGORITHMS,
                             list_choices=True, fingerprint=False)  # fmt: skip
     allreduce_dtype: str | None = option(

@@ -186,7 +186,7 @@ class StopRequest(Hook):
 
     def __init__(self, result: TrainResult, requested: threading.Event = stop_requested) -> None:
         self.result, self.requested, self.stop = result, requested, False
-        self.rider = Rider("ranks asked to stop", 1, self.fill_, self.read_)
+        self.rider = Rider("ranks asked to stop", 1, self.fill_, self.read_, needs_gradient=False)
 
     def fill_(self, slots: np.ndarray, grad_sum: np.ndarray, shard_size: int) -> None:
         slots[0] = 1 if self.requested.is_set() else 0

@@ -125,6 +125,7 @@ def take_steps(stepper: DataParallelStep, hooks: list[Hook], steps: range) -> in
         return done
     finally:
         current().during = None  # a timeout after the steps names no step
+        stepper.close()
         for hook in hooks:
             hook.close()
 

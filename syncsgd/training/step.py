@@ -55,6 +55,7 @@ class FloatLocalGradient:
     """Float mode: the Numba kernels' sum of per-sample gradients, in the model's dtype."""
 
     scale = 1.0  # no loss scaling in fp32
+    pieces = "float"  # --overlap runs it layer by layer (training/overlap.py)
 
     def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer) -> None:
         from syncsgd.nn.kernels import Gradient  # imports Numba: only when training
@@ -101,11 +102,19 @@ class ExactLocalGradient:
         self.n_params = model.n_params
         self.loss_slot = buffer.register("loss sum").start  # the exact sums end with the loss
         self.scale, self.narrow = 1.0, bool(fmt)  # the sums are of `scale` times the gradients
+        self.pieces = "exact"  # --overlap extracts it layer by layer (training/overlap.py)
         assert self.loss_slot == self.n_params
 
     def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
                  sums: np.ndarray) -> None:  # fmt: skip
         """Fill `sums` with the exact gradient sum and the exact loss sum."""
+        if self.agree_(comm, params, X, y, sums):
+            self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.loss_slot + 1])
+
+    def agree_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+               sums: np.ndarray) -> bool:  # fmt: skip
+        """The per-sample passes and the bounds every rank agrees on; False (sums NaN) if those
+        are not finite."""
         if self.narrow:  # the loss scale the loss scaler set, for the narrow kernels
             self.kernel.scale = self.scale  # type: ignore[attr-defined]
         self.kernel.local_pass(params, X, y, self.bounds)
@@ -114,8 +123,8 @@ class ExactLocalGradient:
             comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)
         if not np.isfinite(self.bounds).all():  # the same on every rank: all skip or stop alike
             sums[:] = np.nan
-            return
-        self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.loss_slot + 1])
+            return False
+        return True
 
 
 LocalGradient = Union[FloatLocalGradient, NarrowLocalGradient, ExactLocalGradient,
@@ -148,6 +157,8 @@ class Rider:
     # After the allreduce, before the update: (its summed slots, grad_mean, batch size, finite).
     read_: Callable[[np.ndarray, np.ndarray, int, bool], None] = lambda *_: None
     slots: np.ndarray = field(default_factory=lambda: np.empty(0))
+    # Whether fill_ reads grad_sum: with --overlap, such riders wait for the whole backward pass.
+    needs_gradient: bool = True
 
 
 class DataParallelStep:
@@ -191,6 +202,11 @@ class DataParallelStep:
         self.divide_finite_, self.round_flat_ = divide_finite_, round_flat_
         # 0: the sums travel as they are; else the format they are cast to and restored from.
         self.wire_format = ALLREDUCE_CODES.get(config.allreduce_dtype or "", 0)
+        self.overlap = None  # --overlap on one rank: nothing to hide, the plain step
+        if config.overlap and self.size > 1:
+            from syncsgd.training.overlap import Overlap
+
+            self.overlap = Overlap(self, model, buckets, self.doing)
 
     def take_(self, step: int) -> StepRecord:
         """Shard -> local gradient SUM -> allreduce (sum of sums) -> divide once by B -> update."""
@@ -198,12 +214,11 @@ class DataParallelStep:
         self.doing.during = step
         global_batch = self.variant.global_batch(self.order.batch(step), self.size)
         shard = data.contiguous_shard(global_batch, self.rank, self.size)
-        self.local_sum_(shard)
-        self.variant.contribution_(self.grad_sum, len(shard), len(global_batch), self.size)
-        for rider in self.riders:  # stop flag, noise sums: summed with the gradient
-            rider.fill_(rider.slots, self.grad_sum, len(shard))
-        computed = time.perf_counter()
-        self.reduce_()
+        if self.overlap is None:
+            computed = self.sum_then_reduce_(shard, len(global_batch))
+        else:  # the buckets' allreduces start while the backward pass goes on
+            X, y = self.gather_(shard)
+            computed = self.overlap.exchange_(X, y, len(shard), len(global_batch))
         reduced = time.perf_counter()
         loss, finite = self.divide_once_(len(global_batch))
         for rider in self.riders:
@@ -211,6 +226,21 @@ class DataParallelStep:
         lr, grad_norm = self.update_(step, finite)
         return StepRecord(step, len(shard), len(global_batch), loss, finite, lr, grad_norm,
                           started, computed, reduced, time.perf_counter())  # fmt: skip
+
+    def sum_then_reduce_(self, shard: np.ndarray, batch_size: int) -> float:
+        """The local sums, then their allreduce; returns when the local work ended."""
+        self.local_sum_(shard)
+        self.variant.contribution_(self.grad_sum, len(shard), batch_size, self.size)
+        for rider in self.riders:  # stop flag, noise sums: summed with the gradient
+            rider.fill_(rider.slots, self.grad_sum, len(shard))
+        computed = time.perf_counter()
+        self.reduce_()
+        return computed
+
+    def close(self) -> None:
+        """End the communication thread of --overlap, if any."""
+        if self.overlap is not None:
+            self.overlap.close()
 
     def reduce_(self) -> None:
         """Allreduce every bucket; with --allreduce-dtype, the gradient sums compressed."""
@@ -225,11 +255,15 @@ class DataParallelStep:
 
     def local_sum_(self, shard: np.ndarray) -> None:
         """This shard's gradient sum and loss sum, into the communication buffer."""
+        X, y = self.gather_(shard)
+        self.local_gradient(self.comm, self.params, X, y, self.comm_buffer)
+
+    def gather_(self, shard: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The shard's samples and targets, gathered into buffers allocated once."""
         m = len(shard)
         np.take(self.X, shard, axis=0, out=self.X_shard[:m])
         np.take(self.y, shard, axis=0, out=self.y_shard[:m])
-        self.local_gradient(self.comm, self.params, self.X_shard[:m], self.y_shard[:m],
-                            self.comm_buffer)  # fmt: skip
+        return self.X_shard[:m], self.y_shard[:m]
 
     def divide_once_(self, batch_size: int) -> tuple[float, bool]:
         """The one place where the sum becomes the mean: (mean loss, loss and gradient finite)."""

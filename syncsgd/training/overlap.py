@@ -1,0 +1,255 @@
+"""--overlap: each gradient bucket is allreduced on a communication thread while the backward pass
+goes on, last bucket first; the update waits for all of them.
+
+The buckets, and how each is summed, are those of the step without --overlap: only when their
+allreduces start changes, so the parameters are bitwise the same. docs/overlap.md says why, how
+exact mode and the riders fit in, and what it buys.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from syncsgd.comm.watchdog import Doing, records, watching
+from syncsgd.nn.mlp import MLP
+from syncsgd.training.run import agree
+from syncsgd.training.variants import Variant
+
+JOIN_SECONDS = 5.0  # how long closing waits for an idle communication thread to end
+
+
+class CommThread:
+    """A daemon thread that runs the jobs handed to it one after the other, in order."""
+
+    def __init__(self, rank: int, doing: Doing) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.finished: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self.pending = 0  # jobs handed and not yet seen finished
+        self.error: BaseException | None = None  # the first job's failure, raised on the rank
+        self.doing, self.owner = doing, doing.thread
+        self.thread = threading.Thread(target=self.run, name=f"syncsgd-comm-{rank}", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        """Take jobs until None; after a failure, only count them done."""
+        records.doing = self.doing  # the rank's record: a timeout names what we wait in
+        while (job := self.jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    job()
+                except BaseException as exc:  # noqa: BLE001 - raised on the rank's own thread
+                    self.error = exc
+            self.finished.put(None)
+
+    def hand(self, job: Callable[[], None]) -> None:
+        """Run `job` after those handed before."""
+        # The watchdog and the thread ranks' timeout look for collectives in this thread now.
+        self.doing.thread = self.thread.ident or self.owner
+        self.pending += 1
+        self.jobs.put(job)
+
+    def wait_all(self) -> None:
+        """Until every job handed so far is done; then raise the first failure, if any."""
+        while self.pending:
+            self.finished.get()
+            self.pending -= 1
+        self.doing.thread = self.owner
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> bool:
+        """End the thread; True if it was idle (and has ended), False if still in a job."""
+        self.jobs.put(None)
+        if self.pending:  # failed mid-step: a job may be stuck in a collective; it is a daemon
+            return False
+        self.thread.join(JOIN_SECONDS)
+        return True
+
+
+def thread_level_problem(comm: Any) -> str | None:
+    """Why this communicator cannot be used from a second thread, or None."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not isinstance(comm, mpi.Comm):
+        return None  # thread ranks: every call is thread-safe
+    if mpi.Query_thread() >= mpi.THREAD_MULTIPLE:
+        return None
+    return ("--overlap needs an MPI library initialised with MPI_THREAD_MULTIPLE; this one "
+            "gives less (mpi4py.rc.thread_level?): leave out --overlap")  # fmt: skip
+
+
+def ready_layers(model: MLP, buckets: list[slice]) -> list[int]:
+    """Per bucket: the layer after whose backward pass its gradient is complete."""
+    # Buckets hold whole tensors; W_l and b_l are computed together, so a bucket is complete
+    # once the backward pass has reached the layer of its first tensor.
+    layer_at = {offset: int(name[1:]) for name, _, offset in model.layout()}
+    return [layer_at[bucket.start] for bucket in buckets]
+
+
+def changes_contribution(variant: Variant) -> bool:
+    """True if the variant changes a rank's whole gradient before the allreduce (a pitfall)."""
+    return type(variant).contribution_ is not Variant.contribution_
+
+
+class FloatPhases:
+    """Float mode in pieces: the forward pass and the loss, then the backward a few layers at a
+    time, with the kernels of the fused call."""
+
+    def __init__(self, local: Any) -> None:
+        self.kernel, self.loss_slot, self.n_params = local.kernel, local.loss_slot, local.n_params
+
+    def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+               sums: np.ndarray) -> None:  # fmt: skip
+        """The forward pass, the loss sum and the logits' delta."""
+        sums[self.loss_slot], _ = self.kernel.loss(params, X, y)
+
+    def layers_(self, params: np.ndarray, X: np.ndarray, sums: np.ndarray, top: int,
+                bottom: int) -> None:  # fmt: skip
+        """The gradient sums of layers top down to bottom."""
+        self.kernel.backward_layers(params, X, sums[: self.n_params], top, bottom)
+
+
+class ExactPhases:
+    """Exact mode in pieces: the per-sample passes and the agreed bounds, then the extraction a
+    few layers at a time."""
+
+    def __init__(self, local: Any) -> None:
+        self.local, self.n_params = local, local.n_params
+        self.scales: tuple[np.ndarray, np.ndarray] | None = None  # None: non-finite bounds
+
+    def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+               sums: np.ndarray) -> None:  # fmt: skip
+        """The per-sample passes, the bounds every rank agrees on, the extracted loss sum."""
+        self.scales = None
+        if not self.local.agree_(comm, params, X, y, sums):
+            return  # every rank alike: NaN sums, summed as they are
+        kernel = self.local.kernel
+        self.scales = kernel.extraction_scales(self.local.bounds, self.local.global_batch)
+        kernel.accumulate_loss(self.scales[0], sums[: self.n_params + 1])
+
+    def layers_(self, params: np.ndarray, X: np.ndarray, sums: np.ndarray, top: int,
+                bottom: int) -> None:  # fmt: skip
+        """The extracted gradient sums of layers top down to bottom."""
+        if self.scales is not None:
+            magics, units = self.scales
+            self.local.kernel.accumulate_layers(magics, units, sums[: self.n_params + 1], top,
+                                                bottom)  # fmt: skip
+
+
+class WholePhases:
+    """No pieces: the whole local sum first (kernels without a layered form, or a pitfall that
+    changes the whole gradient), then the buckets; correct, with nothing of the backward hidden."""
+
+    def __init__(self, local: Any, variant: Variant, batch_size: Callable[[], tuple[int, int]],
+                 size: int) -> None:  # fmt: skip
+        self.local, self.variant, self.batch_size, self.size = local, variant, batch_size, size
+        self.n_params = local.n_params
+
+    def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+               sums: np.ndarray) -> None:  # fmt: skip
+        """The whole local sum, then the variant's change of it."""
+        self.local(comm, params, X, y, sums)
+        shard_size, batch_size = self.batch_size()
+        self.variant.contribution_(sums[: self.n_params], shard_size, batch_size, self.size)
+
+    def layers_(self, params: np.ndarray, X: np.ndarray, sums: np.ndarray, top: int,
+                bottom: int) -> None:  # fmt: skip
+        """Nothing left to compute."""
+
+
+def phases_for(local: Any, variant: Variant, batch_size: Callable[[], tuple[int, int]],
+               size: int) -> Any:  # fmt: skip
+    """The local gradient in the pieces the overlap interleaves with its buckets."""
+    pieces = getattr(local, "pieces", None)  # the local gradients that come in pieces say so
+    if changes_contribution(variant) or pieces is None:
+        return WholePhases(local, variant, batch_size, size)
+    return ExactPhases(local) if pieces == "exact" else FloatPhases(local)
+
+
+class Overlap:
+    """The local sums and their allreduce, overlapped: built once per run, `exchange_` per step."""
+
+    def __init__(self, stepper: Any, model: MLP, buckets: list[slice], doing: Doing) -> None:
+        comm = stepper.comm
+        agree(comm, thread_level_problem(comm))  # every rank refuses alike, in one line
+        self.comm = comm
+        self.dup = comm.Dup()  # its own messages: never matched with the training thread's
+        self.stepper, self.n_layers = stepper, model.n_layers
+        self.bottoms = ready_layers(model, buckets)
+        self.starts = [bucket.start for bucket in buckets]
+        self.gradient_parts = [stepper.comm_buffer[b.start : min(b.stop, model.n_params)]
+                               for b in buckets]  # fmt: skip
+        self.early = [rider for rider in stepper.riders if not rider.needs_gradient]
+        self.late = [rider for rider in stepper.riders if rider.needs_gradient]
+        # Riders that read the whole local gradient read this copy: handed buckets are summed
+        # in place while the backward pass goes on.
+        self.local = np.empty(model.n_params if self.late else 0, stepper.grad_sum.dtype)
+        self.held = len(buckets) - 1 if self.late else None  # the riders' bucket waits for them
+        self.shard = (0, 0)  # (shard size, batch size) of the step under way
+        self.phases = phases_for(stepper.local_gradient, stepper.variant, lambda: self.shard,
+                                 comm.Get_size())  # fmt: skip
+        self.thread = CommThread(comm.Get_rank(), doing)
+
+    def exchange_(self, X: np.ndarray, y: np.ndarray, shard_size: int, batch_size: int) -> float:
+        """Fill the buffer and allreduce it, bucket by bucket; when the local work ended."""
+        stepper, phases = self.stepper, self.phases
+        params, sums = stepper.params, stepper.comm_buffer
+        self.shard = (shard_size, batch_size)
+        phases.begin_(self.comm, params, X, y, sums)
+        for rider in self.early:  # the stop flag: it needs no gradient
+            rider.fill_(rider.slots, stepper.grad_sum, shard_size)
+        top = self.n_layers - 1
+        for index in range(len(self.bottoms) - 1, -1, -1):  # from the last layer back, as DDP
+            bottom = self.bottoms[index]
+            if bottom <= top:
+                phases.layers_(params, X, sums, top, bottom)
+                top = bottom - 1
+            if index != self.held:
+                self.hand_(index)
+        if self.held is not None:  # every other bucket is on its way: the riders' turn
+            self.keep_(self.held)
+            for rider in self.late:
+                rider.fill_(rider.slots, self.local, shard_size)
+        computed = time.perf_counter()
+        if self.held is not None:
+            self.hand_(self.held)
+        self.thread.wait_all()
+        return computed
+
+    def keep_(self, index: int) -> None:
+        """Copy bucket `index`'s local gradient for the riders, if one reads it."""
+        if self.late:
+            part, start = self.gradient_parts[index], self.starts[index]
+            self.local[start : start + part.size] = part
+
+    def hand_(self, index: int) -> None:
+        """Bucket `index` is complete: its allreduce goes to the communication thread."""
+        if index != self.held:
+            self.keep_(index)
+        self.thread.hand(functools.partial(self.reduce_bucket_, index))
+
+    def reduce_bucket_(self, index: int) -> None:
+        """On the communication thread: the bucket's allreduce, cast as the step would."""
+        stepper = self.stepper
+        gradient = self.gradient_parts[index]
+        if stepper.wire_format:  # --allreduce-dtype: the gradient only, as `reduce_` does
+            stepper.round_flat_(gradient, stepper.wire_format)
+        stepper.allreduce_(stepper.buckets[index], self.dup)
+        if stepper.wire_format:
+            stepper.round_flat_(gradient, stepper.wire_format)
+
+    def close(self) -> None:
+        """End the communication thread and free the duplicate (if the thread is idle)."""
+        if self.thread.close() and self.thread.error is None and hasattr(self.dup, "Free"):
+            with watching("freeing the overlap's communicator"):
+                self.dup.Free()
+
+
+__all__ = ["CommThread", "Overlap"]

@@ -1,0 +1,162 @@
+"""--overlap: the buckets' allreduces on a communication thread during the backward pass give the
+parameters of the step without it, bitwise, for every P, backend, dtype and mode; a failure on
+the communication thread ends every rank, in one message, without a hang."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+from conftest import requires_mpi, run_mpiexec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from syncsgd import train
+from syncsgd.comm.threads import run_threads
+from syncsgd.training import overlap
+
+SMALL = {"samples": 200, "features": 7, "batch_size": 30, "steps": 4, "momentum": 0.9, "seed": 3}
+
+
+def both(**options) -> tuple[object, object]:
+    """The run without --overlap and with it, on the same options."""
+    return train(**{**SMALL, **options}), train(**{**SMALL, **options, "overlap": True})
+
+
+def assert_same(plain, overlapped) -> None:
+    """Bitwise the same parameters and losses."""
+    assert overlapped.params.tobytes() == plain.params.tobytes()
+    assert np.array_equal(np.array(overlapped.losses), np.array(plain.losses), equal_nan=True)
+
+
+@settings(max_examples=12)
+@given(
+    ranks=st.integers(1, 4),
+    hidden=st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple),
+    buckets=st.sampled_from([None, 0, 1, 64, 200, 1 << 20]),  # one for all .. one per tensor
+    dtype=st.sampled_from(["float64", "float32"]),
+    exact=st.booleans(),
+    loss=st.sampled_from(["xent", "mse"]),
+)
+def test_overlap_is_bitwise_the_step_without_it(ranks, hidden, buckets, dtype, exact, loss):
+    plain, overlapped = both(ranks=ranks, hidden=hidden, bucket_bytes=buckets, dtype=dtype,
+                             exact=exact, loss=loss)  # fmt: skip
+    assert_same(plain, overlapped)
+
+
+@pytest.mark.parametrize("options", [
+    {"noise_scale": True, "bucket_bytes": 0},  # a rider that reads the whole local gradient
+    {"allreduce_dtype": "bfloat16", "bucket_bytes": 0},  # cast per bucket
+    {"pitfall": "mean-of-means", "batch_size": 30, "bucket_bytes": 0},  # the whole sum first
+    {"precision": "bf16", "bucket_bytes": 0},  # narrow kernels: the whole sum first
+    {"precision": "fp16", "exact": True, "bucket_bytes": 0},  # loss scaling's rider, exact
+    {"algorithm": "mpi", "bucket_bytes": 100},
+])  # fmt: skip
+def test_overlap_with_riders_casts_pitfalls_and_formats(options):
+    plain, overlapped = both(ranks=3, hidden=(6, 5), **options)
+    assert_same(plain, overlapped)
+    if options.get("noise_scale"):
+        assert overlapped.noise_scales == plain.noise_scales
+
+
+def test_the_step_ends_its_communication_thread():
+    before = threading.active_count()
+    train(**SMALL, ranks=3, overlap=True, bucket_bytes=0)
+    assert threading.active_count() == before
+
+
+def test_a_duplicate_never_matches_the_original_messages():
+    def ranks(comm):
+        dup = comm.Dup()
+        if comm.Get_rank() == 0:
+            first = comm.Isend(np.array([1.0]), dest=1, tag=5)
+            dup.Send(np.array([2.0]), dest=1, tag=5)
+            first.Wait()
+            return None
+        got = np.zeros(2)
+        dup.Recv(got[:1], source=0, tag=5)  # one context would match the earlier message
+        comm.Recv(got[1:], source=0, tag=5)
+        return got.tolist()
+
+    assert run_threads(2, ranks)[1] == [2.0, 1.0]
+
+
+FAILING = textwrap.dedent("""
+    import sys
+    from syncsgd import cli
+    from syncsgd.training import overlap
+
+    original = overlap.Overlap.reduce_bucket_
+    calls = [0]
+
+    def reduce_bucket_(self, index):
+        calls[0] += 1
+        if self.comm.Get_rank() == 1 and calls[0] == 5:
+            raise RuntimeError("the network went away")
+        return original(self, index)
+
+    overlap.Overlap.reduce_bucket_ = reduce_bucket_
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+ARGS = ["train", "--samples", "200", "--features", "7", "--hidden", "6,5", "--batch-size", "30",
+        "--steps", "6", "--overlap", "--bucket-bytes", "0", "--quiet"]  # fmt: skip
+
+
+def test_a_failure_on_the_communication_thread_ends_every_thread_rank(tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    done = subprocess.run([sys.executable, str(script), *ARGS, "--ranks", "3"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == "syncsgd: error: the network went away"
+
+
+def test_a_stuck_communication_thread_times_out(monkeypatch):
+    from syncsgd.comm.threads import CollectiveTimeout
+
+    original = overlap.Overlap.reduce_bucket_
+
+    def stuck(self, index):
+        if self.comm.Get_rank() == 1:
+            threading.Event().wait(30)  # never reaches the collective
+        return original(self, index)
+
+    monkeypatch.setattr(overlap.Overlap, "reduce_bucket_", stuck)
+    with pytest.raises(CollectiveTimeout, match="training step 0"):
+        train(**SMALL, ranks=2, overlap=True, bucket_bytes=0, timeout=1)
+
+
+# -- under a real mpiexec -------------------------------------------------------------------------
+
+
+def mpi_params(tmp_path, ranks: int, *extra: str) -> bytes:
+    """The saved parameters of `syncsgd train` under `mpiexec -n ranks`."""
+    saved = tmp_path / f"p{ranks}{len(extra)}.npz"
+    args = [a for a in ARGS if a not in ("--overlap", "--quiet")]
+    done = run_mpiexec(ranks, ["-m", "syncsgd.cli", *args, "--quiet", *extra, "--save",
+                               str(saved)], timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with np.load(saved) as arrays:
+        return b"".join(arrays[name].tobytes() for name in sorted(arrays.files))
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("mode", [[], ["--exact"], ["--dtype", "float32", "--noise-scale"]])
+def test_mpiexec_overlap_is_bitwise_the_step_without_it(tmp_path, ranks, mode):
+    assert mpi_params(tmp_path, ranks, *mode, "--overlap") == mpi_params(tmp_path, ranks, *mode)
+
+
+@requires_mpi
+def test_mpiexec_a_failure_on_the_communication_thread_ends_the_job(tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    done = run_mpiexec(2, [str(script), *ARGS], timeout=120)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("syncsgd: error")]
+    assert lines == ["syncsgd: error: rank 1: the network went away"], done.stderr
+    assert "Traceback" not in done.stderr
