@@ -4,6 +4,7 @@ the communication thread ends every rank, in one message, without a hang."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -160,3 +161,81 @@ def test_mpiexec_a_failure_on_the_communication_thread_ends_the_job(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.startswith("syncsgd: error")]
     assert lines == ["syncsgd: error: rank 1: the network went away"], done.stderr
     assert "Traceback" not in done.stderr
+
+
+# -- the timeline, the benchmark and the cost model ----------------------------------------------
+
+
+def test_the_timeline_has_a_communication_row_with_allreduces_inside_the_compute(tmp_path):
+    from syncsgd.training.timeline import COMM_ROW
+
+    path = tmp_path / "trace.json"
+    train(**SMALL, ranks=2, hidden=(40, 30), bucket_bytes=0, overlap=True, timeline=str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e for e in spans if e["tid"] == rank]
+        comm = [e for e in spans if e["tid"] == COMM_ROW + rank]
+        assert comm and {e["cat"] for e in comm} == {"allreduce"}
+        assert "allreduce" not in {e["cat"] for e in mine}
+        computes = [e for e in mine if e["cat"] == "compute"]
+        assert any(c["ts"] <= a["ts"] <= c["ts"] + c["dur"] for c in computes for a in comm)
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {"rank 0", "rank 1", "rank 0 communication", "rank 1 communication"}
+    pytest.importorskip("matplotlib")
+    from syncsgd.training.timeline import draw_gantt
+
+    draw_gantt(events, str(tmp_path / "trace.png"))
+    assert (tmp_path / "trace.png").stat().st_size > 0
+
+
+def test_bench_step_reports_the_share_of_communication_hidden(tmp_path, capsys):
+    from syncsgd.cli import main
+
+    out = tmp_path / "step.json"
+    argv = ["bench", "step", "--ranks", "1,2", "--scaling", "weak", "--overlap", "--no-overhead",
+            "--cli-runs", "0", "--repeats", "2", "--steps", "3", "--warmup", "1", "--samples",
+            "256", "--features", "16", "--hidden", "16,16", "--per-rank-batch", "16",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["overlap"]
+    assert [row["ranks"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["hidden_share"] <= 1 and row["ratio"] > 0 and row["overlap_step_ms"] > 0
+    assert "hidden" in capsys.readouterr().out
+
+
+def test_the_overlapped_step_of_the_cost_model():
+    from syncsgd.apps.costmodel import StepParts, overlapped_step, plain_step
+
+    hidden = StepParts(forward=1.0, backward=10.0, comms=(2.0, 3.0, 4.0), update=0.5)
+    assert overlapped_step(hidden) == 1.0 + 10.0 + 2.0 + 0.5  # the backward hides 3 + 4
+    assert plain_step(hidden) == 1.0 + 10.0 + 9.0 + 0.5
+    exposed = hidden._replace(backward=1.0)
+    assert overlapped_step(exposed) == 1.0 + 7.0 + 2.0 + 0.5  # the network is the bottleneck
+    assert overlapped_step(hidden._replace(comms=(9.0,))) == plain_step(hidden)  # one bucket
+
+
+def test_model_names_the_bucket_size_that_minimises_the_step(capsys):
+    from syncsgd.apps.costmodel import Params, overlap_table
+    from syncsgd.cli import main
+
+    params = Params(alpha=50e-6, beta=8e-9, gamma=1e-10)
+    table = overlap_table((784, 256, 256, 10), 64, 1e10, 8, [2], params)
+    assert table[0]["bucket_bytes"] == 0 and table[-1]["bucket_bytes"] is None
+    assert table[-1]["overlap_s"] == table[-1]["plain_s"]  # one bucket: nothing to hide
+    assert all(row["overlap_s"] <= row["plain_s"] for row in table)
+    assert main(["model", "--overlap", "784,256,256,10", "--ranks", "2", "--alpha", "50e-6",
+                 "--beta", "8e-9"]) == 0  # fmt: skip
+    best = [line for line in capsys.readouterr().out.splitlines() if line.endswith("<- best")]
+    assert len(best) == 1  # one best bucket size per P
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--overlap", "784"], "layer sizes must be 2 or more integers >= 1"),
+    (["--overlap", "7,x"], "layer sizes must be 2 or more integers >= 1"),
+])  # fmt: skip
+def test_model_refuses_bad_layer_sizes_in_one_line(argv, message):
+    done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "model", *argv],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.util.argtypes import comma_list, comma_separated, hidden_sizes
+from syncsgd.util.argtypes import comma_list, comma_separated, hidden_sizes, positive_int
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.options import JSON, RANK_COUNTS
 
@@ -529,6 +529,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["ring"],
         help="the rows of the sweep to fit (default ring)",
     )
+    add_step_arguments(parser)
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `syncsgd model` that predict a training step: BatchNorm, --overlap."""
     parser.add_argument(
         "--batchnorm",
         metavar="WIDTHS",
@@ -537,6 +542,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "widths (e.g. 256,256): per layer, the sum and the centred squares ((n + 1) x 8 B each) "
         "and the backward pair (2n x 8 B)",
     )
+    parser.add_argument(
+        "--overlap", metavar="SIZES", type=layer_sizes,
+        help="predict the step of an MLP of these layer sizes (e.g. 784,256,256,10) with and "
+        "without --overlap for each bucket size (ring allreduce), and the bucket size that "
+        "minimises it",
+    )  # fmt: skip
+    parser.add_argument("--shard", type=positive_int, default=64,
+                        help="--overlap: samples per rank (default 64)")  # fmt: skip
+    parser.add_argument("--flops", type=parse_quantity, default=DEFAULT_FLOPS,
+                        help="--overlap: multiply-adds per second of one rank's kernels "
+                        f"(default {DEFAULT_FLOPS:g})")  # fmt: skip
+    parser.add_argument("--itemsize", type=positive_int, default=8,
+                        help="--overlap: bytes per parameter (8: float64, 4: float32)")
     JSON.add(parser, help="write the predictions as JSON")
     parser.add_argument("--png", metavar="PATH",
                         help="draw time against size per algorithm (log-log), the fastest "
@@ -575,6 +593,11 @@ def main(options: argparse.Namespace) -> int:
         lines += describe_batchnorm(options.batchnorm, options.ranks, options.algorithms, params)
         result["batchnorm"] = batchnorm_json(options.batchnorm, options.ranks,
                                              options.algorithms, params)  # fmt: skip
+    if options.overlap:
+        table = overlap_table(options.overlap, options.shard, options.flops, options.itemsize,
+                              options.ranks, params)  # fmt: skip
+        lines += describe_overlap(table, options.overlap, options.shard, options.flops)
+        result["overlap"] = table
     print("\n".join(lines))
     if options.png:
         fit_result, fit_ranks = (fitted, sweep_ranks) if options.fit else (None, None)
@@ -685,6 +708,112 @@ def batchnorm_json(widths: Sequence[int], ranks: Sequence[int], algorithms: Sequ
         "exact_seconds": {str(p): {name: batchnorm_seconds(widths, name, p, params, True)
                                    for name in algorithms} for p in ranks},
     }  # fmt: skip
+
+
+# -- the training step with --overlap ------------------------------------------------------------
+
+DEFAULT_FLOPS = 1e10  # multiply-adds per second: BLAS on one core, roughly
+
+
+def layer_sizes(text: str) -> tuple[int, ...]:
+    """'784,256,10' -> (784, 256, 10): an MLP's input, hidden and output sizes."""
+    try:
+        sizes = tuple(int(part) for part in comma_separated(text))
+    except ValueError:
+        sizes = ()
+    if len(sizes) < 2 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"layer sizes must be 2 or more integers >= 1: {text!r}")
+    return sizes
+
+
+class StepParts(NamedTuple):
+    """Predicted seconds of a step's parts; comms per bucket in parameter order."""
+
+    forward: float
+    backward: float
+    comms: tuple[float, ...]  # comms[0]: the first layer's bucket, the last one complete
+    update: float
+
+
+def plain_step(parts: StepParts) -> float:
+    """Without --overlap: every allreduce after the whole backward pass."""
+    return parts.forward + parts.backward + sum(parts.comms) + parts.update
+
+
+def overlapped_step(parts: StepParts) -> float:
+    """forward + max(backward, comm of all but the first bucket) + comm of the first + update."""
+    # The buckets complete from the last layer back; all but the first layer's can travel while
+    # the backward pass goes on, the first layer's only after it.
+    return (parts.forward + max(parts.backward, sum(parts.comms[1:])) + parts.comms[0]
+            + parts.update)  # fmt: skip
+
+
+def step_parts(sizes: Sequence[int], shard: int, flops: float, itemsize: int, ranks: int,
+               bucket_bytes: int | None, params: Params) -> StepParts:  # fmt: skip
+    """The parts of one step of an MLP with these sizes, cut into --bucket-bytes buckets."""
+    from syncsgd.nn.mlp import MLP
+    from syncsgd.training.step import MIN_RIDER_SLOTS, bucket_slices
+
+    dtype = np.dtype(np.float64 if itemsize == 8 else np.float32)
+    model = MLP(tuple(sizes), dtype=dtype)
+    products = [fan_in * fan_out for fan_in, fan_out in model.layer_shapes()]
+    forward = shard * sum(products) / flops
+    backward = shard * (2 * sum(products) - products[0]) / flops  # no delta below layer 0
+    buffer = np.empty(model.n_params + MIN_RIDER_SLOTS, dtype)
+    comms = tuple(predict("ring", ranks, (b.stop - b.start) * itemsize, params)
+                  for b in bucket_slices(model, buffer, bucket_bytes))  # fmt: skip
+    update = 2 * model.n_params * itemsize * params.gamma  # read and write, like a reduction
+    return StepParts(forward, backward, comms, update)
+
+
+def bucket_choices(sizes: Sequence[int], itemsize: int) -> list[int | None]:
+    """--bucket-bytes worth comparing: one per layer, powers of 4 up to the model, one for all."""
+    total = sum(a * b + b for a, b in itertools.pairwise(sizes)) * itemsize
+    choices: list[int | None] = [0]
+    size = 1024
+    while size < total:
+        choices.append(size)
+        size *= 4
+    return [*choices, None]
+
+
+def overlap_table(sizes: Sequence[int], shard: int, flops: float, itemsize: int,
+                  ranks: Sequence[int], params: Params) -> list[dict[str, Any]]:  # fmt: skip
+    """Per P and bucket size: the buckets, the predicted plain and overlapped steps."""
+    rows = []
+    for p in ranks:
+        seen = set()
+        for choice in bucket_choices(sizes, itemsize):
+            parts = step_parts(sizes, shard, flops, itemsize, p, choice, params)
+            if parts.comms in seen:  # the same cut as a smaller choice
+                continue
+            seen.add(parts.comms)
+            rows.append({"ranks": p, "bucket_bytes": choice, "buckets": len(parts.comms),
+                         "compute_s": parts.forward + parts.backward + parts.update,
+                         "comm_s": sum(parts.comms), "plain_s": plain_step(parts),
+                         "overlap_s": overlapped_step(parts)})  # fmt: skip
+    return rows
+
+
+def describe_overlap(table: list[dict[str, Any]], sizes: Sequence[int], shard: int,
+                     flops: float) -> list[str]:  # fmt: skip
+    """The table of `overlap_table`, the best bucket size per P marked."""
+    lines = [f"# the step of MLP {'-'.join(map(str, sizes))}, {shard} samples per rank at "
+             f"{flops:g} multiply-adds/s, ring allreduce; overlapped = forward + max(backward, "
+             "comm of all but the first bucket) + comm of the first bucket + update",
+             f"{'P':>6} {'--bucket-bytes':>14} {'buckets':>7} {'compute':>10} {'comm':>10} "
+             f"{'plain':>10} {'overlap':>10}"]  # fmt: skip
+    for p in sorted({row["ranks"] for row in table}):
+        rows = [row for row in table if row["ranks"] == p]
+        best = min(rows, key=lambda row: row["overlap_s"])
+        for row in rows:
+            shown = "one" if row["bucket_bytes"] is None else (
+                "per layer" if row["bucket_bytes"] == 0 else format_bytes(row["bucket_bytes"]))
+            lines.append(
+                f"{p:>6} {shown:>14} {row['buckets']:>7} {format_seconds(row['compute_s']):>10} "
+                f"{format_seconds(row['comm_s']):>10} {format_seconds(row['plain_s']):>10} "
+                f"{format_seconds(row['overlap_s']):>10}{'  <- best' if row is best else ''}")
+    return lines
 
 
 def describe_crossovers(ranks: int, params: Params, algorithms: Sequence[str]) -> list[str]:

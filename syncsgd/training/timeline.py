@@ -1,14 +1,17 @@
 """Timelines: what every rank did when, as a Chrome trace (open in chrome://tracing or Perfetto).
 
 One row per rank; spans for compute, for every step of every allreduce (from the collectives'
-`trace` events) and for the update. Each rank records its own spans against its own clock, started
-right after a barrier, so the rows line up to within the barrier's skew; rank 0 gathers them with
-point-to-point messages and writes one JSON file.
+`trace` events) and for the update. With --overlap, a second row per rank holds what its
+communication thread did: the allreduce steps inside the compute spans of the backward pass.
+Each rank records its own spans against its own clock, started right after a barrier, so the rows
+line up to within the barrier's skew; rank 0 gathers them with point-to-point messages and writes
+one JSON file.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -18,6 +21,7 @@ from syncsgd.collectives import TraceEvent
 from syncsgd.util.files import write_text
 
 _TAG = 4321
+COMM_ROW = 1 << 20  # a rank's communication row: tid COMM_ROW + rank, drawn below its own row
 
 
 class Timeline:
@@ -28,10 +32,13 @@ class Timeline:
         self.origin = time.perf_counter()
         self.rank = comm.Get_rank()
         self.spans: list[tuple[str, str, float, float, dict]] = []
+        self.comm_spans: list[tuple[str, str, float, float, dict]] = []  # another thread's
+        self.thread = threading.get_ident()  # the rank's own thread: its spans go on its row
 
     def span(self, name: str, category: str, start: float, end: float, **args: Any) -> None:
         """Record that this rank did `name` from `start` to `end` (time.perf_counter() values)."""
-        self.spans.append((name, category, start - self.origin, end - self.origin, args))
+        spans = self.spans if threading.get_ident() == self.thread else self.comm_spans
+        spans.append((name, category, start - self.origin, end - self.origin, args))
 
     def collective_step(self, event: TraceEvent) -> None:
         """A collective's `trace` callback: one span per step."""
@@ -42,12 +49,18 @@ class Timeline:
 
     def chrome_events(self) -> list[dict]:
         """This rank's spans as Chrome trace 'complete' events (microseconds)."""
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": self.rank,
-                   "args": {"name": f"rank {self.rank}"}}]  # fmt: skip
-        for name, category, start, end, args in self.spans:
-            events.append({"name": name, "cat": category, "ph": "X", "pid": 0,
-                           "tid": self.rank, "ts": start * 1e6, "dur": (end - start) * 1e6,
-                           "args": args})  # fmt: skip
+        rows = [(self.rank, f"rank {self.rank}", self.spans)]
+        if self.comm_spans:
+            rows.append((COMM_ROW + self.rank, f"rank {self.rank} communication", self.comm_spans))
+        events = []
+        for order, (tid, label, spans) in enumerate(rows):
+            events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
+                        "args": {"name": label}},
+                       {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid,
+                        "args": {"sort_index": 2 * self.rank + order}}]  # fmt: skip
+            events += [{"name": name, "cat": category, "ph": "X", "pid": 0, "tid": tid,
+                        "ts": start * 1e6, "dur": (end - start) * 1e6, "args": args}
+                       for name, category, start, end, args in spans]  # fmt: skip
         return events
 
 
@@ -97,8 +110,8 @@ def draw_gantt(events: list[dict], path: str, title: str = "timeline") -> None:
     from syncsgd.util.files import atomic_path
 
     spans = [e for e in events if e.get("ph") == "X"]
-    ranks = sorted({int(e["tid"]) for e in events if "tid" in e})
-    figure = Figure(figsize=(12, 1.2 + 0.45 * max(len(ranks), 1)), layout="constrained")
+    rows = _rows(events)
+    figure = Figure(figsize=(12, 1.2 + 0.45 * max(len(rows), 1)), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     unit, scale = ("ms", 1e-3) if not spans or max(e["ts"] + e["dur"] for e in spans) < 2e6 else (
@@ -109,19 +122,19 @@ def draw_gantt(events: list[dict], path: str, title: str = "timeline") -> None:
         colour = COLOURS.get(kind, OTHER)
         if event.get("cat") == "call":  # a whole traced call (bench): an outline around its steps
             axes.broken_barh([(event["ts"] * scale, event["dur"] * scale)],
-                             (event["tid"] - 0.45, 0.9), facecolors="none",
+                             (rows[event["tid"]] - 0.45, 0.9), facecolors="none",
                              edgecolors="black", linewidth=0.6)  # fmt: skip
             continue
         kinds.setdefault(kind, colour)
         axes.broken_barh([(event["ts"] * scale, max(event["dur"] * scale, 0))],
-                         (event["tid"] - 0.35, 0.7), facecolors=colour)  # fmt: skip
+                         (rows[event["tid"]] - 0.35, 0.7), facecolors=colour)  # fmt: skip
     start = _steady_start(spans)
     if start is not None:  # the first step loads the kernels: it would squeeze the rest to a line
         first = start - min(e["ts"] for e in spans)
         end = max(e["ts"] + e["dur"] for e in spans)
         axes.set_xlim(start * scale, (end + 0.02 * (end - start)) * scale)
         title += f" (from the second step; the first, start-up included, took {first / 1e6:.2f} s)"
-    axes.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    axes.set_yticks(list(rows.values()), [_row_label(tid) for tid in rows])
     axes.invert_yaxis()
     axes.set_xlabel(f"time ({unit}) from the common start")
     axes.set_title(title)
@@ -131,6 +144,18 @@ def draw_gantt(events: list[dict], path: str, title: str = "timeline") -> None:
         axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     with atomic_path(path) as tmp:
         figure.savefig(tmp, format="png", dpi=120)
+
+
+def _rows(events: list[dict]) -> dict[int, int]:
+    """Each tid's row from the top: every rank's own row, its communication row under it."""
+    tids = sorted({int(e["tid"]) for e in events if "tid" in e},
+                  key=lambda tid: (tid % COMM_ROW, tid >= COMM_ROW))  # fmt: skip
+    return {tid: row for row, tid in enumerate(tids)}
+
+
+def _row_label(tid: int) -> str:
+    """"rank r", or "rank r comm" for its communication row."""
+    return f"rank {tid}" if tid < COMM_ROW else f"rank {tid - COMM_ROW} comm"
 
 
 def _steady_start(spans: list[dict]) -> float | None:

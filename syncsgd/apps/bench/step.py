@@ -60,6 +60,9 @@ from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS
 DEFAULT_RANKS = (1, 2, 3, 4)
 SCALINGS = ("weak", "strong")
 OVERHEAD_BAR = 0.05  # the distributed machinery may add at most 5% at P = 1
+# --overlap: at most 0.8x the plain step where communication waits on a network, and at most
+# 1.15x max(compute, communication); at most 5% more where there is nothing to hide.
+OVERLAP_GAIN_BAR, OVERLAP_BOUND_BAR, OVERLAP_COST_BAR = 0.8, 1.15, 1.05
 HELP_BAR_S, TRAIN_BAR_S = 0.5, 10.0  # `syncsgd --help` and `syncsgd train --ranks 4` wall times
 PARTS = ("compute", "allreduce", "update", "step")
 PIECE_BATCHES, PIECE_CALLS = 9, 100  # timing of the pieces of the step that the bare loop lacks
@@ -471,6 +474,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="batch sizes of the P = 1 overhead check (64,256)")  # fmt: skip
     add("--overhead-repeats", type=positive_int, default=15,
         help="interleaved runs of each side of the overhead check (15)")  # fmt: skip
+    add("--overlap", action="store_true",
+        help="also time the step with --overlap against the step without, interleaved, per P")
+    add("--bucket-bytes", type=nonnegative_int, default=0,
+        help="the --overlap section's buckets; 0: one per layer (0)")  # fmt: skip
     add("--no-overhead", dest="overhead", action="store_false",
         help="skip the P = 1 overhead check")  # fmt: skip
     add("--cli-runs", type=nonnegative_int, default=5,
@@ -498,6 +505,7 @@ def main(options: argparse.Namespace) -> int:
     )
     load_before = load_average()
     jit, rows = scaling_section(options, call, rank_counts, say)
+    overlap_rows = overlap_section(options, call, rank_counts, say)
     overhead_rows = overhead_section(options, call, rank_counts, say, master_process)
     cli_rows = cli_section(options, backend) if options.cli_runs and master_process else []
     if master_process:
@@ -508,7 +516,7 @@ def main(options: argparse.Namespace) -> int:
             "samples": options.samples, "cores": os.cpu_count(),
             "load_average": {"start": load_before, "end": load_average()},
             "command": sys.argv, "first_step": jit, "scaling": rows, "overhead": overhead_rows,
-            "cli": cli_rows,
+            "cli": cli_rows, "overlap": overlap_rows,
         })  # fmt: skip
     return 0
 
@@ -578,6 +586,71 @@ def scaling_section(options: argparse.Namespace, call: Callable, rank_counts: li
         add_speedups(rows)
         say(format_scaling(rows[-1]), flush=True)
     return jit, rows
+
+
+def overlap_pair(comm: Any, options: argparse.Namespace, plain: Run, overlapped: Run) -> dict:
+    """The step without --overlap against the step with it, interleaved ABBA run by run."""
+    train_rank(comm, replace(plain, steps=options.warmup), quiet=True)
+    train_rank(comm, replace(overlapped, steps=options.warmup), quiet=True)
+    runs: dict[str, list[list[float]]] = {"plain": [], "overlap": []}
+    for repeat in range(options.repeats):
+        order = ("plain", "overlap") if repeat % 2 == 0 else ("overlap", "plain")
+        for name in order:
+            runs[name].append(per_step_seconds(comm, plain if name == "plain" else overlapped))
+    return overlap_row(comm.Get_size(), runs)
+
+
+def overlap_row(ranks: int, runs: dict[str, list[list[float]]]) -> dict:
+    """Medians of both sides, the paired step ratio, the share of communication hidden."""
+    row: dict[str, Any] = {"ranks": ranks}
+    for name, samples in runs.items():
+        for index, part in enumerate(PARTS):
+            row[f"{name}_{part}_ms"] = statistics.median(times[index] for times in samples) * 1e3
+    ratios = [o[-1] / p[-1] for p, o in zip(runs["plain"], runs["overlap"], strict=True)]
+    row["ratio"], row["ratio_min"], row["ratio_max"] = (statistics.median(ratios), min(ratios),
+                                                       max(ratios))  # fmt: skip
+    # Communication: the plain step's allreduce; the rest of its step is compute and update.
+    comm_ms = row["plain_allreduce_ms"]
+    compute_ms = row["plain_step_ms"] - comm_ms
+    row["hidden_share"] = 1 - row["overlap_allreduce_ms"] / comm_ms if comm_ms > 0 else 0.0
+    row["bound_ratio"] = row["overlap_step_ms"] / max(compute_ms, comm_ms)
+    return row
+
+
+OVERLAP_HEADER = (f"{'P':>3} {'compute':>9} {'allreduce':>9} {'step':>9} {'ovl step':>9} "
+                  f"{'ovl wait':>9} {'ratio':>7} {'range':>13} {'hidden':>7} {'/max(c,a)':>9}")
+
+
+def format_overlap(row: dict) -> str:
+    return (
+        f"{row['ranks']:>3} {row['plain_step_ms'] - row['plain_allreduce_ms']:>9.3f} "
+        f"{row['plain_allreduce_ms']:>9.3f} {row['plain_step_ms']:>9.3f} "
+        f"{row['overlap_step_ms']:>9.3f} {row['overlap_allreduce_ms']:>9.3f} "
+        f"{row['ratio']:>7.3f} {row['ratio_min']:>6.3f}-{row['ratio_max']:<6.3f} "
+        f"{100 * row['hidden_share']:>6.1f}% {row['bound_ratio']:>9.3f}"
+    )
+
+
+def overlap_section(options: argparse.Namespace, call: Callable, rank_counts: list[int],
+                    say: Callable) -> list[dict]:  # fmt: skip
+    """Per P: the step with --overlap against the step without, weak scaling, interleaved."""
+    if not options.overlap:
+        return []
+    say(f"# --overlap, --bucket-bytes {options.bucket_bytes} (weak scaling, "
+        f"{options.per_rank_batch} per rank): ms per step, medians of {options.repeats} "
+        "interleaved runs each; 'ovl wait': the allreduce time left exposed; ratio: paired "
+        f"overlap/plain steps (bars: <= {OVERLAP_GAIN_BAR} where the network is slow, <= "
+        f"{OVERLAP_COST_BAR} where nothing can be hidden); hidden: 1 - ovl wait / allreduce; "
+        f"/max(c,a): overlap step / max(compute, allreduce) (bar {OVERLAP_BOUND_BAR})")
+    say(OVERLAP_HEADER, flush=True)
+    rows = []
+    for ranks in rank_counts:
+        config = train_config(options, ranks * options.per_rank_batch)
+        plain = prepare(replace(config, bucket_bytes=options.bucket_bytes))
+        overlapped = replace(plain, config=replace(plain.config, overlap=True))
+        rows.append(call(overlap_pair, ranks, plain, overlapped))
+        say(format_overlap(rows[-1]), flush=True)
+    return rows
 
 
 def overhead_section(options: argparse.Namespace, call: Callable, rank_counts: list[int],
