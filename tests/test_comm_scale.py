@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -168,6 +169,31 @@ def test_collectives_give_the_rank_order_reduction_bitwise(size, op, in_place, d
         assert ring.tobytes() == results[0][2].tobytes()  # every rank bitwise the same
 
 
+@pytest.fixture
+def constant_switching():
+    """Make the interpreter switch threads every few bytecodes, then restore its interval."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(interval)
+
+
+def test_sendrecv_rings_stay_exact_under_constant_thread_switches(constant_switching):
+    # A rank woken between posting and sleeping must neither sleep past its message nor leave
+    # its gate open for the next call (which would then return before its message came).
+    def ring(comm):
+        right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        got, status, wrong = np.zeros(1), Status(), 0
+        for i in range(2000):
+            comm.Sendrecv(np.array([float(i * 100 + comm.rank)]), right, 5, got, left, ANY_TAG,
+                          status)  # fmt: skip
+            wrong += got[0] != i * 100 + left or status.Get_tag() != 5
+        return wrong
+
+    for _ in range(4):
+        assert run_threads(8, ring) == [0] * 8
+
+
 def test_five_hundred_and_twelve_ranks():
     size = 512
 
@@ -181,12 +207,10 @@ def test_five_hundred_and_twelve_ranks():
         comm.Barrier()
         return got[0], total[0], threading.current_thread().name
 
-    started = time.perf_counter()
     results = run_threads(size, work)
     assert [r[0] for r in results] == [float((r - 1) % size) for r in range(size)]
     assert {r[1] for r in results} == {float(sum(range(size)))}
     assert results[-1][2] == f"syncsgd-rank-{size - 1}"
-    assert time.perf_counter() - started < 60
 
 
 def test_deadlock_at_256_ranks_names_every_rank():

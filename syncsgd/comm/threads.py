@@ -123,12 +123,22 @@ class Status:
         return self.count
 
 
-class Request:
+class _Message:
+    """A small send whose bytes were copied aside when posted: complete, waiting to be matched."""
+
+    __slots__ = ("rank", "tag", "seq", "data")
+    done, awaited = True, False  # (a Request's own, in its slots)
+
+    def __init__(self, rank: int, tag: int, seq: int, data: Any) -> None:  # bytes, or a view
+        self.rank, self.tag, self.seq, self.data = rank, tag, seq, data
+
+
+class Request(_Message):
     """A pending send or receive; `Wait` blocks until it completes (mpi4py's `Request` subset)."""
 
     # Slots: thousands of ranks create one or two of these per message.
-    __slots__ = ("world", "rank", "kind", "peer", "tag", "context", "data", "seq", "done",
-                 "awaited", "error", "source", "received_tag", "count", "eager")  # fmt: skip
+    __slots__ = ("world", "kind", "peer", "context", "done", "awaited", "error", "source",
+                 "received_tag", "count", "eager")  # fmt: skip
 
     def __init__(self, world: _World, rank: int, kind: str, peer: int, tag: int, context: int,
                  data: memoryview) -> None:  # fmt: skip
@@ -168,11 +178,11 @@ class Request:
 _COPY_UNDER_LOCK = 1 << 16
 EAGER_BYTES = 1 << 16
 
-Queues = dict[tuple[int, int], deque[Request]]  # (source, context) -> requests in posting order
-Found = tuple[Request, deque[Request], int]  # a matching request, its queue and its place there
+Queues = dict[tuple[int, int], deque[Any]]  # (source, context) -> requests in posting order
+Found = tuple[Any, deque[Any], int]  # a matching request, its queue and its place there
 
 
-def _move(data: memoryview, into: memoryview) -> int:
+def _move(data: bytes | memoryview, into: memoryview) -> int:
     """Copy the bytes of a message into a receive buffer, as many as fit; how many."""
     nbytes = len(data)
     if nbytes > len(into):
@@ -275,7 +285,7 @@ class _World:
         found = _earliest(recvs, ((send.rank, context), (ANY_SOURCE, context)), send.tag)
         if found is None:
             if send.eager and len(send.data) <= EAGER_BYTES:
-                send.data = memoryview(bytes(send.data))  # the caller's buffer is free again
+                send.data = send.data.tobytes()  # the caller's buffer is free again
                 send.done = True
             self.sends[send.peer].setdefault((send.rank, context), deque()).append(send)
             return None
@@ -349,6 +359,7 @@ class _World:
                  source: int, recvtag: int, status: Status | None) -> None:  # fmt: skip
         """Receive from `source` and send `out` (eagerly) under one lock; sleep at most once."""
         error = recv = None
+        sleep = False
         with self.lock:
             if self.failure is not None:
                 self._raise_if_failed(rank)
@@ -360,12 +371,13 @@ class _World:
             self._send_eagerly(rank, out, dest, tag)
             if recv is not None and not recv.done:  # a send to ourselves may have completed it
                 self._sleep_on(rank, (recv,))
+                sleep = True
             opening = self._opening()
         for gate in opening:
             gate.release()
+        if sleep:  # even if done by now: its gate was opened, and must be closed again
+            self._sleep(rank, (recv,))  # type: ignore[arg-type]
         if recv is not None:
-            if not recv.done:
-                self._sleep(rank, (recv,))
             recv.finish(status)
         elif error is not None:
             raise error
@@ -418,17 +430,16 @@ class _World:
             recv = _take(recvs, (found[0].peer, _P2P), found)
             self._deliver(recv, rank, tag, len(out), _move(out, recv.data))
             return
-        send = Request(self, rank, "send", dest, tag, _P2P, memoryview(bytes(out)))
-        send.done = True  # the caller's buffer is free again: its bytes are ours
-        self.seq += 1
-        send.seq = self.seq
-        self.sends[dest].setdefault((rank, _P2P), deque()).append(send)
+        self.seq += 1  # the caller's buffer is free again: its bytes are ours
+        message = _Message(rank, tag, self.seq, out.tobytes())
+        self.sends[dest].setdefault((rank, _P2P), deque()).append(message)
 
-    def _opening(self) -> list[Any]:
-        """Take the gates to open once the lock is released."""
+    def _opening(self) -> list[Any] | tuple[()]:
+        """Take the gates to open once the lock is released (never the list others append to)."""
         opening = self.opening
-        if opening:
-            self.opening = []
+        if not opening:
+            return ()
+        self.opening = []
         return opening
 
     # -- waiting ----------------------------------------------------------------------------
