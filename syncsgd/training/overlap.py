@@ -24,6 +24,9 @@ from syncsgd.training.run import agree
 from syncsgd.training.variants import Variant
 
 JOIN_SECONDS = 5.0  # how long closing waits for an idle communication thread to end
+# An MPI wait on the communication thread polls with sleeps growing from the first pause to the
+# longest: a blocking MPI call spins, and would take a core from the backward pass.
+FIRST_PAUSE, LONGEST_PAUSE = 20e-6, 1e-3
 
 
 class CommThread:
@@ -72,6 +75,54 @@ class CommThread:
             return False
         self.thread.join(JOIN_SECONDS)
         return True
+
+
+class Yielding:
+    """An MPI communicator whose blocking calls wait by polling with short sleeps, not spinning
+    (measured in docs/overlap.md); everything else is the communicator's own."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.comm, name)
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = -1, recvtag: int = -1, status: Any = None) -> None:  # fmt: skip
+        comm = self.comm
+        settle([comm.Irecv(recvbuf, source, recvtag), comm.Isend(sendbuf, dest, sendtag)], status)
+
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        settle([self.comm.Isend(buf, dest, tag)])
+
+    def Recv(self, buf: Any, source: int = -1, tag: int = -1, status: Any = None) -> None:
+        settle([self.comm.Irecv(buf, source, tag)], status)
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
+        mpi = sys.modules["mpi4py.MPI"]
+        settle([self.comm.Iallreduce(sendbuf, recvbuf, mpi.SUM if op is None else op)])
+
+
+def settle(requests: list[Any], status: Any = None) -> None:
+    """Wait for MPI requests by testing them, sleeping between tests; the first one's status."""
+    mpi = sys.modules["mpi4py.MPI"]
+    statuses = [status if status is not None else mpi.Status()] + [mpi.Status()
+                                                                   for _ in requests[1:]]
+    pause = FIRST_PAUSE
+    while not mpi.Request.Testall(requests, statuses):
+        time.sleep(pause)
+        pause = min(2 * pause, LONGEST_PAUSE)
+
+
+def duplicate(comm: Any) -> Any:
+    """A communicator of the same ranks whose messages never match `comm`'s; MPI's yields."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(comm, mpi.Comm) and YIELD:
+        return Yielding(comm.Dup())
+    return comm.Dup()
+
+
+YIELD = True  # the MPI duplicate waits politely (False: MPI's own blocking calls; to measure)
 
 
 def thread_level_problem(comm: Any) -> str | None:
@@ -180,7 +231,7 @@ class Overlap:
         comm = stepper.comm
         agree(comm, thread_level_problem(comm))  # every rank refuses alike, in one line
         self.comm = comm
-        self.dup = comm.Dup()  # its own messages: never matched with the training thread's
+        self.dup = duplicate(comm)  # its own messages: never matched with the training thread's
         self.stepper, self.n_layers = stepper, model.n_layers
         self.bottoms = ready_layers(model, buckets)
         self.starts = [bucket.start for bucket in buckets]
