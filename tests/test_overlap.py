@@ -239,3 +239,46 @@ def test_model_refuses_bad_layer_sizes_in_one_line(argv, message):
     done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "model", *argv],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+
+
+STUCK = textwrap.dedent("""
+    import sys, time
+    from syncsgd import cli
+    from syncsgd.training import overlap
+
+    original = overlap.Overlap.reduce_bucket_
+
+    def reduce_bucket_(self, index):
+        if self.comm.Get_rank() == 1 and self.stepper.doing.during == 2:
+            time.sleep(60)  # the communication thread never reaches this bucket's allreduce
+        return original(self, index)
+
+    overlap.Overlap.reduce_bucket_ = reduce_bucket_
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+@requires_mpi
+def test_mpiexec_the_timeout_covers_the_communication_thread(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    done = run_mpiexec(2, [str(script), *ARGS, "--timeout", "2"], timeout=120)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if "no progress" in line]
+    assert lines and lines[0].startswith(
+        "syncsgd: error: rank 0: no progress for 2 s (--timeout) in ring_allreduce "
+        "(reduce-scatter step 0) at training step 2, waiting for rank 1"), done.stderr
+
+
+@requires_mpi
+def test_mpiexec_refuses_overlap_without_thread_multiple(tmp_path):
+    script = tmp_path / "serialized.py"
+    script.write_text("import sys, mpi4py\nmpi4py.rc.thread_level = 'serialized'\n"
+                      "from syncsgd import cli\nsys.exit(cli.main(sys.argv[1:]))\n")  # fmt: skip
+    done = run_mpiexec(2, [str(script), *ARGS], timeout=120)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("syncsgd: error")]
+    assert errors == ["syncsgd: error: --overlap needs an MPI library initialised with "
+                      "MPI_THREAD_MULTIPLE; this one gives less (mpi4py.rc.thread_level?): "
+                      "leave out --overlap"], done.stderr  # fmt: skip
+    assert "Traceback" not in done.stderr
