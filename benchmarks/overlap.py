@@ -1,9 +1,9 @@
-"""--overlap under MPI: the step without it, with it, and with it waiting as MPI waits (spinning).
+"""--overlap under MPI: the step without it, and with it waiting by sleeps, by yields or spinning.
 
     syncsgd cluster --nodes 2 --link 1gbit -- python benchmarks/overlap.py
     mpiexec -n 2 python benchmarks/overlap.py --hidden 2048,1024 --per-rank-batch 32
 
-The three run interleaved, round by round (rotated), each `--steps` steps of `train_rank` after a
+The four run interleaved, round by round (rotated), each `--steps` steps of `train_rank` after a
 burn-in; per round the slowest rank's steady-state step, allreduce (with --overlap: the part left
 exposed) and compute; medians over `--repeats` rounds and the median of the paired ratios to the
 plain step. Nothing is asserted: docs/overlap.md quotes the figures with their load.
@@ -25,7 +25,8 @@ from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import train_rank
 from syncsgd.training.run import prepare
 
-VARIANTS = ("plain", "overlap", "overlap-spin")
+VARIANTS = ("plain", "overlap", "overlap-yield", "overlap-spin")
+WAITS = {"overlap": "sleep", "overlap-yield": "yield", "overlap-spin": "spin", "plain": "sleep"}
 
 
 def arguments(argv: list[str]) -> argparse.Namespace:
@@ -45,7 +46,7 @@ def arguments(argv: list[str]) -> argparse.Namespace:
 
 def run_variant(comm: object, runs: dict, name: str) -> list[float]:
     """One timed run of a variant: compute, allreduce, update, step seconds per step."""
-    overlap.YIELD = name != "overlap-spin"
+    overlap.WAITS = WAITS[name]
     return per_step_seconds(comm, runs[name])
 
 
@@ -59,9 +60,9 @@ def main(argv: list[str]) -> int:
                          bucket_bytes=options.bucket_bytes, algorithm=options.algorithm)
     plain = prepare(config)
     with_overlap = replace(plain, config=replace(config, overlap=True))
-    runs = {"plain": plain, "overlap": with_overlap, "overlap-spin": with_overlap}
+    runs = {"plain": plain, **{name: with_overlap for name in VARIANTS[1:]}}
     for name in VARIANTS:  # burn-in
-        overlap.YIELD = name != "overlap-spin"
+        overlap.WAITS = WAITS[name]
         train_rank(comm, replace(runs[name], steps=2), quiet=True)
     times: dict[str, list[list[float]]] = {name: [] for name in VARIANTS}
     for repeat in range(options.repeats):

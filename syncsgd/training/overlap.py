@@ -9,6 +9,7 @@ exact mode and the riders fit in, and what it buys.
 from __future__ import annotations
 
 import functools
+import os
 import queue
 import sys
 import threading
@@ -110,6 +111,9 @@ def settle(requests: list[Any], status: Any = None) -> None:
                                                                    for _ in requests[1:]]
     pause = FIRST_PAUSE
     while not mpi.Request.Testall(requests, statuses):
+        if WAITS == "yield":
+            os.sched_yield()  # runnable, but behind any thread that wants the core
+            continue
         time.sleep(pause)
         pause = min(2 * pause, LONGEST_PAUSE)
 
@@ -117,12 +121,14 @@ def settle(requests: list[Any], status: Any = None) -> None:
 def duplicate(comm: Any) -> Any:
     """A communicator of the same ranks whose messages never match `comm`'s; MPI's yields."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and isinstance(comm, mpi.Comm) and YIELD:
+    if mpi is not None and isinstance(comm, mpi.Comm) and WAITS != "spin":
         return Yielding(comm.Dup())
     return comm.Dup()
 
 
-YIELD = True  # the MPI duplicate waits politely (False: MPI's own blocking calls; to measure)
+# How the MPI duplicate waits: "sleep" (polling with sleeps), "yield" (polling with
+# sched_yield), "spin" (MPI's own blocking calls); benchmarks/overlap.py measures all three.
+WAITS = "sleep"
 
 
 def thread_level_problem(comm: Any) -> str | None:
