@@ -178,6 +178,7 @@ def _take_steps(
     """Take every step of `plan` on `flat`: the tag after the last step, and what differed."""
     message, any_tag, status, mismatch = flat.data.cast("B"), plan.any_tag, plan.status, ""
     probe = plan.probe
+    sendrecv = comm.exchange if plan.threads else comm.Sendrecv  # thread ranks: no re-checks
     for step in plan.steps:  # `plan`, `step`: read from this frame by a collective timeout
         send, dest, recv, arrival, source, expected, target, incoming, arriving, own_first, _ = step
         start = time.perf_counter() if trace is not None else 0.0
@@ -192,7 +193,7 @@ def _take_steps(
                 elif dest < 0:
                     comm.Recv(into, source, any_tag, status)
                 else:
-                    comm.Sendrecv(message[send], dest, tag, into, source, any_tag, status)
+                    sendrecv(message[send], dest, tag, into, source, any_tag, status)
                 if not probe:
                     count = status.Get_count()
             except Exception as exc:

@@ -403,7 +403,12 @@ class _World:
     def _take_in(self, send: Request, rank: int, into: memoryview,
                  status: Status | None) -> MessageTruncated | None:  # fmt: skip
         """Copy a matched send into `into` and complete it; the truncation error, if any."""
-        nbytes = _move(send.data, into)
+        data = send.data
+        if len(data) == len(into):  # the usual case: a whole message into its buffer
+            into[:] = data
+            nbytes = len(data)
+        else:
+            nbytes = _move(data, into)
         if status is not None:
             status.source, status.tag, status.count = send.rank, send.tag, nbytes
         if not send.done:  # a synchronous send: its sender may go on now
@@ -425,14 +430,20 @@ class _World:
     def _send_eagerly(self, rank: int, out: memoryview, dest: int, tag: int) -> None:
         """Copy `out` into the earliest receive posted for it, or queue a copy of it."""
         recvs = self.recvs[dest]
-        found = _earliest(recvs, ((rank, _P2P), (ANY_SOURCE, _P2P)), tag) if recvs else None
-        if found is not None:
-            recv = _take(recvs, (found[0].peer, _P2P), found)
-            self._deliver(recv, rank, tag, len(out), _move(out, recv.data))
-            return
+        if recvs:  # (usually not: the receiver is behind, or has taken a message already there)
+            found = _earliest(recvs, ((rank, _P2P), (ANY_SOURCE, _P2P)), tag)
+            if found is not None:
+                recv = _take(recvs, (found[0].peer, _P2P), found)
+                self._deliver(recv, rank, tag, len(out), _move(out, recv.data))
+                return
         self.seq += 1  # the caller's buffer is free again: its bytes are ours
         message = _Message(rank, tag, self.seq, out.tobytes())
-        self.sends[dest].setdefault((rank, _P2P), deque()).append(message)
+        sends, key = self.sends[dest], (rank, _P2P)
+        queue = sends.get(key)
+        if queue is None:
+            sends[key] = deque((message,))
+        else:
+            queue.append(message)
 
     def _opening(self) -> list[Any] | tuple[()]:
         """Take the gates to open once the lock is released (never the list others append to)."""
@@ -727,6 +738,15 @@ class ThreadComm:
         send.eager = True
         world.wait(self._rank, (recv, send), world.post((recv, send)))
         recv.finish(status)
+
+    def exchange(self, sendbuf: memoryview, dest: int, sendtag: int, recvbuf: memoryview,
+                 source: int, recvtag: int, status: Status | None) -> None:  # fmt: skip
+        """`Sendrecv` of flat byte views to and from valid ranks, unchecked: the executor's."""
+        if len(sendbuf) <= EAGER_BYTES:
+            self._world.exchange(self._rank, sendbuf, dest, sendtag, recvbuf, source, recvtag,
+                                 status)  # fmt: skip
+        else:
+            self.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
 
     # -- collectives (built on point-to-point messages in their own context) ----------------
     def Barrier(self) -> None:

@@ -31,11 +31,11 @@ def messages(size: int) -> int:
     return 2 * size * (size - 1)
 
 
-def _ring_rank(comm: Any, reps: int) -> float:
-    """Time `reps` ring allreduces on this rank, after a warm-up and between barriers."""
+def _ring_rank(comm: Any, reps: int, length: int = LENGTH) -> float:
+    """Time `reps` ring allreduces of `length` float64 on this rank, between barriers."""
     from syncsgd import ring_allreduce
 
-    buf = np.zeros(LENGTH)  # zeros: repeated in-place sums never overflow
+    buf = np.zeros(length)  # zeros: repeated in-place sums never overflow
     ring_allreduce(buf, comm)  # builds this thread's plan
     comm.Barrier()
     started = time.perf_counter()
@@ -45,12 +45,13 @@ def _ring_rank(comm: Any, reps: int) -> float:
     return time.perf_counter() - started
 
 
-def seconds_per_message(size: int, min_messages: int, run: Any = None) -> float:
-    """Seconds per message of a ring allreduce of 8 float64 on `size` thread ranks."""
+def seconds_per_message(size: int, min_messages: int, run: Any = None,
+                        length: int = LENGTH) -> float:  # fmt: skip
+    """Seconds per message of a ring allreduce of `length` float64 on `size` thread ranks."""
     from syncsgd import run_threads
 
     reps = max(1, math.ceil(min_messages / messages(size)))
-    elapsed = (run or run_threads)(size, _ring_rank, reps)[0]
+    elapsed = (run or run_threads)(size, _ring_rank, reps, length)[0]
     return elapsed / reps / messages(size)
 
 
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median quoted)")
     parser.add_argument("--messages", type=int, default=20000,
                         help="at least this many messages per measurement")  # fmt: skip
+    parser.add_argument("--length", type=int, default=LENGTH,
+                        help="float64 elements reduced (8: the communicator's cost)")  # fmt: skip
     parser.add_argument("--against", metavar="FILE",
                         help="also time the run_threads of this threads.py")  # fmt: skip
     parser.add_argument("--memory", type=int, default=0, metavar="P",
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for size in sizes:
             for name, run in runs.items():
-                rounds[name, size].append(seconds_per_message(size, args.messages, run))
+                rounds[name, size].append(seconds_per_message(size, args.messages, run,
+                                                              args.length))  # fmt: skip
     print(f"{'':>5} {'P':>6} {'messages':>10} {'us/message':>11} {'ratio':>7}  rounds (us)")
     for name in runs:
         base = statistics.median(rounds[name, sizes[0]])
@@ -140,4 +144,14 @@ def main(argv: list[str] | None = None) -> int:
             every = " ".join(f"{s * 1e6:.1f}" for s in rounds[name, size])
             figures = f"{messages(size):>10} {median * 1e6:>11.2f} {median / base:>7.2f}"
             print(f"{name:>5} {size:>6} {figures}  {every}")
+    if args.against:
+        print_paired(rounds, sizes)
     return 0
+
+
+def print_paired(rounds: dict[tuple[str, int], list[float]], sizes: list[int]) -> None:
+    """The median over rounds of other/this, each ratio taken within one round."""
+    for size in sizes:
+        ratios = [o / t for o, t in zip(rounds["other", size], rounds["this", size], strict=True)]
+        every = " ".join(f"{r:.2f}" for r in ratios)
+        print(f"other/this {size:>6}: median {statistics.median(ratios):.2f}  rounds {every}")
