@@ -289,6 +289,13 @@ def test_under_mpiexec_sync_is_exact_and_local_differs(tmp_path):
         with np.load(saved, allow_pickle=False) as got:
             same = all(got[k].tobytes() == v.tobytes() for k, v in serial.items())
         assert same == (mode == "sync"), mode
+    saved = tmp_path / "float.npz"  # float mode: within 1e-9 of the oracle
+    done = run_mpiexec(3, ["-m", "syncsgd.cli", "train", "--batchnorm", "sync", *args,
+                           "--save", str(saved), "--quiet"], timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected, _ = oracle_for(small())
+    with np.load(saved, allow_pickle=False) as got:
+        assert relative_difference(dict(got), expected) <= 1e-9
 
 
 # -- what the extra allreduces cost --

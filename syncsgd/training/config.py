@@ -149,8 +149,9 @@ class TrainConfig:
         group=OPTIMIZATION, type=positive_int, check=at_least(1),
     )  # fmt: skip
     batchnorm: str = option(
-        "none", "BatchNorm on every hidden layer: over each rank's shard (local: depends on P) "
-        "or over the global batch (sync: its sums allreduced)", group=DATA, choices=BATCHNORMS,
+        "none", "BatchNorm on every hidden layer: over each rank's shard (local: depends on P; "
+        "the running statistics are rank 0's) or over the global batch (sync: its sums "
+        "allreduced)", group=DATA, choices=BATCHNORMS,
     )  # fmt: skip
     bn_eps: float = option(1e-5, "BatchNorm's epsilon, added to the batch variance", group=DATA,
                            type=positive_float, check=_positive)  # fmt: skip
