@@ -64,6 +64,20 @@ def test_overlap_with_riders_casts_pitfalls_and_formats(options):
         assert overlapped.noise_scales == plain.noise_scales
 
 
+def test_a_stop_request_on_one_rank_stops_every_rank_after_the_same_step(monkeypatch):
+    from syncsgd.comm.watchdog import current
+    from syncsgd.training import hooks
+
+    def fill_(self, slots, grad_sum, shard_size):  # rank 1 alone asks to stop, at step 2
+        asked = threading.current_thread().name == "syncsgd-rank-1" and current().during == 2
+        slots[0] = 1 if asked else 0
+
+    monkeypatch.setattr(hooks.StopRequest, "fill_", fill_)
+    plain, overlapped = both(ranks=3, hidden=(6, 5), bucket_bytes=0, steps=6)
+    assert plain.stopped_after == overlapped.stopped_after == 3
+    assert_same(plain, overlapped)
+
+
 def test_the_step_ends_its_communication_thread():
     before = threading.active_count()
     train(**SMALL, ranks=3, overlap=True, bucket_bytes=0)
