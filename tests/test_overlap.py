@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -180,9 +181,18 @@ def test_mpiexec_a_failure_on_the_communication_thread_ends_the_job(tmp_path):
 # -- the timeline, the benchmark and the cost model ----------------------------------------------
 
 
-def test_the_timeline_has_a_communication_row_with_allreduces_inside_the_compute(tmp_path):
+def test_the_timeline_has_a_communication_row_with_allreduces_inside_the_compute(tmp_path,
+                                                                                 monkeypatch):
     from syncsgd.training.timeline import COMM_ROW
 
+    layers_ = overlap.FloatPhases.layers_
+
+    def slow_layers_(self, params, X, sums, top, bottom):  # a backward pass longer than a wake-up
+        layers_(self, params, X, sums, top, bottom)
+        if bottom > 0:
+            time.sleep(0.02)
+
+    monkeypatch.setattr(overlap.FloatPhases, "layers_", slow_layers_)
     path = tmp_path / "trace.json"
     train(**SMALL, ranks=2, hidden=(40, 30), bucket_bytes=0, overlap=True, timeline=str(path))
     events = json.loads(path.read_text())["traceEvents"]
@@ -192,8 +202,9 @@ def test_the_timeline_has_a_communication_row_with_allreduces_inside_the_compute
         comm = [e for e in spans if e["tid"] == COMM_ROW + rank]
         assert comm and {e["cat"] for e in comm} == {"allreduce"}
         assert "allreduce" not in {e["cat"] for e in mine}
-        computes = [e for e in mine if e["cat"] == "compute"]
-        assert any(c["ts"] <= a["ts"] <= c["ts"] + c["dur"] for c in computes for a in comm)
+        backward = [e for e in mine if e["name"] == "backward"]
+        assert len(backward) == SMALL["steps"] and {e["cat"] for e in backward} == {"compute"}
+        assert any(b["ts"] <= a["ts"] <= b["ts"] + b["dur"] for b in backward for a in comm)
     names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert names == {"rank 0", "rank 1", "rank 0 communication", "rank 1 communication"}
     pytest.importorskip("matplotlib")

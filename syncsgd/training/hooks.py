@@ -145,8 +145,13 @@ class TimelineSpans(Hook):
         self.timeline = timeline
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
-        self.timeline.span("compute", "compute", record.started, record.computed,
-                           step=record.step, samples=record.shard_size)  # fmt: skip
+        parts = [("compute", record.started, record.computed)]
+        if not math.isnan(record.backward):  # --overlap: the allreduces lie in the backward pass
+            parts = [("forward", record.started, record.backward),
+                     ("backward", record.backward, record.computed)]  # fmt: skip
+        for name, start, end in parts:
+            self.timeline.span(name, "compute", start, end, step=record.step,
+                               samples=record.shard_size)  # fmt: skip
         self.timeline.span("update", "update", record.reduced, record.ended, step=record.step)
         return False
 

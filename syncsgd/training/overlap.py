@@ -250,6 +250,7 @@ class Overlap:
         self.local = np.empty(model.n_params if self.late else 0, stepper.grad_sum.dtype)
         self.held = len(buckets) - 1 if self.late else None  # the riders' bucket waits for them
         self.shard = (0, 0)  # (shard size, batch size) of the step under way
+        self.backward_started = 0.0  # time.perf_counter() when this step's backward pass began
         self.phases = phases_for(stepper.local_gradient, stepper.variant, lambda: self.shard,
                                  comm.Get_size())  # fmt: skip
         self.thread = CommThread(comm.Get_rank(), doing)
@@ -260,6 +261,7 @@ class Overlap:
         params, sums = stepper.params, stepper.comm_buffer
         self.shard = (shard_size, batch_size)
         phases.begin_(self.comm, params, X, y, sums)
+        self.backward_started = time.perf_counter()  # the forward pass (exact: and the bounds)
         for rider in self.early:  # the stop flag: it needs no gradient
             rider.fill_(rider.slots, stepper.grad_sum, shard_size)
         top = self.n_layers - 1

@@ -145,6 +145,7 @@ class StepRecord(NamedTuple):
     computed: float
     reduced: float
     ended: float
+    backward: float = math.nan  # --overlap: when the backward pass began (nan: not timed apart)
 
 
 @dataclass
@@ -214,18 +215,20 @@ class DataParallelStep:
         self.doing.during = step
         global_batch = self.variant.global_batch(self.order.batch(step), self.size)
         shard = data.contiguous_shard(global_batch, self.rank, self.size)
+        backward = math.nan
         if self.overlap is None:
             computed = self.sum_then_reduce_(shard, len(global_batch))
         else:  # the buckets' allreduces start while the backward pass goes on
             X, y = self.gather_(shard)
             computed = self.overlap.exchange_(X, y, len(shard), len(global_batch))
+            backward = self.overlap.backward_started
         reduced = time.perf_counter()
         loss, finite = self.divide_once_(len(global_batch))
         for rider in self.riders:
             rider.read_(rider.slots, self.grad_mean, len(global_batch), finite)
         lr, grad_norm = self.update_(step, finite)
         return StepRecord(step, len(shard), len(global_batch), loss, finite, lr, grad_norm,
-                          started, computed, reduced, time.perf_counter())  # fmt: skip
+                          started, computed, reduced, time.perf_counter(), backward)  # fmt: skip
 
     def sum_then_reduce_(self, shard: np.ndarray, batch_size: int) -> float:
         """The local sums, then their allreduce; returns when the local work ended."""
