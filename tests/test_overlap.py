@@ -162,7 +162,8 @@ def mpi_params(tmp_path, ranks: int, *extra: str) -> bytes:
 
 @requires_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize("mode", [[], ["--exact"], ["--dtype", "float32", "--noise-scale"]])
+@pytest.mark.parametrize("mode", [[], ["--exact"], ["--dtype", "float32", "--noise-scale"],
+                                  ["--algorithm", "mpi"]])
 def test_mpiexec_overlap_is_bitwise_the_step_without_it(tmp_path, ranks, mode):
     assert mpi_params(tmp_path, ranks, *mode, "--overlap") == mpi_params(tmp_path, ranks, *mode)
 
