@@ -70,10 +70,14 @@ def environment(kind: str) -> dict[str, str]:
         # UCX would otherwise reach the other "hosts" through /dev/shm and cross-memory attach
         # (one kernel, one /dev/shm): only TCP on the node's link. Ranks on one node still use
         # MPICH's own shared memory, since hydra tells each rank which ranks share its host.
+        # UCX sends messages from about 3 MiB by rendezvous, a remote write over TCP, which ran
+        # at half the link rate whenever both ends of a link sent at once (the ring's Sendrecv):
+        # every message eager instead (docs/cluster.md).
         return {
             "MPIR_CVAR_CH4_NETMOD": "ucx",
             "UCX_TLS": "tcp",
             "UCX_NET_DEVICES": NODE_DEVICE,
+            "UCX_RNDV_THRESH": "inf",
             "FI_PROVIDER": "tcp",
         }
     return {
