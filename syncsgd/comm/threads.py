@@ -685,10 +685,11 @@ class ThreadComm:
         data = _bytes_of(buf, writable=kind == "recv")
         return Request(self._world, self._rank, kind, peer, tag, context, data)
 
-    def _post(self, kind: str, buf: Any, peer: int, tag: int, context: int) -> Request:
-        """Post a request and return it at once (Isend, Irecv)."""
+    def _post(self, kind: str, buf: Any, peer: int, tag: int, context: int,
+              eager: bool = False) -> Request:  # fmt: skip
+        """Post a request and return it at once (Isend, Irecv; Bcast's sends, synchronous)."""
         req = self._request(kind, buf, peer, tag, context)
-        req.eager = True
+        req.eager = eager
         for gate in self._world.post((req,)):
             gate.release()
         return req
@@ -702,7 +703,7 @@ class ThreadComm:
         req.finish(status)
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
-        return self._post("send", buf, dest, tag, _P2P)
+        return self._post("send", buf, dest, tag, _P2P, eager=True)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
         return self._post("recv", buf, source, tag, _P2P)
