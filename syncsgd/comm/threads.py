@@ -5,11 +5,13 @@
 MPI's semantics, so the collectives are written once and run on either communicator:
 
 - Point-to-point messages match on (source, tag) in posting order and never overtake each other.
-- Every send is *synchronous* (rendezvous): the bytes are copied straight from the send buffer into
-  the matching receive buffer, and `Send` returns once that copy is done, so a send buffer may be
-  reused as soon as the call returns. A program that relies on MPI buffering small messages
-  therefore deadlocks here too - and the deadlock is *detected* and raised on every rank
-  (`DeadlockError`) instead of hanging.
+- A send buffer may be reused as soon as the call returns (or `Wait` does), as in MPI. The send
+  of a `Sendrecv` or an `Isend` of at most `EAGER_BYTES` is *eager*: its bytes go straight into a
+  receive already posted for it, or else are copied aside, and the send is complete at once, so a
+  `Sendrecv` waits only for its receive. Every other send - `Send`, a longer message, the sends of
+  `Bcast` - is *synchronous* (rendezvous): it completes when the receiver has the bytes. A program
+  that relies on MPI buffering a `Send` therefore deadlocks here, and the deadlock is *detected*
+  and raised on every rank (`DeadlockError`) instead of hanging.
 - A message longer than its receive buffer raises `MessageTruncated` (MPI_ERR_TRUNCATE); the
   message is consumed, as in MPI.
 - If any rank fails, every rank blocked in (or later entering) a communication call raises
@@ -176,6 +178,8 @@ class Request(_Message):
 # Messages up to this size are copied under the world's lock (cheaper than taking it twice);
 # longer ones outside it, by NumPy, which drops the GIL so that ranks copy in parallel.
 _COPY_UNDER_LOCK = 1 << 16
+# Sendrecv and Isend send messages up to this size eagerly (see the module's docstring): a rank
+# runs on instead of handing the GIL to its receiver, the one cost that grew with P.
 EAGER_BYTES = 1 << 16
 
 Queues = dict[tuple[int, int], deque[Any]]  # (source, context) -> requests in posting order
@@ -919,9 +923,10 @@ def check_capacity(size: int, rank_bytes: int = 0) -> None:
 
 
 _START_LOCK = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
-# Beyond SMALL_WORLD ranks, most threads are ready and waiting for the GIL; each waiter asks the
-# holder to drop it every switch interval (5 ms by default), and the forced switches cost more
-# than the work (P = 256: about 20% of the time per message). Large worlds run with this interval.
+# Beyond SMALL_WORLD ranks, many threads may be ready and waiting for the GIL; each waiter asks the
+# holder to drop it every switch interval (5 ms by default). With rendezvous sends the forced
+# switches cost about 20% of the time per message at P = 256; with eager sends 5, 50 and 500 ms
+# measure alike, and 0.5 ms three to five times slower. Large worlds run with this interval.
 LARGE_WORLD_SWITCH_INTERVAL = 0.05
 
 
