@@ -6,8 +6,8 @@
     syncsgd verify --pitfall all                           # every pitfall, one row each
 
 The reference is the serial run: one rank, no pitfall, the same mode. A run matches when its final
-parameters are bitwise equal to the reference's (exact mode), or within the documented relative
-tolerance max|Δθ| / max(1, max|θ|) (float mode). Per-step digests of the parameters give the first
+parameters (and BatchNorm's running statistics) are bitwise equal to the reference's (exact mode),
+or within the documented relative tolerance max|Δθ| / max(1, max|θ|) (float mode). Per-step digests of the parameters give the first
 step after which a run differs.
 """
 
@@ -98,10 +98,17 @@ def run(config: TrainConfig, ranks: int) -> TrainResult:
     return run_threads(ranks, train_rank, problem, record_digests=True)[0]
 
 
+def trained_state(result: TrainResult) -> np.ndarray:
+    """The parameters, then BatchNorm's running statistics if any: what a run must reproduce."""
+    if result.running is None:
+        return result.params
+    return np.concatenate([result.params, result.running])
+
+
 def compare(reference: TrainResult, result: TrainResult, ranks: int, exact: bool,
             tolerance: float) -> Row:  # fmt: skip
     """The row of the verify table for one run."""
-    ours, theirs = result.params, reference.params
+    ours, theirs = trained_state(result), trained_state(reference)
     max_abs = float(np.max(np.abs(ours - theirs), initial=0.0))
     relative = max_abs / max(1.0, float(np.max(np.abs(theirs), initial=0.0)))
     bitwise = ours.tobytes() == theirs.tobytes()
@@ -167,7 +174,7 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
     print(comment(f"against serial SGD (1 rank, no pitfall); {mode}{pitfall}"))
     print(HEADER, flush=True)
     reference = run(serial(config), 1)
-    scale = max(1.0, float(np.max(np.abs(reference.params), initial=0.0)))
+    scale = max(1.0, float(np.max(np.abs(trained_state(reference)), initial=0.0)))
     rows = verify(config, ranks_list, tolerance, reference=reference,
                   report=lambda row: print(format_row(row, scale), flush=True))  # fmt: skip
     if scale <= 1:

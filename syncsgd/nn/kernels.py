@@ -18,9 +18,9 @@ np.dot inside Numba calls SciPy's BLAS (`scipy.linalg.cython_blas`, imported on 
 importing this module first picks its kernels for the CPU (`syncsgd.nn.blas`).
 
 `syncsgd.nn.exact` compiles the layer views, bias and activation, activation slope and per-sample
-losses of this module into its own kernels. Numba's on-disk cache keys a function on the contents
-of its own file only, so after editing one of them delete syncsgd/nn/__pycache__: exact mode would
-otherwise go on running the old code.
+losses of this module into its own kernels, and `syncsgd.nn.batchnorm` some of both. Numba's
+on-disk cache keys a function on the contents of its own file only, so after editing one of them
+delete syncsgd/nn/__pycache__: exact mode and BatchNorm would otherwise go on running the old code.
 """
 
 from __future__ import annotations
