@@ -108,13 +108,37 @@ def test_local_is_sync_at_one_rank_and_differs_on_uneven_shards(ranks, extra, ex
     assert relative_difference(train(local, ranks=ranks).arrays(), sync_one.arrays()) > 1e-6
 
 
-def test_a_shard_of_one_normalises_to_zero_and_an_empty_shard_adds_nothing():
-    config = small(batch_size=3, batchnorm="local", steps=2)
-    # Four ranks, three samples: shards of one sample (and one empty shard), each normalised to
-    # beta alone: no feature carries information, so the output layer sees the same input.
-    result = train(config, ranks=4)
-    assert np.isfinite(result.params).all()
-    assert np.isfinite(result.running).all()
+def local_oracle(config: TrainConfig, ranks: int) -> dict:
+    """Serial SGD whose BatchNorm normalises each of the P contiguous shards on its own."""
+    from oracle import batch_indices, initial_running, loss_and_grad, sgd_update, update_running
+
+    run = prepare(config)
+    theta = run.model.to_arrays(run.model.init_params(config.seed))
+    running, velocity = initial_running(theta), None
+    for step in range(run.steps):
+        rows = batch_indices(step, len(run.X), config.batch_size, config.seed, config.shuffle)
+        total = {name: np.zeros_like(value) for name, value in theta.items()}
+        for number, shard in enumerate(np.array_split(rows, ranks)):
+            if len(shard) == 0:  # an empty shard contributes nothing
+                continue
+            saved: list = []
+            _, grads = loss_and_grad(theta, run.X[shard], run.y[shard], saved=saved,
+                                     hidden_activation=config.activation, loss=config.loss)
+            for name in total:  # the shard's gradient sum
+                total[name] += grads[name] * len(shard)
+            if number == 0:  # the run's running statistics are rank 0's
+                update_running(running, saved, config.bn_momentum)
+        mean = {name: value / len(rows) for name, value in total.items()}
+        theta, velocity, _ = sgd_update(theta, mean, velocity, rate=config.lr,
+                                        momentum=config.momentum)  # fmt: skip
+    return {**theta, **running}
+
+
+@pytest.mark.parametrize("ranks, batch_size", [(3, 20), (4, 3), (7, 9)])  # shards of 1, empty
+def test_local_equals_serial_sgd_with_per_shard_statistics(ranks, batch_size):
+    config = small(batch_size=batch_size, batchnorm="local", momentum=0.9)
+    result = train(config, ranks=ranks)
+    assert relative_difference(result.arrays(), local_oracle(config, ranks)) <= 1e-9
 
 
 def finite_difference_gradient(model: MLP, params: np.ndarray, X, y, h: float = 1e-6):
