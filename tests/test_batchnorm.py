@@ -282,7 +282,8 @@ def torch_run(config: TrainConfig):
 def test_sync_equals_torch_batchnorm1d_in_training_mode():
     config = small(momentum=0.9, weight_decay=0.01, steps=8)
     net = torch_run(config)
-    result = train(config, ranks=3).arrays()
+    trained = train(config, ranks=3)
+    result = trained.arrays()
     linears = [m for m in net if hasattr(m, "weight") and m.weight.dim() == 2]
     norms = [m for m in net if hasattr(m, "running_mean")]
     theirs = {}
@@ -295,6 +296,13 @@ def test_sync_equals_torch_batchnorm1d_in_training_mode():
         theirs[f"running_mean{layer}"] = norm.running_mean.numpy()
         theirs[f"running_var{layer}"] = norm.running_var.numpy()
     assert relative_difference(result, theirs) <= 1e-9
+    import torch  # evaluation mode: the running statistics, on every sample
+
+    run = prepare(config)
+    with torch.no_grad():
+        logits = net.eval()(torch.tensor(run.X))
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(run.y)).item()
+    assert trained.final_loss == pytest.approx(loss, rel=1e-9)
 
 
 # -- the same under a real mpiexec --
