@@ -26,8 +26,9 @@ from syncsgd.training.variants import Variant
 
 JOIN_SECONDS = 5.0  # how long closing waits for an idle communication thread to end
 # An MPI wait on the communication thread polls with sleeps growing from the first pause to the
-# longest: a blocking MPI call spins, and would take a core from the backward pass.
-FIRST_PAUSE, LONGEST_PAUSE = 20e-6, 1e-3
+# longest: a blocking MPI call spins, and would take a core from the backward pass. Longer pauses
+# starve a transfer of progress (1 ms cost 40% on 1 Gbit/s links: docs/overlap.md).
+FIRST_PAUSE, LONGEST_PAUSE = 20e-6, 1e-4
 
 
 class CommThread:
