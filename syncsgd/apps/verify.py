@@ -7,8 +7,8 @@
 
 The reference is the serial run: one rank, no pitfall, the same mode. A run matches when its final
 parameters (and BatchNorm's running statistics) are bitwise equal to the reference's (exact mode),
-or within the documented relative tolerance max|Δθ| / max(1, max|θ|) (float mode). Per-step digests of the parameters give the first
-step after which a run differs.
+or within the documented relative tolerance max|Δθ| / max(1, max|θ|) (float mode). Per-step
+digests of the parameters give the first step after which a run differs.
 """
 
 from __future__ import annotations
