@@ -80,9 +80,8 @@ def test_a_stop_request_on_one_rank_stops_every_rank_after_the_same_step(monkeyp
 
 
 def test_the_step_ends_its_communication_thread():
-    before = threading.active_count()
     train(**SMALL, ranks=3, overlap=True, bucket_bytes=0)
-    assert threading.active_count() == before
+    assert not [t for t in threading.enumerate() if t.name.startswith("syncsgd-comm-")]
 
 
 def test_a_duplicate_never_matches_the_original_messages():
@@ -135,15 +134,19 @@ def test_a_stuck_communication_thread_times_out(monkeypatch):
     from syncsgd.comm.threads import CollectiveTimeout
 
     original = overlap.Overlap.reduce_bucket_
+    released = threading.Event()
 
     def stuck(self, index):
         if self.comm.Get_rank() == 1:
-            threading.Event().wait(30)  # never reaches the collective
+            released.wait(30)  # never reaches the collective (until the test ends)
         return original(self, index)
 
     monkeypatch.setattr(overlap.Overlap, "reduce_bucket_", stuck)
-    with pytest.raises(CollectiveTimeout, match="training step 0"):
-        train(**SMALL, ranks=2, overlap=True, bucket_bytes=0, timeout=1)
+    try:
+        with pytest.raises(CollectiveTimeout, match="training step 0"):
+            train(**SMALL, ranks=2, overlap=True, bucket_bytes=0, timeout=1)
+    finally:
+        released.set()  # its thread ends: the closed world refuses the allreduce
 
 
 # -- under a real mpiexec -------------------------------------------------------------------------
