@@ -106,11 +106,12 @@ FAILING = textwrap.dedent("""
     from syncsgd.training import overlap
 
     original = overlap.Overlap.reduce_bucket_
-    calls = [0]
+    calls = {}  # per rank: thread ranks share this module
 
     def reduce_bucket_(self, index):
-        calls[0] += 1
-        if self.comm.Get_rank() == 1 and calls[0] == 5:
+        rank = self.comm.Get_rank()
+        calls[rank] = calls.get(rank, 0) + 1
+        if rank == 1 and calls[rank] == 5:  # the second step's second bucket
             raise RuntimeError("the network went away")
         return original(self, index)
 
