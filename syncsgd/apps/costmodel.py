@@ -30,6 +30,10 @@ and the best algorithm by size is the lower envelope of the lines. `--fit bench.
 to a measured sweep (`syncsgd bench allreduce --json`) by non-negative least squares on relative
 errors. Defaults: α = 2 µs and β = 1/12.5e9 s/B (a 100 Gb/s network), γ = 1e-10 s/B (summing
 float64 at 10 GB/s on one core; docs/measurements.md has the measurement behind it).
+
+`--overlap SIZES` predicts a training step with and without `syncsgd train --overlap` per bucket
+size: forward + max(backward, comm of all but the first bucket) + comm of the first + update
+(docs/overlap.md).
 """
 
 from __future__ import annotations
