@@ -100,6 +100,24 @@ def test_a_duplicate_never_matches_the_original_messages():
     assert run_threads(2, ranks)[1] == [2.0, 1.0]
 
 
+def test_a_duplicate_exchanges_and_allreduces_in_its_own_contexts():
+    from syncsgd.collectives import allreduce
+
+    def ranks(comm):
+        dup, rank = comm.Dup(), comm.Get_rank()
+        early = comm.Isend(np.array([-1.0]), dest=1 - rank, tag=5)
+        got = np.zeros(1)
+        dup.Sendrecv(np.array([float(rank)]), 1 - rank, 5, got, 1 - rank, 5)
+        late = np.zeros(1)
+        comm.Recv(late, source=1 - rank, tag=5)
+        early.Wait()
+        total = allreduce(np.arange(5.0) * (rank + 1), dup, "ring")
+        return got[0], late[0], total.tolist()
+
+    assert run_threads(2, ranks) == [(1.0, -1.0, [0, 3, 6, 9, 12]),
+                                     (0.0, -1.0, [0, 3, 6, 9, 12])]  # fmt: skip
+
+
 FAILING = textwrap.dedent("""
     import sys
     from syncsgd import cli

@@ -817,6 +817,10 @@ class _Duplicate(ThreadComm):
         world.wait(self._rank, (recv, send), world.post((recv, send)))
         recv.finish(status)
 
+    def exchange(self, sendbuf: memoryview, dest: int, sendtag: int, recvbuf: memoryview,
+                 source: int, recvtag: int, status: Status | None) -> None:  # fmt: skip
+        self.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)  # not the world's
+
 
 def _op_name(op: Any) -> str:
     """Map SUM/MAX/MIN given as strings or as mpi4py's `MPI.Op` objects to their names."""
