@@ -38,6 +38,7 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     add("--per-rank-batch", type=int, default=256)
     add("--bucket-bytes", type=int, default=0, help="0: one bucket per layer")
     add("--algorithm", default="ring")
+    add("--exact", action="store_true", help="exact mode: the extraction overlaps the sums")
     add("--steps", type=int, default=5)
     add("--repeats", type=int, default=7)
     add("--samples", type=int, default=2048)
@@ -57,7 +58,8 @@ def main(argv: list[str]) -> int:
     config = TrainConfig(samples=options.samples, features=options.features, classes=10,
                          hidden=parse_hidden(options.hidden), batch_size=size *
                          options.per_rank_batch, steps=options.steps, lr=0.01,
-                         bucket_bytes=options.bucket_bytes, algorithm=options.algorithm)
+                         bucket_bytes=options.bucket_bytes, algorithm=options.algorithm,
+                         exact=options.exact)
     plain = prepare(config)
     with_overlap = replace(plain, config=replace(config, overlap=True))
     runs = {"plain": plain, **{name: with_overlap for name in VARIANTS[1:]}}
@@ -76,7 +78,8 @@ def main(argv: list[str]) -> int:
 
 def report(options: argparse.Namespace, size: int, times: dict[str, list[list[float]]]) -> None:
     """Medians per variant, paired ratios to the plain step, the share hidden."""
-    print(f"# MLP {options.features}-{options.hidden}-10 float64, P = {size}, "
+    print(f"# MLP {options.features}-{options.hidden}-10 float64{' exact' * options.exact}, "
+          f"P = {size}, "
           f"{options.per_rank_batch} per rank, --bucket-bytes {options.bucket_bytes}, "
           f"{options.algorithm}; {options.repeats} rounds of {options.steps} steps; "
           f"load average {os.getloadavg()[0]:.1f}")
