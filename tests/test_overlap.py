@@ -56,6 +56,8 @@ def test_overlap_is_bitwise_the_step_without_it(ranks, hidden, buckets, dtype, e
     {"pitfall": "mean-of-means", "batch_size": 30, "bucket_bytes": 0},  # the whole sum first
     {"precision": "bf16", "bucket_bytes": 0},  # narrow kernels: the whole sum first
     {"precision": "fp16", "exact": True, "bucket_bytes": 0},  # loss scaling's rider, exact
+    {"precision": "fp16", "bucket_bytes": 100},  # the whole sum first, loss scaling's rider
+    {"pitfall": "fp32-allreduce", "bucket_bytes": 0},  # a variant's allreduce per bucket
     {"algorithm": "mpi", "bucket_bytes": 100},
 ])  # fmt: skip
 def test_overlap_with_riders_casts_pitfalls_and_formats(options):
