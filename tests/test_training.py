@@ -125,6 +125,12 @@ def test_bucket_slices_tile_the_buffer_in_whole_tensors():
     assert bucket_slices(model, narrow, 8 * 30) == [slice(0, 66), slice(66, total)]
 
 
+def test_one_bucket_per_layer_holds_its_batchnorm_parameters():
+    model = MLP((5, 6, 3), batchnorm="sync")  # W0 b0 gamma0 beta0: 30 + 6 + 6 + 6; W1 b1: 18 + 3
+    total = model.n_params + 6
+    assert bucket_slices(model, np.zeros(total), 0) == [slice(0, 48), slice(48, total)]
+
+
 def test_training_learns_the_default_problem():
     result = train(ranks=2)
     assert result.losses[-1] < 0.5 * result.losses[0]

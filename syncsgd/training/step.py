@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -308,15 +309,19 @@ def local_gradient(config: Any, model: MLP, largest_shard: int, buffer: CommBuff
 
 def bucket_slices(model: MLP, buffer: np.ndarray, bucket_bytes: int | None) -> list[slice]:
     """Cut the communication buffer into allreduce buckets of whole tensors, in parameter order."""
-    # None: one bucket. 0: one per layer (W and b). Otherwise tensors are grouped until a bucket
-    # holds at least `bucket_bytes` of `buffer`; the riders go with the last bucket.
+    # None: one bucket. 0: one per layer (W, b, and gamma, beta with BatchNorm). Otherwise tensors
+    # are grouped until a bucket holds at least `bucket_bytes` of `buffer`; the riders go with the
+    # last bucket.
     total = buffer.size
     if bucket_bytes is None:
         return [slice(0, total)]
+    entries = model.layout()
+    layers = [int(name.lstrip(string.ascii_letters)) for name, _, _ in entries]  # gamma3 -> 3
     ends, start = [], 0
-    for name, shape, offset in model.layout():
+    for index, (_, shape, offset) in enumerate(entries):
         filled = offset + shape_size(shape)
-        per_layer_done = bucket_bytes == 0 and name.startswith("b")
+        layer_complete = index + 1 == len(entries) or layers[index + 1] != layers[index]
+        per_layer_done = bucket_bytes == 0 and layer_complete
         if per_layer_done or (
             bucket_bytes > 0 and (filled - start) * buffer.itemsize >= bucket_bytes
         ):
