@@ -197,6 +197,12 @@ def _move(data: bytes | memoryview, into: memoryview) -> int:
     return nbytes
 
 
+def _check_tag(tag: int) -> None:
+    """Refuse a send's tag outside 0..TAG_UB."""
+    if not 0 <= tag <= TAG_UB:
+        raise ValueError(f"invalid tag {tag}: must be in 0..{TAG_UB}")
+
+
 def _truncation(rank: int, source: int, tag: int, sent: int, room: int) -> MessageTruncated:
     """The error of a message of `sent` bytes received into a buffer of `room` bytes."""
     return MessageTruncated(
@@ -684,8 +690,8 @@ class ThreadComm:
     def _request(self, kind: str, buf: Any, peer: int, tag: int, context: int) -> Request:
         """A checked request, not yet posted."""
         self._check_peer(peer, any_ok=kind == "recv")
-        if kind == "send" and not 0 <= tag <= TAG_UB:
-            raise ValueError(f"invalid tag {tag}: must be in 0..{TAG_UB}")
+        if kind == "send":
+            _check_tag(tag)
         data = _bytes_of(buf, writable=kind == "recv")
         return Request(self._world, self._rank, kind, peer, tag, context, data)
 
@@ -732,26 +738,23 @@ class ThreadComm:
     ) -> None:
         # Both checked before either is posted; posted under one lock, waited for in one sleep.
         into, out = _bytes_of(recvbuf, writable=True), _bytes_of(sendbuf, writable=False)
-        world = self._world
-        size = world.size
-        if 0 <= source < size and 0 <= dest < size and 0 <= sendtag <= TAG_UB:
-            if len(out) <= EAGER_BYTES:  # the collectives' messages: the hot path
-                world.exchange(self._rank, out, dest, sendtag, into, source, recvtag, status)
-                return
-        recv = self._request("recv", into, source, recvtag, _P2P)
-        send = self._request("send", out, dest, sendtag, _P2P)
-        send.eager = True
-        world.wait(self._rank, (recv, send), world.post((recv, send)))
-        recv.finish(status)
+        self._check_peer(source, any_ok=True)
+        self._check_peer(dest, any_ok=False)
+        _check_tag(sendtag)
+        self.exchange(out, dest, sendtag, into, source, recvtag, status)
 
     def exchange(self, sendbuf: memoryview, dest: int, sendtag: int, recvbuf: memoryview,
                  source: int, recvtag: int, status: Status | None) -> None:  # fmt: skip
         """`Sendrecv` of flat byte views to and from valid ranks, unchecked: the executor's."""
-        if len(sendbuf) <= EAGER_BYTES:
-            self._world.exchange(self._rank, sendbuf, dest, sendtag, recvbuf, source, recvtag,
-                                 status)  # fmt: skip
-        else:
-            self.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+        world, rank = self._world, self._rank
+        if len(sendbuf) <= EAGER_BYTES and source != ANY_SOURCE:
+            world.exchange(rank, sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+            return
+        recv = Request(world, rank, "recv", source, recvtag, _P2P, recvbuf)
+        send = Request(world, rank, "send", dest, sendtag, _P2P, sendbuf)
+        send.eager = True  # (if short enough: a receive from any source)
+        world.wait(rank, (recv, send), world.post((recv, send)))
+        recv.finish(status)
 
     # -- collectives (built on point-to-point messages in their own context) ----------------
     def Barrier(self) -> None:
