@@ -366,8 +366,11 @@ def test_timeline_and_bench_step_show_the_batchnorm_allreduces(tmp_path):
     assert 0 < row["batchnorm_allreduce_ms"] <= row["allreduce_ms"]
 
 
-def test_overlap_is_refused_with_batchnorm():
-    with pytest.raises(ValueError, match="not with --batchnorm"):
-        TrainConfig(batchnorm="sync", overlap=True)
-    done = cli("train", "--steps", "1", "--batchnorm", "local", "--overlap")
-    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
+@pytest.mark.parametrize("mode, exact", [("sync", False), ("sync", True), ("local", False)])
+def test_overlap_composes_with_batchnorm_bitwise(mode, exact):
+    # More cases (P, sizes, buckets, MPI) in test_overlap.py.
+    options = dict(batchnorm=mode, exact=exact, bucket_bytes=0)
+    plain = train(small(**options), ranks=3)
+    overlapped = train(small(**options, overlap=True), ranks=3)
+    assert overlapped.params.tobytes() == plain.params.tobytes()
+    assert overlapped.running.tobytes() == plain.running.tobytes()

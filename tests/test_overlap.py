@@ -50,6 +50,51 @@ def test_overlap_is_bitwise_the_step_without_it(ranks, hidden, buckets, dtype, e
     assert_same(plain, overlapped)
 
 
+def assert_same_with_batchnorm(plain, overlapped) -> None:
+    """Bitwise the same parameters, losses and BatchNorm running statistics."""
+    assert_same(plain, overlapped)
+    assert overlapped.running.tobytes() == plain.running.tobytes()
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    ranks=st.integers(2, 4),
+    hidden=st.lists(st.integers(1, 7), min_size=1, max_size=3).map(tuple),
+    buckets=st.sampled_from([None, 0, 1, 40, 200]),  # one for all .. one per tensor
+    batchnorm=st.sampled_from(["sync", "local"]),
+    dtype=st.sampled_from(["float64", "float32"]),
+    exact=st.booleans(),
+)
+def test_overlap_with_batchnorm_is_bitwise_the_step_without_it(ranks, hidden, buckets,
+                                                                batchnorm, dtype, exact):
+    plain, overlapped = both(ranks=ranks, hidden=hidden, bucket_bytes=buckets,
+                             batchnorm=batchnorm, dtype=dtype, exact=exact)  # fmt: skip
+    assert_same_with_batchnorm(plain, overlapped)
+
+
+def test_one_bucket_per_layer_keeps_gamma_and_beta_with_their_layer():
+    from syncsgd.nn.mlp import MLP
+    from syncsgd.training.step import bucket_slices
+
+    model = MLP((7, 6, 5, 3), batchnorm="sync")
+    buckets = bucket_slices(model, np.zeros(model.n_params + 6), 0)
+    offsets = {name: offset for name, _, offset in model.layout()}
+    assert [b.start for b in buckets] == [offsets["W0"], offsets["W1"], offsets["W2"]]
+    assert overlap.ready_layers(model, buckets) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("options", [
+    {"noise_scale": True, "bucket_bytes": 0, "batchnorm": "sync"},  # the riders' bucket held
+    {"allreduce_dtype": "bfloat16", "bucket_bytes": 0, "batchnorm": "sync"},
+    {"pitfall": "mean-of-means", "bucket_bytes": 0, "batchnorm": "sync"},  # the whole sum
+    {"algorithm": "mpi", "bucket_bytes": 0, "batchnorm": "sync"},
+    {"exact": True, "algorithm": "tree", "bucket_bytes": 40, "batchnorm": "local"},
+])  # fmt: skip
+def test_overlap_with_batchnorm_riders_casts_and_pitfalls(options):
+    plain, overlapped = both(ranks=3, hidden=(6, 5), **options)
+    assert_same_with_batchnorm(plain, overlapped)
+
+
 @pytest.mark.parametrize("options", [
     {"noise_scale": True, "bucket_bytes": 0},  # a rider that reads the whole local gradient
     {"allreduce_dtype": "bfloat16", "bucket_bytes": 0},  # cast per bucket
@@ -189,6 +234,17 @@ def mpi_params(tmp_path, ranks: int, *extra: str) -> bytes:
 @pytest.mark.parametrize("mode", [[], ["--exact"], ["--dtype", "float32", "--noise-scale"],
                                   ["--algorithm", "mpi"]])
 def test_mpiexec_overlap_is_bitwise_the_step_without_it(tmp_path, ranks, mode):
+    assert mpi_params(tmp_path, ranks, *mode, "--overlap") == mpi_params(tmp_path, ranks, *mode)
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("mode", [["--batchnorm", "sync"], ["--batchnorm", "sync", "--exact"],
+                                  ["--batchnorm", "local", "--dtype", "float32"],
+                                  ["--batchnorm", "sync", "--algorithm", "mpi"]])
+def test_mpiexec_overlap_with_batchnorm_is_bitwise_the_step_without_it(tmp_path, ranks, mode):
+    # The saved arrays hold the running statistics too. Sync: BatchNorm's allreduces on the
+    # rank's communicator while the buckets travel on the duplicate, from two threads.
     assert mpi_params(tmp_path, ranks, *mode, "--overlap") == mpi_params(tmp_path, ranks, *mode)
 
 

@@ -61,22 +61,57 @@ class BatchNormLocalGradient:
                                             check=False, trace=trace)  # fmt: skip
         self.comm_seconds = [0.0, 0.0]  # in BatchNorm's allreduces: the first call, the others
         self.calls = 0
+        self.m = 0  # the samples of the pass under way
+        # How --overlap cuts this into pieces (training/overlap.py); exact mode's extraction is
+        # the work's, named as ExactLocalGradient names its own.
+        self.pieces, self.kernel = ("exact" if self.exact else "batchnorm"), self.work
 
     def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
                  sums: np.ndarray) -> None:  # fmt: skip
         """Fill `sums` with this shard's gradient sum and loss sum."""
-        X, y = self.kernels.check_batch(self.model, self.max_batch, X, y)
-        m = X.shape[0]
-        self.calls += 1
-        views = self.model.views(params)
-        grads = self.model.views(sums[: self.n_params])
-        logits = self.forward_(comm, views, self.work.begin(X), m)
-        loss_sum = self.loss_delta_(logits, y, m)
-        self.backward_(comm, params, views, grads, m)
         if self.exact:
-            self.accumulate_(comm, m, sums)
-        else:
+            if self.agree_(comm, params, X, y, sums):
+                self.work.accumulate(self.bounds, self.global_batch, sums[: self.loss_slot + 1])
+            return
+        self.forward_loss_(comm, params, X, y, sums)
+        self.backward_layers_(comm, params, sums, self.model.n_layers - 1, 0)
+
+    # --overlap calls the pieces below: float mode `forward_loss_`, then `backward_layers_` a few
+    # layers at a time; exact mode `agree_`, then `kernel`'s extraction a few layers at a time.
+
+    def forward_loss_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                      sums: np.ndarray) -> None:  # fmt: skip
+        """The forward pass, the loss and the logits' delta; float mode: the loss sum too."""
+        X, y = self.kernels.check_batch(self.model, self.max_batch, X, y)
+        self.m = X.shape[0]
+        self.calls += 1
+        logits = self.forward_(comm, self.model.views(params), self.work.begin(X), self.m)
+        loss_sum = self.loss_delta_(logits, y, self.m)
+        if not self.exact:
             sums[self.loss_slot] = loss_sum
+
+    def backward_layers_(self, comm: Any, params: np.ndarray, sums: np.ndarray, top: int,
+                         bottom: int) -> None:  # fmt: skip
+        """The backward pass of layers top down to bottom; after layer l, its W, b, gamma and
+        beta sums are complete (float mode; exact mode: gamma and beta)."""
+        views, grads = self.model.views(params), self.model.views(sums[: self.n_params])
+        for layer in range(top, bottom - 1, -1):
+            self.layer_backward_(comm, views, grads, layer, self.m)
+
+    def agree_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+               sums: np.ndarray) -> bool:  # fmt: skip
+        """Exact mode: both passes and the bounds every rank agrees on; False (sums NaN) if those
+        are not finite."""
+        self.forward_loss_(comm, params, X, y, sums)
+        self.backward_layers_(comm, params, sums, self.model.n_layers - 1, 0)
+        self.work.end(self.m, self.bounds)
+        mpi = constants(comm)
+        with watching("exact mode's allreduce of the bounds"):
+            comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)
+        if not np.isfinite(self.bounds).all():  # the same on every rank: all skip or stop alike
+            sums[:] = np.nan
+            return False
+        return True
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -142,20 +177,21 @@ class BatchNormLocalGradient:
         loss_sum, _ = kernel(logits, y, delta)
         return float(loss_sum)
 
-    def backward_(self, comm: Any, params: np.ndarray, views: dict, grads: dict, m: int) -> None:
-        """From the logits' delta down: each layer's W and b sums (float), BN's sums between."""
-        for layer in range(self.model.n_layers - 1, -1, -1):
-            delta = self.work.rows("delta", layer, m)
-            if not self.exact:
-                self.nb.dense_backward_(self.work.layer_input(layer, m), delta,
-                                        grads[f"W{layer}"], grads[f"b{layer}"])  # fmt: skip
-            if layer == 0:
-                return
-            below = self.work.rows("delta", layer - 1, m)
-            self.nb.propagate_(delta, views[f"W{layer}"], self.work.transposed(),
-                               self.work.rows("h", layer - 1, m), below, self.activation,
-                               self.exact)  # fmt: skip
-            self.normalise_backward_(comm, views, grads, layer - 1, below, m)
+    def layer_backward_(self, comm: Any, views: dict, grads: dict, layer: int, m: int) -> None:
+        """Layer's W and b sums (float mode), then the delta below it through BatchNorm."""
+        # The layer below's gamma and beta sums are taken here too: with the W and b sums of that
+        # layer's own step, its gradient is complete.
+        delta = self.work.rows("delta", layer, m)
+        if not self.exact:
+            self.nb.dense_backward_(self.work.layer_input(layer, m), delta,
+                                    grads[f"W{layer}"], grads[f"b{layer}"])  # fmt: skip
+        if layer == 0:
+            return
+        below = self.work.rows("delta", layer - 1, m)
+        self.nb.propagate_(delta, views[f"W{layer}"], self.work.transposed(),
+                           self.work.rows("h", layer - 1, m), below, self.activation,
+                           self.exact)  # fmt: skip
+        self.normalise_backward_(comm, views, grads, layer - 1, below, m)
 
     def normalise_backward_(self, comm: Any, views: dict, grads: dict, layer: int,
                             g: np.ndarray, m: int) -> None:  # fmt: skip
@@ -207,17 +243,6 @@ class BatchNormLocalGradient:
             with watching("batch norm's allreduce of the bounds"):
                 comm.Allreduce(mpi.IN_PLACE, values, op=mpi.MAX)
             self.comm_seconds[self.calls > 1] += time.perf_counter() - started
-
-    def accumulate_(self, comm: Any, m: int, sums: np.ndarray) -> None:
-        """Exact mode: the W and b sums and the loss sum, at the agreed fixed point."""
-        self.work.end(m, self.bounds)
-        mpi = constants(comm)
-        with watching("exact mode's allreduce of the bounds"):
-            comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)
-        if not np.isfinite(self.bounds).all():  # the same on every rank: all skip or stop alike
-            sums[:] = np.nan
-            return
-        self.work.accumulate(self.bounds, self.global_batch, sums[: self.loss_slot + 1])
 
 
 # -- the run's running statistics ---------------------------------------------------------------

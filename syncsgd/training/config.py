@@ -271,9 +271,6 @@ def _check_batchnorm(config: TrainConfig) -> None:
         return
     _require(bool(config.hidden), "--batchnorm normalises hidden layers: give --hidden sizes")
     _require(config.precision == "fp32", "--batchnorm runs in --precision fp32 only")
-    _require(not config.overlap,
-             "--overlap starts the gradient allreduce during the backward pass, which BatchNorm's "
-             "own allreduces interleave with: not with --batchnorm")  # fmt: skip
 
 
 def _require(condition: bool, message: str) -> None:

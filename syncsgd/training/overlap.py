@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import string
 import sys
 import threading
 import time
@@ -144,10 +145,19 @@ def thread_level_problem(comm: Any) -> str | None:
 
 def ready_layers(model: MLP, buckets: list[slice]) -> list[int]:
     """Per bucket: the layer after whose backward pass its gradient is complete."""
-    # Buckets hold whole tensors; W_l and b_l are computed together, so a bucket is complete
-    # once the backward pass has reached the layer of its first tensor.
-    layer_at = {offset: int(name[1:]) for name, _, offset in model.layout()}
+    # Buckets hold whole tensors in layer order; a layer's W, b (and BatchNorm's gamma, beta)
+    # are complete after its step of the backward pass, so a bucket is complete once the
+    # backward pass has done the layer of its first tensor.
+    layer_at = {offset: int(name.lstrip(string.ascii_letters)) for name, _, offset in
+                model.layout()}  # fmt: skip
     return [layer_at[bucket.start] for bucket in buckets]
+
+
+def waits_in_two_threads(comm: Any) -> bool:
+    """Whether two threads of a rank may wait in `comm` at once: MPI's (THREAD_MULTIPLE is
+    checked); the thread ranks' world keeps one wait per rank."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(comm, mpi.Comm)
 
 
 def changes_contribution(variant: Variant) -> bool:
@@ -173,9 +183,29 @@ class FloatPhases:
         self.kernel.backward_layers(params, X, sums[: self.n_params], top, bottom)
 
 
+class BatchNormPhases:
+    """--batchnorm in float mode: the forward pass and the loss, then the backward a few layers
+    at a time; with sync, BatchNorm's own sums are allreduced in it, on the rank's communicator
+    (the buckets go on the duplicate: the messages never match)."""
+
+    def __init__(self, local: Any) -> None:
+        self.local, self.comm = local, None
+
+    def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+               sums: np.ndarray) -> None:  # fmt: skip
+        """The forward pass (its statistics allreduced, sync), the loss sum, the logits' delta."""
+        self.comm = comm
+        self.local.forward_loss_(comm, params, X, y, sums)
+
+    def layers_(self, params: np.ndarray, X: np.ndarray, sums: np.ndarray, top: int,
+                bottom: int) -> None:  # fmt: skip
+        """The gradient sums of layers top down to bottom (gamma and beta with their layer)."""
+        self.local.backward_layers_(self.comm, params, sums, top, bottom)
+
+
 class ExactPhases:
-    """Exact mode in pieces: the per-sample passes and the agreed bounds, then the extraction a
-    few layers at a time."""
+    """Exact mode in pieces: the passes (BatchNorm's: layer by layer, its sums allreduced) and
+    the agreed bounds, then the extraction a few layers at a time."""
 
     def __init__(self, local: Any) -> None:
         self.local, self.n_params = local, local.n_params
@@ -227,6 +257,8 @@ def phases_for(local: Any, variant: Variant, batch_size: Callable[[], tuple[int,
     pieces = getattr(local, "pieces", None)  # the local gradients that come in pieces say so
     if changes_contribution(variant) or pieces is None:
         return WholePhases(local, variant, batch_size, size)
+    if pieces == "batchnorm":
+        return BatchNormPhases(local)
     return ExactPhases(local) if pieces == "exact" else FloatPhases(local)
 
 
@@ -254,6 +286,9 @@ class Overlap:
         self.phases = phases_for(stepper.local_gradient, stepper.variant, lambda: self.shard,
                                  comm.Get_size())  # fmt: skip
         self.thread = CommThread(comm.Get_rank(), doing)
+        if isinstance(self.phases, BatchNormPhases) and not waits_in_two_threads(comm):
+            local = stepper.local_gradient  # thread ranks: BatchNorm's sums join the queue
+            local.allreduce_ = self.relayed(local.allreduce_)
 
     def exchange_(self, X: np.ndarray, y: np.ndarray, shard_size: int, batch_size: int) -> float:
         """Fill the buffer and allreduce it, bucket by bucket; when the local work ended."""
@@ -280,7 +315,20 @@ class Overlap:
         if self.held is not None:
             self.hand_(self.held)
         self.thread.wait_all()
+        # MPI with --batchnorm sync: the two threads' collectives, overlapping, may have left the
+        # shared record naming one as under way; none is now.
+        self.stepper.doing.what, self.stepper.doing.peer = None, None
         return computed
+
+    def relayed(self, allreduce_: Callable[[np.ndarray, Any], Any]) -> Callable[..., None]:
+        """`allreduce_` on the communication thread and its duplicate, after the buckets handed
+        before it; the caller waits for it."""
+
+        def allreduce_relayed_(values: np.ndarray, comm: Any) -> None:
+            self.thread.hand(functools.partial(allreduce_, values, self.dup))
+            self.thread.wait_all()  # in order: the buckets before it, then this one
+
+        return allreduce_relayed_
 
     def keep_(self, index: int) -> None:
         """Copy bucket `index`'s local gradient for the riders, if one reads it."""
