@@ -259,3 +259,23 @@ def test_config_normalises_numbers():
     config = OptimConfig(lr=np.float32(0.5), momentum=0, warmup_steps=np.int64(3))
     assert type(config.lr) is float and type(config.momentum) is float
     assert type(config.warmup_steps) is int
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fused_update_is_bitwise_numpys_two_passes(dtype, momentum):
+    # The update's fused loops round as NumPy's passes do: mu * v, then + g; lr * d, then -.
+    rng = np.random.default_rng(7)
+    params = (rng.standard_normal(1001) * 10).astype(dtype)
+    grads = [(rng.standard_normal(1001) * 1e3).astype(dtype) for _ in range(3)]
+    sgd = SGD(OptimConfig(lr=0.0123456789, momentum=momentum), params.size, dtype)
+    expected, velocity = params.copy(), np.zeros_like(params)
+    for step, grad in enumerate(grads):
+        direction = grad
+        if momentum:
+            velocity *= momentum
+            velocity += grad
+            direction = velocity
+        expected -= np.multiply(direction, 0.0123456789)
+        sgd.step_(params, grad.copy(), step, want_norm=False)
+    assert params.tobytes() == expected.tobytes()

@@ -360,6 +360,23 @@ def divide_finite_(total, divisor, out):
     return poison == 0.0
 
 
+@njit(nogil=True, cache=True)
+def descend_(params, direction, lr):
+    """params -= lr * direction in one pass; lr of params' dtype, the product rounded first."""
+    # Bitwise what `np.multiply(direction, lr, out=scratch); params -= scratch` gives: the same
+    # two roundings (no fastmath, so no fused multiply-add), without the scratch array's pass.
+    for i in range(params.size):
+        params[i] -= direction[i] * lr
+
+
+@njit(nogil=True, cache=True)
+def add_momentum_(velocity, grad, momentum):
+    """velocity = momentum * velocity + grad in one pass; momentum of velocity's dtype."""
+    # Bitwise `velocity *= momentum; velocity += grad`: the product is rounded, then the sum.
+    for i in range(velocity.size):
+        velocity[i] = velocity[i] * momentum + grad[i]
+
+
 class Gradient:
     """Loss and SUM of per-sample gradients of a micro-batch, with workspaces allocated once."""
 

@@ -109,6 +109,9 @@ class SGD:
         self.velocity = np.zeros(self.n_params, dtype=self.dtype) if config.momentum > 0.0 else None
         self._scratch = np.empty(self.n_params, dtype=self.dtype)
         self._squares = np.empty(self.n_params, dtype=np.float64)
+        from syncsgd.nn.kernels import add_momentum_, descend_  # Numba: when an SGD is made
+
+        self._add_momentum_, self._descend_ = add_momentum_, descend_
 
     def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
               want_norm: bool = True) -> dict[str, float]:  # fmt: skip
@@ -129,15 +132,15 @@ class SGD:
             grad += self._scratch  # g + wd * theta
         direction = grad
         if self.velocity is not None:
-            self.velocity *= config.momentum
-            self.velocity += grad  # v = mu * v + g (PyTorch's convention)
+            # v = mu * v + g (PyTorch's convention); mu rounded to the dtype, as NumPy would
+            self._add_momentum_(self.velocity, grad, self.dtype.type(config.momentum))
             if config.nesterov:
                 np.multiply(self.velocity, config.momentum, out=self._scratch)
                 grad += self._scratch  # g + mu * v
             else:
                 direction = self.velocity
-        np.multiply(direction, lr, out=self._scratch)  # lr * direction is rounded, then subtracted
-        params -= self._scratch
+        # lr * direction is rounded, then subtracted: one fused pass, lr rounded to the dtype
+        self._descend_(params, direction, self.dtype.type(lr))
         return {"lr": lr, "grad_norm": grad_norm}
 
     def state_arrays(self) -> dict[str, np.ndarray]:
