@@ -58,7 +58,7 @@ def assert_same_with_batchnorm(plain, overlapped) -> None:
 
 @settings(max_examples=10, deadline=None)
 @given(
-    ranks=st.integers(2, 4),
+    ranks=st.integers(1, 4),
     hidden=st.lists(st.integers(1, 7), min_size=1, max_size=3).map(tuple),
     buckets=st.sampled_from([None, 0, 1, 40, 200]),  # one for all .. one per tensor
     batchnorm=st.sampled_from(["sync", "local"]),
@@ -187,16 +187,18 @@ ARGS = ["train", "--samples", "200", "--features", "7", "--hidden", "6,5", "--ba
         "--steps", "6", "--overlap", "--bucket-bytes", "0", "--quiet"]  # fmt: skip
 
 
-def test_a_failure_on_the_communication_thread_ends_every_thread_rank(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--batchnorm", "sync"]])  # sync: its sums queue too
+def test_a_failure_on_the_communication_thread_ends_every_thread_rank(tmp_path, extra):
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
-    done = subprocess.run([sys.executable, str(script), *ARGS, "--ranks", "3"],
+    done = subprocess.run([sys.executable, str(script), *ARGS, *extra, "--ranks", "3"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1
     assert done.stderr.strip() == "syncsgd: error: the network went away"
 
 
-def test_a_stuck_communication_thread_times_out(monkeypatch):
+@pytest.mark.parametrize("options", [{}, {"batchnorm": "sync", "hidden": (4,)}])
+def test_a_stuck_communication_thread_times_out(monkeypatch, options):
     from syncsgd.comm.threads import CollectiveTimeout
 
     original = overlap.Overlap.reduce_bucket_
@@ -210,7 +212,7 @@ def test_a_stuck_communication_thread_times_out(monkeypatch):
     monkeypatch.setattr(overlap.Overlap, "reduce_bucket_", stuck)
     try:
         with pytest.raises(CollectiveTimeout, match="training step 0"):
-            train(**SMALL, ranks=2, overlap=True, bucket_bytes=0, timeout=1)
+            train(**SMALL, ranks=2, overlap=True, bucket_bytes=0, timeout=1, **options)
     finally:
         released.set()  # its thread ends: the closed world refuses the allreduce
 
@@ -249,10 +251,11 @@ def test_mpiexec_overlap_with_batchnorm_is_bitwise_the_step_without_it(tmp_path,
 
 
 @requires_mpi
-def test_mpiexec_a_failure_on_the_communication_thread_ends_the_job(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--batchnorm", "sync"]])  # sync: the two threads in MPI
+def test_mpiexec_a_failure_on_the_communication_thread_ends_the_job(tmp_path, extra):
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
-    done = run_mpiexec(2, [str(script), *ARGS], timeout=120)
+    done = run_mpiexec(2, [str(script), *ARGS, *extra], timeout=120)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("syncsgd: error")]
     assert lines == ["syncsgd: error: rank 1: the network went away"], done.stderr
@@ -365,10 +368,11 @@ STUCK = textwrap.dedent("""
 
 
 @requires_mpi
-def test_mpiexec_the_timeout_covers_the_communication_thread(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--batchnorm", "sync"]])
+def test_mpiexec_the_timeout_covers_the_communication_thread(tmp_path, extra):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
-    done = run_mpiexec(2, [str(script), *ARGS, "--timeout", "2"], timeout=120)
+    done = run_mpiexec(2, [str(script), *ARGS, *extra, "--timeout", "2"], timeout=120)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if "no progress" in line]
     assert lines and lines[0].startswith(
