@@ -286,9 +286,10 @@ class Overlap:
         self.phases = phases_for(stepper.local_gradient, stepper.variant, lambda: self.shard,
                                  comm.Get_size())  # fmt: skip
         self.thread = CommThread(comm.Get_rank(), doing)
+        self.unrelayed: Callable[..., Any] | None = None  # BatchNorm's own allreduce, while relayed
         if isinstance(self.phases, BatchNormPhases) and not waits_in_two_threads(comm):
             local = stepper.local_gradient  # thread ranks: BatchNorm's sums join the queue
-            local.allreduce_ = self.relayed(local.allreduce_)
+            self.unrelayed, local.allreduce_ = local.allreduce_, self.relayed(local.allreduce_)
 
     def exchange_(self, X: np.ndarray, y: np.ndarray, shard_size: int, batch_size: int) -> float:
         """Fill the buffer and allreduce it, bucket by bucket; when the local work ended."""
@@ -354,6 +355,8 @@ class Overlap:
 
     def close(self) -> None:
         """End the communication thread and free the duplicate (if the thread is idle)."""
+        if self.unrelayed is not None:  # BatchNorm's sums on the training thread again
+            self.stepper.local_gradient.allreduce_, self.unrelayed = self.unrelayed, None
         if self.thread.close() and self.thread.error is None and hasattr(self.dup, "Free"):
             with watching("freeing the overlap's communicator"):
                 self.dup.Free()
