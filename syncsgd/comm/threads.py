@@ -366,19 +366,20 @@ class _World:
 
     # -- Sendrecv of a small message from one source: the collectives' hot path ----------------
     def exchange(self, rank: int, out: memoryview, dest: int, tag: int, into: memoryview,
-                 source: int, recvtag: int, status: Status | None) -> None:  # fmt: skip
+                 source: int, recvtag: int, status: Status | None,
+                 context: int = _P2P) -> None:  # fmt: skip
         """Receive from `source` and send `out` (eagerly) under one lock; sleep at most once."""
         error = recv = None
         sleep = False
         with self.lock:
             if self.failure is not None:
                 self._raise_if_failed(rank)
-            send = self._arrived(rank, source, recvtag)
+            send = self._arrived(rank, source, recvtag, context)
             if send is None:
-                recv = self._queue_recv(rank, into, source, recvtag)
+                recv = self._queue_recv(rank, into, source, recvtag, context)
             else:
                 error = self._take_in(send, rank, into, status)
-            self._send_eagerly(rank, out, dest, tag)
+            self._send_eagerly(rank, out, dest, tag, context)
             if recv is not None and not recv.done:  # a send to ourselves may have completed it
                 self._sleep_on(rank, (recv,))
                 sleep = True
@@ -392,12 +393,12 @@ class _World:
         elif error is not None:
             raise error
 
-    def _arrived(self, rank: int, source: int, tag: int) -> Request | None:
+    def _arrived(self, rank: int, source: int, tag: int, context: int) -> Request | None:
         """Take the earliest unmatched send from `source` to `rank` that `tag` accepts, if any."""
         sends = self.sends[rank]
         if not sends:
             return None
-        key = (source, _P2P)
+        key = (source, context)
         queue = sends.get(key)
         if queue is None:
             return None
@@ -429,26 +430,28 @@ class _World:
             return _truncation(rank, send.rank, send.tag, len(send.data), len(into))
         return None
 
-    def _queue_recv(self, rank: int, into: memoryview, source: int, tag: int) -> Request:
+    def _queue_recv(self, rank: int, into: memoryview, source: int, tag: int,
+                    context: int) -> Request:  # fmt: skip
         """Post a receive nothing matches yet."""
-        recv = Request(self, rank, "recv", source, tag, _P2P, into)
+        recv = Request(self, rank, "recv", source, tag, context, into)
         self.seq += 1
         recv.seq = self.seq
-        self.recvs[rank].setdefault((source, _P2P), deque()).append(recv)
+        self.recvs[rank].setdefault((source, context), deque()).append(recv)
         return recv
 
-    def _send_eagerly(self, rank: int, out: memoryview, dest: int, tag: int) -> None:
+    def _send_eagerly(self, rank: int, out: memoryview, dest: int, tag: int,
+                      context: int) -> None:  # fmt: skip
         """Copy `out` into the earliest receive posted for it, or queue a copy of it."""
         recvs = self.recvs[dest]
         if recvs:  # (usually not: the receiver is behind, or has taken a message already there)
-            found = _earliest(recvs, ((rank, _P2P), (ANY_SOURCE, _P2P)), tag)
+            found = _earliest(recvs, ((rank, context), (ANY_SOURCE, context)), tag)
             if found is not None:
-                recv = _take(recvs, (found[0].peer, _P2P), found)
+                recv = _take(recvs, (found[0].peer, context), found)
                 self._deliver(recv, rank, tag, len(out), _move(out, recv.data))
                 return
         self.seq += 1  # the caller's buffer is free again: its bytes are ours
         message = _Message(rank, tag, self.seq, out.tobytes())
-        sends, key = self.sends[dest], (rank, _P2P)
+        sends, key = self.sends[dest], (rank, context)
         queue = sends.get(key)
         if queue is None:
             sends[key] = deque((message,))
@@ -601,6 +604,7 @@ class ThreadComm:
     def __init__(self, world: _World, rank: int) -> None:
         self._world = world
         self._rank = rank
+        self._p2p = _P2P  # the context of this communicator's point-to-point messages
         self._collectives = 0  # hand-written collectives entered (`claim`): names a call
         self._buf: Any = None  # the caller's array of the last claim, its memory's owner, and
         self._owner: Any = None  # the world's epoch when this rank last found no sharing
@@ -746,12 +750,12 @@ class ThreadComm:
     def exchange(self, sendbuf: memoryview, dest: int, sendtag: int, recvbuf: memoryview,
                  source: int, recvtag: int, status: Status | None) -> None:  # fmt: skip
         """`Sendrecv` of flat byte views to and from valid ranks, unchecked: the executor's."""
-        world, rank = self._world, self._rank
+        world, rank, context = self._world, self._rank, self._p2p
         if len(sendbuf) <= EAGER_BYTES and source != ANY_SOURCE:
-            world.exchange(rank, sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+            world.exchange(rank, sendbuf, dest, sendtag, recvbuf, source, recvtag, status, context)
             return
-        recv = Request(world, rank, "recv", source, recvtag, _P2P, recvbuf)
-        send = Request(world, rank, "send", dest, sendtag, _P2P, sendbuf)
+        recv = Request(world, rank, "recv", source, recvtag, context, recvbuf)
+        send = Request(world, rank, "send", dest, sendtag, context, sendbuf)
         send.eager = True  # (if short enough: a receive from any source)
         world.wait(rank, (recv, send), world.post((recv, send)))
         recv.finish(status)
@@ -806,23 +810,10 @@ class _Duplicate(ThreadComm):
     def __init__(self, world: _World, rank: int, shift: int) -> None:
         super().__init__(world, rank)
         self._shift = shift
+        self._p2p = _P2P + shift  # Sendrecv and exchange: eager, in this communicator's context
 
     def _request(self, kind: str, buf: Any, peer: int, tag: int, context: int) -> Request:
         return super()._request(kind, buf, peer, tag, context + self._shift)
-
-    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
-                 source: int = ANY_SOURCE, recvtag: int = ANY_TAG,
-                 status: Status | None = None) -> None:  # fmt: skip
-        # Through `_request`, in this communicator's contexts (not the world's shortcut).
-        recv = self._request("recv", recvbuf, source, recvtag, _P2P)
-        send = self._request("send", sendbuf, dest, sendtag, _P2P)
-        world = self._world
-        world.wait(self._rank, (recv, send), world.post((recv, send)))
-        recv.finish(status)
-
-    def exchange(self, sendbuf: memoryview, dest: int, sendtag: int, recvbuf: memoryview,
-                 source: int, recvtag: int, status: Status | None) -> None:  # fmt: skip
-        self.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)  # not the world's
 
 
 def _op_name(op: Any) -> str:
