@@ -423,3 +423,20 @@ def test_claims_find_sharing_whichever_rank_claims_first():
     by_rank = run_threads(2, rank)
     # Whoever claims second sees the first one's array in the same call.
     assert all(by_rank[1 - first][call] for call, first in enumerate(order))
+
+
+def test_a_duplicates_small_sendrecv_is_eager_in_its_own_context():
+    def eager(comm):
+        dup = comm.Dup()
+        if comm.rank == 0:
+            got = np.zeros(1)
+            dup.Sendrecv(np.array([1.0]), 1, 0, got, 1, 0)  # rank 1 receives it only later
+            comm.Send(np.zeros(1), 1, tag=0)  # the original's tag 0: never the duplicate's
+            return got[0]
+        dup.Send(np.array([5.0]), 0, tag=0)
+        comm.Recv(np.zeros(1), 0, tag=0)
+        first = np.zeros(1)
+        dup.Recv(first, 0, tag=0)
+        return first[0]
+
+    assert run_threads(2, eager) == [5.0, 1.0]
