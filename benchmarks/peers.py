@@ -16,7 +16,8 @@ ones, split over P ranks, each rank on its own core:
 Every contender gathers its shard from the sample array each step, and each runs in its own
 process, pinned to the first P cores, kept alive across rounds. A round asks every contender in
 turn for `--steps` steps (interleaved, so a noisy neighbour slows all alike); the median over
-rounds of the ms per step is quoted, with the ratios syncsgd / peer.
+rounds of the ms per step is quoted, and the median over rounds of each round's ratio syncsgd /
+peer (steadier on a busy machine than the ratio of the medians).
 
 JAX on CPU with several devices was seen to hang in a collective rendezvous on the development
 machine when steps were dispatched ahead without waiting for them: here every step is awaited
@@ -319,6 +320,16 @@ def measure_all(options: argparse.Namespace, keys: list[tuple[str, int, str]]) -
     return samples
 
 
+def round_ratio(samples: dict, ranks: int, dtype: str, peer: str) -> float:
+    """The median over rounds of syncsgd's time / the peer's, each pair measured side by side."""
+    # Per round, not medians divided: a neighbour's burst slows both of a round's neighbours
+    # alike, while the medians of two contenders may come from different rounds.
+    ours, theirs = samples.get(("syncsgd", ranks, dtype)), samples.get((peer, ranks, dtype))
+    if not ours or not theirs:
+        return float("nan")
+    return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+
+
 def report(options: argparse.Namespace, samples: dict) -> list[dict]:
     """Print ms per step and the ratios; return one row per (P, dtype)."""
     median = {key: statistics.median(values) for key, values in samples.items()}
@@ -327,14 +338,14 @@ def report(options: argparse.Namespace, samples: dict) -> list[dict]:
             median[key] = min(samples[key])
     rows = []
     print(f"{'P':>2} {'dtype':>8} {'syncsgd':>8} {'ddp':>8} {'jax':>8} {'/ddp':>6} {'/jax':>6} "
-          f"{'floor':>7} {'share':>6}   ms/step, medians of {options.rounds} rounds")  # fmt: skip
+          f"{'floor':>7} {'share':>6}   medians of {options.rounds} rounds")  # fmt: skip
     for dtype in options.dtypes:
         for ranks in options.ranks:
             ms = {kind: median.get((kind, ranks, dtype), float("nan")) * 1e3
                   for kind in ("syncsgd", "ddp", "jax", "gemm")}  # fmt: skip
             row = {"ranks": ranks, "dtype": dtype, **{f"{k}_ms": v for k, v in ms.items()}}
-            row["ratio_ddp"] = ms["syncsgd"] / ms["ddp"]
-            row["ratio_jax"] = ms["syncsgd"] / ms["jax"]
+            row["ratio_ddp"] = round_ratio(samples, ranks, dtype, "ddp")
+            row["ratio_jax"] = round_ratio(samples, ranks, dtype, "jax")
             row["floor_share"] = ms["gemm"] / ms["syncsgd"]
             rows.append(row)
             print(f"{ranks:>2} {dtype:>8} {ms['syncsgd']:>8.3f} {ms['ddp']:>8.3f} "
