@@ -1,8 +1,8 @@
 """`syncsgd cluster`: MPI across emulated nodes gives the single-host bits, leaves nothing behind.
 
 The emulated cluster needs root, `ip netns` and `tc`; elsewhere these tests are skipped. Every
-test that drives mpiexec is marked `mpi` (CI runs them under MPICH and again under Open MPI); the
-longer runs across nodes are marked `cluster` too.
+test that drives mpiexec is marked `mpi`; the longer runs across nodes are marked `cluster` too.
+CI runs them all under MPICH, and under Open MPI all but the `cluster` ones, of which one.
 """
 
 from __future__ import annotations
