@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -208,6 +209,11 @@ def _checked(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:
     if not np.all(np.isfinite(value)):
         raise ValueError(f"parameter {name!r} contains NaN or infinity")
     return value
+
+
+def layer_of(name: str) -> int:
+    """The dense layer a parameter array belongs to: W3, b3, gamma3, beta3 -> 3."""
+    return int(name.lstrip(string.ascii_letters))
 
 
 def shape_size(shape: tuple[int, ...]) -> int:

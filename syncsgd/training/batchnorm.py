@@ -250,7 +250,7 @@ class BatchNormLocalGradient:
 
 def start_running(comm: Any, run: Run, stepper: Any) -> np.ndarray | None:
     """The running statistics the run starts from, rank 0's on every rank; None without BN."""
-    running = getattr(stepper.local_gradient, "running", None)
+    running = running_of(stepper)
     if running is None:
         return None
     if comm.Get_rank() == 0:

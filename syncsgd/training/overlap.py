@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import queue
-import string
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from syncsgd.comm.watchdog import Doing, records, watching
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import MLP, layer_of
 from syncsgd.training.run import agree
 from syncsgd.training.variants import Variant
 
@@ -121,8 +120,7 @@ def settle(requests: list[Any], status: Any = None) -> None:
 
 def duplicate(comm: Any) -> Any:
     """A communicator of the same ranks whose messages never match `comm`'s; MPI's yields."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and isinstance(comm, mpi.Comm) and WAITS != "spin":
+    if mpi_of(comm) is not None and WAITS != "spin":
         return Yielding(comm.Dup())
     return comm.Dup()
 
@@ -134,8 +132,8 @@ WAITS = "sleep"
 
 def thread_level_problem(comm: Any) -> str | None:
     """Why this communicator cannot be used from a second thread, or None."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not isinstance(comm, mpi.Comm):
+    mpi = mpi_of(comm)
+    if mpi is None:
         return None  # thread ranks: every call is thread-safe
     if mpi.Query_thread() >= mpi.THREAD_MULTIPLE:
         return None
@@ -148,16 +146,20 @@ def ready_layers(model: MLP, buckets: list[slice]) -> list[int]:
     # Buckets hold whole tensors in layer order; a layer's W, b (and BatchNorm's gamma, beta)
     # are complete after its step of the backward pass, so a bucket is complete once the
     # backward pass has done the layer of its first tensor.
-    layer_at = {offset: int(name.lstrip(string.ascii_letters)) for name, _, offset in
-                model.layout()}  # fmt: skip
+    layer_at = {offset: layer_of(name) for name, _, offset in model.layout()}
     return [layer_at[bucket.start] for bucket in buckets]
 
 
 def waits_in_two_threads(comm: Any) -> bool:
     """Whether two threads of a rank may wait in `comm` at once: MPI's (THREAD_MULTIPLE is
     checked); the thread ranks' world keeps one wait per rank."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    return mpi is not None and isinstance(comm, mpi.Comm)
+    return mpi_of(comm) is not None
+
+
+def mpi_of(comm: Any) -> Any:
+    """mpi4py's MPI module if `comm` is one of its communicators; None for thread ranks."""
+    mpi = sys.modules.get("mpi4py.MPI")  # loaded by then if comm is MPI's
+    return mpi if mpi is not None and isinstance(comm, mpi.Comm) else None
 
 
 def changes_contribution(variant: Variant) -> bool:

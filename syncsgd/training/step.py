@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ import numpy as np
 from syncsgd.collectives import allreduce as collective_allreduce
 from syncsgd.comm.watchdog import current, watching
 from syncsgd.comm.world import constants
-from syncsgd.nn.mlp import MLP, shape_size
+from syncsgd.nn.mlp import MLP, layer_of, shape_size
 from syncsgd.nn.optim import SGD, learning_rate
 from syncsgd.training import data
 from syncsgd.training.run import Run
@@ -316,7 +315,7 @@ def bucket_slices(model: MLP, buffer: np.ndarray, bucket_bytes: int | None) -> l
     if bucket_bytes is None:
         return [slice(0, total)]
     entries = model.layout()
-    layers = [int(name.lstrip(string.ascii_letters)) for name, _, _ in entries]  # gamma3 -> 3
+    layers = [layer_of(name) for name, _, _ in entries]
     ends, start = [], 0
     for index, (_, shape, offset) in enumerate(entries):
         filled = offset + shape_size(shape)
