@@ -38,6 +38,21 @@ def strays(directory) -> list[str]:
     return [name for name in os.listdir(directory) if name.startswith(".tmp")]
 
 
+def nameless_files(directory) -> bool:
+    """Whether a file can be written here nameless, then named (else a kill may leave a stray)."""
+    if not hasattr(os, "O_TMPFILE"):
+        return False
+    fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    try:
+        files._link(fd, os.path.join(directory, "probe"))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    os.unlink(os.path.join(directory, "probe"))
+    return True
+
+
 def test_a_save_path_without_npz_suffix_holds_the_parameters(tmp_path):
     result = train(TINY_CONFIG, save=str(tmp_path / "params"))
     with np.load(tmp_path / "params") as archive:
@@ -55,6 +70,8 @@ def test_a_save_path_naming_no_file_is_refused_and_leaves_nothing(tmp_path, caps
 
 
 def test_a_killed_run_leaves_no_temporary_log_or_parameters(tmp_path):
+    if not nameless_files(tmp_path):
+        pytest.skip("this kernel or user cannot name a nameless file: a kill may leave a .tmp file")
     ckpt = tmp_path / "ckpt"
     args = ["train", "--samples", "400", "--features", "4", "--hidden", "4", "--batch-size", "20",
             "--steps", "1000000", "--quiet", "--checkpoint", str(ckpt), "--checkpoint-every", "5",
@@ -70,6 +87,29 @@ def test_a_killed_run_leaves_no_temporary_log_or_parameters(tmp_path):
     assert (ckpt / "ckpt-00000010.npz").exists()
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert strays(ckpt) == []
+
+
+def test_writing_a_new_file_never_gives_any_other_name_in_its_directory(tmp_path, monkeypatch):
+    if not nameless_files(tmp_path):
+        pytest.skip("this kernel or user cannot name a nameless file")
+    seen: list[list[str]] = []
+
+    def watched(call):
+        def spy(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            finally:
+                seen.append(sorted(os.listdir(tmp_path)))
+
+        return spy
+
+    for name in ("open", "link", "replace", "close"):
+        monkeypatch.setattr(os, name, watched(getattr(os, name)))
+    with files.atomic_file(tmp_path / "new.npz") as handle:
+        handle.write(b"bytes")
+    monkeypatch.undo()
+    assert seen and all(names in ([], ["new.npz"]) for names in seen), seen
+    assert (tmp_path / "new.npz").read_bytes() == b"bytes"
 
 
 @pytest.mark.parametrize(
@@ -107,11 +147,11 @@ def test_devices_and_fifos_are_refused_and_symlinks_written_through(tmp_path, ca
 
 
 def test_an_unwritable_output_is_found_before_training(tmp_path, capsys, monkeypatch):
-    def refuse(directory, suffix):
+    def refuse(directory):
         raise PermissionError(13, "Permission denied")
 
     # Root may write into a mode 0555 directory: the check's own file creation is made to fail.
-    monkeypatch.setattr(files, "_temporary", refuse)
+    monkeypatch.setattr(files, "_probe", refuse)
     monkeypatch.setattr("syncsgd.training.run.prepare", lambda *a, **k: pytest.fail("trained"))
     fails_with(capsys, ["train", *TINY, "--save", str(tmp_path / "p.npz")], "Permission denied")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import secrets
 import stat
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 _MODE = 0o666  # the umask takes its bits away, as for any file a program creates with open()
+_AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000  # linkat(2)'s flags, for the nameless files below
 
 
 def target_of(path: str | os.PathLike[str]) -> str:
@@ -38,8 +41,7 @@ def check_writable(path: str | os.PathLike[str]) -> None:
     if mode is not None and not stat.S_ISREG(mode):  # a device or a FIFO is never replaced
         raise ValueError(f"cannot write {shown}: not a regular file (a device, FIFO or socket)")
     try:  # the real test: root passes os.access on read-only directories, not on read-only mounts
-        with _temporary(directory, ""):
-            pass
+        _probe(directory)
     except OSError as exc:
         raise ValueError(f"cannot write {shown}: {exc.strerror} ({directory})") from None
 
@@ -70,6 +72,17 @@ def check_regular_file(path: str, what: str = "file") -> None:
     if not stat.S_ISREG(mode):
         kind = "a directory" if stat.S_ISDIR(mode) else "a device, FIFO or socket"
         raise ValueError(f"{what} {path} is not a regular file ({kind})")
+
+
+def _probe(directory: str) -> None:
+    """Create a file in `directory` and drop it; nameless with O_TMPFILE, so a kill leaves none."""
+    try:
+        os.close(os.open(directory, os.O_TMPFILE | os.O_RDWR, _MODE))
+        return
+    except (OSError, AttributeError):  # no O_TMPFILE here: a named file tells the same
+        pass
+    with _temporary(directory, ""):
+        pass
 
 
 @contextlib.contextmanager
@@ -130,16 +143,55 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb", **kwargs: Any) -
 
 def _name(fd: int, directory: str, target: str) -> None:
     """Give the nameless file `fd` the name `target`: link it, or copy it where links fail."""
-    with _temporary(directory, "") as tmp:
+    try:  # a new name: one link, and no moment at which a kill leaves a stray file
+        _link(fd, target)
+        return
+    except FileExistsError:
+        pass
+    except OSError:  # e.g. EXDEV on overlay file systems: copy the bytes instead
+        _copy(fd, directory, target)
+        return
+    while True:  # replacing a file: link under a free hidden name, then rename over it
+        tmp = os.path.join(directory, f".tmp-{secrets.token_hex(6)}")
         try:
-            os.unlink(tmp)  # reserve a free name, then give the nameless file that name
-            os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)
-        except OSError:  # e.g. EXDEV on overlay file systems: copy the bytes instead
-            with open(tmp, "wb") as out:
-                offset = 0
-                while chunk := os.pread(fd, 1 << 20, offset):
-                    out.write(chunk)
-                    offset += len(chunk)
+            _link(fd, tmp)
+            break
+        except FileExistsError:
+            continue
+        except OSError:
+            _copy(fd, directory, target)
+            return
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _link(fd: int, path: str) -> None:
+    """Give the nameless file `fd` the new name `path` (FileExistsError if that name is taken)."""
+    try:
+        os.link(f"/proc/self/fd/{fd}", path, follow_symlinks=True)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    # Some kernels refuse the /proc link (EXDEV) yet let root link the descriptor itself.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.linkat(fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+
+
+def _copy(fd: int, directory: str, target: str) -> None:
+    """Write the bytes of `fd` to a hidden file next to `target`, then rename it onto `target`."""
+    with _temporary(directory, "") as tmp:
+        with open(tmp, "wb") as out:
+            offset = 0
+            while chunk := os.pread(fd, 1 << 20, offset):
+                out.write(chunk)
+                offset += len(chunk)
         os.replace(tmp, target)
 
 
