@@ -277,14 +277,21 @@ def backward_(params, layers, activation, X, activations, delta_a, delta_b, grad
 @njit(nogil=True, cache=True)
 def backward_layers_(params, layers, activation, X, activations, delta_a, delta_b, grad_out, top,
                      bottom):  # fmt: skip
-    """Layers top down to bottom of the backward pass: their gradient sums, the delta below."""
+    """Layers top down to bottom of the backward pass: each one's delta, then its gradient sums."""
     # Called for every layer at once (backward_) or a few at a time (--overlap): the same sums.
+    # A call ends with its bottom layer's sums, not the delta below it, so that --overlap can
+    # send them while the next call propagates that delta.
     m = X.shape[0]
     n_layers = layers.shape[0]
     for layer in range(top, bottom - 1, -1):
         # The deltas ping-pong: the last layer's lies in delta_a, the one below it in delta_b, ...
         in_a = (n_layers - 1 - layer) % 2 == 0
         delta = matrix(delta_a if in_a else delta_b, 0, m, layers[layer, FAN_OUT])
+        if layer < n_layers - 1:  # from the layer above (the loss gave the last layer's delta)
+            above = matrix(delta_b if in_a else delta_a, 0, m, layers[layer + 1, FAN_OUT])
+            W_above, _ = layer_params(params, layers, layer + 1)
+            np.dot(above, W_above.T, delta)
+            times_slope_(delta, layer_input(X, activations, layers, layer + 1, m), activation)
         inputs = layer_input(X, activations, layers, layer, m)
         grad_W, grad_b = layer_params(grad_out, layers, layer)
         # Sums over the m samples: inside BLAS for W, in sample order for b.
@@ -293,12 +300,6 @@ def backward_layers_(params, layers, activation, X, activations, delta_a, delta_
         for i in range(m):
             for j in range(grad_b.shape[0]):
                 grad_b[j] += delta[i, j]
-        if layer == 0:
-            break
-        W, _ = layer_params(params, layers, layer)
-        previous = matrix(delta_b if in_a else delta_a, 0, m, layers[layer, FAN_IN])
-        np.dot(delta, W.T, previous)
-        times_slope_(previous, inputs, activation)
 
 
 @njit(nogil=True, cache=True)
