@@ -1,4 +1,4 @@
-"""--overlap under MPI: the step without it, and with it waiting by sleeps, by yields or spinning.
+"""--overlap under MPI: the step without it, and with it waiting by yields (default), sleeps, spins.
 
     syncsgd cluster --nodes 2 --link 1gbit -- python benchmarks/overlap.py
     mpiexec -n 2 python benchmarks/overlap.py --hidden 2048,1024 --per-rank-batch 32
@@ -25,8 +25,8 @@ from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import train_rank
 from syncsgd.training.run import prepare
 
-VARIANTS = ("plain", "overlap", "overlap-yield", "overlap-spin")
-WAITS = {"overlap": "sleep", "overlap-yield": "yield", "overlap-spin": "spin", "plain": "sleep"}
+VARIANTS = ("plain", "overlap", "overlap-sleep", "overlap-spin")
+WAITS = {"overlap": "yield", "overlap-sleep": "sleep", "overlap-spin": "spin", "plain": "yield"}
 
 
 def arguments(argv: list[str]) -> argparse.Namespace:

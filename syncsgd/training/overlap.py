@@ -25,9 +25,9 @@ from syncsgd.training.run import agree
 from syncsgd.training.variants import Variant
 
 JOIN_SECONDS = 5.0  # how long closing waits for an idle communication thread to end
-# An MPI wait on the communication thread polls with sleeps growing from the first pause to the
-# longest: a blocking MPI call spins, and would take a core from the backward pass. Longer pauses
-# starve a transfer of progress (1 ms cost 40% on 1 Gbit/s links: docs/overlap.md).
+# With WAITS = "sleep", an MPI wait on the communication thread polls with sleeps growing from
+# the first pause to the longest. Longer pauses starve a transfer of progress (1 ms cost 40% on
+# 1 Gbit/s links: docs/overlap.md).
 FIRST_PAUSE, LONGEST_PAUSE = 20e-6, 1e-4
 
 
@@ -80,8 +80,8 @@ class CommThread:
 
 
 class Yielding:
-    """An MPI communicator whose point-to-point calls wait by polling with short sleeps, not
-    spinning (measured in docs/overlap.md); everything else is the communicator's own."""
+    """An MPI communicator whose point-to-point calls wait by polling, yielding the core between
+    tests rather than spinning (measured in docs/overlap.md); the rest is the communicator's own."""
 
     # Not Allreduce: MPI's Iallreduce may sum in another order than its Allreduce, and the
     # library's allreduce (--algorithm mpi, auto) must give the bits it gives without --overlap.
@@ -105,7 +105,8 @@ class Yielding:
 
 
 def settle(requests: list[Any], status: Any = None) -> None:
-    """Wait for MPI requests by testing them, sleeping between tests; the first one's status."""
+    """Wait for MPI requests by testing them, yielding or sleeping between tests; the first
+    one's status."""
     mpi = sys.modules["mpi4py.MPI"]
     statuses = [status if status is not None else mpi.Status()] + [mpi.Status()
                                                                    for _ in requests[1:]]
@@ -125,9 +126,10 @@ def duplicate(comm: Any) -> Any:
     return comm.Dup()
 
 
-# How the MPI duplicate waits: "sleep" (polling with sleeps), "yield" (polling with
-# sched_yield), "spin" (MPI's own blocking calls); benchmarks/overlap.py measures all three.
-WAITS = "sleep"
+# How the MPI duplicate waits: "yield" (polling with sched_yield: the core goes to the backward
+# pass whenever it wants it), "sleep" (polling with sleeps), "spin" (MPI's own blocking calls,
+# which spin); benchmarks/overlap.py measures all three.
+WAITS = "yield"
 
 
 def thread_level_problem(comm: Any) -> str | None:
@@ -303,25 +305,34 @@ class Overlap:
         for rider in self.early:  # the stop flag: it needs no gradient
             rider.fill_(rider.slots, stepper.grad_sum, shard_size)
         top = self.n_layers - 1
-        for index in range(len(self.bottoms) - 1, -1, -1):  # from the last layer back, as DDP
-            bottom = self.bottoms[index]
-            if bottom <= top:
-                phases.layers_(params, X, sums, top, bottom)
-                top = bottom - 1
+        for index in range(len(self.bottoms) - 1, 0, -1):  # from the last layer back, as DDP
+            top = self.layers_to_(index, top, X)
             if index != self.held:
                 self.hand_(index)
+        self.layers_to_(0, top, X)
         if self.held is not None:  # every other bucket is on its way: the riders' turn
+            if self.held != 0:
+                self.hand_(0)
             self.keep_(self.held)
             for rider in self.late:
                 rider.fill_(rider.slots, self.local, shard_size)
         computed = time.perf_counter()
-        if self.held is not None:
-            self.hand_(self.held)
+        # Nothing is left to overlap the last bucket with: it is summed on this thread, after
+        # the others (in the same order on every rank), which spares a hand-over and a wake-up.
         self.thread.wait_all()
+        self.reduce_bucket_(0 if self.held is None else self.held)
         # MPI with --batchnorm sync: the two threads' collectives, overlapping, may have left the
         # shared record naming one as under way; none is now.
         self.stepper.doing.what, self.stepper.doing.peer = None, None
         return computed
+
+    def layers_to_(self, index: int, top: int, X: np.ndarray) -> int:
+        """The backward pass down to bucket `index`'s layer; the next layer to do."""
+        bottom = self.bottoms[index]
+        if bottom <= top:
+            self.phases.layers_(self.stepper.params, X, self.stepper.comm_buffer, top, bottom)
+            return bottom - 1
+        return top
 
     def relayed(self, allreduce_: Callable[[np.ndarray, Any], Any]) -> Callable[..., None]:
         """`allreduce_` on the communication thread and its duplicate, after the buckets handed
