@@ -338,6 +338,14 @@ def mse_loss_(params, layers, activation, X, targets, activations, delta_a):
     return mse_loss_delta_(outputs, targets, delta)
 
 
+@njit(nogil=True, cache=True)
+def gather_rows_(X, rows, out):
+    """out[i] = X[rows[i]]: a shard's samples, copied without holding the GIL."""
+    # np.take holds the GIL while it copies: the other thread ranks' Python waited on it.
+    for i in range(rows.shape[0]):
+        out[i, :] = X[rows[i], :]
+
+
 @njit(nogil=True, cache=True, fastmath={"reassoc"})  # reassoc only: lets the check vectorise
 def divide_finite_(total, divisor, out):
     """out = total / divisor, element by element; True if all of out is finite."""

@@ -197,10 +197,11 @@ class DataParallelStep:
         self.want_grad_norm = False  # a log that records the norm sets this
         self.doing = current()  # this rank's record: a collective timeout names the step
         self.optim = run.optim
-        from syncsgd.nn.kernels import divide_finite_  # imports Numba: only when training
+        from syncsgd.nn.kernels import divide_finite_, gather_rows_  # Numba: only when training
         from syncsgd.nn.precision import ALLREDUCE_CODES, round_flat_
 
         self.divide_finite_, self.round_flat_ = divide_finite_, round_flat_
+        self.gather_rows_ = gather_rows_
         # 0: the sums travel as they are; else the format they are cast to and restored from.
         self.wire_format = ALLREDUCE_CODES.get(config.allreduce_dtype or "", 0)
         self.overlap = None  # --overlap on one rank: nothing to hide, the plain step
@@ -264,7 +265,7 @@ class DataParallelStep:
     def gather_(self, shard: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The shard's samples and targets, gathered into buffers allocated once."""
         m = len(shard)
-        np.take(self.X, shard, axis=0, out=self.X_shard[:m])
+        self.gather_rows_(self.X, shard, self.X_shard[:m])
         np.take(self.y, shard, axis=0, out=self.y_shard[:m])
         return self.X_shard[:m], self.y_shard[:m]
 
