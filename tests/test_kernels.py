@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd.nn.kernels import EVALUATE_CHUNK, Gradient, divide_finite_, evaluate
+from syncsgd.nn.kernels import EVALUATE_CHUNK, Gradient, divide_finite_, evaluate, gather_rows_
 from syncsgd.nn.mlp import MLP
 
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-4}
@@ -436,3 +436,14 @@ def test_only_the_first_rank_of_a_run_that_talks_arms_the_notice(monkeypatch, qu
                               steps=1))  # fmt: skip
     launch(train_rank, run, backend="threads", ranks=2, quiet=quiet)
     assert armed == ([] if quiet else [sys.stderr])
+
+
+@given(st.integers(0, 9), st.integers(0, 12), st.integers(1, 5),
+       st.sampled_from(["float32", "float64"]), st.randoms())  # fmt: skip
+def test_gather_rows_copies_what_np_take_copies(n_rows, n_picked, width, dtype, rng):
+    X = np.arange(max(n_rows, 1) * width, dtype=dtype).reshape(-1, width)
+    rows = np.array([rng.randrange(len(X)) for _ in range(n_picked)], dtype=np.int64)
+    out = np.full((n_picked + 2, width), -1, dtype)
+    gather_rows_(X, rows, out[:n_picked])
+    np.testing.assert_array_equal(out[:n_picked], np.take(X, rows, axis=0))
+    assert (out[n_picked:] == -1).all()  # nothing past the shard is written
