@@ -304,35 +304,29 @@ class Overlap:
         self.backward_started = time.perf_counter()  # the forward pass (exact: and the bounds)
         for rider in self.early:  # the stop flag: it needs no gradient
             rider.fill_(rider.slots, stepper.grad_sum, shard_size)
+        # The last bucket has nothing left to overlap with: this thread sums it after the others
+        # (in the same order on every rank), which spares a hand-over and a wake-up. With riders
+        # that read the gradient it is theirs, held back until they are filled.
+        last = 0 if self.held is None else self.held
         top = self.n_layers - 1
-        for index in range(len(self.bottoms) - 1, 0, -1):  # from the last layer back, as DDP
-            top = self.layers_to_(index, top, X)
-            if index != self.held:
+        for index in range(len(self.bottoms) - 1, -1, -1):  # from the last layer back, as DDP
+            bottom = self.bottoms[index]
+            if bottom <= top:
+                phases.layers_(params, X, sums, top, bottom)
+                top = bottom - 1
+            if index != last:
                 self.hand_(index)
-        self.layers_to_(0, top, X)
         if self.held is not None:  # every other bucket is on its way: the riders' turn
-            if self.held != 0:
-                self.hand_(0)
             self.keep_(self.held)
             for rider in self.late:
                 rider.fill_(rider.slots, self.local, shard_size)
         computed = time.perf_counter()
-        # Nothing is left to overlap the last bucket with: it is summed on this thread, after
-        # the others (in the same order on every rank), which spares a hand-over and a wake-up.
         self.thread.wait_all()
-        self.reduce_bucket_(0 if self.held is None else self.held)
+        self.reduce_bucket_(last)
         # MPI with --batchnorm sync: the two threads' collectives, overlapping, may have left the
         # shared record naming one as under way; none is now.
         self.stepper.doing.what, self.stepper.doing.peer = None, None
         return computed
-
-    def layers_to_(self, index: int, top: int, X: np.ndarray) -> int:
-        """The backward pass down to bucket `index`'s layer; the next layer to do."""
-        bottom = self.bottoms[index]
-        if bottom <= top:
-            self.phases.layers_(self.stepper.params, X, self.stepper.comm_buffer, top, bottom)
-            return bottom - 1
-        return top
 
     def relayed(self, allreduce_: Callable[[np.ndarray, Any], Any]) -> Callable[..., None]:
         """`allreduce_` on the communication thread and its duplicate, after the buckets handed
