@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncsgd.util.argtypes import positive_float
+from syncsgd.util.lines import print_line
 from syncsgd.util.options import (
     BACKEND,
     DEBUG,
@@ -379,7 +380,7 @@ def report(exc: BaseException, debug: bool) -> None:
         rank = getattr(exc, "__notes__", None)
         where = f" {rank[-1]}" if rank and os.environ.get("SYNCSGD_VERBOSE_ERRORS") else ""
         alone = f"rank {launcher_rank()}: " if not uniform and job_size() > 1 else ""
-        print(f"syncsgd: error: {alone}{one_line(exc)}{where}", file=sys.stderr)
+        print_line(f"syncsgd: error: {alone}{one_line(exc)}{where}")
     if not uniform:
         _abort_mpi_job()
 

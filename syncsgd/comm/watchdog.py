@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from syncsgd.util.lines import print_line
+
 # After its line, a rank waits this long before it ends the job: the other ranks stuck by the
 # same hang (they time out within a sampling interval of each other) print theirs too.
 ABORT_GRACE = 2.0
@@ -162,7 +164,7 @@ class Watchdog:
 
     def abort(self, doing: Doing) -> None:
         """Print this rank's line, give the others time to print theirs, end the job."""
-        print(timeout_line(self.comm.Get_rank(), self.seconds, doing), file=sys.stderr, flush=True)
+        print_line(timeout_line(self.comm.Get_rank(), self.seconds, doing))
         if self.stopped.wait(ABORT_GRACE):  # the collective finished after all
             return
         self.comm.Abort(1)

@@ -1,1 +1,1 @@
-"""Small shared helpers: atomic output files, argparse value types, argument checks."""
+"""Small shared helpers: atomic output files, argparse types, argument checks, stderr lines."""
