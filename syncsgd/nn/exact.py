@@ -310,30 +310,35 @@ def extraction_exponents(bounds: np.ndarray, global_batch: int) -> np.ndarray:
     """E_s per slot: the least integer with 2^E_s >= 2 * B * v_s, clamped to [-1022, 1022]."""
     # ValueError for a non-finite peak (a NaN or infinity in the pass) or a bound beyond float64.
     if not np.all(np.isfinite(bounds)):
-        raise ValueError(
-            "non-finite gradient in exact mode: a NaN or infinity appeared in the inputs, "
-            "activations, deltas or losses (diverging training? lower --lr)"
-        )
+        raise ValueError(NON_FINITE)
     exponents = np.empty(len(bounds), dtype=np.int64)
     for slot, value in enumerate(slot_bounds(bounds)):
-        if not math.isfinite(value):
-            raise ValueError(
-                f"gradient too large for exact mode: a term bound of {value} overflows float64"
-            )
-        if value == 0.0:
-            exponents[slot] = MIN_EXPONENT
-            continue
-        numerator, denominator = float(value).as_integer_ratio()  # denominator = 2^d, exact
-        target = 2 * global_batch * numerator
-        # 2^(E + d) >= target  <=>  E + d >= bit_length(target - 1)
-        exponent = (target - 1).bit_length() - (denominator.bit_length() - 1)
-        if exponent > MAX_EXPONENT:
-            raise ValueError(
-                f"gradient too large for exact mode: term bound {value:.3g} times 2 x batch "
-                f"{global_batch} exceeds the float64 range"
-            )
-        exponents[slot] = max(exponent, MIN_EXPONENT)
+        exponents[slot] = slot_exponent(value, global_batch)
     return exponents
+
+
+NON_FINITE = ("non-finite gradient in exact mode: a NaN or infinity appeared in the inputs, "
+              "activations, deltas or losses (diverging training? lower --lr)")  # fmt: skip
+
+
+def slot_exponent(value: float, global_batch: int) -> int:
+    """The least integer E with 2^E >= 2 * B * value, clamped to [-1022, 1022]."""
+    if not math.isfinite(value):
+        raise ValueError(
+            f"gradient too large for exact mode: a term bound of {value} overflows float64"
+        )
+    if value == 0.0:
+        return MIN_EXPONENT
+    numerator, denominator = float(value).as_integer_ratio()  # denominator = 2^d, exact
+    target = 2 * global_batch * numerator
+    # 2^(E + d) >= target  <=>  E + d >= bit_length(target - 1)
+    exponent = (target - 1).bit_length() - (denominator.bit_length() - 1)
+    if exponent > MAX_EXPONENT:
+        raise ValueError(
+            f"gradient too large for exact mode: term bound {value:.3g} times 2 x batch "
+            f"{global_batch} exceeds the float64 range"
+        )
+    return max(exponent, MIN_EXPONENT)
 
 
 def exactness_bound(model: MLP, bounds: np.ndarray, global_batch: int) -> np.ndarray:

@@ -1,0 +1,139 @@
+"""The forward and backward passes of a network over one shard, with workspaces allocated once.
+
+    forward_loss_    x_0 = the inputs, x_{l+1} = layer_l(x_l), losses and the logits' delta
+    backward_        layers top down to bottom: each ADDS its parameters' gradient sums and
+                     writes the gradient at its input, which the layer below reads
+Every layer's output and the gradient at it have workspaces of their own (exact mode extracts
+its sums after the whole pass, from the values it left there). One instance per thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from syncsgd.nn.kernels import check_count, first_load
+from syncsgd.nn.layers.base import size_of
+from syncsgd.nn.layers.mse import MeanSquaredError
+from syncsgd.nn.layers.xent import CrossEntropy
+from syncsgd.nn.mlp import describe
+from syncsgd.nn.network import Network
+
+LOSSES = {"xent": CrossEntropy, "mse": MeanSquaredError}
+
+
+class Backprop:
+    """Loss and gradient sums of a network over a micro-batch of at most `max_batch` samples."""
+
+    def __init__(self, network: Network, max_batch: int, nx: Any) -> None:
+        self.network, self.nx = network, nx
+        self.max_batch = check_count("max_batch", max_batch, low=0)
+        self.loss = LOSSES[network.loss]()
+        dtype = nx.dtype
+        self._inputs = np.zeros(self.max_batch * size_of(network.in_shape), dtype)
+        self._outputs = [np.zeros(self.max_batch * size_of(layer.out_shape), dtype)
+                         for layer in network.layers]  # fmt: skip
+        self._grads = [np.zeros_like(output) for output in self._outputs]
+        self._losses = np.zeros(self.max_batch * self._positions(), np.float64)
+        self._views: dict[tuple[int, int], list[dict[str, np.ndarray]]] = {}
+        self._weights: np.ndarray | None = None
+        self.m = 0  # samples of the pass under way
+
+    def _positions(self) -> int:
+        """Loss terms per sample: one per position of the last output (its leading axes)."""
+        return size_of(self.network.layers[-1].out_shape[:-1])
+
+    def forward_loss_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        """The forward pass and the per-sample losses; (loss sum, hits); the logits' delta."""
+        X, y = self.checked(params, X, y)
+        self.m = m = X.shape[0]
+        self._weights = weights = self.nx.weights(params)
+        views = self.views(weights)
+        x = self.nx.inputs_(X, self._block(self._inputs, m, self.network.in_shape))
+        for layer, out in zip(self.network.layers, self._outputs, strict=True):
+            block = self._block(out, m, layer.out_shape)
+            with first_load.timing():  # the first call compiles or loads the kernels
+                layer.forward_(self.nx, views[layer.position], x, block)
+            x = block
+        losses = self._losses[: m * self._positions()]
+        delta = self._block(self._grads[-1], m, self.network.layers[-1].out_shape)
+        correct = self.loss.forward_delta_(self.nx, x, y, delta, losses)
+        return self.nx.loss_sum(losses), correct
+
+    def backward_(self, grads: np.ndarray, top: int, bottom: int) -> None:
+        """Layers top down to bottom: gradient sums added into `grads`, the deltas below."""
+        assert self._weights is not None, "backward_ follows forward_loss_"
+        m, layers = self.m, self.network.layers
+        views, grad_views = self.views(self._weights), self.views(grads)
+        for position in range(top, bottom - 1, -1):
+            layer = layers[position]
+            x = self._input_of(position, m)
+            dx = None if position == 0 else self._block(self._grads[position - 1], m,
+                                                        layer.in_shape)  # fmt: skip
+            layer.backward_(self.nx, views[position], grad_views[position], x,
+                            self._block(self._outputs[position], m, layer.out_shape),
+                            self._block(self._grads[position], m, layer.out_shape), dx)  # fmt: skip
+
+    def _input_of(self, position: int, m: int) -> np.ndarray:
+        """The (m, *in_shape) input of the layer at `position`."""
+        if position == 0:
+            return self._block(self._inputs, m, self.network.in_shape)
+        return self._block(self._outputs[position - 1], m,
+                           self.network.layers[position - 1].out_shape)  # fmt: skip
+
+    def views(self, flat: np.ndarray) -> list[dict[str, np.ndarray]]:
+        """Per layer, the views of its arrays in `flat` (made once per buffer)."""
+        key = (flat.__array_interface__["data"][0], flat.size)
+        if key not in self._views:
+            self._views[key] = self.network.layer_views(flat)
+        return self._views[key]
+
+    @staticmethod
+    def _block(workspace: np.ndarray, m: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The first m samples of a workspace, shaped (m, *shape)."""
+        return workspace[: m * size_of(shape)].reshape(m, *shape)
+
+    def checked(self, params: np.ndarray, X: np.ndarray,
+                y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """X and y as the passes need them, or a ValueError."""
+        network = self.network
+        if not isinstance(params, np.ndarray) or params.shape != (network.n_params,) or (
+                params.dtype != network.dtype):  # fmt: skip
+            raise ValueError(f"params must be a {network.dtype} array of shape "
+                             f"({network.n_params},), got {describe(params)}")  # fmt: skip
+        X = np.ascontiguousarray(X, dtype=network.dtype)
+        if X.shape[1:] != network.in_shape:
+            X = X.reshape(len(X), *network.in_shape)
+        m = X.shape[0]
+        if m > self.max_batch:
+            raise ValueError(f"micro-batch of {m} samples exceeds max_batch={self.max_batch}")
+        if network.loss == "xent":
+            y = np.ascontiguousarray(y, dtype=np.int64)
+            if m and (y.min() < 0 or y.max() >= network.outputs):
+                raise ValueError(f"labels must lie in [0, {network.outputs}), got "
+                                 f"{y.min()}..{y.max()}")  # fmt: skip
+        else:
+            y = np.ascontiguousarray(y, dtype=network.dtype)
+        return X, y
+
+
+def evaluate(network: Network, params: np.ndarray, X: np.ndarray,
+             y: np.ndarray) -> tuple[float, float]:  # fmt: skip
+    """(mean loss, accuracy) over all samples in float mode; accuracy is nan for mse."""
+    from syncsgd.nn.kernels import EVALUATE_CHUNK
+    from syncsgd.nn.numerics import Float
+
+    n_samples = len(X)
+    if n_samples == 0:
+        raise ValueError("evaluate needs at least one sample")
+    chunk = min(n_samples, EVALUATE_CHUNK)
+    passes = Backprop(network, chunk, Float(network.dtype, 0))
+    loss_sum, correct = 0.0, 0
+    for start in range(0, n_samples, chunk):
+        part_loss, part_correct = passes.forward_loss_(params, X[start : start + chunk],
+                                                       y[start : start + chunk])  # fmt: skip
+        loss_sum, correct = loss_sum + part_loss, correct + part_correct
+    terms = n_samples * passes._positions()
+    accuracy = correct / terms if network.loss == "xent" else float("nan")
+    return loss_sum / terms, accuracy

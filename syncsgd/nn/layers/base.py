@@ -1,0 +1,84 @@
+"""What every layer is: the parameters it owns, its output shape, its forward and backward pass.
+
+A layer works on (m, *shape) blocks of samples and computes only with the primitives of the
+numerics it is handed (syncsgd.nn.numerics), so every mode and precision works for every layer.
+Its backward pass ADDS the sums over the samples of its parameters' gradients into the gradient
+views it is handed, and writes the gradient at its input (unless it is the first layer).
+Numba is not imported here: the command line reads the layers' catalogue to build its help.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter array of a layer: its PyTorch name, its shape, how it starts."""
+
+    name: str
+    shape: Shape
+    init: str  # "uniform" (±bound), "zeros" or "ones"
+    bound: float = 0.0
+
+    def draw(self, rng: np.random.Generator) -> np.ndarray:
+        """Its first values, drawn in float64 (the same draws for every dtype)."""
+        if self.init == "uniform":
+            return rng.uniform(-self.bound, self.bound, size=self.shape)
+        return np.full(self.shape, 1.0 if self.init == "ones" else 0.0)
+
+
+class Layer:
+    """The base of every layer type; a subclass sets `kind` and `signature`."""
+
+    kind: ClassVar[str]  # its name in a --model spec
+    signature: ClassVar[str]  # how a spec writes it, e.g. "dense(width)"
+
+    def __init__(self) -> None:
+        self.position = 0  # in the network: the first part of its parameters' names
+        self.in_shape: Shape = ()
+        self.out_shape: Shape = ()
+
+    def build(self, position: int, in_shape: Shape, outputs: int, last: bool) -> Shape:
+        """Fix the per-sample input shape (`outputs`: the loss's width); returns the output's."""
+        self.position, self.in_shape = position, in_shape
+        self.out_shape = self.output_shape(in_shape, outputs, last)
+        return self.out_shape
+
+    def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
+        """The per-sample output shape for this input (element-wise layers keep it)."""
+        return in_shape
+
+    def params(self) -> list[Param]:
+        """The parameter arrays it owns, in buffer order (none by default)."""
+        return []
+
+    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+        """y = the layer applied to x, sample by sample."""
+        raise NotImplementedError
+
+    def backward_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                  x: np.ndarray, y: np.ndarray, dy: np.ndarray,
+                  dx: np.ndarray | None) -> None:  # fmt: skip
+        """g += the sums of the parameters' gradients; dx = the gradient at x (if not None)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """How the spec would write this layer."""
+        return self.kind
+
+
+def size_of(shape: Shape) -> int:
+    """Elements of one sample of this shape."""
+    return math.prod(shape)
+
+
+def rows(values: np.ndarray, width: int) -> np.ndarray:
+    """A (samples x positions, width) view of an (m, ..., width) block."""
+    return values.reshape(-1, width)

@@ -1,0 +1,67 @@
+"""dense(width): y = x W^T + b on the last axis, W of shape (width, in), as torch.nn.Linear."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from syncsgd.nn.layers.base import Layer, Param, Shape, rows
+
+
+class Dense(Layer):
+    """A fully connected layer; a last dense without a width gets the loss's width."""
+
+    kind = "dense"
+    signature = "dense(width)"
+
+    def __init__(self, width: int | None = None) -> None:
+        super().__init__()
+        if width is not None and width < 1:
+            raise ValueError(f"dense({width}): the width must be >= 1")
+        self.width = width
+
+    def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
+        """The input's leading axes, then the width."""
+        if self.width is None and not last:
+            raise ValueError("dense needs a width, e.g. dense(64), unless it is the last layer")
+        return (*in_shape[:-1], self.width or outputs)
+
+    def params(self) -> list[Param]:
+        """weight (out, in) and bias (out,), both U(±1/sqrt(in)) as PyTorch starts them."""
+        fan_in, fan_out = self.in_shape[-1], self.out_shape[-1]
+        bound = 1.0 / np.sqrt(fan_in)
+        return [Param("weight", (fan_out, fan_in), "uniform", bound),
+                Param("bias", (fan_out,), "uniform", bound)]  # fmt: skip
+
+    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+        """y = round(x W^T + b): the bias after the product, one rounding (a fused addmm)."""
+        out = rows(y, self.out_shape[-1])
+        nx.linear_(rows(x, self.in_shape[-1]), p["weight"], out)
+        add_bias_(out, p["bias"])
+        nx.round_(out)
+
+    def backward_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                  x: np.ndarray, y: np.ndarray, dy: np.ndarray,
+                  dx: np.ndarray | None) -> None:  # fmt: skip
+        """g.weight += dy^T x, g.bias += column sums of dy; dx = round(dy W)."""
+        d = rows(dy, self.out_shape[-1])
+        nx.outer_sum_(self.position, d, rows(x, self.in_shape[-1]), g["weight"])
+        nx.column_sum_(self.position, d, g["bias"])
+        if dx is not None:
+            below = rows(dx, self.in_shape[-1])
+            nx.product_(d, p["weight"], below)
+            nx.round_(below)
+
+    def describe(self) -> str:
+        """dense(width)."""
+        return f"dense({self.out_shape[-1]})" if self.out_shape else "dense"
+
+
+@njit(nogil=True, cache=True)
+def add_bias_(out, b):
+    """out[i, j] += b[j]."""
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] += b[j]

@@ -1,0 +1,44 @@
+"""relu: y = max(x, 0); its gradient passes where the output is positive."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from syncsgd.nn.layers.base import Layer
+
+
+class ReLU(Layer):
+    """The rectifier, element by element (a format's values stay the format's: no rounding)."""
+
+    kind = "relu"
+    signature = "relu"
+
+    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+        """y = max(x, 0)."""
+        relu_(x.reshape(-1), y.reshape(-1))
+
+    def backward_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                  x: np.ndarray, y: np.ndarray, dy: np.ndarray,
+                  dx: np.ndarray | None) -> None:  # fmt: skip
+        """dx = dy where y > 0, else 0."""
+        if dx is not None:
+            relu_backward_(y.reshape(-1), dy.reshape(-1), dx.reshape(-1))
+
+
+@njit(nogil=True, cache=True)
+def relu_(x, y):
+    """y = max(x, 0), element by element."""
+    zero = y.dtype.type(0)
+    for i in range(x.size):
+        y[i] = max(x[i], zero)
+
+
+@njit(nogil=True, cache=True)
+def relu_backward_(y, dy, dx):
+    """dx = 0 where y <= 0, else dy."""
+    zero = dx.dtype.type(0)
+    for i in range(y.size):
+        dx[i] = zero if y[i] <= zero else dy[i]

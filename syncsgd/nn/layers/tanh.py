@@ -1,0 +1,45 @@
+"""tanh: y = tanh(x); its gradient dy (1 - y^2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from syncsgd.nn.layers.base import Layer
+
+
+class Tanh(Layer):
+    """The hyperbolic tangent, element by element, rounded to the format in narrow modes."""
+
+    kind = "tanh"
+    signature = "tanh"
+
+    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+        """y = round(tanh(x))."""
+        tanh_(x.reshape(-1), y.reshape(-1))
+        nx.round_(y)
+
+    def backward_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                  x: np.ndarray, y: np.ndarray, dy: np.ndarray,
+                  dx: np.ndarray | None) -> None:  # fmt: skip
+        """dx = round(dy (1 - y^2))."""
+        if dx is not None:
+            tanh_backward_(y.reshape(-1), dy.reshape(-1), dx.reshape(-1))
+            nx.round_(dx)
+
+
+@njit(nogil=True, cache=True)
+def tanh_(x, y):
+    """y = tanh(x), element by element."""
+    for i in range(x.size):
+        y[i] = np.tanh(x[i])
+
+
+@njit(nogil=True, cache=True)
+def tanh_backward_(y, dy, dx):
+    """dx = dy (1 - y^2), element by element."""
+    one = dx.dtype.type(1)
+    for i in range(y.size):
+        dx[i] = dy[i] * (one - y[i] * y[i])

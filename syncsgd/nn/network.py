@@ -1,0 +1,302 @@
+"""A network: a sequence of layers and a loss, built from a --model spec, in one flat buffer.
+
+The spec: layers separated by spaces, each `name` or `name(args)` with positional integers and
+key=value integers, e.g. "dense(64) relu dense(64) relu dense"; a last dense without a width gets
+the number of classes (or outputs). Parameter arrays are named "<position in the spec>.<PyTorch
+name>" with PyTorch's shapes, so the flat buffer's arrays are the state_dict of the nn.Sequential
+of the matching modules (`to_arrays`, `from_arrays`). The gradient uses the same layout: one
+fused allreduce, or buckets of whole arrays.
+Numba is not imported here: the command line checks a spec against the layers' catalogue.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from syncsgd.nn.layers.base import Layer, Shape, size_of
+from syncsgd.nn.mlp import DTYPES, LOSSES, _checked, describe
+
+LAYERS_DIR = Path(__file__).resolve().parent / "layers"
+_TOKEN = re.compile(r"\s*([^\s(]+)(\(([^()]*)\))?")
+_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+_PARAM_NAME = re.compile(r"\d+\.[A-Za-z_.]+")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One layer type of the catalogue: its spec name, signature, summary and home."""
+
+    kind: str
+    signature: str
+    summary: str
+    module: str
+    cls: str
+
+    @property
+    def arguments(self) -> list[str]:
+        """The names of its arguments, in order (`key=default` ones after the positional)."""
+        inside = self.signature.partition("(")[2].rstrip(")")
+        return [part.split("=")[0].strip() for part in inside.split(",") if part.strip()]
+
+
+@functools.cache
+def catalogue() -> dict[str, Entry]:
+    """Every layer type, read from the sources of syncsgd/nn/layers without importing them."""
+    entries = {}
+    for path in sorted(LAYERS_DIR.glob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            values = _class_constants(node)
+            if "kind" in values and "signature" in values:
+                assert isinstance(node, ast.ClassDef)
+                summary = (ast.get_docstring(node) or "").split("\n")[0]
+                entries[values["kind"]] = Entry(values["kind"], values["signature"], summary,
+                                                path.stem, node.name)  # fmt: skip
+    return entries
+
+
+def _class_constants(node: ast.stmt) -> dict[str, Any]:
+    """The `name = constant` assignments in a class body (empty for anything else)."""
+    if not isinstance(node, ast.ClassDef):
+        return {}
+    values = {}
+    for statement in node.body:
+        if isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Constant):
+            for target in statement.targets:
+                if isinstance(target, ast.Name):
+                    values[target.id] = statement.value.value
+    return values
+
+
+def layer_help() -> str:
+    """One line per layer type: its signature and summary."""
+    return "; ".join(f"{entry.signature}: {entry.summary.rstrip('.')}"
+                     for entry in catalogue().values())  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Token:
+    """One layer of a spec: its kind, positional and key=value arguments."""
+
+    kind: str
+    args: tuple[int, ...] = ()
+    kwargs: tuple[tuple[str, int], ...] = ()
+    text: str = ""
+
+
+def parse_spec(spec: str) -> list[Token]:
+    """The layers of a spec, checked against the catalogue; ValueError naming a bad token."""
+    tokens, position = [], 0
+    known = catalogue()
+    while spec[position:].strip():
+        match = _TOKEN.match(spec, position)
+        assert match is not None  # a non-space character always starts a token
+        position = match.end()
+        text = match.group(0).strip()
+        kind = match.group(1)
+        if not _NAME.fullmatch(kind) or kind not in known:
+            raise ValueError(f"--model: unknown layer {text!r} (layers: {', '.join(known)})")
+        tokens.append(_arguments(known[kind], text, match.group(3)))
+    if not tokens:
+        raise ValueError("--model: the spec names no layer")
+    return tokens
+
+
+def _arguments(entry: Entry, text: str, inside: str | None) -> Token:
+    """The token's arguments, checked against its signature."""
+    args: list[int] = []
+    kwargs: dict[str, int] = {}
+    names = entry.arguments
+    for part in (inside or "").split(","):
+        key, equals, value = part.strip().rpartition("=")
+        if not value and not equals and not key:
+            if inside is not None and inside.strip():
+                raise ValueError(f"--model: empty argument in {text!r}")
+            continue
+        if not re.fullmatch(r"-?\d+", value.strip()):
+            raise ValueError(f"--model: {text!r}: arguments are integers, got {value.strip()!r}")
+        if equals:
+            if key.strip() not in names:
+                raise ValueError(f"--model: {text!r}: {entry.kind} has no argument "
+                                 f"{key.strip()!r} ({entry.signature})")  # fmt: skip
+            kwargs[key.strip()] = int(value)
+        elif kwargs:
+            raise ValueError(f"--model: {text!r}: positional argument after key=value")
+        else:
+            args.append(int(value))
+    if len(args) > len(names):
+        raise ValueError(f"--model: {text!r}: too many arguments ({entry.signature})")
+    return Token(entry.kind, tuple(args), tuple(kwargs.items()), text)
+
+
+def check_spec(flag: str, spec: str | None) -> str | None:
+    """Why `spec` is not a valid --model spec, or None (an options check)."""
+    if spec is None:
+        return None
+    try:
+        parse_spec(spec)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def make_layer(token: Token) -> Layer:
+    """The layer a token names (importing its module: Numba)."""
+    entry = catalogue()[token.kind]
+    cls = getattr(importlib.import_module(f"syncsgd.nn.layers.{entry.module}"), entry.cls)
+    try:
+        return cls(*token.args, **dict(token.kwargs))
+    except TypeError:
+        raise ValueError(f"--model: {token.text!r} does not fit {entry.signature}") from None
+
+
+@dataclass
+class Network:
+    """Layers applied in order to (m, *in_shape) inputs, then the loss; one flat buffer."""
+
+    spec: str
+    in_shape: Shape
+    outputs: int  # classes (xent) or regression outputs (mse)
+    loss: str = "xent"
+    dtype: np.dtype = field(default=np.dtype(np.float64))
+    layers: list[Layer] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r} (choose xent or mse)")
+        self.dtype = np.dtype(self.dtype)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype} (choose float64 or float32)")
+        self.layers = [make_layer(token) for token in parse_spec(self.spec)]
+        shape = tuple(self.in_shape)
+        for position, layer in enumerate(self.layers):
+            shape = layer.build(position, shape, self.outputs, position == len(self.layers) - 1)
+        if shape[-1:] != (self.outputs,):
+            raise ValueError(f"--model {self.spec!r} ends in shape {shape}: its last layer must "
+                             f"give the {self.outputs} outputs of the loss")  # fmt: skip
+        self._layout = self._make_layout()
+        self.n_params = sum(size_of(shape) for _, shape, _ in self._layout)
+
+    # -- the flat buffer ---------------------------------------------------------------------
+
+    def _make_layout(self) -> list[tuple[str, Shape, int]]:
+        """(name, shape, offset) of every parameter array, layer by layer."""
+        entries, offset = [], 0
+        for layer in self.layers:
+            for param in layer.params():
+                entries.append((f"{layer.position}.{param.name}", param.shape, offset))
+                offset += size_of(param.shape)
+        return entries
+
+    def layout(self) -> list[tuple[str, Shape, int]]:
+        """(name, shape, offset into the flat buffer) of every parameter array, in order."""
+        return list(self._layout)
+
+    @property
+    def n_layers(self) -> int:
+        """Layers in the spec: the backward pass runs positions n_layers - 1 down to 0."""
+        return len(self.layers)
+
+    def layer_of(self, name: str) -> int:
+        """The spec position a parameter array belongs to: "3.weight" -> 3."""
+        return int(name.partition(".")[0])
+
+    def param_names(self) -> list[str]:
+        """Names of the parameter arrays in buffer order."""
+        return [name for name, _, _ in self._layout]
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Views (no copies) into `flat` by name; writing to a view writes to `flat`."""
+        if not isinstance(flat, np.ndarray) or flat.ndim != 1 or flat.shape[0] != self.n_params:
+            raise ValueError(
+                f"expected a flat array of {self.n_params} parameters, got {describe(flat)}"
+            )
+        return {name: flat[offset : offset + size_of(shape)].reshape(shape)
+                for name, shape, offset in self._layout}  # fmt: skip
+
+    def layer_views(self, flat: np.ndarray) -> list[dict[str, np.ndarray]]:
+        """Per layer, its arrays' views by their PyTorch names ("weight", "bias", ...)."""
+        per_layer: list[dict[str, np.ndarray]] = [{} for _ in self.layers]
+        for name, view in self.views(flat).items():
+            position, _, short = name.partition(".")
+            per_layer[int(position)][short] = view
+        return per_layer
+
+    def init_params(self, seed: int) -> np.ndarray:
+        """Seeded parameters as PyTorch starts its modules, drawn in float64 in buffer order."""
+        rng = np.random.default_rng(seed)
+        flat = np.zeros(self.n_params, dtype=self.dtype)
+        views = self.views(flat)
+        for layer in self.layers:
+            for param in layer.params():
+                views[f"{layer.position}.{param.name}"][...] = param.draw(rng)
+        return flat
+
+    def to_arrays(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Copies of the parameter arrays by name, ready for np.savez (a PyTorch state_dict)."""
+        return {name: view.copy() for name, view in self.views(flat).items()}
+
+    def from_arrays(self, arrays: Mapping) -> np.ndarray:
+        """A flat buffer in this network's dtype from arrays by name (an .npz, a state_dict)."""
+        names = self.param_names()
+        extra = sorted(k for k in arrays.keys() if _PARAM_NAME.fullmatch(k) and k not in names)
+        if extra:
+            raise ValueError(f"parameter {extra[0]!r} does not belong to --model {self.spec!r}")
+        flat = np.empty(self.n_params, dtype=self.dtype)
+        views = self.views(flat)
+        for name, shape, _ in self._layout:
+            if name not in arrays:
+                raise ValueError(f"missing parameter {name!r} (expected shape {shape})")
+            views[name][...] = _checked(name, arrays[name], shape)
+        return flat
+
+    # -- running statistics (none yet: no layer keeps any) -------------------------------------
+
+    n_running = 0
+
+    def init_running(self) -> np.ndarray:
+        """No running statistics."""
+        return np.zeros(0, self.dtype)
+
+    def running_views(self, running: np.ndarray) -> dict[str, np.ndarray]:
+        """No running statistics."""
+        return {}
+
+    def running_from_arrays(self, arrays: Mapping) -> np.ndarray:
+        """No running statistics."""
+        return self.init_running()
+
+    # -- sizes -----------------------------------------------------------------------------------
+
+    def activation_size(self) -> int:
+        """Values per sample of every layer's output."""
+        return sum(size_of(layer.out_shape) for layer in self.layers)
+
+    def largest_weight(self) -> int:
+        """Elements of the largest parameter array."""
+        return max((size_of(shape) for _, shape, _ in self._layout), default=0)
+
+    def largest_block(self) -> int:
+        """Values per sample of the largest layer input or output."""
+        return max(size_of(shape) for layer in self.layers
+                   for shape in (layer.in_shape, layer.out_shape))  # fmt: skip
+
+    def summary(self) -> str:
+        """The layers with their widths, e.g. "dense(64) relu dense(4)"."""
+        return " ".join(layer.describe() for layer in self.layers)
+
+
+def build(spec: str, in_shape: Shape, outputs: int, loss: str, dtype: Any) -> Network:
+    """The network a spec describes for inputs of `in_shape` and `outputs` outputs."""
+    return Network(spec, tuple(in_shape), outputs, loss, np.dtype(dtype))
+
+
+__all__ = ["Network", "build", "catalogue", "check_spec", "layer_help", "parse_spec"]

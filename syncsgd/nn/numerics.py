@@ -1,0 +1,312 @@
+"""Numerics: the one place where float, narrow and exact mode differ, for every layer.
+
+A layer computes with these primitives only, so a mode written here works for every layer:
+  linear_(x, W, out)        out = x W^T            (W of shape (out, in), as torch.nn.Linear)
+  product_(d, W, out)       out = d W              (the gradient at a linear layer's input)
+  round_(values)            values as the format holds them (narrow modes; else nothing)
+  outer_sum_(layer, d, x, g)   g += sum over samples of the outer products d_i x_i^T
+  column_sum_(layer, d, g)     g += sum over samples of the rows d_i
+  loss_sum(losses)          the sum of the per-sample losses
+Float mode calls BLAS and sums in sample order. Narrow mode (bf16/fp16, emulated as autocast runs
+them) computes on float32 values of the format and rounds every product's result. Exact mode runs
+per-sample products in a fixed order (batch-invariant) and does not sum at once: each sum is a
+term it registers, with the peak of its factors; once every rank agrees on the peaks (a
+MAX-allreduce), `accumulate_` extracts every term at its agreed fixed point, so the sums are exact
+and their bits do not depend on how the batch is split. docs/exact-mode.md has the proof.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from syncsgd.nn import exact as ex
+from syncsgd.nn import precision as pr
+
+MODES = ("float", "exact")
+
+
+@njit(nogil=True, cache=True)
+def float_linear_(x, W, out):
+    """out = x W^T through BLAS."""
+    np.dot(x, W.T, out)
+
+
+@njit(nogil=True, cache=True)
+def float_product_(d, W, out):
+    """out = d W through BLAS."""
+    np.dot(d, W, out)
+
+
+@njit(nogil=True, cache=True)
+def add_columns_(d, g):
+    """g += the column sums of d, in sample order."""
+    for i in range(d.shape[0]):
+        for j in range(d.shape[1]):
+            g[j] += d[i, j]
+
+
+@njit(nogil=True, cache=True)
+def narrow_column_sum_(d, g, fmt):
+    """g += round(column sums of d): summed in float32, rounded once."""
+    column = np.zeros(d.shape[1], np.float32)
+    for i in range(d.shape[0]):
+        for j in range(d.shape[1]):
+            column[j] += d[i, j]
+    for j in range(column.shape[0]):
+        g[j] += pr.round_to(np.float64(column[j]), fmt)
+
+
+@njit(nogil=True, cache=True)
+def add_narrow_(values, g, fmt):
+    """g += round(values), element by element (flat arrays)."""
+    for i in range(values.size):
+        g[i] += pr.round_to(np.float64(values[i]), fmt)
+
+
+@njit(nogil=True, cache=True)
+def copy_transposed_(W, out):
+    """out = W^T, element by element."""
+    for i in range(W.shape[0]):
+        for j in range(W.shape[1]):
+            out[j, i] = W[i, j]
+
+
+@njit(nogil=True, cache=True)
+def sum_in_order(values):
+    """The sum of a 1-D array in float64, in index order."""
+    total = 0.0
+    for value in values:
+        total += np.float64(value)
+    return total
+
+
+class Float:
+    """BLAS products in the model's dtype; sums over samples in BLAS or in sample order."""
+
+    exact = False
+
+    def __init__(self, dtype: np.dtype, max_weights: int) -> None:
+        self.dtype = np.dtype(dtype)  # of the activations and deltas
+        self.scale = 1.0  # the loss scale: deltas are of `scale` times the loss
+        self._product = np.zeros(max_weights, self.dtype)  # one weight gradient before it is added
+
+    def weights(self, params: np.ndarray) -> np.ndarray:
+        """The weights the passes read: the parameters themselves."""
+        return params
+
+    def inputs_(self, X: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The shard's inputs as the passes read them, in `out` (a workspace)."""
+        out[...] = X
+        return out
+
+    def linear_(self, x: np.ndarray, W: np.ndarray, out: np.ndarray) -> None:
+        """out = x W^T."""
+        float_linear_(x, W, out)
+
+    def product_(self, d: np.ndarray, W: np.ndarray, out: np.ndarray) -> None:
+        """out = d W."""
+        float_product_(d, W, out)
+
+    def round_(self, values: np.ndarray) -> None:
+        """Nothing to round."""
+
+    def scale_(self, delta: np.ndarray) -> None:
+        """The loss's delta times the loss scale (none without a narrow format)."""
+        if self.scale != 1.0:
+            delta *= self.scale
+
+    def outer_sum_(self, layer: int, d: np.ndarray, x: np.ndarray, g: np.ndarray) -> None:
+        """g += d^T x: the sum over samples inside BLAS."""
+        product = self._product[: g.size].reshape(g.shape)
+        np.dot(d.T, x, product)
+        g += product
+
+    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray) -> None:
+        """g += the column sums of d, in sample order."""
+        add_columns_(d, g)
+
+    def loss_sum(self, losses: np.ndarray) -> float:
+        """The sum of the per-sample losses, in sample order."""
+        return float(sum_in_order(losses))
+
+
+class Narrow(Float):
+    """bf16/fp16 as autocast: products of format values in float32, their results rounded."""
+
+    def __init__(self, dtype: np.dtype, max_weights: int, fmt: int, n_params: int) -> None:
+        super().__init__(np.dtype(np.float32), max_weights)
+        self.fmt = fmt
+        self._weights = np.zeros(n_params, np.float32)
+
+    def weights(self, params: np.ndarray) -> np.ndarray:
+        """The parameters rounded to the format (autocast's cast of the weights)."""
+        pr.narrow_copy_(params, self._weights, self.fmt)
+        return self._weights
+
+    def inputs_(self, X: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The shard's inputs rounded to the format."""
+        pr.narrow_copy_(np.ascontiguousarray(X).reshape(-1), out.reshape(-1), self.fmt)
+        return out
+
+    def round_(self, values: np.ndarray) -> None:
+        """Round every value to the format."""
+        pr.round_flat_(values.reshape(-1), self.fmt)
+
+    def scale_(self, delta: np.ndarray) -> None:
+        """delta = round(delta * scale): the loss scale, then the format."""
+        pr.scale_round_(delta, float(self.scale), self.fmt)
+
+    def outer_sum_(self, layer: int, d: np.ndarray, x: np.ndarray, g: np.ndarray) -> None:
+        """g += round(d^T x), the product summed in float32."""
+        product = self._product[: g.size].reshape(g.shape)
+        np.dot(d.T, x, product)
+        add_narrow_(product.reshape(-1), g.reshape(-1), self.fmt)
+
+    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray) -> None:
+        """g += round(column sums of d), summed in float32."""
+        narrow_column_sum_(d, g, self.fmt)
+
+
+@dataclass
+class Term:
+    """One sum exact mode extracts: its kind, its factors, where it goes and its peaks' slots."""
+
+    layer: int
+    kind: str  # "outer" (d^T x), "columns" (column sums of d) or "loss"
+    out: np.ndarray
+    d: np.ndarray
+    x: np.ndarray | None
+    first_bound: int  # index of its first peak in the bounds vector
+
+
+class Exact(Float):
+    """Per-sample products in a fixed order; every sum extracted at an agreed fixed point."""
+
+    exact = True
+
+    def __init__(self, dtype: np.dtype, max_weights: int, max_block: int) -> None:
+        super().__init__(dtype, max_weights)
+        self.terms: list[Term] = []
+        self.peaks: list[float] = []
+        self._transposed = np.zeros(max_weights, self.dtype)
+        self._sums = np.zeros(max_weights, np.float64)
+        self._widened = np.zeros(max_block, np.float64)
+        # a tile of accumulator rows: at most ACCUMULATOR_TILE_BYTES, or one row of the widest
+        self._counts = np.zeros(max(ex.ACCUMULATOR_TILE_BYTES // 8, max_weights), np.int64)
+
+    def begin_(self) -> None:
+        """Forget the last pass's terms."""
+        self.terms.clear()
+        self.peaks.clear()
+
+    def linear_(self, x: np.ndarray, W: np.ndarray, out: np.ndarray) -> None:
+        """out = x W^T, every element summed over ascending k whatever the rows around it."""
+        W_T = self._transposed[: W.size].reshape(W.shape[1], W.shape[0])
+        copy_transposed_(W, W_T)
+        ex.fixed_order_product_(x, W_T, out)
+
+    def product_(self, d: np.ndarray, W: np.ndarray, out: np.ndarray) -> None:
+        """out = d W in the fixed order."""
+        ex.fixed_order_product_(d, W, out)
+
+    def outer_sum_(self, layer: int, d: np.ndarray, x: np.ndarray, g: np.ndarray) -> None:
+        """Register g += sum of d_i x_i^T, with the peaks of d and x."""
+        self._register(Term(layer, "outer", g, d, x, len(self.peaks)))
+        self.peaks += [ex.peak_magnitude(d.reshape(-1)), ex.peak_magnitude(x.reshape(-1))]
+
+    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray) -> None:
+        """Register g += the column sums of d, with the peak of d."""
+        self._register(Term(layer, "columns", g, d, None, len(self.peaks)))
+        self.peaks.append(ex.peak_magnitude(d.reshape(-1)))
+
+    def loss_sum(self, losses: np.ndarray) -> float:
+        """Register the loss sum (extracted with the gradient); its value comes later."""
+        self._register(Term(-1, "loss", np.zeros(1), losses.reshape(-1, 1), None,
+                            len(self.peaks)))  # fmt: skip
+        self.peaks.append(ex.peak_magnitude(losses))
+        return 0.0
+
+    def _register(self, term: Term) -> None:
+        """Add a term to the pass's list."""
+        self.terms.append(term)
+
+    def bounds(self, out: np.ndarray) -> None:
+        """The peaks of every term, in registration order, into `out` (float64)."""
+        out[:] = self.peaks
+
+    def scales(self, bounds: np.ndarray, global_batch: int) -> list[tuple[float, float]]:
+        """(M, ulp(M)) per term from the agreed peaks: M = 1.5 * 2^E, 2^E >= 2 B v."""
+        scales = []
+        for term in self.terms:
+            value = float(bounds[term.first_bound])
+            if term.kind == "outer":
+                value *= float(bounds[term.first_bound + 1])
+            exponent = ex.slot_exponent(value, global_batch)
+            scales.append((float(np.ldexp(1.5, exponent)),
+                           float(np.ldexp(1.0, exponent - ex.UNIT_BITS))))  # fmt: skip
+        return scales
+
+    def accumulate_(self, scales: list[tuple[float, float]], top: int, bottom: int) -> None:
+        """Extract the terms of layers top down to bottom (the loss with layer -1)."""
+        for term, (magic, unit) in zip(self.terms, scales, strict=True):
+            if bottom <= term.layer <= top:
+                self._extract_(term, magic, unit)
+
+    def extract_loss(self, scales: list[tuple[float, float]]) -> float:
+        """The extracted loss sum."""
+        for term, (magic, unit) in zip(self.terms, scales, strict=True):
+            if term.kind == "loss":
+                self._extract_(term, magic, unit)
+                return float(term.out[0])
+        return 0.0
+
+    def _extract_(self, term: Term, magic: float, unit: float) -> None:
+        """out += the term's exact sum at the fixed point `magic`."""
+        out = term.out
+        sums = self._sums[: out.size].reshape(out.shape if term.kind != "loss" else (1,))
+        if term.kind == "outer":
+            assert term.x is not None
+            m, depth = term.x.shape
+            wide = self._widened[: m * depth].reshape(m, depth)
+            wide[...] = term.x
+            tile = ex.accumulator_rows(depth)
+            counts = self._counts[: tile * depth].reshape(tile, depth)
+            ex.extract_outer_sum_(term.d, wide, magic, unit, sums, counts)
+        else:
+            ex.extract_column_sum_(term.d, magic, sums)
+        if term.kind == "loss":
+            out[0] = sums[0]
+        else:
+            out += sums
+
+
+class ExactNarrow(Exact):
+    """Exact mode with the passes in bf16/fp16: per-sample products of format values, rounded."""
+
+    def __init__(self, dtype: np.dtype, max_weights: int, max_block: int, fmt: int,
+                 n_params: int) -> None:  # fmt: skip
+        super().__init__(dtype, max_weights, max_block)
+        self.fmt = fmt
+        self._weights = np.zeros(n_params, self.dtype)
+
+    weights = Narrow.weights
+    inputs_ = Narrow.inputs_
+    round_ = Narrow.round_
+    scale_ = Narrow.scale_
+
+
+def numerics(exact: bool, precision: str, dtype: np.dtype, max_weights: int, max_block: int,
+             n_params: int) -> Float:  # fmt: skip
+    """The numerics of a mode and precision, with workspaces for the largest weight matrix."""
+    fmt = pr.PRECISION_CODES[precision]
+    if exact:
+        if fmt:
+            return ExactNarrow(dtype, max_weights, max_block, fmt, n_params)
+        return Exact(dtype, max_weights, max_block)
+    return Narrow(dtype, max_weights, fmt, n_params) if fmt else Float(dtype, max_weights)
+
+
+__all__ = ["MODES", "Exact", "ExactNarrow", "Float", "Narrow", "numerics"]

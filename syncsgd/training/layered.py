@@ -1,0 +1,90 @@
+"""The local gradient of a --model network: one layered pass for every mode and precision.
+
+    begin_    the forward pass and the loss; exact mode: the whole backward pass, the peaks every
+              rank agrees on (a MAX-allreduce) and the extracted loss sum
+    layers_   the gradient sums of layers top down to bottom (exact mode: their extraction)
+The step calls both at once; --overlap calls layers_ a few layers at a time and hands each
+bucket to its allreduce as soon as its layers are done.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from syncsgd.comm.watchdog import watching
+from syncsgd.comm.world import constants
+from syncsgd.nn.network import Network
+
+
+class LayeredLocalGradient:
+    """This rank's gradient SUM and loss sum, in the buffer the allreduce sums."""
+
+    def __init__(self, config: Any, network: Network, max_batch: int, buffer: Any) -> None:
+        from syncsgd.nn.backprop import Backprop  # imports Numba: only when training
+        from syncsgd.nn.numerics import numerics
+
+        self.nx = numerics(config.exact, config.precision, network.dtype,
+                           network.largest_weight(), max_batch * network.largest_block(),
+                           network.n_params)  # fmt: skip
+        self.passes = Backprop(network, max_batch, self.nx)
+        self.global_batch, self.n_params = config.batch_size, network.n_params
+        self.n_layers = network.n_layers
+        self.loss_slot = buffer.register("loss sum").start
+        self.exact = config.exact
+        self.bounds = np.zeros(0)
+        self.scales: list[tuple[float, float]] | None = None  # exact: None if not finite
+
+    @property
+    def scale(self) -> float:
+        """The loss scale: the sums are of `scale` times the loss's gradients."""
+        return self.nx.scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.nx.scale = value
+
+    def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                 sums: np.ndarray) -> None:  # fmt: skip
+        """Fill `sums` with this shard's gradient sum and loss sum."""
+        self.begin_(comm, params, X, y, sums)
+        self.layers_(params, X, sums, self.n_layers - 1, 0)
+
+    def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+               sums: np.ndarray) -> None:  # fmt: skip
+        """The forward pass and the loss sum (exact mode: the backward pass and the peaks)."""
+        grads = sums[: self.n_params]
+        grads[:] = 0  # the layers add their sums
+        if self.exact:
+            self.nx.begin_()
+        loss_sum, _ = self.passes.forward_loss_(params, X, y)
+        if not self.exact:
+            sums[self.loss_slot] = loss_sum
+            return
+        self.passes.backward_(grads, self.n_layers - 1, 0)
+        self.scales = self.agree_(comm)
+        if self.scales is None:
+            sums[:] = np.nan  # the same on every rank: all skip or stop alike
+            return
+        sums[self.loss_slot] = self.nx.extract_loss(self.scales)
+
+    def agree_(self, comm: Any) -> list[tuple[float, float]] | None:
+        """The peaks of every term, MAX-allreduced; their fixed points, or None if not finite."""
+        if self.bounds.size != len(self.nx.peaks):
+            self.bounds = np.zeros(len(self.nx.peaks))
+        self.nx.bounds(self.bounds)
+        mpi = constants(comm)
+        with watching("exact mode's allreduce of the bounds"):
+            comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)
+        if not np.isfinite(self.bounds).all():
+            return None
+        return self.nx.scales(self.bounds, self.global_batch)
+
+    def layers_(self, params: np.ndarray, X: np.ndarray, sums: np.ndarray, top: int,
+                bottom: int) -> None:  # fmt: skip
+        """The gradient sums of layers top down to bottom."""
+        if not self.exact:
+            self.passes.backward_(sums[: self.n_params], top, bottom)
+        elif self.scales is not None:
+            self.nx.accumulate_(self.scales, top, bottom)
