@@ -118,6 +118,68 @@ def loss_and_grad(
     return float(losses.sum()) / batch, grads
 
 
+# --- networks of a --model spec, layer by layer: names "<position>.<PyTorch name>" ------------
+
+
+def read_spec(spec: str) -> list[tuple[str, int | None]]:
+    """(kind, width or None) of every layer of a spec such as "dense(8) relu dense"."""
+    layers = []
+    for token in spec.split():
+        kind, _, rest = token.partition("(")
+        layers.append((kind, int(rest.rstrip(")")) if rest else None))
+    return layers
+
+
+def layer_forward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """One layer's output, as torch.nn.Linear, ReLU and Tanh compute it."""
+    if kind == "dense":
+        return x @ p["weight"].T + p["bias"]
+    if kind == "relu":
+        return np.maximum(x, 0)
+    if kind == "tanh":
+        return np.tanh(x)
+    raise ValueError(f"the oracle has no layer {kind!r}")
+
+
+def layer_backward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                   dy: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(sums of the parameters' per-sample gradients, gradient at the input) of one layer."""
+    if kind == "dense":
+        return {"weight": dy.T @ x, "bias": dy.sum(axis=0)}, dy @ p["weight"]
+    if kind == "relu":
+        return {}, dy * (y > 0)
+    if kind == "tanh":
+        return {}, dy * (1 - y * y)
+    raise ValueError(f"the oracle has no layer {kind!r}")
+
+
+def network_loss_and_grad(spec: str, params: Mapping[str, np.ndarray], X: np.ndarray,
+                          y: np.ndarray, loss: str) -> tuple[float, dict[str, np.ndarray]]:
+    """Mean loss over the batch and its gradient, layer by layer through the spec."""
+    layers = read_spec(spec)
+    per_layer = [{name.partition(".")[2]: value for name, value in params.items()
+                  if name.partition(".")[0] == str(position)}
+                 for position in range(len(layers))]
+    outputs = [X]
+    for (kind, _), p in zip(layers, per_layer):
+        outputs.append(layer_forward(kind, p, outputs[-1]))
+    logits = outputs[-1]
+    batch = len(X)
+    if loss == "xent":
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        delta = shifted / shifted.sum(axis=1, keepdims=True)
+        delta[np.arange(batch), y] -= 1
+    else:
+        delta = 2 * (logits - y) / logits.shape[1]
+    grads = {}
+    for position in reversed(range(len(layers))):
+        sums, delta = layer_backward(layers[position][0], per_layer[position],
+                                     outputs[position], outputs[position + 1], delta)
+        grads.update({f"{position}.{name}": value / batch for name, value in sums.items()})
+    mean_loss = float(per_sample_losses(logits, y, loss).sum()) / batch
+    return mean_loss, {name: grads[name] for name in params}
+
+
 def batch_indices(
     step: int, n_samples: int, batch_size: int, seed: int, shuffle: bool
 ) -> np.ndarray:
@@ -219,12 +281,13 @@ def serial_sgd(
     dtype: np.dtype | type = np.float64,
     bn_eps: float = 1e-5,
     bn_momentum: float = 0.1,
+    spec: str | None = None,
 ) -> tuple[dict[str, np.ndarray], list[float]]:
     """Large-batch SGD on one process; final params and the global-batch mean loss before each step.
 
     `total_steps` (for the cosine schedule) defaults to `steps`. With BatchNorm (gamma0 in
     `params`) the final params also hold the running statistics, running_mean{l} and
-    running_var{l}.
+    running_var{l}. With a --model `spec`, the network of that spec (params "0.weight", ...).
     """
     if not 1 <= batch_size <= len(X):
         raise ValueError(f"batch size {batch_size} must be in 1..{len(X)}")
@@ -238,10 +301,13 @@ def serial_sgd(
     for step in range(steps):
         rows = batch_indices(step, len(X), batch_size, seed, shuffle)
         saved: list = []
-        value, grads = loss_and_grad(
-            theta, X[rows], y[rows], hidden_activation=hidden_activation, loss=loss, eps=bn_eps,
-            saved=saved,
-        )
+        if spec is not None:
+            value, grads = network_loss_and_grad(spec, theta, X[rows], y[rows], loss)
+        else:
+            value, grads = loss_and_grad(
+                theta, X[rows], y[rows], hidden_activation=hidden_activation, loss=loss,
+                eps=bn_eps, saved=saved,
+            )
         update_running(running, saved, bn_momentum)
         losses.append(value)
         rate = schedule_lr(

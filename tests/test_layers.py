@@ -1,0 +1,213 @@
+"""--model networks: the layers against the oracle, every mode and precision, PyTorch's names."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from oracle import network_loss_and_grad, serial_sgd
+
+from syncsgd import TrainConfig, train
+from syncsgd.nn.network import build, parse_spec
+from syncsgd.training.run import prepare
+
+SMALL = dict(samples=48, features=5, classes=3, batch_size=12, steps=4, lr=0.2)
+
+
+def digest(params: np.ndarray) -> str:
+    """SHA-256 of a flat parameter buffer."""
+    return hashlib.sha256(params.tobytes()).hexdigest()
+
+
+def relative(ours: dict, theirs: dict) -> float:
+    """max |ours - theirs| / max(1, max |theirs|) over every array."""
+    scale = max(1.0, max(float(np.abs(v).max()) for v in theirs.values()))
+    return max(float(np.abs(ours[k] - theirs[k]).max()) for k in theirs) / scale
+
+
+hidden_layers = st.lists(
+    st.tuples(st.integers(1, 7), st.sampled_from(["relu", "tanh", ""])), max_size=3
+).map(lambda layers: " ".join(f"dense({w}) {act}".strip() for w, act in layers))
+specs = hidden_layers.map(lambda hidden: f"{hidden} dense".strip())
+
+
+# -- one computation two ways: the layers' sums against the oracle's, per layer ------------------
+
+
+@pytest.mark.parametrize("loss", ["xent", "mse"])
+@pytest.mark.parametrize("mode", ["float", "exact"])
+def test_gradient_sums_are_the_oracles(loss, mode):
+    from syncsgd.nn.backprop import Backprop
+    from syncsgd.nn.numerics import numerics
+
+    network = build("dense(6) relu dense(5) tanh dense", (4,), 3, loss, "float64")
+    params = network.init_params(3)
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((9, 4))
+    y = rng.integers(0, 3, 9) if loss == "xent" else rng.standard_normal((9, 3))
+    nx = numerics(mode == "exact", "fp32", network.dtype, network.largest_weight(),
+                  9 * network.largest_block(), network.n_params)  # fmt: skip
+    passes, sums = Backprop(network, 9, nx), np.zeros(network.n_params)
+    if nx.exact:
+        nx.begin_()
+    loss_sum, _ = passes.forward_loss_(params, X, y)
+    passes.backward_(sums, network.n_layers - 1, 0)
+    if nx.exact:
+        bounds = np.zeros(len(nx.peaks))
+        nx.bounds(bounds)
+        scales = nx.scales(bounds, 9)
+        loss_sum = nx.extract_loss(scales)
+        nx.accumulate_(scales, network.n_layers - 1, 0)
+    expected_loss, expected = network_loss_and_grad(network.spec, network.to_arrays(params),
+                                                    X, y, loss)  # fmt: skip
+    assert loss_sum / 9 == pytest.approx(expected_loss, rel=1e-13)
+    ours = {name: view / 9 for name, view in network.views(sums).items()}
+    assert relative(ours, expected) < 1e-13
+
+
+# -- the headline: distributed == serial for any P, exact mode bitwise for any P -----------------
+
+
+@given(spec=specs, ranks=st.integers(1, 7), batch_size=st.integers(1, 14),
+       loss=st.sampled_from(["xent", "mse"]), momentum=st.sampled_from([0.0, 0.9]))  # fmt: skip
+def test_a_network_trains_as_the_oracle_on_any_number_of_ranks(spec, ranks, batch_size, loss,
+                                                               momentum):  # fmt: skip
+    data = "synthetic-classification" if loss == "xent" else "synthetic-regression"
+    config = TrainConfig(model=spec, data=data, loss=loss, samples=30, features=4, classes=3,
+                         batch_size=batch_size, steps=3, lr=0.1, momentum=momentum)  # fmt: skip
+    result = train(config, ranks=ranks)
+    run = prepare(config)
+    start = run.model.to_arrays(run.model.init_params(config.seed))
+    expected, losses = serial_sgd(run.X, run.y, start, spec=spec, loss=loss, steps=3,
+                                  batch_size=batch_size, lr=0.1, momentum=momentum)  # fmt: skip
+    assert relative(run.model.to_arrays(result.params), expected) < 1e-9
+    assert result.losses == pytest.approx(losses, rel=1e-9)
+
+
+@given(spec=specs, ranks=st.integers(2, 9), batch_size=st.integers(1, 12),
+       precision=st.sampled_from(["fp32", "bf16", "fp16"]),
+       dtype=st.sampled_from(["float64", "float32"]))  # fmt: skip
+def test_exact_mode_is_bitwise_the_serial_run_for_any_number_of_ranks(spec, ranks, batch_size,
+                                                                      precision, dtype):  # fmt: skip
+    config = TrainConfig(model=spec, exact=True, precision=precision, dtype=dtype, **{
+        **SMALL, "batch_size": batch_size, "steps": 3})  # fmt: skip
+    serial = train(config, ranks=1)
+    assert digest(train(config, ranks=ranks).params) == digest(serial.params)
+
+
+# -- every cell of mode x precision x overlap ------------------------------------------------------
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_overlap_gives_the_same_bits_in_every_mode_and_precision(exact, precision):
+    config = TrainConfig(model="dense(7) tanh dense(6) relu dense", exact=exact,
+                         precision=precision, bucket_bytes=0, **SMALL)  # fmt: skip
+    plain = train(config, ranks=3)
+    overlapped = train(config, ranks=3, overlap=True)
+    assert digest(overlapped.params) == digest(plain.params)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_narrow_precision_stays_near_fp32(precision):
+    config = TrainConfig(model="dense(8) relu dense", loss_scale="none", **SMALL)
+    wide = train(config, ranks=2)
+    narrow = train(config, ranks=2, precision=precision)
+    assert 0 < float(np.abs(narrow.params - wide.params).max()) < 0.05
+
+
+# -- PyTorch's names and shapes, and the starting point handed over ----------------------------------
+
+
+def test_parameter_names_and_shapes_are_pytorchs():
+    network = build("dense(8) relu dense(6) tanh dense", (5,), 3, "xent", "float64")
+    assert [(name, shape) for name, shape, _ in network.layout()] == [
+        ("0.weight", (8, 5)), ("0.bias", (8,)), ("2.weight", (6, 8)), ("2.bias", (6,)),
+        ("4.weight", (3, 6)), ("4.bias", (3,)),
+    ]  # fmt: skip
+    assert network.summary() == "dense(8) relu dense(6) tanh dense(3)"
+
+
+def test_a_torch_sequential_has_the_same_state_dict_and_gradient():
+    torch = pytest.importorskip("torch", reason="PyTorch (the peers extra) is not installed")
+    network = build("dense(8) relu dense(6) tanh dense", (5,), 3, "xent", "float64")
+    params = network.init_params(1)
+    module = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 6),
+                                 torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()  # fmt: skip
+    assert list(module.state_dict()) == network.param_names()
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in network.to_arrays(params).items()})
+    rng = np.random.default_rng(2)
+    X, y = rng.standard_normal((10, 5)), rng.integers(0, 3, 10)
+    loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(X)), torch.from_numpy(y))
+    loss.backward()
+    theirs = {k: p.grad.numpy() for k, p in module.named_parameters()}
+    from syncsgd.nn.backprop import Backprop
+    from syncsgd.nn.numerics import Float
+
+    sums = np.zeros(network.n_params)
+    passes = Backprop(network, 10, Float(network.dtype, network.largest_weight()))
+    loss_sum, _ = passes.forward_loss_(params, X, y)
+    passes.backward_(sums, network.n_layers - 1, 0)
+    assert loss_sum / 10 == pytest.approx(float(loss.detach()), rel=1e-12)
+    ours = {k: v / 10 for k, v in network.views(sums).items()}
+    assert relative(ours, theirs) < 1e-12
+
+
+def test_the_saved_starting_point_trains_in_the_oracle_as_in_syncsgd(tmp_path):
+    start = tmp_path / "start.npz"
+    spec = "dense(6) relu dense"
+    train(TrainConfig(model=spec, steps=0, **{k: v for k, v in SMALL.items() if k != "steps"}),
+          ranks=1, save=str(start))  # fmt: skip
+    with np.load(start) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    assert list(arrays) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    config = TrainConfig(model=spec, init=str(start), **SMALL)
+    result = train(config, ranks=3)
+    run = prepare(config)
+    expected, _ = serial_sgd(run.X, run.y, arrays, spec=spec, steps=SMALL["steps"],
+                             batch_size=SMALL["batch_size"], lr=SMALL["lr"])  # fmt: skip
+    assert relative(run.model.to_arrays(result.params), expected) < 1e-12
+
+
+# -- the spec's grammar: one line naming the bad token -----------------------------------------------
+
+
+@pytest.mark.parametrize("spec, named", [
+    ("dense(8) relux dense", "'relux'"),
+    ("dense(8 relu", "unbalanced parentheses in 'dense(8'"),
+    ("dense(x) dense", "'x'"),
+    ("dense(4, 5) dense", "too many arguments"),
+    ("dense(width=4, depth=2)", "no argument 'depth'"),
+    ("", "names no layer"),
+])  # fmt: skip
+def test_a_malformed_spec_is_one_line_naming_the_token(spec, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        parse_spec(spec)
+
+
+def test_a_spec_that_does_not_fit_the_data_is_refused():
+    with pytest.raises(ValueError, match="needs a width"):
+        build("dense relu dense", (4,), 3, "xent", "float64")
+    with pytest.raises(ValueError, match="3 outputs"):
+        build("dense(4) relu", (4,), 3, "xent", "float64")
+
+
+def test_the_command_line_refuses_a_bad_spec_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "train", "--model",
+                           "dense(8) rellu dense"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert "'rellu'" in done.stderr
+
+
+def test_help_lists_every_layer():
+    done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "train", "--help"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    for signature in ("dense(width)", "relu", "tanh"):
+        assert signature in done.stdout
