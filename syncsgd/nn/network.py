@@ -98,7 +98,9 @@ def parse_spec(spec: str) -> list[Token]:
     known = catalogue()
     while spec[position:].strip():
         match = _TOKEN.match(spec, position)
-        assert match is not None  # a non-space character always starts a token
+        if match is None or spec[match.end() : match.end() + 1] == "(":  # "(" left open
+            bad = spec[position:].split()[0]
+            raise ValueError(f"--model: unbalanced parentheses in {bad!r}")
         position = match.end()
         text = match.group(0).strip()
         kind = match.group(1)

@@ -1,11 +1,10 @@
 """Numerics: the one place where float, narrow and exact mode differ, for every layer.
 
 A layer computes with these primitives only, so a mode written here works for every layer:
-  linear_(x, W, out)        out = x W^T            (W of shape (out, in), as torch.nn.Linear)
-  product_(d, W, out)       out = d W              (the gradient at a linear layer's input)
-  round_(values)            values as the format holds them (narrow modes; else nothing)
-  outer_sum_(layer, d, x, g)   g += sum over samples of the outer products d_i x_i^T
-  column_sum_(layer, d, g)     g += sum over samples of the rows d_i
+  matmul_(a, b, out, transpose_b)   out = a b, or a b^T: per sample, a row of `a` times b
+  round_(values)                    values as the format holds them (narrow modes; else nothing)
+  outer_sum_(layer, a, b, g)        g += a^T b: the sum over samples of the outer products a_i b_i^T
+  column_sum_(layer, d, g)          g += sum over samples of the rows d_i
   loss_sum(losses)          the sum of the per-sample losses
 Float mode calls BLAS and sums in sample order. Narrow mode (bf16/fp16, emulated as autocast runs
 them) computes on float32 values of the format and rounds every product's result. Exact mode runs
@@ -29,15 +28,12 @@ MODES = ("float", "exact")
 
 
 @njit(nogil=True, cache=True)
-def float_linear_(x, W, out):
-    """out = x W^T through BLAS."""
-    np.dot(x, W.T, out)
-
-
-@njit(nogil=True, cache=True)
-def float_product_(d, W, out):
-    """out = d W through BLAS."""
-    np.dot(d, W, out)
+def float_matmul_(a, b, out, transpose_b):
+    """out = a b, or a b^T, through BLAS."""
+    if transpose_b:
+        np.dot(a, b.T, out)
+    else:
+        np.dot(a, b, out)
 
 
 @njit(nogil=True, cache=True)
@@ -102,13 +98,9 @@ class Float:
         out[...] = X
         return out
 
-    def linear_(self, x: np.ndarray, W: np.ndarray, out: np.ndarray) -> None:
-        """out = x W^T."""
-        float_linear_(x, W, out)
-
-    def product_(self, d: np.ndarray, W: np.ndarray, out: np.ndarray) -> None:
-        """out = d W."""
-        float_product_(d, W, out)
+    def matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, transpose_b: bool) -> None:
+        """out = a b, or a b^T."""
+        float_matmul_(a, b, out, transpose_b)
 
     def round_(self, values: np.ndarray) -> None:
         """Nothing to round."""
@@ -118,10 +110,10 @@ class Float:
         if self.scale != 1.0:
             delta *= self.scale
 
-    def outer_sum_(self, layer: int, d: np.ndarray, x: np.ndarray, g: np.ndarray) -> None:
-        """g += d^T x: the sum over samples inside BLAS."""
+    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray) -> None:
+        """g += a^T b: the sum over samples inside BLAS."""
         product = self._product[: g.size].reshape(g.shape)
-        np.dot(d.T, x, product)
+        float_matmul_(a.T, b, product, False)
         g += product
 
     def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray) -> None:
@@ -159,10 +151,10 @@ class Narrow(Float):
         """delta = round(delta * scale): the loss scale, then the format."""
         pr.scale_round_(delta, float(self.scale), self.fmt)
 
-    def outer_sum_(self, layer: int, d: np.ndarray, x: np.ndarray, g: np.ndarray) -> None:
-        """g += round(d^T x), the product summed in float32."""
+    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray) -> None:
+        """g += round(a^T b), the product summed in float32."""
         product = self._product[: g.size].reshape(g.shape)
-        np.dot(d.T, x, product)
+        float_matmul_(a.T, b, product, False)
         add_narrow_(product.reshape(-1), g.reshape(-1), self.fmt)
 
     def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray) -> None:
@@ -175,10 +167,10 @@ class Term:
     """One sum exact mode extracts: its kind, its factors, where it goes and its peaks' slots."""
 
     layer: int
-    kind: str  # "outer" (d^T x), "columns" (column sums of d) or "loss"
+    kind: str  # "outer" (a^T b), "columns" (column sums of a) or "loss"
     out: np.ndarray
-    d: np.ndarray
-    x: np.ndarray | None
+    a: np.ndarray
+    b: np.ndarray | None
     first_bound: int  # index of its first peak in the bounds vector
 
 
@@ -202,20 +194,18 @@ class Exact(Float):
         self.terms.clear()
         self.peaks.clear()
 
-    def linear_(self, x: np.ndarray, W: np.ndarray, out: np.ndarray) -> None:
-        """out = x W^T, every element summed over ascending k whatever the rows around it."""
-        W_T = self._transposed[: W.size].reshape(W.shape[1], W.shape[0])
-        copy_transposed_(W, W_T)
-        ex.fixed_order_product_(x, W_T, out)
+    def matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, transpose_b: bool) -> None:
+        """out = a b (or a b^T), every element summed over ascending k whatever the rows."""
+        if transpose_b:  # the fixed-order kernel reads rows of b: one transposed copy per call
+            b_T = self._transposed[: b.size].reshape(b.shape[1], b.shape[0])
+            copy_transposed_(b, b_T)
+            b = b_T
+        ex.fixed_order_product_(a, b, out)
 
-    def product_(self, d: np.ndarray, W: np.ndarray, out: np.ndarray) -> None:
-        """out = d W in the fixed order."""
-        ex.fixed_order_product_(d, W, out)
-
-    def outer_sum_(self, layer: int, d: np.ndarray, x: np.ndarray, g: np.ndarray) -> None:
-        """Register g += sum of d_i x_i^T, with the peaks of d and x."""
-        self._register(Term(layer, "outer", g, d, x, len(self.peaks)))
-        self.peaks += [ex.peak_magnitude(d.reshape(-1)), ex.peak_magnitude(x.reshape(-1))]
+    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray) -> None:
+        """Register g += sum of a_i b_i^T, with the peaks of a and b."""
+        self._register(Term(layer, "outer", g, a, b, len(self.peaks)))
+        self.peaks += [ex.peak_magnitude(a.reshape(-1)), ex.peak_magnitude(b.reshape(-1))]
 
     def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray) -> None:
         """Register g += the column sums of d, with the peak of d."""
@@ -268,15 +258,15 @@ class Exact(Float):
         out = term.out
         sums = self._sums[: out.size].reshape(out.shape if term.kind != "loss" else (1,))
         if term.kind == "outer":
-            assert term.x is not None
-            m, depth = term.x.shape
-            wide = self._widened[: m * depth].reshape(m, depth)
-            wide[...] = term.x
-            tile = ex.accumulator_rows(depth)
-            counts = self._counts[: tile * depth].reshape(tile, depth)
-            ex.extract_outer_sum_(term.d, wide, magic, unit, sums, counts)
+            assert term.b is not None
+            m, width = term.b.shape
+            wide = self._widened[: m * width].reshape(m, width)  # float64 once, not per product
+            wide[...] = term.b
+            tile = ex.accumulator_rows(width)
+            counts = self._counts[: tile * width].reshape(tile, width)
+            ex.extract_outer_sum_(term.a, wide, magic, unit, sums, counts)
         else:
-            ex.extract_column_sum_(term.d, magic, sums)
+            ex.extract_column_sum_(term.a, magic, sums)
         if term.kind == "loss":
             out[0] = sums[0]
         else:

@@ -1,4 +1,7 @@
-"""dense(width): y = x W^T + b on the last axis, W of shape (width, in), as torch.nn.Linear."""
+"""dense(width): y = x W^T + b on the last axis, W of shape (width, in), as torch.nn.Linear.
+
+A --hidden MLP stores W transposed, (in, width) (`in_out`): the same sums, y = x W + b.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +19,11 @@ class Dense(Layer):
     kind = "dense"
     signature = "dense(width)"
 
-    def __init__(self, width: int | None = None) -> None:
+    def __init__(self, width: int | None = None, in_out: bool = False) -> None:
         super().__init__()
         if width is not None and width < 1:
             raise ValueError(f"dense({width}): the width must be >= 1")
-        self.width = width
+        self.width, self.in_out = width, in_out
 
     def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
         """The input's leading axes, then the width."""
@@ -32,13 +35,14 @@ class Dense(Layer):
         """weight (out, in) and bias (out,), both U(±1/sqrt(in)) as PyTorch starts them."""
         fan_in, fan_out = self.in_shape[-1], self.out_shape[-1]
         bound = 1.0 / np.sqrt(fan_in)
-        return [Param("weight", (fan_out, fan_in), "uniform", bound),
+        shape = (fan_in, fan_out) if self.in_out else (fan_out, fan_in)
+        return [Param("weight", shape, "uniform", bound),
                 Param("bias", (fan_out,), "uniform", bound)]  # fmt: skip
 
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
         """y = round(x W^T + b): the bias after the product, one rounding (a fused addmm)."""
         out = rows(y, self.out_shape[-1])
-        nx.linear_(rows(x, self.in_shape[-1]), p["weight"], out)
+        nx.matmul_(rows(x, self.in_shape[-1]), p["weight"], out, not self.in_out)
         add_bias_(out, p["bias"])
         nx.round_(out)
 
@@ -46,12 +50,15 @@ class Dense(Layer):
                   x: np.ndarray, y: np.ndarray, dy: np.ndarray,
                   dx: np.ndarray | None) -> None:  # fmt: skip
         """g.weight += dy^T x, g.bias += column sums of dy; dx = round(dy W)."""
-        d = rows(dy, self.out_shape[-1])
-        nx.outer_sum_(self.position, d, rows(x, self.in_shape[-1]), g["weight"])
+        d, x_rows = rows(dy, self.out_shape[-1]), rows(x, self.in_shape[-1])
+        if self.in_out:
+            nx.outer_sum_(self.position, x_rows, d, g["weight"])
+        else:
+            nx.outer_sum_(self.position, d, x_rows, g["weight"])
         nx.column_sum_(self.position, d, g["bias"])
         if dx is not None:
             below = rows(dx, self.in_shape[-1])
-            nx.product_(d, p["weight"], below)
+            nx.matmul_(d, p["weight"], below, self.in_out)
             nx.round_(below)
 
     def describe(self) -> str:
