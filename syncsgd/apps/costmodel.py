@@ -50,8 +50,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from syncsgd.util import jsonout
 from syncsgd.util.argtypes import comma_list, comma_separated, hidden_sizes, positive_int
-from syncsgd.util.files import check_writable, write_text
+from syncsgd.util.files import check_writable
 from syncsgd.util.options import JSON, RANK_COUNTS
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
@@ -610,7 +611,7 @@ def main(options: argparse.Namespace) -> int:
         print(f"wrote {options.png}")
     if options.json:
         result.update(predictions_json(options.ranks, options.sizes, options.algorithms, params))
-        write_text(options.json, json.dumps(result, indent=1) + "\n")
+        jsonout.write(options.json, result)
     return 0
 
 

@@ -10,10 +10,10 @@ round k (k = 0 is the start), which is how the tests read it in a headless brows
 from __future__ import annotations
 
 import html
-import json
 from typing import Any
 
 from syncsgd.apps.demo_core import Demo, chunk_layout, contributors, exchange_text, rounds_line
+from syncsgd.util import jsonout
 from syncsgd.util.files import write_text
 
 TOPOLOGY = {
@@ -75,7 +75,8 @@ def page(demo: Demo) -> str:
         "model": model_bytes(demo), "rounds": rounds_line(demo), "correct": demo.correct,
         "bounds": chunk_layout(demo.algorithm, demo.length, demo.ranks),
     }  # fmt: skip
-    payload = json.dumps(document, ensure_ascii=False).replace("</", "<\\/")  # never ends <script>
+    # "</" escaped: the payload never ends its <script>
+    payload = jsonout.dumps(document, ensure_ascii=False).replace("</", "<\\/")
     title = html.escape(f"{demo.algorithm} allreduce on {demo.ranks} ranks")
     return TEMPLATE.replace("@TITLE@", title).replace("@DATA@", payload)
 

@@ -31,7 +31,6 @@ cost model's allreduce of the gradient's bytes on P ranks + the measured update)
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -47,8 +46,9 @@ import numpy as np
 from syncsgd.apps import costmodel
 from syncsgd.training import noise
 from syncsgd.training.result import NonFiniteError
+from syncsgd.util import jsonout
 from syncsgd.util.argtypes import comma_list, finite_float, nonnegative_int, positive_int
-from syncsgd.util.files import check_writable, write_text
+from syncsgd.util.files import check_writable
 from syncsgd.util.options import JSON, RANKS
 
 STOPS_PAYING = 0.10  # adding ranks stops paying when a doubling gains less than 10%
@@ -937,7 +937,7 @@ def main(options: argparse.Namespace) -> int:
         )
     if options.json:
         document = study_json(rows, knee, base, settings, extra)
-        write_text(options.json, json.dumps(document, indent=1) + "\n")
+        jsonout.write(options.json, document)
     if options.png:
         draw_png(rows, knee, options.png, f"{base.data}: target {describe_target(base)}")
         print(f"wrote {options.png}")

@@ -14,7 +14,6 @@ digests of the parameters give the first step after which a run differs.
 from __future__ import annotations
 
 import hashlib
-import json
 import textwrap
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -24,7 +23,8 @@ import numpy as np
 from syncsgd.comm.threads import run_threads
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, prepare, train_rank
-from syncsgd.util.files import check_writable, write_text
+from syncsgd.util import jsonout
+from syncsgd.util.files import check_writable
 
 # Float mode: the relative distance from serial SGD that a correct run stays within (the tolerance
 # the README documents).
@@ -190,7 +190,7 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
     if json_path:
         document = {"config": asdict(config), "rows": [asdict(row) for row in rows],
                     "matches": not failed}  # fmt: skip
-        write_text(json_path, json.dumps(document, indent=1, default=str) + "\n")
+        jsonout.write(json_path, document, default=str)
     if failed:
         print(f"MISMATCH: P = {', '.join(map(str, failed))} differ from serial SGD")
         return 1
@@ -276,7 +276,7 @@ def main_all(config: TrainConfig, tolerance: float | None, json_path: str | None
         print(comment(f"{line.pitfall}: {line.why}" + (f" ({options})" if options else "")))
     if json_path:
         document = {"config": asdict(config), "pitfalls": [asdict(line) for line in lines]}
-        write_text(json_path, json.dumps(document, indent=1, default=str) + "\n")
+        jsonout.write(json_path, document, default=str)
     hidden = [line.pitfall for line in lines if not line.shows]
     if hidden:
         print(f"NOT SHOWN: {', '.join(hidden)} matched serial SGD")

@@ -8,7 +8,6 @@ hooks that print or write do so on rank 0 only.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import sys
 import threading
@@ -25,6 +24,7 @@ from syncsgd.training.result import NonFiniteError, TrainResult
 from syncsgd.training.run import Run
 from syncsgd.training.step import DataParallelStep, Rider, StepRecord
 from syncsgd.training.timeline import Timeline
+from syncsgd.util import jsonout
 
 INITIAL_LOSS_SCALE = 2.0**16  # torch.cuda.amp.GradScaler's init_scale
 
@@ -232,7 +232,7 @@ class Log(Hook):
             line["noise_scale"] = result.noise_scales[-1]
         if result.loss_scales:
             line["loss_scale"] = result.loss_scales[-1]
-        self.handle.write(json.dumps(line) + "\n")
+        self.handle.write(jsonout.dumps(line) + "\n")
         return False
 
 

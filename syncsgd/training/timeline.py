@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from syncsgd.collectives import TraceEvent
-from syncsgd.util.files import write_text
+from syncsgd.util import jsonout
 
 _TAG = 4321
 COMM_ROW = 1 << 20  # a rank's communication row: tid COMM_ROW + rank, drawn below its own row
@@ -66,7 +66,7 @@ class Timeline:
 
 def write(comm: Any, timeline: Timeline, path: str) -> None:
     """Gather every rank's spans on rank 0 and write them to `path` (a collective call)."""
-    payload = np.frombuffer(json.dumps(timeline.chrome_events()).encode(), np.uint8)
+    payload = np.frombuffer(jsonout.dumps(timeline.chrome_events()).encode(), np.uint8)
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank != 0:
         comm.Send(np.array([payload.size], np.int64), dest=0, tag=_TAG)
@@ -79,7 +79,7 @@ def write(comm: Any, timeline: Timeline, path: str) -> None:
         data = np.empty(int(length[0]), np.uint8)
         comm.Recv(data, source=source, tag=_TAG)
         events.extend(json.loads(data.tobytes()))
-    write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}) + "\n")
+    jsonout.write(path, {"traceEvents": events, "displayTimeUnit": "ms"}, indent=None)
 
 
 # -- a Gantt chart of the same spans, for slides -------------------------------------------------

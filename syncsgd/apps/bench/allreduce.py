@@ -26,7 +26,6 @@ import argparse
 import csv
 import functools
 import io
-import json
 import os
 import statistics
 import sys
@@ -42,6 +41,7 @@ from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.world import constants, launch, resolve_backend
 from syncsgd.training.timeline import Timeline, draw_gantt_file
 from syncsgd.training.timeline import write as write_timeline
+from syncsgd.util import jsonout
 from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.machine import check_memory
@@ -321,7 +321,7 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
         "bar": bar,
     }
     if options.json:
-        write_text(options.json, json.dumps(result, indent=1) + "\n")
+        jsonout.write(options.json, result)
     if options.csv:
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS, extrasaction="ignore")

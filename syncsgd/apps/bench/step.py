@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import os
 import statistics
@@ -47,6 +46,7 @@ from syncsgd.training import data
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import train_rank
 from syncsgd.training.run import Run, prepare
+from syncsgd.util import jsonout
 from syncsgd.util.argtypes import (
     comma_separated,
     nonnegative_int,
@@ -431,7 +431,7 @@ def load_average() -> float | None:
 def write_outputs(options: argparse.Namespace, result: dict) -> None:
     """The --json and --csv files (the CSV holds the scaling rows)."""
     if options.json:
-        write_text(options.json, json.dumps(result, indent=1) + "\n")
+        jsonout.write(options.json, result)
     if options.csv:
         rows = result["scaling"]
         text = io.StringIO()
