@@ -207,7 +207,7 @@ class StopRequest(Hook):
 
 
 class Log(Hook):
-    """One JSON line per step, on rank 0; from the second on with the steady-state figures."""
+    """One JSON line per step on rank 0: steady-state figures from the second, evaluations too."""
 
     def __init__(self, handle: TextIO, steps_per_epoch: int, result: TrainResult,
                  noise: bool) -> None:  # fmt: skip
@@ -232,6 +232,10 @@ class Log(Hook):
             line["noise_scale"] = result.noise_scales[-1]
         if result.loss_scales:
             line["loss_scale"] = result.loss_scales[-1]
+        if not record.finite:  # skipped on every rank: loss and grad_norm are null
+            line["skipped"] = True
+        if result.evals and result.evals[-1][0] == record.step + 1:  # evaluated after this step
+            line["eval_loss"], line["eval_accuracy"] = result.evals[-1][1:]
         self.handle.write(jsonout.dumps(line) + "\n")
         return False
 

@@ -164,15 +164,15 @@ def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,
         hooks.append(Digests(result))
     if config.noise_scale:
         hooks.append(NoiseScale(result, run.model.n_params))
-    if log is not None:
-        per_epoch = data.steps_per_epoch(len(run.X), config.batch_size)
-        hooks.append(Log(log, per_epoch, result, config.noise_scale))
     if progress:
         hooks.append(Progress(first_step, run.steps))
     hooks.append(StopRequest(result))
     wants_eval = config.eval_every > 0 or config.target_loss is not None
     if run.X_eval is not None and (wants_eval or config.target_accuracy is not None):
         hooks.append(Evaluation(Watched(comm, "the evaluation"), run, result))
+    if log is not None:  # after the evaluation: a step's line carries the evaluation it had
+        per_epoch = data.steps_per_epoch(len(run.X), config.batch_size)
+        hooks.append(Log(log, per_epoch, result, config.noise_scale))
     if master_process and config.checkpoint is not None:  # last: it sees a target met, too
         hooks.append(Checkpointing(run, scaler))
     return hooks
