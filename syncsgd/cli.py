@@ -175,7 +175,13 @@ def output(default: Any, help: str, **declared: Any) -> Any:
 class TrainOutputs:
     """What `syncsgd train` writes: the outputs, which do not change the run."""
 
-    save: str | None = output(None, "write the final parameters (.npz)", metavar="PATH")
+    save: str | None = output(
+        None, "write the final parameters (.npz); with --steps 0 the initial ones", metavar="PATH"
+    )
+    json: str | None = output(
+        None, "write the run's summary as JSON: its figures, losses, evaluations, the "
+        "parameters' SHA-256", metavar="PATH",
+    )  # fmt: skip
     log: str | None = output(None, "write one JSON line per step", metavar="PATH")
     timeline: str | None = output(
         None, "write a Chrome trace (chrome://tracing, Perfetto): one row per rank", metavar="PATH"
@@ -260,7 +266,8 @@ def run_train(options: argparse.Namespace) -> int:
     with graceful_stop(), _trace_path(options) as trace:
         [result, *_] = launch(
             train_rank, problem, backend=backend, ranks=ranks, log_path=options.log,
-            save_path=options.save, timeline_path=trace, quiet=options.quiet,
+            save_path=options.save, timeline_path=trace, json_path=options.json,
+            quiet=options.quiet,
         )  # fmt: skip
         if options.timeline_png and trace and result.stopped_after is None:
             _draw_timeline(trace, options.timeline_png, options.quiet)
@@ -277,7 +284,7 @@ def check_outputs(options: argparse.Namespace, config: Any) -> None:
     from syncsgd.training.run import check_outputs as check
 
     check(config, save=options.save, log=options.log, timeline=options.timeline,
-          timeline_png=options.timeline_png)  # fmt: skip
+          timeline_png=options.timeline_png, json=options.json)  # fmt: skip
 
 
 def one_line(exc: BaseException) -> str:

@@ -95,7 +95,7 @@ def _write_csv(path, text):
 BAD_INPUTS = [
     (["--batch-size", "0"], "--batch-size"),
     (["--batch-size", "-3"], "--batch-size"),
-    (["--steps", "0"], "--steps"),
+    (["--steps", "-1"], "--steps"),
     (["--ranks", "0"], "--ranks"),
     (["--lr", "nan"], "--lr"),
     (["--lr", "abc"], "--lr"),

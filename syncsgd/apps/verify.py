@@ -13,7 +13,6 @@ digests of the parameters give the first step after which a run differs.
 
 from __future__ import annotations
 
-import hashlib
 import textwrap
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 from syncsgd.comm.threads import run_threads
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, prepare, train_rank
+from syncsgd.training.result import sha256
 from syncsgd.util import jsonout
 from syncsgd.util.files import check_writable
 
@@ -68,11 +68,6 @@ def same_sign_ulps(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
     flipped = (np.sign(a) * np.sign(b)) < 0
     kept = ~flipped
     return ulp_distance(a[kept], b[kept]), int(np.count_nonzero(flipped))
-
-
-def sha256(params: np.ndarray) -> str:
-    """SHA-256 of the parameters' bytes."""
-    return hashlib.sha256(np.ascontiguousarray(params).tobytes()).hexdigest()
 
 
 COMPRESSED_AT_ONE_RANK = (

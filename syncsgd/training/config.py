@@ -113,8 +113,9 @@ class TrainConfig:
     batch_size: int = option(256, "global batch size, split over the ranks", group=OPTIMIZATION,
                              type=positive_int, check=at_least(1))  # fmt: skip
     steps: int | None = option(
-        None, "steps to take", group=OPTIMIZATION, type=positive_int, check=at_least(1),
-        shown="100, or --epochs", fingerprint=False,
+        None, "steps to take; 0: none (--save writes the initial parameters)",
+        group=OPTIMIZATION, type=nonnegative_int, check=at_least(0), shown="100, or --epochs",
+        fingerprint=False,
     )  # fmt: skip
     epochs: int | None = option(
         None, "epochs to take instead of --steps", group=OPTIMIZATION, type=positive_int,

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, TextIO, cast
+from typing import Any, NamedTuple, TextIO, cast
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from syncsgd.training.hooks import (
     StopRequest,
     TimelineSpans,
 )
-from syncsgd.training.result import TrainResult, summary
+from syncsgd.training.result import TrainResult, document, summary
 from syncsgd.training.run import (
     Run,
     agree,
@@ -51,24 +51,26 @@ from syncsgd.training.step import DataParallelStep
 from syncsgd.training.timeline import Timeline
 from syncsgd.training.timeline import write as write_timeline
 from syncsgd.training.variants import variant
+from syncsgd.util import jsonout
 from syncsgd.util.files import atomic_file
 
 
 def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
                timeline_path: str | None = None, save_path: str | None = None,
-               quiet: bool = True, record_digests: bool = False) -> TrainResult:  # fmt: skip
+               json_path: str | None = None, quiet: bool = True,
+               record_digests: bool = False) -> TrainResult:  # fmt: skip
     """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary.
 
     A collective that makes no progress for `run.config.timeout` seconds ends the job.
     """
     with collective_timeout(comm, run.config.timeout):
         return _train_rank(comm, run, log_path=log_path, timeline_path=timeline_path,
-                           save_path=save_path, quiet=quiet,
+                           save_path=save_path, json_path=json_path, quiet=quiet,
                            record_digests=record_digests)  # fmt: skip
 
 
 def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str | None,
-                save_path: str | None, quiet: bool,
+                save_path: str | None, json_path: str | None, quiet: bool,
                 record_digests: bool) -> TrainResult:  # fmt: skip
     """`train_rank` within its collective timeout."""
     from syncsgd.nn.kernels import first_load, limit_blas_threads  # imports Numba: when training
@@ -101,7 +103,7 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
         assert timeline_path is not None  # a timeline is kept only with a path to write it to
         write_timeline(Watched(comm, "the timeline's gather"), timeline, timeline_path)
     if master_process:
-        finish(comm, run, result, save_path, quiet)
+        finish(comm, run, result, Outputs(save_path, json_path), quiet)
     return result
 
 
@@ -193,20 +195,29 @@ def hold_checkpoints(comm: Any, run: Run, outputs: contextlib.ExitStack) -> None
     agree(comm, error)
 
 
-def finish(comm: Any, run: Run, result: TrainResult, save_path: str | None, quiet: bool) -> None:
-    """Rank 0: the loss and accuracy on all the data, the saved parameters, the summary line."""
+class Outputs(NamedTuple):
+    """What rank 0 writes when training ends (None: not asked for)."""
+
+    save: str | None = None  # the final parameters (.npz)
+    json: str | None = None  # the run's summary
+
+
+def finish(comm: Any, run: Run, result: TrainResult, outputs: Outputs, quiet: bool) -> None:
+    """Rank 0: loss and accuracy on all the data, then --save, --json and the summary line."""
     from syncsgd.training.batchnorm import evaluate  # BatchNorm: its running statistics
 
     result.final_loss, accuracy = evaluate(run.model, result.params, result.running,
                                            run.config.bn_eps, run.X, run.y)  # fmt: skip
     result.accuracy = None if run.config.loss != "xent" else accuracy
-    if result.stopped_after is not None:  # interrupted: a checkpoint, not final parameters
-        return
-    if save_path is not None:
-        save_params(save_path, result)
-    if not quiet:
-        backend = "threads" if isinstance(comm, ThreadComm) else "MPI"
-        print(summary(result, comm.Get_size(), backend), flush=True)
+    threads, stopped = isinstance(comm, ThreadComm), result.stopped_after is not None
+    if outputs.save is not None and not stopped:  # interrupted: a checkpoint, not final ones
+        save_params(outputs.save, result)
+    if outputs.json is not None:  # also after a stop: the run so far, with stopped_after
+        backend = "threads" if threads else "mpi"
+        jsonout.write(outputs.json, document(result, comm.Get_size(), backend, run.config))
+    if not quiet and not stopped:
+        print(summary(result, comm.Get_size(), "threads" if threads else "MPI", outputs.save),
+              flush=True)  # fmt: skip
 
 
 def save_params(path: str, result: TrainResult) -> None:
@@ -228,18 +239,18 @@ def log_file(path: str | None) -> Iterator[TextIO | None]:
 
 def train(config: TrainConfig | None = None, *, ranks: int = 1, backend: str = "threads",
           log: str | None = None, save: str | None = None, timeline: str | None = None,
-          **options: Any) -> TrainResult:  # fmt: skip
+          json: str | None = None, **options: Any) -> TrainResult:  # fmt: skip
     """Train on `ranks` thread ranks (or this MPI rank) and return rank 0's result.
 
-    `options` are TrainConfig fields and override those of `config`; `log`, `save` and
-    `timeline` are the paths of the outputs of `syncsgd train`.
+    `options` are TrainConfig fields and override those of `config`; `log`, `save`,
+    `timeline` and `json` are the paths of the outputs of `syncsgd train`.
     """
     config = replace(config or TrainConfig(), **options)
-    check_outputs(config, save=save, log=log, timeline=timeline)
+    check_outputs(config, save=save, log=log, timeline=timeline, json=json)
     # Loaded once, shared read-only by the thread ranks.
     run = prepare(config, ranks if backend == "threads" else 1)
     results = launch(train_rank, run, backend=backend, ranks=ranks, log_path=log,
-                     save_path=save, timeline_path=timeline)  # fmt: skip
+                     save_path=save, timeline_path=timeline, json_path=json)  # fmt: skip
     return results[0]
 
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from syncsgd.nn.mlp import MLP
+
+if TYPE_CHECKING:
+    from syncsgd.training.config import TrainConfig
 
 
 @dataclass
@@ -56,7 +61,7 @@ class NonFiniteError(ValueError):
     """Training diverged: the loss or the gradient of a step is not finite."""
 
 
-def summary(result: TrainResult, comm_size: int, backend: str) -> str:
+def summary(result: TrainResult, comm_size: int, backend: str, saved: str | None = None) -> str:
     """One line: final loss, accuracy, and the steady state's steps/s and allreduce share."""
     extras = "" if result.accuracy is None else f", accuracy {result.accuracy:.4f}"
     if result.evals:
@@ -70,6 +75,10 @@ def summary(result: TrainResult, comm_size: int, backend: str) -> str:
         skipped = len(result.skipped_steps)
         extras += f", {skipped} step{'s' * (skipped != 1)} skipped by the loss scaler"
     steps, ranks = result.steps, comm_size
+    if steps == 0:  # nothing trained: the loss is the initial parameters'
+        where = f"; wrote the initial parameters to {saved}" if saved else ""
+        return (f"trained 0 steps on {ranks} rank{'s' * (ranks != 1)} ({backend}): loss of the "
+                f"initial parameters {result.final_loss:.6g}{extras}{where}")  # fmt: skip
     return (
         f"trained {steps} step{'s' * (steps != 1)} on {ranks} rank{'s' * (ranks != 1)} "
         f"({backend}): final loss {result.final_loss:.6g}{extras}; {timing(result)}"
@@ -78,8 +87,10 @@ def summary(result: TrainResult, comm_size: int, backend: str) -> str:
 
 def timing(result: TrainResult) -> str:
     """Steps/s and the allreduce's share after the first step, and what the first step took."""
+    taken = len(result.losses)  # in this process: a resumed run started further on
+    if taken == 0:  # resumed at its last step
+        return "no step taken in this run"
     if result.steady_steps == 0 or result.steady_seconds <= 0:  # one step: no steady state
-        taken = len(result.losses)  # in this process: a resumed run started further on
         rate = taken / result.seconds if result.seconds > 0 else math.inf
         share = result.comm_seconds / result.seconds if result.seconds > 0 else 0.0
         return (f"{rate:.1f} steps/s, {100 * share:.1f}% of the time in the allreduce "
@@ -91,6 +102,51 @@ def timing(result: TrainResult) -> str:
         f"after the first step: {rate:.1f} steps/s, {100 * share:.1f}% of the time in the "
         f"allreduce (the first step, start-up included, took {_duration(first)})"
     )
+
+
+def sha256(params: np.ndarray) -> str:
+    """SHA-256 of the parameters' bytes (hex)."""
+    return hashlib.sha256(np.ascontiguousarray(params).tobytes()).hexdigest()
+
+
+SCALARS = {"int", "float", "bool", "None"}  # the annotations of a result's scalar fields
+
+
+def document(result: TrainResult, comm_size: int, backend: str,
+             config: TrainConfig) -> dict[str, Any]:  # fmt: skip
+    """The run as JSON: every scalar field of the result, the losses, evaluations, the digest."""
+    scalars = {item.name: getattr(result, item.name) for item in fields(result)
+               if {part.strip() for part in str(item.type).split("|")} <= SCALARS}  # fmt: skip
+    held = [{"step": step, "loss": held_loss, "accuracy": held_accuracy}
+            for step, held_loss, held_accuracy in result.evals]  # fmt: skip
+    out: dict[str, Any] = {"ranks": comm_size, "backend": backend, **scalars,
+                           "losses": result.losses, "evals": held,
+                           "skipped_steps": result.skipped_steps,
+                           "params_sha256": sha256(result.params)}  # fmt: skip
+    for kept in ("loss_scales", "noise_scales"):  # where kept: with loss scaling, --noise-scale
+        if getattr(result, kept):
+            out[kept] = getattr(result, kept)
+    out["null_because"] = null_reasons(out, config)
+    return out
+
+
+def null_reasons(out: dict[str, Any], config: TrainConfig) -> dict[str, str]:
+    """Why fields of the document `out` are null, where the reason is not plain."""
+    targets = config.target_loss is not None or config.target_accuracy is not None
+    no_accuracy = f"no accuracy with --loss {config.loss}"
+    reasons = {
+        "accuracy": no_accuracy,
+        "first_step_seconds": "no step taken",
+        "steps_to_target": "target not met" if targets else "no --target-loss/--target-accuracy",
+        "noise_scale": "needs 2 or more ranks" if config.noise_scale else "no --noise-scale",
+    }
+    nulls = {name: why for name, why in reasons.items() if out.get(name) is None}
+    if config.loss != "xent" and out["evals"]:
+        nulls["evals.accuracy"] = no_accuracy
+    for name, value in out.items():  # written as null by the strict JSON
+        if isinstance(value, float) and not math.isfinite(value):
+            nulls[name] = "not finite"
+    return nulls
 
 
 def _duration(seconds: float) -> str:

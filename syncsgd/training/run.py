@@ -113,7 +113,8 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     optim = OptimConfig(
         lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
         weight_decay=config.weight_decay, schedule=config.schedule,
-        warmup_steps=config.warmup_steps, total_steps=steps, lr_scaling=config.lr_scaling,
+        warmup_steps=config.warmup_steps, total_steps=max(steps, 1),  # 0 steps: no lr is used
+        lr_scaling=config.lr_scaling,
         base_batch=config.base_batch, batch_size=config.batch_size,
         noam_dim=max(config.hidden, default=sizes[0]),
         clip_norm=variant(config.pitfall, config.clip_norm).global_clip_norm(),
