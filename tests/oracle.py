@@ -154,15 +154,24 @@ def layer_backward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray, y: np.
 
 
 def network_loss_and_grad(spec: str, params: Mapping[str, np.ndarray], X: np.ndarray,
-                          y: np.ndarray, loss: str) -> tuple[float, dict[str, np.ndarray]]:
-    """Mean loss over the batch and its gradient, layer by layer through the spec."""
+                          y: np.ndarray, loss: str, eps: float = 1e-5,
+                          saved: dict | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    """Mean loss over the batch and its gradient, layer by layer through the spec.
+
+    A batchnorm layer normalises over the whole batch; `saved` receives its state by position.
+    """
     layers = read_spec(spec)
     per_layer = [{name.partition(".")[2]: value for name, value in params.items()
                   if name.partition(".")[0] == str(position)}
                  for position in range(len(layers))]
+    saved = {} if saved is None else saved
     outputs = [X]
-    for (kind, _), p in zip(layers, per_layer):
-        outputs.append(layer_forward(kind, p, outputs[-1]))
+    for position, ((kind, _), p) in enumerate(zip(layers, per_layer)):
+        if kind == "batchnorm":
+            out, saved[position] = batch_norm(outputs[-1], p["weight"], p["bias"], eps)
+            outputs.append(out)
+        else:
+            outputs.append(layer_forward(kind, p, outputs[-1]))
     logits = outputs[-1]
     batch = len(X)
     if loss == "xent":
@@ -173,11 +182,15 @@ def network_loss_and_grad(spec: str, params: Mapping[str, np.ndarray], X: np.nda
         delta = 2 * (logits - y) / logits.shape[1]
     grads = {}
     for position in reversed(range(len(layers))):
-        sums, delta = layer_backward(layers[position][0], per_layer[position],
-                                     outputs[position], outputs[position + 1], delta)
+        if position in saved:
+            delta, dweight, dbias = batch_norm_backward(delta, saved[position])
+            sums = {"weight": dweight, "bias": dbias}
+        else:
+            sums, delta = layer_backward(layers[position][0], per_layer[position],
+                                         outputs[position], outputs[position + 1], delta)
         grads.update({f"{position}.{name}": value / batch for name, value in sums.items()})
     mean_loss = float(per_sample_losses(logits, y, loss).sum()) / batch
-    return mean_loss, {name: grads[name] for name in params}
+    return mean_loss, {name: grads[name] for name in params if name in grads}
 
 
 def batch_indices(
@@ -292,17 +305,21 @@ def serial_sgd(
     if not 1 <= batch_size <= len(X):
         raise ValueError(f"batch size {batch_size} must be in 1..{len(X)}")
     float_type = np.dtype(dtype)
-    theta = {name: np.array(value, dtype=float_type) for name, value in params.items()}
+    theta = {name: np.array(value, dtype=float_type) for name, value in params.items()
+             if "running" not in name}
     X = np.asarray(X, dtype=float_type)
     y = np.asarray(y, dtype=np.int64 if loss == "xent" else float_type)
     velocity = None
     losses = []
-    running = initial_running(theta)
+    running = initial_running(theta) if spec is None else initial_network_running(spec, theta)
     for step in range(steps):
         rows = batch_indices(step, len(X), batch_size, seed, shuffle)
         saved: list = []
         if spec is not None:
-            value, grads = network_loss_and_grad(spec, theta, X[rows], y[rows], loss)
+            by_position: dict = {}
+            value, grads = network_loss_and_grad(spec, theta, X[rows], y[rows], loss, bn_eps,
+                                                 by_position)
+            update_network_running(running, by_position, bn_momentum)
         else:
             value, grads = loss_and_grad(
                 theta, X[rows], y[rows], hidden_activation=hidden_activation, loss=loss,
@@ -345,17 +362,41 @@ def initial_running(params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return running
 
 
+def initial_network_running(spec: str, params: Mapping[str, np.ndarray]) -> dict:
+    """"<position>.running_mean" 0 and "<position>.running_var" 1 of every batchnorm layer."""
+    running = {}
+    for position, (kind, _) in enumerate(read_spec(spec)):
+        if kind == "batchnorm":
+            weight = params[f"{position}.weight"]
+            running[f"{position}.running_mean"] = np.zeros_like(weight)
+            running[f"{position}.running_var"] = np.ones_like(weight)
+    return running
+
+
+def update_network_running(running: dict, saved: dict, momentum: float) -> None:
+    """The running statistics of a network's batchnorm layers after one step, as PyTorch's."""
+    for position, state in saved.items():
+        move_running(running, f"{position}.running_mean", f"{position}.running_var", state,
+                     momentum)
+
+
 def update_running(running: dict[str, np.ndarray], saved: list, momentum: float) -> None:
     """running = (1 - momentum) running + momentum batch; the batch variance unbiased (n >= 2)."""
-    for layer, (z, mean, var, *_) in enumerate(saved):
-        n = len(z)
-        old_mean = running[f"running_mean{layer}"]
-        running[f"running_mean{layer}"] = ((1 - momentum) * old_mean + momentum * mean).astype(
-            old_mean.dtype)
-        if n >= 2:
-            old_var = running[f"running_var{layer}"]
-            running[f"running_var{layer}"] = (
-                (1 - momentum) * old_var + momentum * var * n / (n - 1)).astype(old_var.dtype)
+    for layer, state in enumerate(saved):
+        move_running(running, f"running_mean{layer}", f"running_var{layer}", state, momentum)
+
+
+def move_running(running: dict, mean_name: str, var_name: str, state: tuple,
+                 momentum: float) -> None:
+    """One layer's running mean and variance after a batch normalised with `state`."""
+    z, mean, var, *_ = state
+    n = len(z)
+    old_mean = running[mean_name]
+    running[mean_name] = ((1 - momentum) * old_mean + momentum * mean).astype(old_mean.dtype)
+    if n >= 2:
+        old_var = running[var_name]
+        running[var_name] = (
+            (1 - momentum) * old_var + momentum * var * n / (n - 1)).astype(old_var.dtype)
 
 
 def evaluation_loss(params: Mapping[str, np.ndarray], X: np.ndarray, y: np.ndarray, *,

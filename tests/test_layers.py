@@ -211,3 +211,65 @@ def test_help_lists_every_layer():
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     for signature in ("dense(width)", "relu", "tanh"):
         assert signature in done.stdout
+
+
+# -- batchnorm where the spec puts it: sync is serial SGD, local depends on P ------------------------
+
+BN_SPEC = "dense(6) batchnorm relu dense(5) batchnorm tanh dense"
+
+
+@pytest.mark.parametrize("ranks, batch_size", [(1, 12), (3, 12), (5, 7), (13, 12)])
+def test_sync_batchnorm_trains_as_the_oracle(ranks, batch_size):
+    config = TrainConfig(model=BN_SPEC, **{**SMALL, "batch_size": batch_size})
+    result = train(config, ranks=ranks)
+    run = prepare(config)
+    start = run.model.to_arrays(run.model.init_params(config.seed))
+    expected, _ = serial_sgd(run.X, run.y, start, spec=BN_SPEC, steps=SMALL["steps"],
+                             batch_size=batch_size, lr=SMALL["lr"])  # fmt: skip
+    ours = {**run.model.to_arrays(result.params), **run.model.running_views(result.running)}
+    assert sorted(ours) == sorted(expected)
+    assert relative(ours, expected) < 1e-9
+
+
+def test_local_batchnorm_on_one_rank_is_the_serial_run_and_differs_on_two():
+    config = TrainConfig(model=BN_SPEC, batchnorm="local", **SMALL)
+    sync_one = train(config, ranks=1, batchnorm="sync")
+    assert digest(train(config, ranks=1).params) == digest(sync_one.params)
+    assert digest(train(config, ranks=2).params) != digest(sync_one.params)
+
+
+@given(ranks=st.integers(2, 6), batch_size=st.integers(1, 12),
+       precision=st.sampled_from(["fp32", "bf16"]))  # fmt: skip
+def test_exact_sync_batchnorm_is_bitwise_for_any_number_of_ranks(ranks, batch_size, precision):
+    config = TrainConfig(model=BN_SPEC, exact=True, precision=precision,
+                         **{**SMALL, "batch_size": batch_size, "steps": 3})  # fmt: skip
+    serial = train(config, ranks=1)
+    distributed = train(config, ranks=ranks)
+    assert digest(distributed.params) == digest(serial.params)
+    assert digest(distributed.running) == digest(serial.running)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_overlap_with_sync_batchnorm_gives_the_same_bits(exact):
+    config = TrainConfig(model=BN_SPEC, exact=exact, bucket_bytes=0, **SMALL)
+    plain, overlapped = train(config, ranks=3), train(config, ranks=3, overlap=True)
+    assert digest(overlapped.params) == digest(plain.params)
+    assert digest(overlapped.running) == digest(plain.running)
+
+
+def test_batchnorm_state_dict_is_pytorchs_and_evaluation_uses_the_running_statistics(tmp_path):
+    torch = pytest.importorskip("torch", reason="PyTorch (the peers extra) is not installed")
+    saved = tmp_path / "bn.npz"
+    config = TrainConfig(model="dense(6) batchnorm relu dense", **SMALL)
+    result = train(config, ranks=2, save=str(saved))
+    module = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.BatchNorm1d(6),
+                                 torch.nn.ReLU(), torch.nn.Linear(6, 3)).double()  # fmt: skip
+    with np.load(saved) as archive:
+        state = {name: torch.from_numpy(archive[name]) for name in archive.files}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    assert set(missing) <= {"1.num_batches_tracked"} and not unexpected
+    module.eval()
+    run = prepare(config)
+    logits = module(torch.from_numpy(run.X))
+    loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(run.y))
+    assert result.final_loss == pytest.approx(float(loss.detach()), rel=1e-12)

@@ -38,18 +38,23 @@ class Backprop:
         self._losses = np.zeros(self.max_batch * self._positions(), np.float64)
         self._views: dict[tuple[int, int], list[dict[str, np.ndarray]]] = {}
         self._weights: np.ndarray | None = None
+        self._running: np.ndarray | None = None
         self.m = 0  # samples of the pass under way
 
     def _positions(self) -> int:
         """Loss terms per sample: one per position of the last output (its leading axes)."""
         return size_of(self.network.layers[-1].out_shape[:-1])
 
-    def forward_loss_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, int]:
-        """The forward pass and the per-sample losses; (loss sum, hits); the logits' delta."""
+    def forward_loss_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                      running: np.ndarray | None = None) -> tuple[float, int]:  # fmt: skip
+        """The forward pass and the per-sample losses; (loss sum, hits); the logits' delta.
+
+        `running`: the running statistics, which batchnorm layers update (training) or use."""
         X, y = self.checked(params, X, y)
         self.m = m = X.shape[0]
-        self._weights = weights = self.nx.weights(params)
-        views = self.views(weights)
+        weights = self.nx.weights(params)
+        self._weights, self._running = weights, running
+        views = self.views(weights, running)
         x = self.nx.inputs_(X, self._block(self._inputs, m, self.network.in_shape))
         for layer, out in zip(self.network.layers, self._outputs, strict=True):
             block = self._block(out, m, layer.out_shape)
@@ -59,13 +64,13 @@ class Backprop:
         losses = self._losses[: m * self._positions()]
         delta = self._block(self._grads[-1], m, self.network.layers[-1].out_shape)
         correct = self.loss.forward_delta_(self.nx, x, y, delta, losses)
-        return self.nx.loss_sum(losses), correct
+        return self.nx.loss_sum(losses, self._positions()), correct
 
     def backward_(self, grads: np.ndarray, top: int, bottom: int) -> None:
         """Layers top down to bottom: gradient sums added into `grads`, the deltas below."""
         assert self._weights is not None, "backward_ follows forward_loss_"
         m, layers = self.m, self.network.layers
-        views, grad_views = self.views(self._weights), self.views(grads)
+        views, grad_views = self.views(self._weights, self._running), self.views(grads)
         for position in range(top, bottom - 1, -1):
             layer = layers[position]
             x = self._input_of(position, m)
@@ -82,11 +87,12 @@ class Backprop:
         return self._block(self._outputs[position - 1], m,
                            self.network.layers[position - 1].out_shape)  # fmt: skip
 
-    def views(self, flat: np.ndarray) -> list[dict[str, np.ndarray]]:
-        """Per layer, the views of its arrays in `flat` (made once per buffer)."""
-        key = (flat.__array_interface__["data"][0], flat.size)
+    def views(self, flat: np.ndarray,
+              running: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:  # fmt: skip
+        """Per layer, the views of its arrays in `flat` (and `running`), made once per buffer."""
+        key = (address(flat), address(running))
         if key not in self._views:
-            self._views[key] = self.network.layer_views(flat)
+            self._views[key] = self.network.layer_views(flat, running)
         return self._views[key]
 
     @staticmethod
@@ -118,21 +124,31 @@ class Backprop:
         return X, y
 
 
-def evaluate(network: Network, params: np.ndarray, X: np.ndarray,
-             y: np.ndarray) -> tuple[float, float]:  # fmt: skip
-    """(mean loss, accuracy) over all samples in float mode; accuracy is nan for mse."""
+def address(values: np.ndarray | None) -> tuple[int, int]:
+    """Where an array's data starts and how long it is ((0, 0) for None)."""
+    return (0, 0) if values is None else (values.__array_interface__["data"][0], values.size)
+
+
+def evaluate(network: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+             running: np.ndarray | None = None, eps: float = 1e-5) -> tuple[float, float]:
+    """(mean loss, accuracy) over all samples in float mode, batchnorm with the running
+    statistics; accuracy is nan for mse."""
     from syncsgd.nn.kernels import EVALUATE_CHUNK
-    from syncsgd.nn.numerics import Float
+    from syncsgd.nn.numerics import Float, LocalGroup
 
     n_samples = len(X)
     if n_samples == 0:
         raise ValueError("evaluate needs at least one sample")
     chunk = min(n_samples, EVALUATE_CHUNK)
-    passes = Backprop(network, chunk, Float(network.dtype, 0))
+    nx = Float(network.dtype, 0)
+    nx.group = LocalGroup(training=False, eps=eps)
+    passes = Backprop(network, chunk, nx)
+    if running is None:
+        running = network.init_running()
     loss_sum, correct = 0.0, 0
     for start in range(0, n_samples, chunk):
         part_loss, part_correct = passes.forward_loss_(params, X[start : start + chunk],
-                                                       y[start : start + chunk])  # fmt: skip
+                                                       y[start : start + chunk], running)  # fmt: skip
         loss_sum, correct = loss_sum + part_loss, correct + part_correct
     terms = n_samples * passes._positions()
     accuracy = correct / terms if network.loss == "xent" else float("nan")

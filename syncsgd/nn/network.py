@@ -184,16 +184,17 @@ class Network:
         if shape[-1:] != (self.outputs,):
             raise ValueError(f"--model {self.spec!r} ends in shape {shape}: its last layer must "
                              f"give the {self.outputs} outputs of the loss")  # fmt: skip
-        self._layout = self._make_layout()
+        self._layout = self._make_layout("params")
+        self._running = self._make_layout("buffers")
         self.n_params = sum(size_of(shape) for _, shape, _ in self._layout)
 
     # -- the flat buffer ---------------------------------------------------------------------
 
-    def _make_layout(self) -> list[tuple[str, Shape, int]]:
-        """(name, shape, offset) of every parameter array, layer by layer."""
+    def _make_layout(self, which: str) -> list[tuple[str, Shape, int]]:
+        """(name, shape, offset) of every parameter (or buffer) array, layer by layer."""
         entries, offset = [], 0
         for layer in self.layers:
-            for param in layer.params():
+            for param in getattr(layer, which)():
                 entries.append((f"{layer.position}.{param.name}", param.shape, offset))
                 offset += size_of(param.shape)
         return entries
@@ -224,10 +225,14 @@ class Network:
         return {name: flat[offset : offset + size_of(shape)].reshape(shape)
                 for name, shape, offset in self._layout}  # fmt: skip
 
-    def layer_views(self, flat: np.ndarray) -> list[dict[str, np.ndarray]]:
-        """Per layer, its arrays' views by their PyTorch names ("weight", "bias", ...)."""
+    def layer_views(self, flat: np.ndarray,
+                    running: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:  # fmt: skip
+        """Per layer, its arrays' views by their PyTorch names ("weight", "running_mean", ...)."""
         per_layer: list[dict[str, np.ndarray]] = [{} for _ in self.layers]
-        for name, view in self.views(flat).items():
+        views = self.views(flat)
+        if running is not None:
+            views.update(self.running_views(running))
+        for name, view in views.items():
             position, _, short = name.partition(".")
             per_layer[int(position)][short] = view
         return per_layer
@@ -248,7 +253,7 @@ class Network:
 
     def from_arrays(self, arrays: Mapping) -> np.ndarray:
         """A flat buffer in this network's dtype from arrays by name (an .npz, a state_dict)."""
-        names = self.param_names()
+        names = {*self.param_names(), *(name for name, _, _ in self._running)}
         extra = sorted(k for k in arrays.keys() if _PARAM_NAME.fullmatch(k) and k not in names)
         if extra:
             raise ValueError(f"parameter {extra[0]!r} does not belong to --model {self.spec!r}")
@@ -260,21 +265,45 @@ class Network:
             views[name][...] = _checked(name, arrays[name], shape)
         return flat
 
-    # -- running statistics (none yet: no layer keeps any) -------------------------------------
+    # -- running statistics: a second flat buffer, "<position>.running_mean", ... --------------
 
-    n_running = 0
+    def running_layout(self) -> list[tuple[str, Shape, int]]:
+        """(name, shape, offset) of every running statistic in its flat buffer (empty: none)."""
+        return list(self._running)
+
+    @property
+    def n_running(self) -> int:
+        """Length of the flat buffer of running statistics (0 without batchnorm)."""
+        return sum(size_of(shape) for _, shape, _ in self._running)
 
     def init_running(self) -> np.ndarray:
-        """No running statistics."""
-        return np.zeros(0, self.dtype)
+        """The running statistics PyTorch starts from: every mean 0, every variance 1."""
+        running = np.zeros(self.n_running, dtype=self.dtype)
+        views = self.running_views(running)
+        for layer in self.layers:
+            for buffer in layer.buffers():
+                views[f"{layer.position}.{buffer.name}"][...] = buffer.draw(np.random.default_rng(0))
+        return running
 
     def running_views(self, running: np.ndarray) -> dict[str, np.ndarray]:
-        """No running statistics."""
-        return {}
+        """Views into the flat running statistics by name."""
+        if running.shape != (self.n_running,):
+            raise ValueError(
+                f"expected {self.n_running} running statistics, got {describe(running)}"
+            )
+        return {name: running[offset : offset + size_of(shape)].reshape(shape)
+                for name, shape, offset in self._running}  # fmt: skip
 
     def running_from_arrays(self, arrays: Mapping) -> np.ndarray:
-        """No running statistics."""
-        return self.init_running()
+        """Running statistics from arrays by name; the missing ones at their defaults."""
+        running = self.init_running()
+        views = self.running_views(running)
+        for name, shape, _ in self._running:
+            if name in arrays:
+                views[name][...] = _checked(name, arrays[name], shape)
+            if name.endswith("running_var") and np.any(views[name] < 0):
+                raise ValueError(f"{name!r} holds a negative variance")
+        return running
 
     # -- sizes -----------------------------------------------------------------------------------
 

@@ -17,12 +17,14 @@ and their bits do not depend on how the batch is split. docs/exact-mode.md has t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numba import njit
 
 from syncsgd.nn import exact as ex
 from syncsgd.nn import precision as pr
+from syncsgd.nn.batchnorm import magics
 
 MODES = ("float", "exact")
 
@@ -79,6 +81,71 @@ def sum_in_order(values):
     return total
 
 
+@njit(nogil=True, cache=True, inline="always")
+def term(a, b, c, kind, i, j, k):
+    """Value (i, j, k)'s term of channel j's sum, in float64: a, (a - c)^2 or a b."""
+    value = np.float64(a[i, j, k])
+    if kind == 1:
+        centred = value - c[j]
+        return centred * centred
+    if kind == 2:
+        return value * np.float64(b[i, j, k])
+    return value
+
+
+@njit(nogil=True, cache=True)
+def channel_sums_(a, b, c, kind, out):
+    """out[j] += the sum over samples and positions, in that order, of the term."""
+    m, n, s = a.shape
+    for i in range(m):
+        for j in range(n):
+            for k in range(s):
+                out[j] += term(a, b, c, kind, i, j, k)
+
+
+@njit(nogil=True, cache=True)
+def channel_peaks_(a, b, c, kind, out):
+    """out[j] = max |term| over channel j; inf where a term is NaN or infinite (0 if empty)."""
+    m, n, s = a.shape
+    out[:] = 0.0
+    for i in range(m):
+        for j in range(n):
+            for k in range(s):
+                magnitude = abs(term(a, b, c, kind, i, j, k))
+                if not magnitude <= out[j]:  # larger, or NaN
+                    out[j] = magnitude if magnitude < np.inf else np.inf
+
+
+@njit(nogil=True, cache=True)
+def extract_channel_sums_(a, b, c, kind, magics, out):
+    """out[j] += the sum of hi(term), hi(v) = (magic_j + v) - magic_j: exact, in any order."""
+    m, n, s = a.shape
+    for i in range(m):
+        for j in range(n):
+            for k in range(s):
+                out[j] += (magics[j] + term(a, b, c, kind, i, j, k)) - magics[j]
+
+
+class LocalGroup:
+    """Whose samples BatchNorm's statistics are over: this rank's shard alone (or evaluation)."""
+
+    def __init__(self, training: bool = True, eps: float = 1e-5, momentum: float = 0.1) -> None:
+        self.training, self.eps, self.momentum = training, eps, momentum
+        self._stats: dict[int, Any] = {}
+
+    def stats(self, position: int, kind: Any, width: int) -> Any:
+        """The statistics of the layer at `position`, made on first use."""
+        if position not in self._stats:
+            self._stats[position] = kind(width)
+        return self._stats[position]
+
+    def sum_(self, values: np.ndarray) -> None:
+        """The shard's sums are the group's."""
+
+    def max_(self, values: np.ndarray) -> None:
+        """The shard's peaks are the group's."""
+
+
 class Float:
     """BLAS products in the model's dtype; sums over samples in BLAS or in sample order."""
 
@@ -87,6 +154,7 @@ class Float:
     def __init__(self, dtype: np.dtype, max_weights: int) -> None:
         self.dtype = np.dtype(dtype)  # of the activations and deltas
         self.scale = 1.0  # the loss scale: deltas are of `scale` times the loss
+        self.group: LocalGroup = LocalGroup()  # BatchNorm's statistics group
         self._product = np.zeros(max_weights, self.dtype)  # one weight gradient before it is added
 
     def weights(self, params: np.ndarray) -> np.ndarray:
@@ -110,17 +178,23 @@ class Float:
         if self.scale != 1.0:
             delta *= self.scale
 
-    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray) -> None:
+    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
+                   per_sample: int = 1) -> None:  # fmt: skip
         """g += a^T b: the sum over samples inside BLAS."""
         product = self._product[: g.size].reshape(g.shape)
         float_matmul_(a.T, b, product, False)
         g += product
 
-    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray) -> None:
+    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray, per_sample: int = 1) -> None:
         """g += the column sums of d, in sample order."""
         add_columns_(d, g)
 
-    def loss_sum(self, losses: np.ndarray) -> float:
+    def agreed_sums_(self, kind: int, a: np.ndarray, b: np.ndarray, c: np.ndarray,
+                     out: np.ndarray) -> None:  # fmt: skip
+        """out += per-channel sums of the term over (m, C, S) blocks, in sample order."""
+        channel_sums_(a, b, c, kind, out)
+
+    def loss_sum(self, losses: np.ndarray, per_sample: int = 1) -> float:
         """The sum of the per-sample losses, in sample order."""
         return float(sum_in_order(losses))
 
@@ -151,13 +225,14 @@ class Narrow(Float):
         """delta = round(delta * scale): the loss scale, then the format."""
         pr.scale_round_(delta, float(self.scale), self.fmt)
 
-    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray) -> None:
+    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
+                   per_sample: int = 1) -> None:  # fmt: skip
         """g += round(a^T b), the product summed in float32."""
         product = self._product[: g.size].reshape(g.shape)
         float_matmul_(a.T, b, product, False)
         add_narrow_(product.reshape(-1), g.reshape(-1), self.fmt)
 
-    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray) -> None:
+    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray, per_sample: int = 1) -> None:
         """g += round(column sums of d), summed in float32."""
         narrow_column_sum_(d, g, self.fmt)
 
@@ -172,6 +247,7 @@ class Term:
     a: np.ndarray
     b: np.ndarray | None
     first_bound: int  # index of its first peak in the bounds vector
+    per_sample: int  # terms per sample in each element's sum (positions of a sequence or image)
 
 
 class Exact(Float):
@@ -182,12 +258,22 @@ class Exact(Float):
     def __init__(self, dtype: np.dtype, max_weights: int, max_block: int) -> None:
         super().__init__(dtype, max_weights)
         self.terms: list[Term] = []
+        self.global_batch = 1  # B: the most terms any sum of the step has
         self.peaks: list[float] = []
         self._transposed = np.zeros(max_weights, self.dtype)
         self._sums = np.zeros(max_weights, np.float64)
         self._widened = np.zeros(max_block, np.float64)
         # a tile of accumulator rows: at most ACCUMULATOR_TILE_BYTES, or one row of the widest
         self._counts = np.zeros(max(ex.ACCUMULATOR_TILE_BYTES // 8, max_weights), np.int64)
+
+    def agreed_sums_(self, kind: int, a: np.ndarray, b: np.ndarray, c: np.ndarray,
+                     out: np.ndarray) -> None:  # fmt: skip
+        """out += per-channel sums extracted at the fixed point of the group's agreed peaks."""
+        peaks = np.zeros(out.size)
+        channel_peaks_(a, b, c, kind, peaks)
+        self.group.max_(peaks)
+        count = self.global_batch * a.shape[2]  # the most terms a channel's sum has, any split
+        extract_channel_sums_(a, b, c, kind, magics(peaks, count), out)
 
     def begin_(self) -> None:
         """Forget the last pass's terms."""
@@ -202,20 +288,21 @@ class Exact(Float):
             b = b_T
         ex.fixed_order_product_(a, b, out)
 
-    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray) -> None:
+    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
+                   per_sample: int = 1) -> None:  # fmt: skip
         """Register g += sum of a_i b_i^T, with the peaks of a and b."""
-        self._register(Term(layer, "outer", g, a, b, len(self.peaks)))
+        self._register(Term(layer, "outer", g, a, b, len(self.peaks), per_sample))
         self.peaks += [ex.peak_magnitude(a.reshape(-1)), ex.peak_magnitude(b.reshape(-1))]
 
-    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray) -> None:
+    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray, per_sample: int = 1) -> None:
         """Register g += the column sums of d, with the peak of d."""
-        self._register(Term(layer, "columns", g, d, None, len(self.peaks)))
+        self._register(Term(layer, "columns", g, d, None, len(self.peaks), per_sample))
         self.peaks.append(ex.peak_magnitude(d.reshape(-1)))
 
-    def loss_sum(self, losses: np.ndarray) -> float:
+    def loss_sum(self, losses: np.ndarray, per_sample: int = 1) -> float:
         """Register the loss sum (extracted with the gradient); its value comes later."""
         self._register(Term(-1, "loss", np.zeros(1), losses.reshape(-1, 1), None,
-                            len(self.peaks)))  # fmt: skip
+                            len(self.peaks), per_sample))  # fmt: skip
         self.peaks.append(ex.peak_magnitude(losses))
         return 0.0
 
@@ -234,7 +321,7 @@ class Exact(Float):
             value = float(bounds[term.first_bound])
             if term.kind == "outer":
                 value *= float(bounds[term.first_bound + 1])
-            exponent = ex.slot_exponent(value, global_batch)
+            exponent = ex.slot_exponent(value, global_batch * term.per_sample)
             scales.append((float(np.ldexp(1.5, exponent)),
                            float(np.ldexp(1.0, exponent - ex.UNIT_BITS))))  # fmt: skip
         return scales

@@ -9,19 +9,24 @@ bucket to its allreduce as soon as its layers are done.
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Any
 
 import numpy as np
 
+from syncsgd.collectives import allreduce as collective_allreduce
 from syncsgd.comm.watchdog import watching
 from syncsgd.comm.world import constants
 from syncsgd.nn.network import Network
+from syncsgd.nn.numerics import LocalGroup
 
 
 class LayeredLocalGradient:
     """This rank's gradient SUM and loss sum, in the buffer the allreduce sums."""
 
-    def __init__(self, config: Any, network: Network, max_batch: int, buffer: Any) -> None:
+    def __init__(self, config: Any, network: Network, max_batch: int, buffer: Any,
+                 trace: Any = None) -> None:  # fmt: skip
         from syncsgd.nn.backprop import Backprop  # imports Numba: only when training
         from syncsgd.nn.numerics import numerics
 
@@ -29,12 +34,27 @@ class LayeredLocalGradient:
                            network.largest_weight(), max_batch * network.largest_block(),
                            network.n_params)  # fmt: skip
         self.passes = Backprop(network, max_batch, self.nx)
+        self.nx.global_batch = config.batch_size
+        self.allreduce_ = functools.partial(collective_allreduce, algorithm=config.algorithm,
+                                            check=False, trace=trace)  # fmt: skip
+        self.group = StatsGroup(self, config.batchnorm == "local", config.bn_eps,
+                                config.bn_momentum)  # fmt: skip
+        self.nx.group = self.group
+        # BatchNorm's running statistics: rank 0's are the run's (local); alike (sync)
+        self.running = network.init_running() if network.n_running else None
+        self.comm_seconds = [0.0, 0.0]  # in BatchNorm's allreduces: the first step, the others
+        self.calls = 0
         self.global_batch, self.n_params = config.batch_size, network.n_params
         self.n_layers = network.n_layers
         self.loss_slot = buffer.register("loss sum").start
         self.exact = config.exact
         self.bounds = np.zeros(0)
         self.scales: list[tuple[float, float]] | None = None  # exact: None if not finite
+
+    @property
+    def sums_between_layers(self) -> bool:
+        """Whether the float-mode backward pass allreduces sums of its own (sync batchnorm)."""
+        return self.running is not None and not self.group.alone and not self.exact
 
     @property
     def scale(self) -> float:
@@ -56,9 +76,10 @@ class LayeredLocalGradient:
         """The forward pass and the loss sum (exact mode: the backward pass and the peaks)."""
         grads = sums[: self.n_params]
         grads[:] = 0  # the layers add their sums
+        self.group.comm, self.calls = comm, self.calls + 1
         if self.exact:
             self.nx.begin_()
-        loss_sum, _ = self.passes.forward_loss_(params, X, y)
+        loss_sum, _ = self.passes.forward_loss_(params, X, y, self.running)
         if not self.exact:
             sums[self.loss_slot] = loss_sum
             return
@@ -88,3 +109,29 @@ class LayeredLocalGradient:
             self.passes.backward_(sums[: self.n_params], top, bottom)
         elif self.scales is not None:
             self.nx.accumulate_(self.scales, top, bottom)
+
+
+class StatsGroup(LocalGroup):
+    """Whose samples BatchNorm's statistics are over: the global batch (sync: the sums
+    allreduced, the hand-written allreduce) or this rank's shard alone (local)."""
+
+    def __init__(self, local: LayeredLocalGradient, alone: bool, eps: float,
+                 momentum: float) -> None:  # fmt: skip
+        super().__init__(True, eps, momentum)
+        self.local, self.alone = local, alone
+        self.comm: Any = None  # the rank's communicator, set at every step
+
+    def sum_(self, values: np.ndarray) -> None:
+        """Sync: the sum over the ranks; local: the shard's alone."""
+        if not self.alone:
+            started = time.perf_counter()
+            self.local.allreduce_(values, self.comm)
+            self.local.comm_seconds[self.local.calls > 1] += time.perf_counter() - started
+
+    def max_(self, values: np.ndarray) -> None:
+        """Sync: the largest over the ranks; local: the shard's own."""
+        if not self.alone:
+            mpi, started = constants(self.comm), time.perf_counter()
+            with watching("batch norm's allreduce of the bounds"):
+                self.comm.Allreduce(mpi.IN_PLACE, values, op=mpi.MAX)
+            self.local.comm_seconds[self.local.calls > 1] += time.perf_counter() - started

@@ -59,6 +59,10 @@ class Layer:
         """The parameter arrays it owns, in buffer order (none by default)."""
         return []
 
+    def buffers(self) -> list[Param]:
+        """The state it keeps beside the parameters (BatchNorm's running statistics), if any."""
+        return []
+
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
         """y = the layer applied to x, sample by sample."""
         raise NotImplementedError

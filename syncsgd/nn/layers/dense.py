@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Param, Shape, rows
+from syncsgd.nn.layers.base import Layer, Param, Shape, rows, size_of
 
 
 class Dense(Layer):
@@ -51,11 +51,12 @@ class Dense(Layer):
                   dx: np.ndarray | None) -> None:  # fmt: skip
         """g.weight += dy^T x, g.bias += column sums of dy; dx = round(dy W)."""
         d, x_rows = rows(dy, self.out_shape[-1]), rows(x, self.in_shape[-1])
+        positions = size_of(self.out_shape[:-1])  # rows per sample: each element sums B of them
         if self.in_out:
-            nx.outer_sum_(self.position, x_rows, d, g["weight"])
+            nx.outer_sum_(self.position, x_rows, d, g["weight"], positions)
         else:
-            nx.outer_sum_(self.position, d, x_rows, g["weight"])
-        nx.column_sum_(self.position, d, g["bias"])
+            nx.outer_sum_(self.position, d, x_rows, g["weight"], positions)
+        nx.column_sum_(self.position, d, g["bias"], positions)
         if dx is not None:
             below = rows(dx, self.in_shape[-1])
             nx.matmul_(d, p["weight"], below, self.in_out)
