@@ -166,7 +166,7 @@ def network_loss_and_grad(spec: str, params: Mapping[str, np.ndarray], X: np.nda
                  for position in range(len(layers))]
     saved = {} if saved is None else saved
     outputs = [X]
-    for position, ((kind, _), p) in enumerate(zip(layers, per_layer)):
+    for position, ((kind, _), p) in enumerate(zip(layers, per_layer, strict=True)):
         if kind == "batchnorm":
             out, saved[position] = batch_norm(outputs[-1], p["weight"], p["bias"], eps)
             outputs.append(out)

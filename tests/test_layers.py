@@ -36,7 +36,7 @@ hidden_layers = st.lists(
 specs = hidden_layers.map(lambda hidden: f"{hidden} dense".strip())
 
 
-# -- one computation two ways: the layers' sums against the oracle's, per layer ------------------
+# -- one computation two ways: the layers' sums against the oracle's, per layer --------------------
 
 
 @pytest.mark.parametrize("loss", ["xent", "mse"])
@@ -70,7 +70,7 @@ def test_gradient_sums_are_the_oracles(loss, mode):
     assert relative(ours, expected) < 1e-13
 
 
-# -- the headline: distributed == serial for any P, exact mode bitwise for any P -----------------
+# -- the headline: distributed == serial for any P, exact mode bitwise for any P -------------------
 
 
 @given(spec=specs, ranks=st.integers(1, 7), batch_size=st.integers(1, 14),
@@ -92,8 +92,8 @@ def test_a_network_trains_as_the_oracle_on_any_number_of_ranks(spec, ranks, batc
 @given(spec=specs, ranks=st.integers(2, 9), batch_size=st.integers(1, 12),
        precision=st.sampled_from(["fp32", "bf16", "fp16"]),
        dtype=st.sampled_from(["float64", "float32"]))  # fmt: skip
-def test_exact_mode_is_bitwise_the_serial_run_for_any_number_of_ranks(spec, ranks, batch_size,
-                                                                      precision, dtype):  # fmt: skip
+def test_exact_mode_is_bitwise_the_serial_run_for_any_number_of_ranks(
+        spec, ranks, batch_size, precision, dtype):  # fmt: skip
     config = TrainConfig(model=spec, exact=True, precision=precision, dtype=dtype, **{
         **SMALL, "batch_size": batch_size, "steps": 3})  # fmt: skip
     serial = train(config, ranks=1)
@@ -121,7 +121,7 @@ def test_a_narrow_precision_stays_near_fp32(precision):
     assert 0 < float(np.abs(narrow.params - wide.params).max()) < 0.05
 
 
-# -- PyTorch's names and shapes, and the starting point handed over ----------------------------------
+# -- PyTorch's names and shapes, and the starting point handed over --------------------------------
 
 
 def test_parameter_names_and_shapes_are_pytorchs():
@@ -174,7 +174,7 @@ def test_the_saved_starting_point_trains_in_the_oracle_as_in_syncsgd(tmp_path):
     assert relative(run.model.to_arrays(result.params), expected) < 1e-12
 
 
-# -- the spec's grammar: one line naming the bad token -----------------------------------------------
+# -- the spec's grammar: one line naming the bad token ---------------------------------------------
 
 
 @pytest.mark.parametrize("spec, named", [
@@ -213,7 +213,7 @@ def test_help_lists_every_layer():
         assert signature in done.stdout
 
 
-# -- batchnorm where the spec puts it: sync is serial SGD, local depends on P ------------------------
+# -- batchnorm where the spec puts it: sync is serial SGD, local depends on P ----------------------
 
 BN_SPEC = "dense(6) batchnorm relu dense(5) batchnorm tanh dense"
 

@@ -147,8 +147,8 @@ def evaluate(network: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,
         running = network.init_running()
     loss_sum, correct = 0.0, 0
     for start in range(0, n_samples, chunk):
-        part_loss, part_correct = passes.forward_loss_(params, X[start : start + chunk],
-                                                       y[start : start + chunk], running)  # fmt: skip
+        rows = slice(start, start + chunk)
+        part_loss, part_correct = passes.forward_loss_(params, X[rows], y[rows], running)
         loss_sum, correct = loss_sum + part_loss, correct + part_correct
     terms = n_samples * passes._positions()
     accuracy = correct / terms if network.loss == "xent" else float("nan")

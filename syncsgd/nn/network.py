@@ -279,10 +279,10 @@ class Network:
     def init_running(self) -> np.ndarray:
         """The running statistics PyTorch starts from: every mean 0, every variance 1."""
         running = np.zeros(self.n_running, dtype=self.dtype)
-        views = self.running_views(running)
+        views, rng = self.running_views(running), np.random.default_rng(0)  # no buffer draws
         for layer in self.layers:
             for buffer in layer.buffers():
-                views[f"{layer.position}.{buffer.name}"][...] = buffer.draw(np.random.default_rng(0))
+                views[f"{layer.position}.{buffer.name}"][...] = buffer.draw(rng)
         return running
 
     def running_views(self, running: np.ndarray) -> dict[str, np.ndarray]:
