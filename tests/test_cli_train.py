@@ -108,8 +108,8 @@ BAD_INPUTS = [
     (["--data", "{tmp}/missing.npz"], "missing.npz"),
     (["--data", "{tmp}/nan.csv"], "nan.csv"),
     (["--samples", "50", "--batch-size", "51"], "batch"),
-    (["--momentum", "1.5"], "momentum"),
-    (["--nesterov"], "nesterov"),
+    (["--momentum", "1.5"], "--momentum"),
+    (["--nesterov"], "--nesterov needs --momentum > 0"),
     (["--schedule", "noam"], "warmup"),
     (["--init", "{tmp}/missing-init.npz"], "missing-init.npz"),
     (["--init", "{tmp}/wrong.npz"], "W0"),
@@ -130,6 +130,14 @@ def test_bad_input_is_one_line_on_stderr(tmp_path, args, needle):
     assert len(lines) == 1, done.stderr
     assert "Traceback" not in done.stderr and needle in lines[0]
     assert not (tmp_path / "no").exists()
+
+
+def test_a_momentum_out_of_range_is_one_line_naming_its_flag():
+    done = syncsgd_cli("train", "--momentum", "2", "--quiet", timeout=60)
+    assert done.returncode in (1, 2), done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--momentum" in lines[0] and "[0, 1)" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize(

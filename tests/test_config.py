@@ -47,6 +47,18 @@ def test_every_field_is_declared_once_with_its_flag_default_and_group():
         assert option.verify == (field.name not in NOT_VERIFIED)
 
 
+def test_the_optimizer_options_are_sgds_declarations():
+    """--momentum, --nesterov and --weight-decay: declared in syncsgd/nn/optim/sgd.py, taken as
+    they are, and --optimizer offers what the registry holds."""
+    from syncsgd.nn.optim import OPTIMIZERS, SGDOptions
+
+    declared = dict(options_of(TrainConfig))
+    for name, option in options_of(SGDOptions):
+        assert declared[name] == option
+    assert subparser("train")._option_string_actions["--optimizer"].choices == tuple(OPTIMIZERS)
+    assert TrainConfig().optimizer == "sgd"
+
+
 def test_the_fingerprint_leaves_out_the_fields_declared_so():
     left_out = {name for name, option in options_of(TrainConfig) if not option.fingerprint}
     assert left_out == NOT_FINGERPRINTED
@@ -106,8 +118,9 @@ def test_every_flag_is_read_into_its_field():
     changed = {f.name for f in dataclasses.fields(TrainConfig)
                if getattr(config, f.name) != f.default}  # fmt: skip
     # --target-accuracy: xent only; --epochs instead of --steps; --allreduce-dtype: not with
-    # --exact; --batchnorm: not with --precision bf16
-    assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype", "batchnorm"}
+    # --exact; --batchnorm: not with --precision bf16; --optimizer: sgd is the only one yet
+    assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype", "batchnorm",
+                                     "optimizer"}  # fmt: skip
 
 
 def test_outputs_are_declared_once_too():
@@ -139,6 +152,9 @@ def test_every_flag_shows_its_default(command):
         ["--lr", "nan"],
         ["--lr", "0"],
         ["--momentum", "-1"],
+        ["--momentum", "1"],
+        ["--weight-decay", "-1"],
+        ["--optimizer", "adam"],
         ["--clip-norm", "inf"],
         ["--activation", "sigmoid"],
         ["--schedule", "noam2"],
@@ -179,6 +195,10 @@ def test_bad_values_exit_2_in_one_line(capsys, argv):
         ({"activation": "gelu"}, "unknown --activation 'gelu'"),
         ({"loss": "hinge"}, "unknown --loss 'hinge'"),
         ({"hidden": (4, 0)}, "--hidden sizes must be >= 1: (4, 0)"),
+        ({"momentum": 2.0}, "--momentum must be in [0, 1), got 2.0"),
+        ({"nesterov": True}, "--nesterov needs --momentum > 0"),
+        ({"weight_decay": -0.5}, "--weight-decay must be >= 0, got -0.5"),
+        ({"optimizer": "adam"}, "unknown --optimizer 'adam': choose one of sgd"),
         ({"bucket_bytes": -1}, "--bucket-bytes must be >= 0, got -1"),
         ({"algorithm": "x"}, "unknown --algorithm 'x': choose one of ring, "),
         ({"pitfall": "x"}, "unknown --pitfall 'x': choose one of mean-of-means, "),

@@ -1,15 +1,37 @@
-"""Learning-rate schedules and the SGD update (clip, weight decay, momentum, Nesterov, step)."""
+"""Learning-rate schedules, the SGD update (clip, weight decay, momentum, Nesterov, step), and the
+optimizer registry."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd.nn.optim import SGD, OptimConfig, clip_, global_norm, learning_rate
+from syncsgd import TrainConfig
+from syncsgd.nn.optim import (
+    OPTIMIZERS,
+    SGD,
+    OptimConfig,
+    Optimizer,
+    SGDOptions,
+    clip_,
+    global_norm,
+    learning_rate,
+    make_optimizer,
+)
+
+SGD_OPTIONS = ("momentum", "nesterov", "weight_decay")
+
+
+def sgd_of(n_params, dtype=np.float64, **options):
+    """An SGD from keyword options: SGD's own ones to SGDOptions, the others to OptimConfig."""
+    own = {name: value for name, value in options.items() if name in SGD_OPTIONS}
+    shared = {name: value for name, value in options.items() if name not in SGD_OPTIONS}
+    return SGD(OptimConfig(**shared), n_params, dtype, SGDOptions(**own))
 
 # --- schedules, against values computed by hand -------------------------------------------------
 
@@ -92,10 +114,10 @@ def reference_run(params, grads, *, lr, momentum, nesterov, weight_decay, clip_n
     return theta, norms
 
 
-def run_sgd(config, params, grads, dtype=np.float64):
+def run_sgd(options, params, grads, dtype=np.float64):
     """syncsgd.nn.optim.SGD over a list of gradients; returns final params and the step infos."""
     flat = np.array(params, dtype=dtype)
-    sgd = SGD(config, len(flat), dtype)
+    sgd = sgd_of(len(flat), dtype, **options)
     infos = [sgd.step_(flat, np.array(grad, dtype=dtype), step) for step, grad in enumerate(grads)]
     return flat, infos
 
@@ -116,8 +138,8 @@ def run_sgd(config, params, grads, dtype=np.float64):
     ],
 )
 def test_update_order_by_hand(nesterov, expected):
-    config = OptimConfig(lr=0.1, momentum=0.9, nesterov=nesterov, weight_decay=0.5, clip_norm=1.0)
-    final, infos = run_sgd(config, [1.0, 2.0], [[3.0, 4.0], [0.3, 0.4]])
+    options = dict(lr=0.1, momentum=0.9, nesterov=nesterov, weight_decay=0.5, clip_norm=1.0)
+    final, infos = run_sgd(options, [1.0, 2.0], [[3.0, 4.0], [0.3, 0.4]])
     np.testing.assert_allclose(final, expected, rtol=1e-14)
     assert [info["grad_norm"] for info in infos] == pytest.approx([5.0, 0.5], rel=1e-15)
     assert [info["lr"] for info in infos] == [0.1, 0.1]
@@ -143,18 +165,18 @@ def test_update_matches_scalar_reference(
         lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, clip_norm=clip_norm
     )
     expected, norms = reference_run(params, grads, **options)
-    final, infos = run_sgd(OptimConfig(**options), params, grads)
+    final, infos = run_sgd(options, params, grads)
     np.testing.assert_allclose(final, expected, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose([info["grad_norm"] for info in infos], norms, rtol=1e-14)
-    final32, _ = run_sgd(OptimConfig(**options), params, grads, dtype=np.float32)
+    final32, _ = run_sgd(options, params, grads, dtype=np.float32)
     assert final32.dtype == np.float32
     np.testing.assert_allclose(final32, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_clipping_uses_the_norm_before_weight_decay():
     # with decay added first the norm would be |(3, 4) + (10, 0)| = 13.6, not 5
-    config = OptimConfig(lr=1.0, weight_decay=1.0, clip_norm=2.5)
-    final, infos = run_sgd(config, [10.0, 0.0], [[3.0, 4.0]])
+    options = dict(lr=1.0, weight_decay=1.0, clip_norm=2.5)
+    final, infos = run_sgd(options, [10.0, 0.0], [[3.0, 4.0]])
     assert infos[0]["grad_norm"] == 5.0
     np.testing.assert_allclose(final, [10.0 - 1.5 - 10.0, 0.0 - 2.0], rtol=1e-15)
 
@@ -179,19 +201,19 @@ def test_clip_only_scales_down():
 
 
 def test_state_round_trip_resumes_bitwise():
-    config = OptimConfig(lr=0.05, momentum=0.9, nesterov=True, schedule="cosine", total_steps=6)
+    options = dict(lr=0.05, momentum=0.9, nesterov=True, schedule="cosine", total_steps=6)
     rng = np.random.default_rng(3)
     start = rng.normal(size=10)
     grads = [rng.normal(size=10) for _ in range(6)]
-    straight, _ = run_sgd(config, start, grads)
-    first = SGD(config, 10, np.float64)
+    straight, _ = run_sgd(options, start, grads)
+    first = sgd_of(10, **options)
     resumed = start.copy()
     for step in range(3):
         first.step_(resumed, grads[step].copy(), step)
     state = first.state_arrays()
     state["velocity"][:] = 0  # a copy: does not change the optimizer
     state = first.state_arrays()
-    second = SGD(config, 10, np.float64)
+    second = sgd_of(10, **options)
     second.load_state_arrays({**state, "something_else": np.zeros(1)})
     for step in range(3, 6):
         second.step_(resumed, grads[step].copy(), step)
@@ -200,7 +222,7 @@ def test_state_round_trip_resumes_bitwise():
 
 
 def test_state_errors():
-    sgd = SGD(OptimConfig(momentum=0.5), 3, np.float32)
+    sgd = sgd_of(3, np.float32, momentum=0.5)
     with pytest.raises(ValueError, match="no 'velocity' array"):
         sgd.load_state_arrays({})
     with pytest.raises(ValueError, match=r"shape \(4,\).*expected \(3,\) float32"):
@@ -231,10 +253,6 @@ def test_step_rejects_mismatched_buffers():
         ({"lr": float("nan")}, "lr must be"),
         ({"lr": float("inf")}, "lr must be"),
         ({"lr": "0.1"}, "lr must be a number"),
-        ({"momentum": 1.0}, r"momentum must be a finite number >= 0 and < 1"),
-        ({"momentum": -0.1}, "momentum must be"),
-        ({"nesterov": True}, "nesterov needs momentum > 0"),
-        ({"weight_decay": -1e-4}, "weight_decay must be a finite number >= 0"),
         ({"clip_norm": 0.0}, "clip_norm must be a finite number > 0"),
         ({"clip_norm": float("inf")}, "clip_norm must be"),
         ({"schedule": "step"}, "unknown schedule 'step': expected one of constant, cosine"),
@@ -256,9 +274,32 @@ def test_config_validation(options, match):
 
 
 def test_config_normalises_numbers():
-    config = OptimConfig(lr=np.float32(0.5), momentum=0, warmup_steps=np.int64(3))
-    assert type(config.lr) is float and type(config.momentum) is float
-    assert type(config.warmup_steps) is int
+    config = OptimConfig(lr=np.float32(0.5), warmup_steps=np.int64(3))
+    assert type(config.lr) is float and type(config.warmup_steps) is int
+    options = SGDOptions(momentum=np.float32(0.5), weight_decay=0)
+    assert type(options.momentum) is float and type(options.weight_decay) is float
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"momentum": 1.0}, "--momentum must be in [0, 1), got 1.0"),
+        ({"momentum": 2.0}, "--momentum must be in [0, 1), got 2.0"),
+        ({"momentum": -0.1}, "--momentum must be in [0, 1), got -0.1"),
+        ({"momentum": float("nan")}, "--momentum must be a finite number, got nan"),
+        ({"momentum": "0.9"}, "--momentum must be a number, not '0.9'"),
+        ({"nesterov": True}, "--nesterov needs --momentum > 0"),
+        ({"nesterov": 1, "momentum": 0.5}, "--nesterov must be True or False, not 1"),
+        ({"weight_decay": -1e-4}, "--weight-decay must be >= 0, got -0.0001"),
+    ],
+)
+def test_sgd_options_name_their_flags(options, message):
+    with pytest.raises(ValueError) as info:
+        SGDOptions(**options)
+    assert str(info.value) == message
+    with pytest.raises(ValueError) as info:  # TrainConfig takes the same declarations
+        TrainConfig(**options)
+    assert str(info.value) == message
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -268,7 +309,7 @@ def test_fused_update_is_bitwise_numpys_two_passes(dtype, momentum):
     rng = np.random.default_rng(7)
     params = (rng.standard_normal(1001) * 10).astype(dtype)
     grads = [(rng.standard_normal(1001) * 1e3).astype(dtype) for _ in range(3)]
-    sgd = SGD(OptimConfig(lr=0.0123456789, momentum=momentum), params.size, dtype)
+    sgd = sgd_of(params.size, dtype, lr=0.0123456789, momentum=momentum)
     expected, velocity = params.copy(), np.zeros_like(params)
     for step, grad in enumerate(grads):
         direction = grad
@@ -279,3 +320,46 @@ def test_fused_update_is_bitwise_numpys_two_passes(dtype, momentum):
         expected -= np.multiply(direction, 0.0123456789)
         sgd.step_(params, grad.copy(), step, want_norm=False)
     assert params.tobytes() == expected.tobytes()
+
+
+# --- the registry and the protocol -------------------------------------------------------------
+
+
+def test_the_registry_builds_sgd_with_the_options_of_its_settings():
+    assert list(OPTIMIZERS) == ["sgd"]
+    plain = make_optimizer("sgd", OptimConfig(), 4, "float32")
+    assert isinstance(plain, SGD) and plain.options == SGDOptions() and plain.dtype == np.float32
+    settings = TrainConfig(momentum=0.9, nesterov=True, weight_decay=0.01)
+    built = make_optimizer(settings.optimizer, OptimConfig(), 4, "float64", settings)
+    assert isinstance(built, SGD)
+    assert built.options == SGDOptions(momentum=0.9, nesterov=True, weight_decay=0.01)
+    assert set(built.state_arrays()) == {"velocity"}
+    with pytest.raises(ValueError, match="unknown optimizer 'adam': expected one of sgd"):
+        make_optimizer("adam", OptimConfig(), 4, "float64")
+    with pytest.raises(ValueError, match=r"--nesterov needs --momentum > 0"):
+        make_optimizer("sgd", OptimConfig(), 4, "float64",
+                       SimpleNamespace(momentum=0.0, nesterov=True, weight_decay=0.0))  # fmt: skip
+
+
+def test_an_sgd_step_through_the_protocol_is_bitwise_numpys_by_hand():
+    dtype = np.float32
+    rng = np.random.default_rng(5)
+    theta = rng.standard_normal(7).astype(dtype)
+    grads = [(rng.standard_normal(7) * 3).astype(dtype) for _ in range(3)]
+    settings = SimpleNamespace(momentum=0.9, nesterov=True, weight_decay=0.01)
+    optimizer: Optimizer = make_optimizer("sgd", OptimConfig(lr=0.05, clip_norm=2.0), 7, dtype,
+                                          settings)  # fmt: skip
+    params, expected, velocity = theta.copy(), theta.copy(), np.zeros(7, dtype)
+    for step, grad in enumerate(grads):
+        g = grad.copy()
+        norm = math.sqrt(float(np.square(g, dtype=np.float64).sum()))
+        assert norm > 2.0  # clipped: the ratio formed in float64, rounded once to float32
+        g = g * dtype(2.0 / norm)
+        g = g + expected * dtype(0.01)  # weight decay
+        velocity = velocity * dtype(0.9) + g  # v = mu v + g
+        g = g + velocity * dtype(0.9)  # Nesterov: g + mu v
+        expected = expected - g * dtype(0.05)  # lr * direction rounded, then subtracted
+        info = optimizer.step_(params, grad.copy(), step, want_norm=False)
+        assert params.tobytes() == expected.tobytes()
+        assert info == {"lr": 0.05, "grad_norm": norm}
+    np.testing.assert_array_equal(optimizer.state_arrays()["velocity"], velocity)

@@ -218,15 +218,13 @@ def test_oracle_schedule_equals_optim_learning_rate(config, step):
 )
 def test_oracle_update_equals_optim_sgd(momentum, nesterov, weight_decay, clip_norm, dtype, seed):
     nesterov = nesterov and momentum > 0
-    config = optim.OptimConfig(
-        lr=0.3, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-        clip_norm=clip_norm, schedule="warmup", warmup_steps=3,
-    )  # fmt: skip
+    config = optim.OptimConfig(lr=0.3, clip_norm=clip_norm, schedule="warmup", warmup_steps=3)
+    options = optim.SGDOptions(momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     rng = np.random.default_rng(seed)
     shapes = {"W0": (3, 4), "b0": (4,), "W1": (4, 2), "b1": (2,)}
     params = {k: rng.normal(size=s).astype(dtype) for k, s in shapes.items()}
     flat = np.concatenate([p.ravel() for p in params.values()])
-    sgd = optim.SGD(config, flat.size, dtype)
+    sgd = optim.SGD(config, flat.size, dtype, options)
     velocity = None
     for step in range(4):
         grads = {k: rng.normal(size=s).astype(dtype) for k, s in shapes.items()}

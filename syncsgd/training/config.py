@@ -11,7 +11,7 @@ import numpy as np
 
 from syncsgd.collectives import ALGORITHMS
 from syncsgd.nn.mlp import BATCHNORMS
-from syncsgd.nn.optim import LR_SCALINGS, SCHEDULES
+from syncsgd.nn.optim import LR_SCALINGS, OPTIMIZERS, SCHEDULES, SGDOptions, optimizer_options
 from syncsgd.training.variants import PITFALLS, variant
 from syncsgd.util.argtypes import (
     finite_float,
@@ -22,7 +22,7 @@ from syncsgd.util.argtypes import (
     positive_int,
     unit_fraction,
 )
-from syncsgd.util.options import at_least, errors, option, options_of
+from syncsgd.util.options import at_least, errors, option, option_from, options_of
 
 DATA_SOURCES = (
     "synthetic-classification",
@@ -77,7 +77,7 @@ def _positive(flag: str, value: float) -> str | None:
     return None if value > 0 and math.isfinite(value) else f"{flag} must be > 0, got {value}"
 
 
-def _momentum(flag: str, value: float) -> str | None:
+def _bn_momentum(flag: str, value: float) -> str | None:
     return None if 0 <= value <= 1 else f"{flag} must be in [0, 1], got {value}"
 
 
@@ -121,12 +121,13 @@ class TrainConfig:
         None, "epochs to take instead of --steps", group=OPTIMIZATION, type=positive_int,
         check=at_least(1), shown="none", fingerprint=False,
     )  # fmt: skip
+    optimizer: str = option("sgd", "the update rule", group=OPTIMIZATION,
+                            choices=tuple(OPTIMIZERS), list_choices=True)  # fmt: skip
     lr: float = option(0.1, "learning rate", group=OPTIMIZATION, type=positive_float)
-    momentum: float = option(0.0, "heavy-ball momentum", group=OPTIMIZATION,
-                             type=nonnegative_float)  # fmt: skip
-    nesterov: bool = option(False, "Nesterov momentum", group=OPTIMIZATION)
-    weight_decay: float = option(0.0, "L2 weight decay", group=OPTIMIZATION,
-                                 type=nonnegative_float)  # fmt: skip
+    # SGD's options, declared (flag, default, help, check) in syncsgd/nn/optim/sgd.py
+    momentum: float = option_from(SGDOptions, "momentum")
+    nesterov: bool = option_from(SGDOptions, "nesterov")
+    weight_decay: float = option_from(SGDOptions, "weight_decay")
     clip_norm: float | None = option(
         None, "clip the allreduced gradient to this global L2 norm", group=OPTIMIZATION,
         type=positive_float, shown="no clipping",
@@ -158,7 +159,7 @@ class TrainConfig:
                            type=positive_float, check=_positive)  # fmt: skip
     bn_momentum: float = option(
         0.1, "BatchNorm's running statistics: running = (1 - m) running + m batch", group=DATA,
-        type=finite_float, check=_momentum, metavar="M",
+        type=finite_float, check=_bn_momentum, metavar="M",
     )  # fmt: skip
     seed: int = option(0, "seed of the data, the first parameters and the shuffle", group=DATA,
                        type=nonnegative_int, check=at_least(0))  # fmt: skip
@@ -240,6 +241,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for error in errors(self):
             raise ValueError(error)
+        optimizer_options(self.optimizer, self)  # its options together: --nesterov, --momentum
         _require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
         variant(self.pitfall, self.clip_norm)  # a pitfall may need other options (local-clip)
         _require(self.precision != "fp32" or self.loss_scale in (None, "none"),
@@ -283,7 +285,7 @@ def _require(condition: bool, message: str) -> None:
 # fingerprint at their defaults, so that those checkpoints still resume.
 ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32", "loss_scale": None,
                "scale_window": 2000, "batchnorm": "none", "bn_eps": 1e-5,
-               "bn_momentum": 0.1}  # fmt: skip
+               "bn_momentum": 0.1, "optimizer": "sgd"}  # fmt: skip
 
 
 def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:

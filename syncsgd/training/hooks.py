@@ -265,7 +265,8 @@ class Checkpointing(Hook):
     def attach(self, stepper: DataParallelStep) -> None:
         from syncsgd.training.batchnorm import running_of
 
-        self.params, self.sgd, self.running = stepper.params, stepper.sgd, running_of(stepper)
+        self.params, self.optimizer = stepper.params, stepper.optimizer
+        self.running = running_of(stepper)
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
         config, steps_done = self.run.config, record.step + 1
@@ -274,7 +275,7 @@ class Checkpointing(Hook):
         if due or stopping:
             assert config.checkpoint is not None  # the hook is made for --checkpoint only
             scaler = self.scaler.state() if self.scaler is not None else {}
-            state = Checkpoint(steps_done, self.params, self.sgd.state_arrays(), scaler,
+            state = Checkpoint(steps_done, self.params, self.optimizer.state_arrays(), scaler,
                                self.running)  # fmt: skip
             checkpoint.save(config.checkpoint, state, self.run.fingerprint)
         return False

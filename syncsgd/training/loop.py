@@ -20,7 +20,7 @@ import numpy as np
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.watchdog import Watched, bcast_peer, collective_timeout, current, watching
 from syncsgd.comm.world import launch
-from syncsgd.nn.optim import SGD
+from syncsgd.nn.optim import Optimizer, make_optimizer
 from syncsgd.training import checkpoint, data
 from syncsgd.training.batchnorm import record_comm, start_running
 from syncsgd.training.config import TrainConfig, loss_scaling
@@ -81,7 +81,7 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
     if master_process and not quiet:  # armed before the first step's collectives reach any rank
         first_load.arm(sys.stderr)
     check_agreement(comm, run)
-    params, sgd, first_step = starting_state(comm, run)
+    params, optimizer, first_step = starting_state(comm, run)
     result = TrainResult(params, run.model, run.steps)
     timeline = Timeline(Watched(comm, "the timeline's start")) if timeline_path else None
     with contextlib.ExitStack() as outputs:
@@ -93,7 +93,7 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
         riders = [hook.rider for hook in hooks if hook.rider is not None]
         trace = timeline.collective_step if timeline is not None else None
         chosen = variant(run.config.pitfall, run.config.clip_norm)  # the correct run, or a pitfall
-        stepper = DataParallelStep(comm, run, params, sgd, chosen, riders, trace=trace)
+        stepper = DataParallelStep(comm, run, params, optimizer, chosen, riders, trace=trace)
         result.running = start_running(comm, run, stepper)  # BatchNorm's; None without
         started = time.perf_counter()
         result.steps = take_steps(stepper, hooks, range(first_step, run.steps))
@@ -132,18 +132,19 @@ def take_steps(stepper: DataParallelStep, hooks: list[Hook], steps: range) -> in
             hook.close()
 
 
-def starting_state(comm: Any, run: Run) -> tuple[np.ndarray, SGD, int]:
+def starting_state(comm: Any, run: Run) -> tuple[np.ndarray, Optimizer, int]:
     """The parameters (rank 0's, broadcast: the same bits everywhere), the optimizer, the step."""
     params = np.empty(run.model.n_params, run.model.dtype)
     if comm.Get_rank() == 0:
         params[:] = first_params(run)
     with watching("the broadcast of the first parameters", bcast_peer(comm, 0)):
         comm.Bcast(params, root=0)
-    sgd = SGD(run.optim, run.model.n_params, run.model.dtype)
+    optimizer = make_optimizer(run.config.optimizer, run.optim, run.model.n_params,
+                               run.model.dtype, run.config)  # fmt: skip
     if run.start is None:
-        return params, sgd, 0
-    sgd.load_state_arrays(run.start.optimizer)
-    return params, sgd, run.start.step
+        return params, optimizer, 0
+    optimizer.load_state_arrays(run.start.optimizer)
+    return params, optimizer, run.start.step
 
 
 def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,

@@ -111,8 +111,7 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     model = MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype),
                 batchnorm=config.batchnorm)  # fmt: skip
     optim = OptimConfig(
-        lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
-        weight_decay=config.weight_decay, schedule=config.schedule,
+        lr=config.lr, schedule=config.schedule,
         warmup_steps=config.warmup_steps, total_steps=max(steps, 1),  # 0 steps: no lr is used
         lr_scaling=config.lr_scaling,
         base_batch=config.base_batch, batch_size=config.batch_size,

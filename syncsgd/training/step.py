@@ -15,7 +15,7 @@ from syncsgd.collectives import allreduce as collective_allreduce
 from syncsgd.comm.watchdog import current, watching
 from syncsgd.comm.world import constants
 from syncsgd.nn.mlp import MLP, layer_of, shape_size
-from syncsgd.nn.optim import SGD, learning_rate
+from syncsgd.nn.optim import Optimizer, learning_rate
 from syncsgd.training import data
 from syncsgd.training.run import Run
 from syncsgd.training.variants import Variant
@@ -165,11 +165,12 @@ class Rider:
 class DataParallelStep:
     """Everything one rank needs to take a step, allocated once; `take_(step)` takes it."""
 
-    def __init__(self, comm: Any, run: Run, params: np.ndarray, sgd: SGD, variant: Variant,
-                 riders: list[Rider], trace: Any = None) -> None:  # fmt: skip
+    def __init__(self, comm: Any, run: Run, params: np.ndarray, optimizer: Optimizer,
+                 variant: Variant, riders: list[Rider], trace: Any = None) -> None:  # fmt: skip
         config, model = run.config, run.model
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
-        self.params, self.sgd, self.variant, self.X, self.y = params, sgd, variant, run.X, run.y
+        self.params, self.optimizer, self.variant = params, optimizer, variant
+        self.X, self.y = run.X, run.y
         self.order = data.SampleOrder(len(run.X), config.batch_size,
                                       variant.order_seed(config.seed, self.rank), config.shuffle)
         largest_shard = -(-config.batch_size // self.size)
@@ -285,7 +286,8 @@ class DataParallelStep:
         """The same update on every rank; a non-finite step changes nothing. (lr, grad norm)."""
         if not finite:
             return learning_rate(self.optim, step), math.nan
-        info = self.sgd.step_(self.params, self.grad_mean, step, want_norm=self.want_grad_norm)
+        info = self.optimizer.step_(self.params, self.grad_mean, step,
+                                    want_norm=self.want_grad_norm)  # fmt: skip
         return info["lr"], info["grad_norm"]
 
 

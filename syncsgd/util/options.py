@@ -69,6 +69,12 @@ def option(
     return dataclasses.field(default=default, metadata={"option": declared})
 
 
+def option_from(cls: type, name: str) -> Any:
+    """A new dataclass field declaring the option of field `name` of dataclass `cls` as it is."""
+    [declared] = [field for field in dataclasses.fields(cls) if field.name == name]
+    return dataclasses.field(default=declared.default, metadata=declared.metadata)
+
+
 def show(default: Any) -> str:
     """A default value as the help text shows it."""
     if isinstance(default, bool):

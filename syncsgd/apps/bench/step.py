@@ -285,7 +285,7 @@ def step_pieces(comm: Any, run: Run) -> dict[str, tuple[Callable, Callable]]:
     """{piece: (as the step does it, as the bare loop does it)}, each a call of one argument."""
     from syncsgd.collectives import allreduce
     from syncsgd.nn.kernels import divide_finite_
-    from syncsgd.nn.optim import SGD
+    from syncsgd.nn.optim import make_optimizer
 
     config, model = run.config, run.model
     n_samples, batch, lr = run.X.shape[0], config.batch_size, config.lr
@@ -297,7 +297,7 @@ def step_pieces(comm: Any, run: Run) -> dict[str, tuple[Callable, Callable]]:
     grad[:] = np.random.default_rng(config.seed).normal(0, 1e-3, model.n_params)
     params = model.init_params(config.seed)
     scratch = np.empty_like(params)
-    sgd = SGD(run.optim, model.n_params, model.dtype)
+    sgd = make_optimizer(config.optimizer, run.optim, model.n_params, model.dtype, config)
     one = grad.dtype.type(1)
 
     def bare_update(i: int) -> None:
