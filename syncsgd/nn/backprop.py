@@ -13,14 +13,15 @@ from typing import Any
 
 import numpy as np
 
+from syncsgd.nn.arrays import describe
 from syncsgd.nn.kernels import check_count, first_load
 from syncsgd.nn.layers.base import size_of
 from syncsgd.nn.layers.mse import MeanSquaredError
 from syncsgd.nn.layers.xent import CrossEntropy
-from syncsgd.nn.mlp import describe
 from syncsgd.nn.network import Network
 
-LOSSES = {"xent": CrossEntropy, "mse": MeanSquaredError}
+LOSSES: dict[str, Any] = {"xent": CrossEntropy, "mse": MeanSquaredError}
+EVALUATE_CHUNK = 1024  # samples per forward pass in `evaluate`
 
 
 class Backprop:
@@ -36,7 +37,7 @@ class Backprop:
                          for layer in network.layers]  # fmt: skip
         self._grads = [np.zeros_like(output) for output in self._outputs]
         self._losses = np.zeros(self.max_batch * self._positions(), np.float64)
-        self._views: dict[tuple[int, int], list[dict[str, np.ndarray]]] = {}
+        self._views: dict[tuple, list[dict[str, np.ndarray]]] = {}
         self._weights: np.ndarray | None = None
         self._running: np.ndarray | None = None
         self.m = 0  # samples of the pass under way
@@ -133,7 +134,6 @@ def evaluate(network: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,
              running: np.ndarray | None = None, eps: float = 1e-5) -> tuple[float, float]:
     """(mean loss, accuracy) over all samples in float mode, batchnorm with the running
     statistics; accuracy is nan for mse."""
-    from syncsgd.nn.kernels import EVALUATE_CHUNK
     from syncsgd.nn.numerics import Float, LocalGroup
 
     n_samples = len(X)
@@ -153,3 +153,42 @@ def evaluate(network: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,
     terms = n_samples * passes._positions()
     accuracy = correct / terms if network.loss == "xent" else float("nan")
     return loss_sum / terms, accuracy
+
+
+class Gradient:
+    """Loss and SUM of per-sample gradients of a micro-batch on one process, in any mode.
+
+    The training step's local gradient without the ranks: exact mode's peaks are this micro-batch's
+    own (one rank agreeing with itself), so its sums are those of a serial run of the same batch.
+    """
+
+    def __init__(self, model: Any, max_batch: int, *, exact: bool = False,
+                 precision: str = "fp32") -> None:  # fmt: skip
+        from syncsgd.nn.numerics import numerics
+
+        self.network = model if isinstance(model, Network) else model.network()
+        network = self.network
+        self.nx: Any = numerics(exact, precision, network.dtype, network.largest_weight(),
+                           max_batch * network.largest_block(), network.n_params)  # fmt: skip
+        self.passes = Backprop(network, max_batch, self.nx)
+
+    def __call__(self, params: np.ndarray, X: np.ndarray, y: np.ndarray, grad_out: np.ndarray,
+                 scale: float = 1.0, running: np.ndarray | None = None) -> tuple[float, int]:
+        """(sum of losses, argmax hits); grad_out = the sum of gradients of `scale` times the
+        loss (in exact mode float64)."""
+        nx, top = self.nx, self.network.n_layers - 1
+        if grad_out.shape != (self.network.n_params,) or not grad_out.flags.writeable:
+            raise ValueError(f"grad_out must be a writable array of shape "
+                             f"({self.network.n_params},), got {describe(grad_out)}")  # fmt: skip
+        grad_out[:] = 0
+        nx.scale, nx.sums_start_at_zero = scale, True
+        if nx.exact:
+            nx.begin_()
+            nx.global_batch = max(len(X), 1)
+        loss_sum, hits = self.passes.forward_loss_(params, X, y, running)
+        self.passes.backward_(grad_out, top, 0)
+        if nx.exact:
+            scales = nx.scales(np.array(nx.peaks), nx.global_batch)
+            loss_sum = nx.extract_loss(scales)
+            nx.accumulate_(scales, top, 0)
+        return loss_sum, hits

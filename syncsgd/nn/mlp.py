@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from syncsgd.nn.arrays import DTYPES, LOSSES, checked, describe, shape_size
+from syncsgd.nn.layers.base import Layer
+from syncsgd.nn.network import Network
+
 ACTIVATIONS = ("relu", "tanh")
-LOSSES = ("xent", "mse")
 BATCHNORMS = ("none", "local", "sync")
-DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
 _PARAM_NAME = re.compile(r"(?:W|b|gamma|beta)\d+")
 _RUNNING_NAME = re.compile(r"running_(?:mean|var)\d+")
 
@@ -89,6 +91,26 @@ class MLP:
                 offset += shape_size(shape)
         return entries
 
+    def network(self) -> Network:
+        """The same network as layers, its flat buffer laid out as this MLP's (W0, b0, ...)."""
+        from syncsgd.nn.layers.batchnorm import BatchNorm
+        from syncsgd.nn.layers.dense import Dense
+        from syncsgd.nn.layers.relu import ReLU
+        from syncsgd.nn.layers.tanh import Tanh
+
+        layers: list[Layer] = []
+        for layer, (_, fan_out) in enumerate(self.layer_shapes()):
+            layers.append(Dense(fan_out, in_out=True))  # W of shape (fan_in, fan_out)
+            if layer < self.n_layers - 1:
+                layers += [BatchNorm()] if self.normalised(layer) else []
+                layers.append(ReLU() if self.activation == "relu" else Tanh())
+        spec = " ".join(layer.kind for layer in layers)
+        return Network(spec, (self.sizes[0],), self.sizes[-1], self.loss, self.dtype, layers)
+
+    def layer_of(self, name: str) -> int:
+        """The dense layer a parameter array belongs to: W3, b3, gamma3, beta3 -> 3."""
+        return layer_of(name)
+
     def normalised(self, layer: int) -> bool:
         """Whether `layer` normalises its outputs with BatchNorm (hidden layers, if any BN)."""
         return self.batchnorm != "none" and layer < self.n_layers - 1
@@ -138,7 +160,7 @@ class MLP:
         views = self.running_views(running)
         for name, shape, _ in self.running_layout():
             if name in arrays:
-                views[name][...] = _checked(name, arrays[name], shape)
+                views[name][...] = checked(name, arrays[name], shape)
             if name.startswith("running_var") and np.any(views[name] < 0):
                 raise ValueError(f"{name!r} holds a negative variance")
         return running
@@ -195,40 +217,13 @@ class MLP:
                 continue
             if name not in arrays:
                 raise ValueError(f"missing parameter {name!r} (expected shape {shape})")
-            views[name][...] = _checked(name, arrays[name], shape)
+            views[name][...] = checked(name, arrays[name], shape)
         return flat
-
-
-def _checked(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:
-    """`array` as a finite numeric array of `shape`, or a ValueError naming `name`."""
-    value = np.asarray(array)
-    if value.shape != shape:
-        raise ValueError(f"parameter {name!r} has shape {value.shape}, expected {shape}")
-    if value.dtype.kind not in "fiu":
-        raise ValueError(f"parameter {name!r} has non-numeric dtype {value.dtype}")
-    if not np.all(np.isfinite(value)):
-        raise ValueError(f"parameter {name!r} contains NaN or infinity")
-    return value
 
 
 def layer_of(name: str) -> int:
     """The dense layer a parameter array belongs to: W3, b3, gamma3, beta3 -> 3."""
     return int(name.lstrip(string.ascii_letters))
-
-
-def shape_size(shape: tuple[int, ...]) -> int:
-    """Number of elements of an array of this shape."""
-    size = 1
-    for extent in shape:
-        size *= extent
-    return size
-
-
-def describe(value: object) -> str:
-    """A short description of an array-like for error messages."""
-    if isinstance(value, np.ndarray):
-        return f"an array of shape {value.shape} and dtype {value.dtype}"
-    return f"a {type(value).__name__}"
 
 
 def parse_hidden(text: str) -> tuple[int, ...]:

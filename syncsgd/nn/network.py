@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from syncsgd.nn.arrays import DTYPES, LOSSES, checked, describe
 from syncsgd.nn.layers.base import Layer, Shape, size_of
-from syncsgd.nn.mlp import DTYPES, LOSSES, _checked, describe
 
 LAYERS_DIR = Path(__file__).resolve().parent / "layers"
 _TOKEN = re.compile(r"\s*([^\s(]+)(\(([^()]*)\))?")
@@ -169,7 +169,7 @@ class Network:
     outputs: int  # classes (xent) or regression outputs (mse)
     loss: str = "xent"
     dtype: np.dtype = field(default=np.dtype(np.float64))
-    layers: list[Layer] = field(init=False)
+    layers: list[Layer] = field(default_factory=list)  # built from the spec when not given
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -177,7 +177,8 @@ class Network:
         self.dtype = np.dtype(self.dtype)
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype} (choose float64 or float32)")
-        self.layers = [make_layer(token) for token in parse_spec(self.spec)]
+        if not self.layers:
+            self.layers = [make_layer(token) for token in parse_spec(self.spec)]
         shape = tuple(self.in_shape)
         for position, layer in enumerate(self.layers):
             shape = layer.build(position, shape, self.outputs, position == len(self.layers) - 1)
@@ -262,7 +263,7 @@ class Network:
         for name, shape, _ in self._layout:
             if name not in arrays:
                 raise ValueError(f"missing parameter {name!r} (expected shape {shape})")
-            views[name][...] = _checked(name, arrays[name], shape)
+            views[name][...] = checked(name, arrays[name], shape)
         return flat
 
     # -- running statistics: a second flat buffer, "<position>.running_mean", ... --------------
@@ -300,7 +301,7 @@ class Network:
         views = self.running_views(running)
         for name, shape, _ in self._running:
             if name in arrays:
-                views[name][...] = _checked(name, arrays[name], shape)
+                views[name][...] = checked(name, arrays[name], shape)
             if name.endswith("running_var") and np.any(views[name] < 0):
                 raise ValueError(f"{name!r} holds a negative variance")
         return running

@@ -24,7 +24,6 @@ from numba import njit
 
 from syncsgd.nn import exact as ex
 from syncsgd.nn import precision as pr
-from syncsgd.nn.batchnorm import magics
 
 MODES = ("float", "exact")
 
@@ -126,6 +125,18 @@ def extract_channel_sums_(a, b, c, kind, magics, out):
                 out[j] += (magics[j] + term(a, b, c, kind, i, j, k)) - magics[j]
 
 
+def magics(peaks: np.ndarray, count: int) -> np.ndarray:
+    """Per channel, M = 1.5 * 2^E with 2^E >= 2 * count * peak: hi(term) is exact and so is
+    the sum of `count` of them in any order. NaN where the peak is not finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        _, exponents = np.frexp(peaks * (2.0 * count))  # 2^e >= the bound, the bound < 2^e
+    exponents = np.clip(exponents, ex.MIN_EXPONENT, ex.MAX_EXPONENT)
+    exponents[peaks == 0] = ex.MIN_EXPONENT
+    result = np.ldexp(1.5, exponents)
+    result[~np.isfinite(peaks * (2.0 * count))] = np.nan
+    return result
+
+
 class LocalGroup:
     """Whose samples BatchNorm's statistics are over: this rank's shard alone (or evaluation)."""
 
@@ -155,6 +166,10 @@ class Float:
         self.dtype = np.dtype(dtype)  # of the activations and deltas
         self.scale = 1.0  # the loss scale: deltas are of `scale` times the loss
         self.group: LocalGroup = LocalGroup()  # BatchNorm's statistics group
+        self.global_batch = 1  # B, which bounds how many terms a sum has (exact mode)
+        # Set by whoever zeroed the gradient buffer before the pass: each weight sum is then
+        # written by its one BLAS call (the same bits as adding it to zero, one pass fewer).
+        self.sums_start_at_zero = False
         self._product = np.zeros(max_weights, self.dtype)  # one weight gradient before it is added
 
     def weights(self, params: np.ndarray) -> np.ndarray:
@@ -181,6 +196,9 @@ class Float:
     def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
                    per_sample: int = 1) -> None:  # fmt: skip
         """g += a^T b: the sum over samples inside BLAS."""
+        if self.sums_start_at_zero:
+            float_matmul_(a.T, b, g, False)
+            return
         product = self._product[: g.size].reshape(g.shape)
         float_matmul_(a.T, b, product, False)
         g += product
@@ -258,7 +276,6 @@ class Exact(Float):
     def __init__(self, dtype: np.dtype, max_weights: int, max_block: int) -> None:
         super().__init__(dtype, max_weights)
         self.terms: list[Term] = []
-        self.global_batch = 1  # B: the most terms any sum of the step has
         self.peaks: list[float] = []
         self._transposed = np.zeros(max_weights, self.dtype)
         self._sums = np.zeros(max_weights, np.float64)
@@ -325,6 +342,24 @@ class Exact(Float):
             scales.append((float(np.ldexp(1.5, exponent)),
                            float(np.ldexp(1.0, exponent - ex.UNIT_BITS))))  # fmt: skip
         return scales
+
+    def error_bound(self, bounds: np.ndarray, global_batch: int, grads: np.ndarray) -> np.ndarray:
+        """Per element of `grads` (the buffer the pass registered its sums into), then for the
+        loss: how far the exact-mode mean may be from the exact mean (docs/exact-mode.md)."""
+        # 2^(E - 53) per term, plus a float64 product's rounding, 2^-53 v + 2^-1075.
+        per_element = np.zeros(grads.size + 1)
+        base = grads.__array_interface__["data"][0]
+        for term, (magic, _) in zip(self.terms, self.scales(bounds, global_batch), strict=True):
+            bound = magic / 3.0 * 2.0**-52  # M = 1.5 * 2^E: 2^(E - 53)
+            if term.kind == "outer" and self.dtype == np.float64:
+                value = float(bounds[term.first_bound]) * float(bounds[term.first_bound + 1])
+                bound += value * 2.0**-53 + 2.0**-1075
+            if term.kind == "loss":
+                per_element[-1] = bound
+                continue
+            start = (term.out.__array_interface__["data"][0] - base) // grads.itemsize
+            per_element[start : start + term.out.size] = bound
+        return per_element
 
     def accumulate_(self, scales: list[tuple[float, float]], top: int, bottom: int) -> None:
         """Extract the terms of layers top down to bottom (the loss with layer -1)."""

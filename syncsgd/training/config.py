@@ -11,6 +11,7 @@ import numpy as np
 
 from syncsgd.collectives import ALGORITHMS
 from syncsgd.nn.mlp import BATCHNORMS
+from syncsgd.nn.network import check_spec, layer_help, parse_spec
 from syncsgd.nn.optim import LR_SCALINGS, OPTIMIZERS, SCHEDULES, SGDOptions, optimizer_options
 from syncsgd.training.variants import PITFALLS, variant
 from syncsgd.util.argtypes import (
@@ -105,6 +106,12 @@ class TrainConfig:
     hidden: tuple[int, ...] = option(
         (64, 64), 'hidden layer widths, e.g. 64,64; "" for linear/softmax regression',
         group=DATA, type=hidden_sizes, check=_hidden_sizes,
+    )  # fmt: skip
+    model: str | None = option(
+        None, "any network the layers express, e.g. \"dense(64) relu dense(64) relu dense\" "
+        "(a last dense without a width gets the classes or outputs); the layers: "
+        + layer_help(), group=DATA, metavar="SPEC", check=check_spec,
+        shown="an MLP of --hidden and --activation",
     )  # fmt: skip
     activation: str = option("relu", "the hidden layers' activation", group=DATA,
                              choices=("relu", "tanh"))  # fmt: skip
@@ -249,6 +256,7 @@ class TrainConfig:
         _require(not (self.exact and self.allreduce_dtype is not None),
                  "--allreduce-dtype rounds the sums by how the batch is split: not with --exact")
         _check_batchnorm(self)
+        _check_model(self)
         _require(
             self.checkpoint_every is None or self.checkpoint is not None,
             "--checkpoint-every needs --checkpoint DIR",
@@ -270,10 +278,22 @@ class TrainConfig:
 
 def _check_batchnorm(config: TrainConfig) -> None:
     """What --batchnorm local|sync does not combine with, in one line each."""
-    if config.batchnorm == "none":
+    if config.batchnorm == "none" or config.model is not None:
         return
     _require(bool(config.hidden), "--batchnorm normalises hidden layers: give --hidden sizes")
     _require(config.precision == "fp32", "--batchnorm runs in --precision fp32 only")
+
+
+def _check_model(config: TrainConfig) -> None:
+    """What --model does not combine with, in one line each."""
+    if config.model is None:
+        return
+    _require(config.hidden == (64, 64) and config.activation == "relu",
+             "--model SPEC describes the whole network: leave out --hidden and --activation")
+    has_batchnorm = any(token.kind == "batchnorm" for token in parse_spec(config.model))
+    _require(config.batchnorm == "none" or has_batchnorm,
+             "--batchnorm chooses the statistics of the spec's batchnorm layers: this --model "
+             "has none")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -285,7 +305,7 @@ def _require(condition: bool, message: str) -> None:
 # fingerprint at their defaults, so that those checkpoints still resume.
 ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32", "loss_scale": None,
                "scale_window": 2000, "batchnorm": "none", "bn_eps": 1e-5,
-               "bn_momentum": 0.1, "optimizer": "sgd"}  # fmt: skip
+               "bn_momentum": 0.1, "optimizer": "sgd", "model": None}  # fmt: skip
 
 
 def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:

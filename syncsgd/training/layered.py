@@ -30,10 +30,10 @@ class LayeredLocalGradient:
         from syncsgd.nn.backprop import Backprop  # imports Numba: only when training
         from syncsgd.nn.numerics import numerics
 
-        self.nx = numerics(config.exact, config.precision, network.dtype,
-                           network.largest_weight(), max_batch * network.largest_block(),
-                           network.n_params)  # fmt: skip
-        self.passes = Backprop(network, max_batch, self.nx)
+        self.nx: Any = numerics(config.exact, config.precision, network.dtype,
+                                network.largest_weight(), max_batch * network.largest_block(),
+                                network.n_params)  # fmt: skip
+        self.network, self.passes = network, Backprop(network, max_batch, self.nx)
         self.nx.global_batch = config.batch_size
         self.allreduce_ = functools.partial(collective_allreduce, algorithm=config.algorithm,
                                             check=False, trace=trace)  # fmt: skip
@@ -76,6 +76,7 @@ class LayeredLocalGradient:
         """The forward pass and the loss sum (exact mode: the backward pass and the peaks)."""
         grads = sums[: self.n_params]
         grads[:] = 0  # the layers add their sums
+        self.nx.sums_start_at_zero = True
         self.group.comm, self.calls = comm, self.calls + 1
         if self.exact:
             self.nx.begin_()

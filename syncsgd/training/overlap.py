@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from syncsgd.comm.watchdog import Doing, records, watching
-from syncsgd.nn.mlp import MLP, layer_of
+from syncsgd.nn.network import Network
+from syncsgd.training.layered import LayeredLocalGradient
 from syncsgd.training.run import agree
 from syncsgd.training.variants import Variant
 
@@ -143,12 +144,11 @@ def thread_level_problem(comm: Any) -> str | None:
             "gives less (mpi4py.rc.thread_level?): leave out --overlap")  # fmt: skip
 
 
-def ready_layers(model: MLP, buckets: list[slice]) -> list[int]:
+def ready_layers(network: Network, buckets: list[slice]) -> list[int]:
     """Per bucket: the layer after whose backward pass its gradient is complete."""
-    # Buckets hold whole tensors in layer order; a layer's W, b (and BatchNorm's gamma, beta)
-    # are complete after its step of the backward pass, so a bucket is complete once the
-    # backward pass has done the layer of its first tensor.
-    layer_at = {offset: layer_of(name) for name, _, offset in model.layout()}
+    # Buckets hold whole tensors in layer order, and the backward pass runs from the last layer
+    # down, so a bucket is complete once it has done the layer of the bucket's first tensor.
+    layer_at = {offset: network.layer_of(name) for name, _, offset in network.layout()}
     return [layer_at[bucket.start] for bucket in buckets]
 
 
@@ -167,71 +167,6 @@ def mpi_of(comm: Any) -> Any:
 def changes_contribution(variant: Variant) -> bool:
     """True if the variant changes a rank's whole gradient before the allreduce (a pitfall)."""
     return type(variant).contribution_ is not Variant.contribution_
-
-
-class FloatPhases:
-    """Float mode in pieces: the forward pass and the loss, then the backward a few layers at a
-    time, with the kernels of the fused call."""
-
-    def __init__(self, local: Any) -> None:
-        self.kernel, self.loss_slot, self.n_params = local.kernel, local.loss_slot, local.n_params
-
-    def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
-               sums: np.ndarray) -> None:  # fmt: skip
-        """The forward pass, the loss sum and the logits' delta."""
-        sums[self.loss_slot], _ = self.kernel.loss(params, X, y)
-
-    def layers_(self, params: np.ndarray, X: np.ndarray, sums: np.ndarray, top: int,
-                bottom: int) -> None:  # fmt: skip
-        """The gradient sums of layers top down to bottom."""
-        self.kernel.backward_layers(params, X, sums[: self.n_params], top, bottom)
-
-
-class BatchNormPhases:
-    """--batchnorm in float mode: the forward pass and the loss, then the backward a few layers
-    at a time; with sync, BatchNorm's own sums are allreduced in it, on the rank's communicator
-    (the buckets go on the duplicate: the messages never match)."""
-
-    def __init__(self, local: Any) -> None:
-        self.local, self.comm = local, None
-
-    def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
-               sums: np.ndarray) -> None:  # fmt: skip
-        """The forward pass (its statistics allreduced, sync), the loss sum, the logits' delta."""
-        self.comm = comm
-        self.local.forward_loss_(comm, params, X, y, sums)
-
-    def layers_(self, params: np.ndarray, X: np.ndarray, sums: np.ndarray, top: int,
-                bottom: int) -> None:  # fmt: skip
-        """The gradient sums of layers top down to bottom (gamma and beta with their layer)."""
-        self.local.backward_layers_(self.comm, params, sums, top, bottom)
-
-
-class ExactPhases:
-    """Exact mode in pieces: the passes (BatchNorm's: layer by layer, its sums allreduced) and
-    the agreed bounds, then the extraction a few layers at a time."""
-
-    def __init__(self, local: Any) -> None:
-        self.local, self.n_params = local, local.n_params
-        self.scales: tuple[np.ndarray, np.ndarray] | None = None  # None: non-finite bounds
-
-    def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
-               sums: np.ndarray) -> None:  # fmt: skip
-        """The per-sample passes, the bounds every rank agrees on, the extracted loss sum."""
-        self.scales = None
-        if not self.local.agree_(comm, params, X, y, sums):
-            return  # every rank alike: NaN sums, summed as they are
-        kernel = self.local.kernel
-        self.scales = kernel.extraction_scales(self.local.bounds, self.local.global_batch)
-        kernel.accumulate_loss(self.scales[0], sums[: self.n_params + 1])
-
-    def layers_(self, params: np.ndarray, X: np.ndarray, sums: np.ndarray, top: int,
-                bottom: int) -> None:  # fmt: skip
-        """The extracted gradient sums of layers top down to bottom."""
-        if self.scales is not None:
-            magics, units = self.scales
-            self.local.kernel.accumulate_layers(magics, units, sums[: self.n_params + 1], top,
-                                                bottom)  # fmt: skip
 
 
 class WholePhases:
@@ -255,35 +190,34 @@ class WholePhases:
         """Nothing left to compute."""
 
 
-def phases_for(local: Any, variant: Variant, batch_size: Callable[[], tuple[int, int]],
-               size: int) -> Any:  # fmt: skip
-    """The local gradient in the pieces the overlap interleaves with its buckets."""
-    pieces = getattr(local, "pieces", None)  # the local gradients that come in pieces say so
-    if changes_contribution(variant) or pieces is None:
+def phases_for(local: LayeredLocalGradient, variant: Variant,
+               batch_size: Callable[[], tuple[int, int]], size: int) -> Any:  # fmt: skip
+    """The local gradient in the pieces the overlap interleaves with its buckets: its own
+    begin_ and layers_, or the whole of it first when a pitfall changes the whole gradient."""
+    if changes_contribution(variant):
         return WholePhases(local, variant, batch_size, size)
-    if pieces == "batchnorm":
-        return BatchNormPhases(local)
-    return ExactPhases(local) if pieces == "exact" else FloatPhases(local)
+    return local
 
 
 class Overlap:
     """The local sums and their allreduce, overlapped: built once per run, `exchange_` per step."""
 
-    def __init__(self, stepper: Any, model: MLP, buckets: list[slice], doing: Doing) -> None:
+    def __init__(self, stepper: Any, buckets: list[slice], doing: Doing) -> None:
         comm = stepper.comm
         agree(comm, thread_level_problem(comm))  # every rank refuses alike, in one line
         self.comm = comm
         self.dup = duplicate(comm)  # its own messages: never matched with the training thread's
-        self.stepper, self.n_layers = stepper, model.n_layers
-        self.bottoms = ready_layers(model, buckets)
+        network = stepper.local_gradient.network  # the layers the backward pass runs through
+        self.stepper, self.n_layers = stepper, network.n_layers
+        self.bottoms = ready_layers(network, buckets)
         self.starts = [bucket.start for bucket in buckets]
-        self.gradient_parts = [stepper.comm_buffer[b.start : min(b.stop, model.n_params)]
+        self.gradient_parts = [stepper.comm_buffer[b.start : min(b.stop, network.n_params)]
                                for b in buckets]  # fmt: skip
         self.early = [rider for rider in stepper.riders if not rider.needs_gradient]
         self.late = [rider for rider in stepper.riders if rider.needs_gradient]
         # Riders that read the whole local gradient read this copy: handed buckets are summed
         # in place while the backward pass goes on.
-        self.local = np.empty(model.n_params if self.late else 0, stepper.grad_sum.dtype)
+        self.local = np.empty(network.n_params if self.late else 0, stepper.grad_sum.dtype)
         self.held = len(buckets) - 1 if self.late else None  # the riders' bucket waits for them
         self.shard = (0, 0)  # (shard size, batch size) of the step under way
         self.backward_started = 0.0  # time.perf_counter() when this step's backward pass began
@@ -291,7 +225,9 @@ class Overlap:
                                  comm.Get_size())  # fmt: skip
         self.thread = CommThread(comm.Get_rank(), doing)
         self.unrelayed: Callable[..., Any] | None = None  # BatchNorm's own allreduce, while relayed
-        if isinstance(self.phases, BatchNormPhases) and not waits_in_two_threads(comm):
+        sums_between_layers = self.phases is stepper.local_gradient and (
+            stepper.local_gradient.sums_between_layers)  # fmt: skip
+        if sums_between_layers and not waits_in_two_threads(comm):
             local = stepper.local_gradient  # thread ranks: BatchNorm's sums join the queue
             self.unrelayed, local.allreduce_ = local.allreduce_, self.relayed(local.allreduce_)
 

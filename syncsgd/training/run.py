@@ -11,6 +11,7 @@ import numpy as np
 from syncsgd.comm.watchdog import Watched
 from syncsgd.comm.world import constants
 from syncsgd.nn.mlp import MLP
+from syncsgd.nn.network import Network, build
 from syncsgd.nn.optim import OptimConfig
 from syncsgd.training import checkpoint, data
 from syncsgd.training.checkpoint import Checkpoint
@@ -71,7 +72,7 @@ class Run:
     """What every rank needs before the first step: the model, the data and the step count."""
 
     config: TrainConfig
-    model: MLP
+    model: MLP | Network
     X: np.ndarray
     y: np.ndarray
     steps: int
@@ -105,17 +106,13 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     outputs = data.n_outputs(y, config.loss)  # xent: max label + 1, which --classes may raise
     if config.loss == "xent" and config.classes is not None:
         outputs = max(outputs, config.classes)
-    sizes = (X.shape[1], *config.hidden, outputs)
-    needed = model_bytes(sizes, config.batch_size, np.dtype(config.dtype).itemsize, ranks)
-    check_memory(needed, f"a model of layer sizes {','.join(map(str, sizes))} on {ranks} rank(s)")
-    model = MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype),
-                batchnorm=config.batchnorm)  # fmt: skip
+    model = make_model(config, X, outputs, ranks)
     optim = OptimConfig(
         lr=config.lr, schedule=config.schedule,
         warmup_steps=config.warmup_steps, total_steps=max(steps, 1),  # 0 steps: no lr is used
         lr_scaling=config.lr_scaling,
         base_batch=config.base_batch, batch_size=config.batch_size,
-        noam_dim=max(config.hidden, default=sizes[0]),
+        noam_dim=widest(model),
         clip_norm=variant(config.pitfall, config.clip_norm).global_clip_norm(),
     )  # fmt: skip
     run = Run(config, model, X, y, steps, optim, fingerprint(config, X, y, steps),
@@ -131,6 +128,30 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
             f"--resume {config.resume} is at step {run.start.step}, beyond --steps {steps}",
         )
     return run
+
+
+def make_model(config: TrainConfig, X: np.ndarray, outputs: int, ranks: int) -> MLP | Network:
+    """The --model network, or the MLP of --hidden; refused if the memory cannot hold it."""
+    itemsize = np.dtype(config.dtype).itemsize
+    if config.model is not None:
+        network = build(config.model, X.shape[1:], outputs, config.loss, config.dtype)
+        per_rank = (5 * network.n_params + 3 * config.batch_size * network.activation_size())
+        check_memory((ranks * per_rank + network.n_params) * itemsize,
+                     f"--model {network.summary()!r} on {ranks} rank(s)")  # fmt: skip
+        return network
+    sizes = (X.shape[1], *config.hidden, outputs)
+    needed = model_bytes(sizes, config.batch_size, itemsize, ranks)
+    check_memory(needed, f"a model of layer sizes {','.join(map(str, sizes))} on {ranks} rank(s)")
+    return MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype),
+               batchnorm=config.batchnorm)  # fmt: skip
+
+
+def widest(model: MLP | Network) -> int:
+    """d of the noam schedule: the widest hidden layer (the inputs' width without one)."""
+    if isinstance(model, Network):
+        return max((layer.out_shape[-1] for layer in model.layers[:-1]),
+                   default=model.in_shape[-1])  # fmt: skip
+    return max(model.sizes[1:-1], default=model.sizes[0])
 
 
 def model_bytes(sizes: tuple[int, ...], batch_size: int, itemsize: int, ranks: int) -> int:

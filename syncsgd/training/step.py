@@ -7,21 +7,21 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from syncsgd.collectives import allreduce as collective_allreduce
-from syncsgd.comm.watchdog import current, watching
-from syncsgd.comm.world import constants
-from syncsgd.nn.mlp import MLP, layer_of, shape_size
+from syncsgd.comm.watchdog import current
+from syncsgd.nn.mlp import MLP, shape_size
+from syncsgd.nn.network import Network
 from syncsgd.nn.optim import Optimizer, learning_rate
 from syncsgd.training import data
 from syncsgd.training.run import Run
 from syncsgd.training.variants import Variant
 
 if TYPE_CHECKING:
-    from syncsgd.training.batchnorm import BatchNormLocalGradient
+    from syncsgd.training.layered import LayeredLocalGradient
 
 # The ring's chunk boundaries depend on the buffer's length, and with them the order in which a
 # gradient element's float sum is taken: the buffer keeps at least as many slots for the values
@@ -49,86 +49,6 @@ class CommBuffer:
         riders = sum(s.stop - s.start for s in self.riders.values())
         self.array = np.zeros(self.n_params + max(riders, MIN_RIDER_SLOTS), self.dtype)
         return self.array
-
-
-class FloatLocalGradient:
-    """Float mode: the Numba kernels' sum of per-sample gradients, in the model's dtype."""
-
-    scale = 1.0  # no loss scaling in fp32
-    pieces = "float"  # --overlap runs it layer by layer (training/overlap.py)
-
-    def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer) -> None:
-        from syncsgd.nn.kernels import Gradient  # imports Numba: only when training
-
-        self.kernel = Gradient(model, max_batch)
-        self.n_params = model.n_params
-        self.loss_slot = buffer.register("loss sum").start
-
-    def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
-                 sums: np.ndarray) -> None:  # fmt: skip
-        """Fill `sums` with this shard's gradient sum and loss sum."""
-        sums[self.loss_slot], _ = self.kernel(params, X, y, sums[: self.n_params])
-
-
-class NarrowLocalGradient:
-    """Float mode with --precision bf16|fp16: the passes in the format, the sums in --dtype."""
-
-    def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer,
-                 fmt: int) -> None:  # fmt: skip
-        from syncsgd.nn.precision import NarrowGradient  # imports Numba: only when training
-
-        self.kernel = NarrowGradient(model, max_batch, fmt)
-        self.n_params = model.n_params
-        self.loss_slot = buffer.register("loss sum").start
-        self.scale = 1.0  # the loss scale: the sums are of `scale` times the loss's gradients
-
-    def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
-                 sums: np.ndarray) -> None:  # fmt: skip
-        """Fill `sums` with this shard's scaled gradient sum and its loss sum."""
-        sums[self.loss_slot], _ = self.kernel(params, X, y, sums[: self.n_params], self.scale)
-
-
-class ExactLocalGradient:
-    """Exact mode: batch-invariant kernels, sums extracted at a fixed point all ranks agree on."""
-
-    def __init__(self, model: MLP, max_batch: int, global_batch: int, buffer: CommBuffer,
-                 fmt: int = 0) -> None:  # fmt: skip
-        from syncsgd.nn.exact import ExactGradient, NarrowExactGradient  # imports Numba
-
-        self.kernel = NarrowExactGradient(model, max_batch, fmt) if fmt else ExactGradient(
-            model, max_batch)  # fmt: skip
-        self.bounds = np.zeros(self.kernel.bound_count, np.float64)
-        self.global_batch = global_batch
-        self.n_params = model.n_params
-        self.loss_slot = buffer.register("loss sum").start  # the exact sums end with the loss
-        self.scale, self.narrow = 1.0, bool(fmt)  # the sums are of `scale` times the gradients
-        self.pieces = "exact"  # --overlap extracts it layer by layer (training/overlap.py)
-        assert self.loss_slot == self.n_params
-
-    def __call__(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
-                 sums: np.ndarray) -> None:  # fmt: skip
-        """Fill `sums` with the exact gradient sum and the exact loss sum."""
-        if self.agree_(comm, params, X, y, sums):
-            self.kernel.accumulate(self.bounds, self.global_batch, sums[: self.loss_slot + 1])
-
-    def agree_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
-               sums: np.ndarray) -> bool:  # fmt: skip
-        """The per-sample passes and the bounds every rank agrees on; False (sums NaN) if those
-        are not finite."""
-        if self.narrow:  # the loss scale the loss scaler set, for the narrow kernels
-            self.kernel.scale = self.scale  # type: ignore[attr-defined]
-        self.kernel.local_pass(params, X, y, self.bounds)
-        mpi = constants(comm)
-        with watching("exact mode's allreduce of the bounds"):  # agree on the fixed point
-            comm.Allreduce(mpi.IN_PLACE, self.bounds, op=mpi.MAX)
-        if not np.isfinite(self.bounds).all():  # the same on every rank: all skip or stop alike
-            sums[:] = np.nan
-            return False
-        return True
-
-
-LocalGradient = Union[FloatLocalGradient, NarrowLocalGradient, ExactLocalGradient,
-                      "BatchNormLocalGradient"]  # fmt: skip
 
 
 class StepRecord(NamedTuple):
@@ -209,7 +129,7 @@ class DataParallelStep:
         if config.overlap and self.size > 1:
             from syncsgd.training.overlap import Overlap
 
-            self.overlap = Overlap(self, model, buckets, self.doing)
+            self.overlap = Overlap(self, buckets, self.doing)
 
     def take_(self, step: int) -> StepRecord:
         """Shard -> local gradient SUM -> allreduce (sum of sums) -> divide once by B -> update."""
@@ -291,25 +211,17 @@ class DataParallelStep:
         return info["lr"], info["grad_norm"]
 
 
-def local_gradient(config: Any, model: MLP, largest_shard: int, buffer: CommBuffer,
-                   trace: Any = None) -> LocalGradient:  # fmt: skip
-    """The kernel that fills the buffer with this rank's sums, for the mode and the precision."""
-    if config.batchnorm != "none":  # layer by layer: BatchNorm's sums travel between layers
-        from syncsgd.training.batchnorm import BatchNormLocalGradient
+def local_gradient(config: Any, model: MLP | Network, largest_shard: int, buffer: CommBuffer,
+                   trace: Any = None) -> LayeredLocalGradient:  # fmt: skip
+    """The passes that fill the buffer with this rank's sums, in the run's mode and precision."""
+    from syncsgd.training.layered import LayeredLocalGradient  # imports Numba: when training
 
-        return BatchNormLocalGradient(config, model, largest_shard, buffer, trace)
-    if config.precision != "fp32":
-        from syncsgd.nn.precision import PRECISION_CODES
-
-        fmt = PRECISION_CODES[config.precision]
-        if config.exact:
-            return ExactLocalGradient(model, largest_shard, config.batch_size, buffer, fmt)
-        return NarrowLocalGradient(model, largest_shard, config.batch_size, buffer, fmt)
-    kind = ExactLocalGradient if config.exact else FloatLocalGradient
-    return kind(model, largest_shard, config.batch_size, buffer)
+    network = model if isinstance(model, Network) else model.network()
+    return LayeredLocalGradient(config, network, largest_shard, buffer, trace)
 
 
-def bucket_slices(model: MLP, buffer: np.ndarray, bucket_bytes: int | None) -> list[slice]:
+def bucket_slices(model: MLP | Network, buffer: np.ndarray,
+                  bucket_bytes: int | None) -> list[slice]:  # fmt: skip
     """Cut the communication buffer into allreduce buckets of whole tensors, in parameter order."""
     # None: one bucket. 0: one per layer (W, b, and gamma, beta with BatchNorm). Otherwise tensors
     # are grouped until a bucket holds at least `bucket_bytes` of `buffer`; the riders go with the
@@ -318,7 +230,7 @@ def bucket_slices(model: MLP, buffer: np.ndarray, bucket_bytes: int | None) -> l
     if bucket_bytes is None:
         return [slice(0, total)]
     entries = model.layout()
-    layers = [layer_of(name) for name, _, _ in entries]
+    layers = [model.layer_of(name) for name, _, _ in entries]
     ends, start = [], 0
     for index, (_, shape, offset) in enumerate(entries):
         filled = offset + shape_size(shape)

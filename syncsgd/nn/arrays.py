@@ -1,0 +1,35 @@
+"""What every model holds its arrays as: the float types, the losses, shapes and checks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+LOSSES = ("xent", "mse")
+DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
+
+
+def checked(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:
+    """`array` as a finite numeric array of `shape`, or a ValueError naming `name`."""
+    value = np.asarray(array)
+    if value.shape != shape:
+        raise ValueError(f"parameter {name!r} has shape {value.shape}, expected {shape}")
+    if value.dtype.kind not in "fiu":
+        raise ValueError(f"parameter {name!r} has non-numeric dtype {value.dtype}")
+    if not np.all(np.isfinite(value)):
+        raise ValueError(f"parameter {name!r} contains NaN or infinity")
+    return value
+
+
+def shape_size(shape: tuple[int, ...]) -> int:
+    """Number of elements of an array of this shape."""
+    size = 1
+    for extent in shape:
+        size *= extent
+    return size
+
+
+def describe(value: object) -> str:
+    """A short description of an array-like for error messages."""
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
