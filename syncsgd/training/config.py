@@ -281,7 +281,6 @@ def _check_batchnorm(config: TrainConfig) -> None:
     if config.batchnorm == "none" or config.model is not None:
         return
     _require(bool(config.hidden), "--batchnorm normalises hidden layers: give --hidden sizes")
-    _require(config.precision == "fp32", "--batchnorm runs in --precision fp32 only")
 
 
 def _check_model(config: TrainConfig) -> None:
