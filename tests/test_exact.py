@@ -1,13 +1,17 @@
 """Exact mode: batch-invariant per-sample passes and order-independent extracted sums.
 
+The passes are `Backprop` with the `Exact` numerics, driven in the step's two phases (`Shard`):
+the per-sample forward and backward pass registers every sum as a term with its peaks, every rank
+agrees on the peaks (a MAX), and the terms are extracted at the agreed fixed points.
+
 References: a whole-batch float64 NumPy forward/backward (independent of the Numba code), a
 NumPy emulation of the documented summation order (bit for bit), exact rational arithmetic
-(fractions.Fraction) for the error bound, and kernels.Gradient (float mode).
+(fractions.Fraction) for the error bound, and backprop.Gradient (float mode, and exact mode on
+one process).
 """
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 import numpy as np
@@ -18,9 +22,10 @@ from hypothesis import strategies as st
 from syncsgd import run_threads
 from syncsgd.collectives import ring_allreduce
 from syncsgd.comm.world import constants
-from syncsgd.nn.exact import ExactGradient, exactness_bound, extraction_exponents, slot_bounds
-from syncsgd.nn.kernels import Gradient
+from syncsgd.nn.backprop import Backprop, Gradient
+from syncsgd.nn.exact import slot_exponent
 from syncsgd.nn.mlp import MLP
+from syncsgd.nn.numerics import Exact, numerics
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,14 +49,73 @@ def make_problem(sizes, activation, loss, dtype, m, seed):
     return model, params, X, y
 
 
+class Shard:
+    """One rank's exact-mode gradient in the step's two phases, around the MAX of the peaks."""
+
+    def __init__(self, model, max_batch):
+        network = self.network = model.network()
+        self.nx = numerics(True, "fp32", network.dtype, network.largest_weight(),
+                           max_batch * network.largest_block(), network.n_params)  # fmt: skip
+        assert isinstance(self.nx, Exact)
+        self.passes = Backprop(network, max_batch, self.nx)
+        self.grads = np.zeros(network.n_params)  # the terms are extracted into it
+        self.top = network.n_layers - 1
+
+    def local_pass(self, params, X, y):
+        """Phase 1: the per-sample passes register every sum; (hits, this shard's peaks)."""
+        self.nx.begin_()
+        _, hits = self.passes.forward_loss_(params, X, y)
+        self.passes.backward_(self.grads, self.top, 0)
+        bounds = np.full(len(self.nx.peaks), np.nan)
+        self.nx.bounds(bounds)
+        return hits, bounds
+
+    def accumulate(self, bounds, global_batch):
+        """Phase 2: the sums extracted at the agreed peaks: the gradient, then the loss."""
+        self.grads[:] = 0
+        scales = self.nx.scales(bounds, global_batch)
+        loss_sum = self.nx.extract_loss(scales)
+        self.nx.accumulate_(scales, self.top, 0)
+        return np.append(self.grads, loss_sum)
+
+    def error_bound(self, bounds, global_batch):
+        """Per element of the gradient, then the loss: the stated bound on the mean's error."""
+        return self.nx.error_bound(bounds, global_batch, self.grads)
+
+    def sample_terms(self):
+        """Views of the last pass's factors, layer by layer: each dense layer's (m, fan_in)
+        input and (m, fan_out) delta; the per-sample losses."""
+        terms = self.nx.terms
+        outer = [term for term in terms if term.kind == "outer"][::-1]  # registered top down
+        columns = [term for term in terms if term.kind == "columns"][::-1]
+        for weight, bias in zip(outer, columns, strict=True):  # a bias sums the weight's deltas
+            assert weight.b is bias.a
+        (loss,) = [term for term in terms if term.kind == "loss"]
+        return [t.a for t in outer], [t.b for t in outer], loss.a[:, 0]
+
+    def term_slices(self):
+        """Per registered term: (term, its elements in the gradient-then-loss vector)."""
+        base = self.grads.__array_interface__["data"][0]
+        slices = []
+        for term in self.nx.terms:
+            if term.kind == "loss":
+                slices.append((term, slice(-1, None)))
+                continue
+            start = (term.out.__array_interface__["data"][0] - base) // self.grads.itemsize
+            slices.append((term, slice(start, start + term.out.size)))
+        return slices
+
+    def term_bound(self, bounds, term):
+        """v: the agreed bound on |every per-sample term| of a registered sum."""
+        value = float(bounds[term.first_bound])
+        return value * float(bounds[term.first_bound + 1]) if term.kind == "outer" else value
+
+
 def run_exact(model, params, X, y, global_batch=None):
-    """One shard alone: (hits, bounds, float64 sums) of local_pass + accumulate."""
-    gradient = ExactGradient(model, len(X))
-    bounds = np.full(gradient.bound_count, np.nan)
-    hits = gradient.local_pass(params, X, y, bounds)
-    sums = np.full(model.n_params + 1, np.nan)
-    gradient.accumulate(bounds, global_batch or max(len(X), 1), sums)
-    return hits, bounds, sums
+    """One shard alone: (hits, its peaks, float64 sums: the gradient, then the loss)."""
+    shard = Shard(model, len(X))
+    hits, bounds = shard.local_pass(params, X, y)
+    return hits, bounds, shard.accumulate(bounds, global_batch or max(len(X), 1))
 
 
 def reference(model, params, X, y):
@@ -90,9 +154,9 @@ def bits(array):
     return np.ascontiguousarray(array).tobytes()
 
 
-def copied_terms(gradient):
+def copied_terms(shard):
     """Copies of the per-sample inputs, deltas and losses of the last pass."""
-    inputs, deltas, losses = gradient.sample_terms()
+    inputs, deltas, losses = shard.sample_terms()
     return [a.copy() for a in inputs], [d.copy() for d in deltas], losses.copy()
 
 
@@ -110,16 +174,15 @@ models = st.tuples(
 @given(model_case=models, m=st.integers(1, 13), data=st.data(), seed=st.integers(0, 2**16))
 def test_a_samples_terms_do_not_depend_on_its_micro_batch(model_case, m, data, seed):
     model, params, X, y = make_problem(*model_case, m, seed)
-    gradient = ExactGradient(model, m)
-    bounds = np.empty(gradient.bound_count)
-    gradient.local_pass(params, X, y, bounds)
-    whole = copied_terms(gradient)
+    shard = Shard(model, m)
+    shard.local_pass(params, X, y)
+    whole = copied_terms(shard)
     # The same samples reordered and regrouped: one alone, a sub-batch, a permutation.
     order = np.array(data.draw(st.permutations(range(m))))
     cut = data.draw(st.integers(1, m))
     for rows in (order, order[:cut], order[cut - 1 : cut]):
-        gradient.local_pass(params, X[rows], y[rows], bounds)
-        inputs, deltas, losses = gradient.sample_terms()
+        shard.local_pass(params, X[rows], y[rows])
+        inputs, deltas, losses = shard.sample_terms()
         for mine, full in zip(inputs + deltas, whole[0] + whole[1], strict=True):
             assert bits(mine) == bits(full[rows])
         assert bits(losses) == bits(whole[2][rows])
@@ -134,9 +197,9 @@ def test_a_pass_follows_the_documented_order_bit_for_bit(dtype, sizes):
     11 samples use the four-row path and three leftover rows.
     """
     model, params, X, y = make_problem(sizes, "relu", "mse", dtype, 11, 3)
-    gradient = ExactGradient(model, 11)
-    gradient.local_pass(params, X, y, np.empty(gradient.bound_count))
-    inputs, deltas, losses = gradient.sample_terms()
+    shard = Shard(model, 11)
+    shard.local_pass(params, X, y)
+    inputs, deltas, losses = shard.sample_terms()
     views = model.views(params)
     h, expected_inputs = X, []
     for layer in range(model.n_layers):
@@ -170,17 +233,14 @@ def test_a_pass_follows_the_documented_order_bit_for_bit(dtype, sizes):
 
 def shard_sums(model, params, X, y, cuts, global_batch):
     """Each shard's extracted sums, after a MAX over every shard's bounds (as the allreduce)."""
-    shards = np.split(np.arange(len(X)), cuts)
-    gradients = [ExactGradient(model, len(rows)) for rows in shards]
-    local = np.zeros((len(shards), gradients[0].bound_count))
-    hits = 0
-    for gradient, rows, bounds in zip(gradients, shards, local, strict=True):
-        hits += gradient.local_pass(params, X[rows], y[rows], bounds)
-    agreed = local.max(axis=0)
-    sums = np.zeros((len(shards), model.n_params + 1))
-    for gradient, out in zip(gradients, sums, strict=True):
-        gradient.accumulate(agreed, global_batch, out)
-    return hits, agreed, sums
+    rows_of = np.split(np.arange(len(X)), cuts)
+    shards = [Shard(model, len(rows)) for rows in rows_of]
+    hits, local = 0, []
+    for shard, rows in zip(shards, rows_of, strict=True):
+        shard_hits, bounds = shard.local_pass(params, X[rows], y[rows])
+        hits, local = hits + shard_hits, [*local, bounds]
+    agreed = np.max(local, axis=0)
+    return hits, agreed, [shard.accumulate(agreed, global_batch) for shard in shards]
 
 
 @given(
@@ -195,6 +255,11 @@ def test_b_any_sharding_and_summation_order_gives_the_same_bits(
 ):
     model, params, X, y = make_problem(*model_case, batch, seed)
     hits, bounds, whole = run_exact(model, params, X, y)
+    # The single-process convenience is the same two phases on one shard.
+    serial = np.empty(model.n_params)
+    loss_sum, serial_hits = Gradient(model, batch, exact=True)(params, X, y, serial)
+    assert serial_hits == hits
+    assert bits(np.append(serial, loss_sum)) == bits(whole)
     # Samples shuffled, cut into `ranks` shards anywhere (empty shards included, P > B too).
     order = np.array(data.draw(st.permutations(range(batch))))
     cut_points = st.lists(st.integers(0, batch), min_size=ranks - 1, max_size=ranks - 1)
@@ -218,14 +283,11 @@ def ring_rank(comm, model, params, X, y):
     """What a training step does on one rank: shard, pass, MAX, accumulate, ring SUM."""
     rank, size = comm.Get_rank(), comm.Get_size()
     rows = np.array_split(np.arange(len(X)), size)[rank]
-    gradient = ExactGradient(model, len(rows))
-    bounds = np.zeros(gradient.bound_count)
-    gradient.local_pass(params, X[rows], y[rows], bounds)
+    shard = Shard(model, len(rows))
+    _, bounds = shard.local_pass(params, X[rows], y[rows])
     mpi = constants(comm)
     comm.Allreduce(mpi.IN_PLACE, bounds, op=mpi.MAX)
-    sums = np.zeros(model.n_params + 1)
-    gradient.accumulate(bounds, len(X), sums)
-    return ring_allreduce(sums, comm)
+    return ring_allreduce(shard.accumulate(bounds, len(X)), comm)
 
 
 @given(
@@ -247,25 +309,24 @@ def test_b_ring_allreduce_on_thread_ranks_gives_the_serial_bits(model_case, batc
 @given(model_case=models, batch=st.integers(1, 12), seed=st.integers(0, 2**16))
 def test_c_extracted_sums_are_within_the_stated_bound_of_the_exact_sums(model_case, batch, seed):
     model, params, X, y = make_problem(*model_case, batch, seed)
-    gradient = ExactGradient(model, batch)
-    bounds = np.empty(gradient.bound_count)
-    gradient.local_pass(params, X, y, bounds)
-    sums = np.empty(model.n_params + 1)
-    gradient.accumulate(bounds, batch, sums)
-    bound = exactness_bound(model, bounds, batch)
-    for got, exact, allowed in zip(sums, exact_sums_by_layer(model, gradient), bound, strict=True):
+    shard = Shard(model, batch)
+    _, bounds = shard.local_pass(params, X, y)
+    sums = shard.accumulate(bounds, batch)
+    bound = shard.error_bound(bounds, batch)
+    for got, exact, allowed in zip(sums, exact_sums_by_layer(shard), bound, strict=True):
         assert abs(Fraction(float(got)) - exact) <= batch * Fraction(float(allowed))
-    # The stated constant: below B v_s 2^-51 (+ 2^-53 v_s + 2^-1075 for float64 weights).
-    per_slot = slot_bounds(bounds)
-    for slot, (_, _, offset) in enumerate(model.layout()):
-        weights64 = model.dtype == np.float64 and slot % 2 == 0
-        extra = per_slot[slot] * 2.0**-53 + 2.0**-1075 if weights64 else 0
-        assert bound[offset] <= max(batch * per_slot[slot] * 2.0**-51, 2.0**-1075) + extra
+    # The stated constant: below B v 2^-51 (+ 2^-53 v + 2^-1075 for float64 weights), one v per
+    # registered sum: a weight sum's is the product of its two factors' peaks.
+    for term, elements in shard.term_slices():
+        value = shard.term_bound(bounds, term)
+        weights64 = model.dtype == np.float64 and term.kind == "outer"
+        extra = value * 2.0**-53 + 2.0**-1075 if weights64 else 0
+        assert np.all(bound[elements] <= max(batch * value * 2.0**-51, 2.0**-1075) + extra)
 
 
-def exact_sums_by_layer(model, gradient):
+def exact_sums_by_layer(shard):
     """The exact rational sums of the last pass's per-sample terms, in the flat layout."""
-    inputs, deltas, losses = gradient.sample_terms()
+    inputs, deltas, losses = shard.sample_terms()
     sums = []
     for a, d in zip(inputs, deltas, strict=True):
         a_q = [[Fraction(float(v)) for v in row] for row in a]
@@ -283,23 +344,32 @@ def exact_sums_by_layer(model, gradient):
 @given(model_case=models, batch=st.integers(1, 12), seed=st.integers(0, 2**16))
 def test_c_sums_are_whole_multiples_of_the_agreed_unit(model_case, batch, seed):
     model, params, X, y = make_problem(*model_case, batch, seed)
-    _, bounds, sums = run_exact(model, params, X, y, global_batch=batch + 3)
-    exponents = extraction_exponents(bounds, batch + 3)
-    for slot, (_, shape, offset) in enumerate(model.layout()):
-        counts = np.ldexp(sums[offset : offset + math.prod(shape)], 52 - exponents[slot])
+    shard = Shard(model, batch)
+    _, bounds = shard.local_pass(params, X, y)
+    sums = shard.accumulate(bounds, batch + 3)
+    scales = shard.nx.scales(bounds, batch + 3)
+    slices = shard.term_slices()
+    covered = np.zeros(model.n_params + 1, bool)
+    for (term, elements), (magic, unit) in zip(slices, scales, strict=True):
+        exponent = slot_exponent(shard.term_bound(bounds, term), batch + 3)
+        assert (magic, unit) == (np.ldexp(1.5, exponent), np.ldexp(1.0, exponent - 52))
+        counts = sums[elements] / unit  # a power of two: exact
         assert np.array_equal(counts, np.round(counts))
-    assert np.ldexp(sums[-1], 52 - exponents[-1]) % 1 == 0
+        covered[elements] = True
+    assert covered.all()  # every element is one registered sum's
 
 
 @given(model_case=models, batch=st.integers(1, 16), seed=st.integers(0, 2**16))
 def test_c_exact_mean_is_close_to_float64_reference_and_to_float_mode(model_case, batch, seed):
     model, params, X, y = make_problem(*model_case, batch, seed)
-    hits, bounds, sums = run_exact(model, params, X, y)
+    shard = Shard(model, batch)
+    hits, bounds = shard.local_pass(params, X, y)
+    sums = shard.accumulate(bounds, batch)
     *_, expected = reference(model, params, X, y)
     # The factors themselves are rounded in the model's dtype (the reference's in float64): the
     # float tolerance of test_kernels, on top of the stated extraction bound.
     scale = 1 + np.abs(expected).max()
-    allowed = exactness_bound(model, bounds, batch) + FLOAT_TOLERANCE[model.dtype] * scale / batch
+    allowed = shard.error_bound(bounds, batch) + FLOAT_TOLERANCE[model.dtype] * scale / batch
     assert np.all(np.abs(sums / batch - expected / batch) <= allowed)
     float_grad = np.empty(model.n_params, dtype=model.dtype)
     loss_sum, float_hits = Gradient(model, batch)(params, X, y, float_grad)
@@ -317,15 +387,15 @@ def test_c_exact_mean_is_close_to_float64_reference_and_to_float_mode(model_case
 @pytest.mark.parametrize("hidden", [(), (7,), (6, 5)], ids=lambda h: f"hidden{len(h)}")
 def test_c_every_configuration_matches_the_reference(dtype, activation, loss, hidden):
     model, params, X, y = make_problem((8, *hidden, 4), activation, loss, dtype, 9, 11)
-    hits, bounds, sums = run_exact(model, params, X, y)
+    shard = Shard(model, 9)
+    _, bounds = shard.local_pass(params, X, y)
+    sums = shard.accumulate(bounds, 9)
     inputs, deltas, losses, expected = reference(model, params, X, y)
-    allowed = exactness_bound(model, bounds, 9) + FLOAT_TOLERANCE[model.dtype] * (
+    allowed = shard.error_bound(bounds, 9) + FLOAT_TOLERANCE[model.dtype] * (
         1 + np.abs(expected).max()
     )
     np.testing.assert_array_less(np.abs(sums - expected) / 9, allowed)
-    gradient = ExactGradient(model, 9)
-    gradient.local_pass(params, X, y, bounds)
-    got_inputs, got_deltas, got_losses = gradient.sample_terms()
+    got_inputs, got_deltas, got_losses = shard.sample_terms()
     tolerance = FLOAT_TOLERANCE[model.dtype]
     for got, want in zip(got_inputs + got_deltas, inputs + deltas, strict=True):
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
@@ -340,12 +410,12 @@ def test_d_an_empty_shard_contributes_zeros(loss):
     model, params, _, _ = make_problem((4, 5, 3), "relu", loss, np.float64, 0, 1)
     X = np.empty((0, 4))
     y = np.empty(0, dtype=np.int64) if loss == "xent" else np.empty((0, 3))
-    gradient = ExactGradient(model, 0)
-    bounds = np.full(gradient.bound_count, np.nan)
-    assert gradient.local_pass(params, X, y, bounds) == 0
-    assert bits(bounds) == bits(np.zeros(gradient.bound_count))
-    sums = np.full(model.n_params + 1, np.nan)
-    gradient.accumulate(np.full(gradient.bound_count, 3.0), 7, sums)
+    shard = Shard(model, 0)
+    hits, bounds = shard.local_pass(params, X, y)
+    assert hits == 0
+    assert len(bounds) == 2 * 3 + 1  # per dense layer: its weight's two peaks, its bias's; loss
+    assert bits(bounds) == bits(np.zeros(len(bounds)))
+    sums = shard.accumulate(np.full(len(bounds), 3.0), 7)
     assert bits(sums) == bits(np.zeros(model.n_params + 1))
 
 
@@ -355,10 +425,13 @@ def test_d_an_all_zero_gradient_is_plus_zero_everywhere(dtype):
     params = np.zeros(model.n_params, dtype=dtype)
     X = np.ones((5, 3), dtype=dtype)
     y = np.zeros((5, 2), dtype=dtype)  # outputs 0 = targets: every delta and loss is 0
-    hits, bounds, sums = run_exact(model, params, X, y)
-    assert bounds[-1] == 0 and not bounds[1::2].any()
+    shard = Shard(model, 5)
+    _, bounds = shard.local_pass(params, X, y)
+    sums = shard.accumulate(bounds, 5)
+    for term in shard.nx.terms:  # every peak is 0 but the layers' inputs'
+        assert bounds[term.first_bound + (term.kind == "outer")] == 0
     assert bits(sums) == bits(np.zeros(model.n_params + 1))
-    assert np.all(exactness_bound(model, bounds, 5) == 2.0**-1075)
+    assert np.all(shard.error_bound(bounds, 5) == 2.0**-1075)
 
 
 @given(
@@ -366,14 +439,13 @@ def test_d_an_all_zero_gradient_is_plus_zero_everywhere(dtype):
     batch=st.integers(1, 2**40),
 )
 def test_d_exponents_are_the_least_power_of_two_above_2_b_v(value, batch):
-    exponents = extraction_exponents(np.array([1.0, value, 0.0]), batch)
+    assert slot_exponent(0.0, batch) == -1022  # a zero bound
+    exponent = slot_exponent(value, batch)
     target = 2 * batch * Fraction(value)
-    assert exponents[2] == -1022  # a zero bound
-    for exponent in exponents[:2]:
-        if value == 0 or target <= Fraction(2) ** -1022:
-            assert exponent == -1022
-        else:
-            assert Fraction(2) ** int(exponent) >= target > Fraction(2) ** int(exponent - 1)
+    if value == 0 or target <= Fraction(2) ** -1022:
+        assert exponent == -1022
+    else:
+        assert Fraction(2) ** exponent >= target > Fraction(2) ** (exponent - 1)
 
 
 # bad input -----------------------------------------------------------------------------------
@@ -381,51 +453,75 @@ def test_d_exponents_are_the_least_power_of_two_above_2_b_v(value, batch):
 
 @pytest.mark.parametrize("where", ["X", "params"])
 @pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_non_finite_value_is_refused_on_every_rank_after_the_max(where, value):
+def test_non_finite_value_is_refused_after_the_max(where, value):
     model, params, X, y = make_problem((3, 4, 2), "relu", "xent", np.float64, 6, 2)
     (X if where == "X" else params)[1] = value
-    gradient = ExactGradient(model, 6)
-    bounds = np.zeros(gradient.bound_count)
-    gradient.local_pass(params, X, y, bounds)
+    shard = Shard(model, 6)
+    _, bounds = shard.local_pass(params, X, y)
     assert np.isinf(bounds).any() and not np.isnan(bounds).any()  # inf survives a MAX
-    with pytest.raises(ValueError, match="non-finite gradient"):
-        gradient.accumulate(bounds, 6, np.zeros(model.n_params + 1))
+    with pytest.raises(ValueError, match="too large for exact mode"):
+        shard.accumulate(bounds, 6)
+
+
+def non_finite_rank(comm, model, params, X, y):
+    """One step's local gradient on a rank whose shard holds a NaN only on rank 1."""
+    from syncsgd.training.config import TrainConfig
+    from syncsgd.training.layered import LayeredLocalGradient
+    from syncsgd.training.step import CommBuffer
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = np.array_split(np.arange(len(X)), size)[rank]
+    config = TrainConfig(batch_size=len(X), exact=True)
+    buffer = CommBuffer(model.n_params, np.dtype(np.float64))
+    local = LayeredLocalGradient(config, model.network(), len(rows), buffer)
+    sums = buffer.build()
+    local(comm, params, X[rows], y[rows], sums)
+    return local.scales, sums
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_value_on_one_rank_is_refused_on_every_rank_after_the_max(value):
+    model, params, X, y = make_problem((3, 4, 2), "relu", "xent", np.float64, 6, 2)
+    X[3] = value  # rank 1's first sample of three ranks
+    for scales, sums in run_threads(3, non_finite_rank, model, params, X, y):
+        assert scales is None  # no rank extracts: every rank skips (or stops) alike
+        assert np.isnan(sums).all()
 
 
 def test_bounds_that_were_not_reduced_are_refused():
     model, params, X, y = make_problem((3, 4, 2), "relu", "xent", np.float64, 6, 2)
-    gradient = ExactGradient(model, 6)
-    bounds = np.zeros(gradient.bound_count)
-    gradient.local_pass(params, X, y, bounds)
+    shard = Shard(model, 6)
+    _, bounds = shard.local_pass(params, X, y)
     with pytest.raises(ValueError, match="MAX-allreduce"):
-        gradient.accumulate(bounds / 2, 6, np.zeros(model.n_params + 1))
+        shard.accumulate(bounds / 2, 6)
     with pytest.raises(ValueError, match="too large"):
-        gradient.accumulate(np.full(gradient.bound_count, 1e300), 6, np.zeros(model.n_params + 1))
+        shard.accumulate(np.full(len(bounds), 1e300), 6)
+    # Why it matters: below the true peaks a term may leave M's binade and the sums are wrong.
+    assert bits(shard.accumulate(bounds, 6)) == bits(run_exact(model, params, X, y)[2])
 
 
 def test_bad_arguments_get_one_line_messages():
     model, params, X, y = make_problem((3, 2), "relu", "xent", np.float64, 4, 0)
-    gradient = ExactGradient(model, 4)
-    bounds = np.zeros(gradient.bound_count)
-    sums = np.zeros(model.n_params + 1)
+    shard = Shard(model, 4)
+    _, bounds = shard.local_pass(params, X, y)
+    network, nx = shard.network, shard.nx
     cases = [
-        (lambda: gradient.accumulate(bounds, 4, sums), "local_pass first"),
-        (lambda: gradient.local_pass(params, X, y, np.zeros(2)), "bounds_out"),
-        (lambda: gradient.local_pass(params[:-1], X, y, bounds), "params"),
-        (lambda: gradient.local_pass(params, np.zeros((5, 3)), np.zeros(5, int), bounds), "max_b"),
-        (lambda: gradient.local_pass(params, X, y + 5, bounds), "labels"),
-        (lambda: ExactGradient(model, -1), "max_batch"),
+        (lambda: shard.local_pass(params[:-1], X, y), "params"),
+        (lambda: shard.local_pass(params.astype(np.float32), X, y), "params"),
+        (lambda: shard.local_pass(params, np.zeros((5, 3)), np.zeros(5, int)), "max_batch"),
+        (lambda: shard.local_pass(params, X, y + 5), "labels"),
+        (lambda: Backprop(network, -1, nx), "max_batch"),
+        (lambda: Gradient(model, 4)(params, X, y, np.zeros(3)), "grad_out"),
     ]
     for call, message in cases:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=message) as info:
             call()
-    gradient.local_pass(params, X, y, bounds)
+        assert "\n" not in str(info.value)
+    shard.local_pass(params, X, y)  # a failed pass leaves no terms: extract the last good one's
     for call, message in [
-        (lambda: gradient.accumulate(bounds, 3, sums), "smaller than"),
-        (lambda: gradient.accumulate(bounds, 0, sums), "global_batch"),
-        (lambda: gradient.accumulate(bounds, 4, sums.astype(np.float32)), "sums_out"),
-        (lambda: gradient.accumulate(bounds[:-1], 4, sums), "bounds"),
-        (lambda: gradient.accumulate(-bounds - 1, 4, sums), ">= 0"),
+        (lambda: shard.accumulate(bounds[:-1], 4), "bounds"),
+        (lambda: shard.accumulate(bounds, 3), "smaller than"),
+        (lambda: shard.accumulate(bounds, 0), "smaller than"),
     ]:
         with pytest.raises(ValueError, match=message) as info:
             call()

@@ -333,8 +333,19 @@ class Exact(Float):
 
     def scales(self, bounds: np.ndarray, global_batch: int) -> list[tuple[float, float]]:
         """(M, ulp(M)) per term from the agreed peaks: M = 1.5 * 2^E, 2^E >= 2 B v."""
+        # Below this rank's own peaks (no MAX-allreduce) or a B below its shard, a term may
+        # leave M's binade: the sums would be silently wrong, so refuse.
+        if np.shape(bounds) != (len(self.peaks),):
+            raise ValueError(f"bounds must hold the pass's {len(self.peaks)} peaks, got shape "
+                             f"{np.shape(bounds)}")  # fmt: skip
+        if np.any(np.asarray(bounds) < self.peaks):
+            raise ValueError("bounds are below this rank's own peaks: MAX-allreduce the bounds "
+                             "of every rank before extracting")  # fmt: skip
         scales = []
         for term in self.terms:
+            if term.a.shape[0] > global_batch * term.per_sample:
+                raise ValueError(f"global batch {global_batch} is smaller than this rank's "
+                                 f"shard of {term.a.shape[0] // term.per_sample}")  # fmt: skip
             value = float(bounds[term.first_bound])
             if term.kind == "outer":
                 value *= float(bounds[term.first_bound + 1])
