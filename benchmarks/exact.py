@@ -1,4 +1,4 @@
-"""Exact-mode gradient benchmark: ExactGradient (two phases) against float mode's kernels.Gradient.
+"""Exact-mode gradient benchmark: the exact numerics' two phases against float mode's Gradient.
 
     python benchmarks/exact.py                  # MLP 784-256-256-10 relu xent, micro-batch 128,
                                                 # then whole steps at P = 2 (target: <= 4x)
@@ -6,10 +6,11 @@
     OPENBLAS_NUM_THREADS=1 python benchmarks/exact.py --clock cpu --json exact.json
 
 The default setting is global batch 256 on P = 2 ranks, so each rank's micro-batch is 128. Exact
-mode is `local_pass` (batch-invariant forward/backward, peaks) then `accumulate` (extraction of
-every per-sample term to the agreed fixed point); the MAX-allreduce between the two is a
+mode is `passes` (Backprop with the Exact numerics: the batch-invariant forward and backward
+passes, every sum registered with its peaks) then `extract` (`Exact.scales` and the extraction of
+every registered sum at its agreed fixed point); the MAX-allreduce between the two is a
 collective, timed by the step benchmark, not here (the peaks of this rank stand in for the agreed
-ones: the cost does not depend on their values). Float mode is one `kernels.Gradient` call (BLAS).
+ones: the cost does not depend on their values). Float mode is one `backprop.Gradient` call (BLAS).
 
 Method: both modes are first checked against each other (exact mean within the stated bound plus
 float rounding of float mode), their first calls timed apart (JIT compile or cache load), then
@@ -40,7 +41,7 @@ from syncsgd.apps.bench.timing import CLOCKS, interleaved_rounds
 from syncsgd.nn.mlp import MLP, parse_hidden
 from syncsgd.util.argtypes import dtype_list
 
-MODES = ("float", "exact", "local_pass", "accumulate")  # the last two: exact's phases alone
+MODES = ("float", "exact", "passes", "extract")  # the last two: exact's phases alone
 
 
 def setup(model: MLP, batch: int, seed: int, rank: int) -> tuple[np.ndarray, ...]:
@@ -51,34 +52,67 @@ def setup(model: MLP, batch: int, seed: int, rank: int) -> tuple[np.ndarray, ...
     return model.init_params(seed), X, y
 
 
+class ExactPhases:
+    """One rank's exact-mode gradient sum in the step's two phases, around the MAX of the peaks."""
+
+    def __init__(self, model: MLP, max_batch: int) -> None:
+        from syncsgd.nn.backprop import Backprop
+        from syncsgd.nn.numerics import Exact, numerics
+
+        network = model.network()
+        nx = numerics(True, "fp32", network.dtype, network.largest_weight(),
+                      max_batch * network.largest_block(), network.n_params)  # fmt: skip
+        assert isinstance(nx, Exact)
+        self.nx, self.passes = nx, Backprop(network, max_batch, nx)
+        self.top = network.n_layers - 1
+        self.grads = np.zeros(network.n_params)  # float64: the registered sums are extracted here
+        self.bounds = np.zeros(0)
+
+    def pass_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> None:
+        """The per-sample passes: every sum registered with its peaks, the peaks in `bounds`."""
+        self.nx.begin_()
+        self.passes.forward_loss_(params, X, y)
+        self.passes.backward_(self.grads, self.top, 0)
+        if self.bounds.size != len(self.nx.peaks):
+            self.bounds = np.zeros(len(self.nx.peaks))
+        self.nx.bounds(self.bounds)
+
+    def extract(self, global_batch: int) -> float:
+        """The gradient sum into `grads` and the loss sum, at the fixed points of `bounds`."""
+        self.grads[:] = 0
+        scales = self.nx.scales(self.bounds, global_batch)
+        loss_sum = self.nx.extract_loss(scales)
+        self.nx.accumulate_(scales, self.top, 0)
+        return loss_sum
+
+
 def rank_calls(model: MLP, options: argparse.Namespace, rank: int) -> dict[str, Callable]:
     """One rank's calls of every mode, after checking that exact and float mode agree."""
-    from syncsgd.nn.exact import ExactGradient, exactness_bound
-    from syncsgd.nn.kernels import Gradient
+    from syncsgd.nn.backprop import Gradient
 
     params, X, y = setup(model, options.batch, options.seed, rank)
-    gradient, exact = Gradient(model, options.batch), ExactGradient(model, options.batch)
+    gradient, exact = Gradient(model, options.batch), ExactPhases(model, options.batch)
     grad = np.empty(model.n_params, model.dtype)
-    bounds = np.empty(exact.bound_count)
-    sums = np.empty(model.n_params + 1)
-    exact.local_pass(params, X, y, bounds)
-    exact.accumulate(bounds, options.global_batch, sums)
+    exact.pass_(params, X, y)
+    exact_loss = exact.extract(options.global_batch)
     loss_sum, _ = gradient(params, X, y, grad)
     tolerance = 1e-10 if model.dtype == np.float64 else 2e-4
-    allowed = exactness_bound(model, bounds, options.global_batch)
+    # the stated bound per element of the gradient, then the loss (docs/exact-mode.md)
+    allowed = exact.nx.error_bound(exact.bounds, options.global_batch, exact.grads)
     allowed += tolerance * (1 + np.abs(grad).max()) / options.global_batch
-    if np.any(np.abs(sums[:-1] - grad) / options.global_batch > allowed[:-1]):
+    if np.any(np.abs(exact.grads - grad) / options.global_batch > allowed[:-1]) or (
+            abs(exact_loss - loss_sum) / options.global_batch > allowed[-1]):  # fmt: skip
         raise ValueError(f"exact and float mode disagree beyond the bound ({model.dtype})")
 
     def both() -> None:
-        exact.local_pass(params, X, y, bounds)
-        exact.accumulate(bounds, options.global_batch, sums)
+        exact.pass_(params, X, y)
+        exact.extract(options.global_batch)
 
     return {
         "float": lambda: gradient(params, X, y, grad),
         "exact": both,
-        "local_pass": lambda: exact.local_pass(params, X, y, bounds),
-        "accumulate": lambda: exact.accumulate(bounds, options.global_batch, sums),
+        "passes": lambda: exact.pass_(params, X, y),
+        "extract": lambda: exact.extract(options.global_batch),
     }
 
 
