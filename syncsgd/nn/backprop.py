@@ -68,18 +68,29 @@ class Backprop:
         return self.nx.loss_sum(losses, self._positions()), correct
 
     def backward_(self, grads: np.ndarray, top: int, bottom: int) -> None:
-        """Layers top down to bottom: gradient sums added into `grads`, the deltas below."""
+        """Layers top down to bottom: each takes the gradient at its output from the layer above,
+        then adds its sums into `grads`; a call ends with the bottom layer's sums."""
         assert self._weights is not None, "backward_ follows forward_loss_"
-        m, layers = self.m, self.network.layers
         views, grad_views = self.views(self._weights, self._running), self.views(grads)
         for position in range(top, bottom - 1, -1):
-            layer = layers[position]
-            x = self._input_of(position, m)
-            dx = None if position == 0 else self._block(self._grads[position - 1], m,
-                                                        layer.in_shape)  # fmt: skip
-            layer.backward_(self.nx, views[position], grad_views[position], x,
-                            self._block(self._outputs[position], m, layer.out_shape),
-                            self._block(self._grads[position], m, layer.out_shape), dx)  # fmt: skip
+            if position < len(self.network.layers) - 1:  # the loss gave the last layer's
+                above = position + 1
+                self.network.layers[above].backward_input_(
+                    self.nx, views[above], *self._passed(above), self._gradient_at(position))
+            self.network.layers[position].backward_sums_(self.nx, views[position],
+                                                         grad_views[position],
+                                                         *self._passed(position))  # fmt: skip
+
+    def _passed(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(x, y, dy) of the layer at `position`: its input, output and the gradient at it."""
+        output = self._block(self._outputs[position], self.m,
+                             self.network.layers[position].out_shape)  # fmt: skip
+        return self._input_of(position, self.m), output, self._gradient_at(position)
+
+    def _gradient_at(self, position: int) -> np.ndarray:
+        """The (m, *out_shape) gradient at the output of the layer at `position`."""
+        shape = self.network.layers[position].out_shape
+        return self._block(self._grads[position], self.m, shape)
 
     def _input_of(self, position: int, m: int) -> np.ndarray:
         """The (m, *in_shape) input of the layer at `position`."""

@@ -207,10 +207,13 @@ class Float:
         """g += the column sums of d, in sample order."""
         add_columns_(d, g)
 
-    def agreed_sums_(self, kind: int, a: np.ndarray, b: np.ndarray, c: np.ndarray,
+    def agreed_sums_(self, kinds: tuple[int, ...], a: np.ndarray, b: np.ndarray, c: np.ndarray,
                      out: np.ndarray) -> None:  # fmt: skip
-        """out += per-channel sums of the term over (m, C, S) blocks, in sample order."""
-        channel_sums_(a, b, c, kind, out)
+        """out += per-channel sums of each term over (m, C, S) blocks, in sample order (one
+        block of C channels per kind)."""
+        n = a.shape[1]
+        for half, kind in enumerate(kinds):
+            channel_sums_(a, b, c, kind, out[half * n : (half + 1) * n])
 
     def loss_sum(self, losses: np.ndarray, per_sample: int = 1) -> float:
         """The sum of the per-sample losses, in sample order."""
@@ -283,14 +286,20 @@ class Exact(Float):
         # a tile of accumulator rows: at most ACCUMULATOR_TILE_BYTES, or one row of the widest
         self._counts = np.zeros(max(ex.ACCUMULATOR_TILE_BYTES // 8, max_weights), np.int64)
 
-    def agreed_sums_(self, kind: int, a: np.ndarray, b: np.ndarray, c: np.ndarray,
+    def agreed_sums_(self, kinds: tuple[int, ...], a: np.ndarray, b: np.ndarray, c: np.ndarray,
                      out: np.ndarray) -> None:  # fmt: skip
-        """out += per-channel sums extracted at the fixed point of the group's agreed peaks."""
+        """out += per-channel sums extracted at the fixed point of the group's agreed peaks (one
+        MAX-allreduce for every kind)."""
+        n = a.shape[1]
+        parts = [slice(half * n, (half + 1) * n) for half in range(len(kinds))]
         peaks = np.zeros(out.size)
-        channel_peaks_(a, b, c, kind, peaks)
+        for kind, part in zip(kinds, parts, strict=True):
+            channel_peaks_(a, b, c, kind, peaks[part])
         self.group.max_(peaks)
         count = self.global_batch * a.shape[2]  # the most terms a channel's sum has, any split
-        extract_channel_sums_(a, b, c, kind, magics(peaks, count), out)
+        scales = magics(peaks, count)
+        for kind, part in zip(kinds, parts, strict=True):
+            extract_channel_sums_(a, b, c, kind, scales[part], out[part])
 
     def begin_(self) -> None:
         """Forget the last pass's terms."""

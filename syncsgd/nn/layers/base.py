@@ -2,8 +2,10 @@
 
 A layer works on (m, *shape) blocks of samples and computes only with the primitives of the
 numerics it is handed (syncsgd.nn.numerics), so every mode and precision works for every layer.
-Its backward pass ADDS the sums over the samples of its parameters' gradients into the gradient
-views it is handed, and writes the gradient at its input (unless it is the first layer).
+Its backward pass comes in two halves: `backward_sums_` ADDS the sums over the samples of its
+parameters' gradients into the gradient views it is handed, and `backward_input_` writes the
+gradient at its input for the layer below. The sums come first, so that --overlap can hand a
+layer's bucket to its allreduce before the product that takes the gradient further down.
 Numba is not imported here: the command line reads the layers' catalogue to build its help.
 """
 
@@ -67,10 +69,13 @@ class Layer:
         """y = the layer applied to x, sample by sample."""
         raise NotImplementedError
 
-    def backward_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
-                  x: np.ndarray, y: np.ndarray, dy: np.ndarray,
-                  dx: np.ndarray | None) -> None:  # fmt: skip
-        """g += the sums of the parameters' gradients; dx = the gradient at x (if not None)."""
+    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                       x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
+        """g += the sums over the samples of its parameters' gradients (none by default)."""
+
+    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+        """dx = the gradient at x, from dy, the gradient at y."""
         raise NotImplementedError
 
     def describe(self) -> str:

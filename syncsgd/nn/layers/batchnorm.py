@@ -55,7 +55,7 @@ class BatchNorm(Layer):
         with np.errstate(invalid="ignore", divide="ignore"):  # an empty group: no sample uses it
             stats.mean[:] = stats.forward[:-1] / stats.count
             stats.forward[:-1] = 0.0
-            nx.agreed_sums_(CENTRED_SQUARE, x3, x3, stats.mean, stats.forward[:-1])
+            nx.agreed_sums_((CENTRED_SQUARE,), x3, x3, stats.mean, stats.forward[:-1])
             stats.forward[-1] = 0.0
             nx.group.sum_(stats.forward)
             variance = stats.forward[:-1] / stats.count  # biased: what the normalisation uses
@@ -64,26 +64,29 @@ class BatchNorm(Layer):
         nx.round_(y)
         update_running_(p, stats, variance, nx.group.momentum)
 
-    def backward_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
-                  x: np.ndarray, y: np.ndarray, dy: np.ndarray,
-                  dx: np.ndarray | None) -> None:  # fmt: skip
-        """g.bias += sum(dy), g.weight += sum(dy zhat) (this shard's); dx through the statistics."""
+    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                       x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
+        """g.bias += sum(dy), g.weight += sum(dy zhat): this shard's, summed with the gradient
+        later; the group's sums of both, which the input's gradient needs."""
         stats = nx.group.stats(self.position, Stats, x.shape[1])
         dy3 = channels(dy)
-        zhat = stats.zhat(dy3)
         n = dy3.shape[1]
         stats.backward[:] = 0.0
-        nx.agreed_sums_(VALUE, dy3, zhat, stats.mean, stats.backward[:n])
-        nx.agreed_sums_(PRODUCT, dy3, zhat, stats.mean, stats.backward[n:])
-        g["bias"] += stats.backward[:n]  # summed with the gradient, later
+        nx.agreed_sums_((VALUE, PRODUCT), dy3, stats.zhat(dy3), stats.mean, stats.backward)
+        g["bias"] += stats.backward[:n]
         g["weight"] += stats.backward[n:]
         nx.group.sum_(stats.backward)
-        if dx is None:
-            return
+
+    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+        """dx = weight / sqrt(var + eps) (dy - mean(dy) - zhat mean(dy zhat)), the group's means."""
+        stats = nx.group.stats(self.position, Stats, x.shape[1])
+        dy3 = channels(dy)
+        n = dy3.shape[1]
         with np.errstate(invalid="ignore", divide="ignore"):
             means = stats.backward / stats.count
         scale = p["weight"] * stats.inv_std
-        normalise_backward_(dy3, zhat, scale, means[:n], means[n:], channels(dx))
+        normalise_backward_(dy3, stats.zhat(dy3), scale, means[:n], means[n:], channels(dx))
         nx.round_(dx)
 
 
@@ -113,7 +116,7 @@ def channels(values: np.ndarray) -> np.ndarray:
 def forward_sums_(nx: Any, stats: Stats, x3: np.ndarray) -> float:
     """The per-channel sums of x and their count, over the group; returns N."""
     stats.forward[:] = 0.0
-    nx.agreed_sums_(VALUE, x3, x3, stats.mean, stats.forward[:-1])
+    nx.agreed_sums_((VALUE,), x3, x3, stats.mean, stats.forward[:-1])
     stats.forward[-1] = x3.shape[0] * x3.shape[2]  # the count travels with the sum: N, any P
     nx.group.sum_(stats.forward)
     return float(stats.forward[-1])

@@ -46,10 +46,9 @@ class Dense(Layer):
         add_bias_(out, p["bias"])
         nx.round_(out)
 
-    def backward_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
-                  x: np.ndarray, y: np.ndarray, dy: np.ndarray,
-                  dx: np.ndarray | None) -> None:  # fmt: skip
-        """g.weight += dy^T x, g.bias += column sums of dy; dx = round(dy W)."""
+    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                       x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
+        """g.weight += dy^T x, g.bias += column sums of dy."""
         d, x_rows = rows(dy, self.out_shape[-1]), rows(x, self.in_shape[-1])
         positions = size_of(self.out_shape[:-1])  # rows per sample: each element sums B of them
         if self.in_out:
@@ -57,10 +56,13 @@ class Dense(Layer):
         else:
             nx.outer_sum_(self.position, d, x_rows, g["weight"], positions)
         nx.column_sum_(self.position, d, g["bias"], positions)
-        if dx is not None:
-            below = rows(dx, self.in_shape[-1])
-            nx.matmul_(d, p["weight"], below, self.in_out)
-            nx.round_(below)
+
+    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+        """dx = round(dy W)."""
+        below = rows(dx, self.in_shape[-1])
+        nx.matmul_(rows(dy, self.out_shape[-1]), p["weight"], below, self.in_out)
+        nx.round_(below)
 
     def describe(self) -> str:
         """dense(width)."""

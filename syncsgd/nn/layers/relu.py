@@ -20,12 +20,10 @@ class ReLU(Layer):
         """y = max(x, 0)."""
         relu_(x.reshape(-1), y.reshape(-1))
 
-    def backward_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
-                  x: np.ndarray, y: np.ndarray, dy: np.ndarray,
-                  dx: np.ndarray | None) -> None:  # fmt: skip
+    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = dy where y > 0, else 0."""
-        if dx is not None:
-            relu_backward_(y.reshape(-1), dy.reshape(-1), dx.reshape(-1))
+        relu_backward_(y.reshape(-1), dy.reshape(-1), dx.reshape(-1))
 
 
 @njit(nogil=True, cache=True)

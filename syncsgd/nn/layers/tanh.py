@@ -21,13 +21,11 @@ class Tanh(Layer):
         tanh_(x.reshape(-1), y.reshape(-1))
         nx.round_(y)
 
-    def backward_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
-                  x: np.ndarray, y: np.ndarray, dy: np.ndarray,
-                  dx: np.ndarray | None) -> None:  # fmt: skip
+    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = round(dy (1 - y^2))."""
-        if dx is not None:
-            tanh_backward_(y.reshape(-1), dy.reshape(-1), dx.reshape(-1))
-            nx.round_(dx)
+        tanh_backward_(y.reshape(-1), dy.reshape(-1), dx.reshape(-1))
+        nx.round_(dx)
 
 
 @njit(nogil=True, cache=True)
