@@ -1,8 +1,12 @@
-"""Gradient kernel benchmark: the Numba gradient of an MLP against the same gradient in plain NumPy.
+"""Gradient benchmark: the layered passes' gradient of an MLP against the same gradient in NumPy.
 
     python benchmarks/kernels.py                     # MLP 784-256-256-10, relu, xent, batch 64
     python benchmarks/kernels.py --features 32 --hidden 64 --classes 4 --batch 16 --json k.json
     OPENBLAS_NUM_THREADS=1 python benchmarks/kernels.py --clock cpu --thread-ranks 2
+
+The "numba" side is `syncsgd.nn.backprop.Gradient`: the training step's local gradient (the
+network's layers over the float numerics: BLAS products, Numba loops between them) called directly,
+without ranks. Its network is `MLP.network()`, the MLP's flat layout, so both sides share `params`.
 
 Method: both implementations are checked to give the same loss and gradient, warmed up (the first
 Numba call, compile or on-disk cache load, is timed and reported apart), then timed in `--batches`
@@ -14,8 +18,8 @@ time: steadier on a busy machine, and with OPENBLAS_NUM_THREADS=1 it is the work
 Both sides use BLAS with its default threads, as a user would run them (NumPy's own OpenBLAS;
 Numba's np.dot calls SciPy's); OPENBLAS_NUM_THREADS=1 compares them single-threaded.
 `--thread-ranks T` also times the batch split over T concurrent thread ranks (each with its own
-`Gradient`), as the threads backend runs them: a multi-threaded OpenBLAS serializes concurrent
-callers, so compare with and without OPENBLAS_NUM_THREADS=1
+`backprop.Gradient`), as the threads backend runs them: a multi-threaded OpenBLAS serializes
+concurrent callers, so compare with and without OPENBLAS_NUM_THREADS=1
 (`syncsgd.nn.kernels.limit_blas_threads`).
 Nothing is asserted: the machines are shared and noisy.
 """
@@ -80,23 +84,27 @@ def setup(model: MLP, batch: int, seed: int):
 def run(options: argparse.Namespace) -> list[dict]:
     """Times both implementations for every dtype; prints and returns one row per (dtype, impl)."""
     started = time.perf_counter()
-    from syncsgd.nn import kernels
+    from syncsgd.nn import backprop  # imports Numba and the layers' kernels
 
     import_seconds = time.perf_counter() - started
+    from syncsgd.apps.bench.step import cache_counts, step_kernels
+
+    dispatchers = step_kernels()
     sizes = (options.features, *parse_hidden(options.hidden), options.classes)
     calls = {}
     first_call = {}
     for dtype in options.dtypes:
         model = MLP(sizes, "relu", "xent", np.dtype(dtype))
         params, X, y, grad = setup(model, options.batch, options.seed)
-        gradient = kernels.Gradient(model, options.batch)
+        gradient = backprop.Gradient(model, options.batch)
         numba_grad = np.zeros_like(grad)
-        hits_before = sum(kernels.xent_gradient_.stats.cache_hits.values())
+        _, misses_before = cache_counts(dispatchers)
         started = time.perf_counter()
         numba_loss, _ = gradient(params, X, y, numba_grad)
+        # cached: no kernel compiled (every one was loaded from Numba's cache, or already loaded)
         first_call[dtype] = (
             time.perf_counter() - started,
-            sum(kernels.xent_gradient_.stats.cache_hits.values()) > hits_before,
+            cache_counts(dispatchers)[1] == misses_before,
         )
         numpy_loss = numpy_gradient(model, params, X, y, grad)
         tolerance = 1e-10 if model.dtype == np.float64 else 1e-4
@@ -117,9 +125,9 @@ def run(options: argparse.Namespace) -> list[dict]:
 
     print(
         f"MLP {'-'.join(map(str, sizes))} relu xent, micro-batch {options.batch}; "
-        f"import of syncsgd.nn.kernels (numba) {import_seconds:.2f} s; median of {options.batches} "
-        f"rounds x {options.iters} calls, {options.clock} clock; cores {os.cpu_count()}, "
-        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
+        f"import of syncsgd.nn.backprop (numba) {import_seconds:.2f} s; median of "
+        f"{options.batches} rounds x {options.iters} calls, {options.clock} clock; cores "
+        f"{os.cpu_count()}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
     )
     header = ("dtype", "impl", "time (us)", "min (us)", "numpy/numba")
     print(
@@ -152,12 +160,13 @@ def run(options: argparse.Namespace) -> list[dict]:
                 f"{row['ratio_numpy_over_numba'] if impl == 'numba' else 1.0:>12.2f}  {note}"
             )
     if options.thread_ranks > 1:
-        rows += thread_rank_rows(options, sizes, kernels)
+        rows += thread_rank_rows(options, sizes, backprop)
     return rows
 
 
-def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...], kernels) -> list[dict]:
-    """Strong scaling: the batch split over T thread ranks, each with its own Gradient.
+def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...],
+                     backprop: Any) -> list[dict]:  # fmt: skip
+    """Strong scaling: the batch split over T thread ranks, each with its own backprop.Gradient.
 
     A step is every rank's call, released together; it takes as long as the slowest rank.
     """
@@ -170,7 +179,7 @@ def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...], kernel
             shards = np.array_split(np.arange(options.batch), count)
             groups[dtype, count] = [
                 functools.partial(
-                    kernels.Gradient(model, len(shard)), params, X[shard], y[shard],
+                    backprop.Gradient(model, len(shard)), params, X[shard], y[shard],
                     np.empty_like(params),
                 )
                 for shard in shards

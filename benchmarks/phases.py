@@ -5,10 +5,12 @@
 
 The step (`DataParallelStep.take_`) is taken apart into its phases, called in its order on thread
 ranks, with the run's hooks after each step: the global batch's indices, the gather of the shard,
-the gradient kernel (forward, loss, backward: the matrix products and the passes between them),
-the riders' fill, the allreduce, the division by B with the finiteness check, the riders' read,
-the update, the hooks. Beside them, on rank 0 alone, the kernel's eight matrix products by
-themselves (the same shapes and transposes, through the same BLAS) and the GEMM floor: the FLOPs
+the local gradient's passes (`LayeredLocalGradient`: the network's layers forward, the loss, the
+layers backward: the matrix products and the Numba passes between them), the riders' fill, the
+allreduce, the division by B with the finiteness check, the riders' read, the update, the hooks.
+Beside them, on rank 0 alone, the passes' eight matrix products by themselves (the same shapes
+and transposes as the dense layers' products, the weights those of the step's network, through
+the same BLAS) and the GEMM floor: the FLOPs
 of rank 0's shard at the best rate of the step's 256 x 784 x 256 product. A round times `--steps`
 steps, then the products; the median over rounds is quoted. `--clock cpu` (the default) counts
 rank 0's thread CPU seconds, steadier on a busy machine than elapsed time; with one BLAS thread per
@@ -32,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.peers import BATCH, GEMM_SHAPE, step_flops, syncsgd_config  # noqa: E402
 
-PHASES = ("batch", "gather", "kernel", "fill", "allreduce", "divide", "read", "update", "hooks")
+PHASES = ("batch", "gather", "passes", "fill", "allreduce", "divide", "read", "update", "hooks")
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 
 
@@ -56,14 +58,20 @@ def products_kernel() -> Callable:
 
 
 def products_arguments(stepper: Any, X: np.ndarray) -> tuple:
-    """Buffers of the products' shapes, the weights the stepper's parameters."""
-    model = stepper.local_gradient.kernel.model
-    views, dtype, m = model.views(stepper.params), model.dtype, X.shape[0]
-    (_, h1), (_, h2), (_, k) = model.layer_shapes()
+    """Buffers of the products' shapes, the weights the dense layers' views of the stepper's
+    parameters (the MLP's network stores each W as (in, out))."""
+    network = stepper.local_gradient.network
+    weights = [views["weight"] for views in network.layer_views(stepper.params)
+               if "weight" in views]  # fmt: skip
+    if len(weights) != 3 or X.shape[1] != weights[0].shape[0]:
+        raise ValueError(f"the products are those of a 3-dense-layer MLP, not {network.spec!r}")
+    dtype, m = network.dtype, X.shape[0]
+    shapes = [W.shape for W in weights]
+    (_, h1), (_, h2), (_, k) = shapes
     outputs = [np.ones(shape, dtype) for shape in [(m, h1), (m, h2), (m, k), (m, k), (m, h2),
-                                                    (m, h1), *model.layer_shapes()]]  # fmt: skip
+                                                    (m, h1), *shapes]]  # fmt: skip
     a0, a1, a2, d2, d1, d0, g0, g1, g2 = outputs
-    return (X, views["W0"], views["W1"], views["W2"], a0, a1, a2, d2, d1, d0, g0, g1, g2)
+    return (X, *weights, a0, a1, a2, d2, d1, d0, g0, g1, g2)
 
 
 def timed_step(stepper: Any, hooks: list, step: int, clock: Callable[[], float],
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>10} {median[name] * 1e3:8.3f} ms  {median[name] / step:6.1%}")
     print(f"{'step':>10} {step * 1e3:8.3f} ms  (sum of the medians)")
     floor = gemm_floor(options.dtype, options.ranks, CLOCKS[options.clock])
-    print(f"{'products':>10} {median['products'] * 1e3:8.3f} ms  (the kernel's eight alone)")
+    print(f"{'products':>10} {median['products'] * 1e3:8.3f} ms  (the passes' eight alone)")
     print(f"{'floor':>10} {floor * 1e3:8.3f} ms  (GEMM floor; share {floor / step:.2f})")
     return 0
 

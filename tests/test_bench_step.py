@@ -1,7 +1,8 @@
 """Smoke tests of the training-step benchmark: it runs, its files parse, its bare loop is right.
 
 No timing is asserted (the machines are shared and noisy): only the structure of the output and
-the arithmetic of the bare kernel loop that the overhead check compares against.
+the arithmetic of the bare loop (the passes called directly, `backprop.Gradient`) that the
+overhead check compares against.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def test_threads_smoke_run_writes_json_and_csv(tmp_path, capsys):
         "source",
         "blas_threads",
     }
+    assert result["first_step"]["source"] in {"JIT compile", "Numba cache load", "already loaded"}
     rows = result["scaling"]
     assert [(r["scaling"], r["ranks"]) for r in rows] == [
         (scaling, ranks) for scaling in ("weak", "strong") for ranks in (1, 2, 3)
@@ -108,6 +110,18 @@ def test_bare_loop_is_serial_sgd(batch, steps, hidden, dtype):
     for name, value in model.to_arrays(params).items():
         np.testing.assert_allclose(value, expected[name], rtol=tolerance, atol=tolerance)
     assert len(seconds) == len(step.PARTS) and seconds[1] == 0.0
+
+
+def test_step_kernels_are_the_passes_numba_kernels():
+    from syncsgd.nn.layers import dense, relu, xent
+    from syncsgd.nn.numerics import float_matmul_
+
+    kernels = step.step_kernels()
+    for kernel in (float_matmul_, dense.add_bias_, relu.relu_, relu.relu_backward_,
+                   xent.xent_losses_):  # fmt: skip
+        assert any(found is kernel for found in kernels)
+    hits, misses = step.cache_counts(kernels)
+    assert hits >= 0 and misses >= 0
 
 
 def test_too_few_samples_is_one_clear_error():

@@ -6,20 +6,21 @@
 
 Method: for every scaling mode and P, `train_rank` (the real training loop, `quiet=True`) first runs
 `--warmup` burn-in steps, then `--repeats` runs of `--steps` steps each. `train_rank` times every
-step's compute (global batch, shard gather, Numba kernels), allreduce and update; a run's per-step
-times are the slowest rank's over the steps after the run's first (the steady state: the first
-pays the first touch of fresh buffers), and the median over runs is quoted. Weak scaling fixes the
-per-rank batch (global batch = P x per-rank), strong scaling fixes the global batch. The very
-first step of the process, which compiles the kernels or loads them from Numba's cache, is
+step's compute (global batch, shard gather, the network's passes), allreduce and update; a run's
+per-step times are the slowest rank's over the steps after the run's first (the steady state:
+the first pays the first touch of fresh buffers), and the median over runs is quoted. Weak scaling
+fixes the per-rank batch (global batch = P x per-rank), strong scaling fixes the global batch. The
+very first step of the process, which compiles the kernels or loads them from Numba's cache, is
 reported apart.
 
-Overhead check (P = 1): `train_rank`'s step against a bare loop over the same kernels (gather the
-batch, `Gradient(...)(...)`, `grad /= B`, plain SGD in NumPy), the two interleaved run by run
-(ABBA) and checked to end with bitwise the same parameters; the bar is 5%. Last, the wall time of
-`syncsgd --help` and of `syncsgd train --ranks 4` (warm JIT cache) in subprocesses. Nothing is
-asserted: the machines are shared and noisy, so repeat a run before believing a difference (the
-load average is printed). OpenBLAS's own threads make the kernels' time swing on a busy machine
-(docs/measurements.md); `OPENBLAS_NUM_THREADS=1 syncsgd bench step` gives steadier figures.
+Overhead check (P = 1): `train_rank`'s step against a bare loop calling the same passes directly,
+without ranks (gather the batch, `syncsgd.nn.backprop.Gradient(...)(...)`, `grad /= B`, plain
+SGD in NumPy), the two interleaved run by run (ABBA) and checked to end with bitwise the same
+parameters; the bar is 5%. Last, the wall time of `syncsgd --help` and of
+`syncsgd train --ranks 4` (warm JIT cache) in subprocesses. Nothing is asserted: the machines are
+shared and noisy, so repeat a run before believing a difference (the load average is printed).
+OpenBLAS's own threads make the kernels' time swing on a busy machine (docs/measurements.md);
+`OPENBLAS_NUM_THREADS=1 syncsgd bench step` gives steadier figures.
 """
 
 from __future__ import annotations
@@ -128,21 +129,39 @@ def timed_run(comm: Any, run: Run) -> list[float]:
 # --- phases, each run on every rank of a communicator -----------------------------------------
 
 
+def step_kernels() -> list[Any]:
+    """The Numba kernels a step may call: the numerics', the layers', the losses', the update's.
+
+    Imports Numba and the kernels' modules (the import `first_step` times)."""
+    from numba.core.dispatcher import Dispatcher
+
+    from syncsgd.nn import backprop, kernels, numerics  # noqa: F401  (backprop: the passes)
+    from syncsgd.nn.layers import batchnorm, dense, mse, relu, tanh, xent
+
+    modules = (kernels, numerics, dense, relu, tanh, batchnorm, xent, mse)
+    return [value for module in modules for value in vars(module).values()
+            if isinstance(value, Dispatcher)]  # fmt: skip
+
+
+def cache_counts(dispatchers: list[Any]) -> tuple[int, int]:
+    """(Numba cache hits, cache misses) summed over the dispatchers' signatures."""
+    hits = sum(sum(kernel.stats.cache_hits.values()) for kernel in dispatchers)
+    return hits, sum(sum(kernel.stats.cache_misses.values()) for kernel in dispatchers)
+
+
 def first_step(comm: Any, options: argparse.Namespace, run: Run) -> dict:
     """Seconds of the process's first training step (kernel compile or cache load) and import."""
     started = time.perf_counter()
-    from syncsgd.nn import kernels  # imports Numba
-
+    dispatchers = step_kernels()  # imports Numba
     import_seconds = time.perf_counter() - started
-    kernel = kernels.xent_gradient_
-    hits = sum(kernel.stats.cache_hits.values())
-    misses = sum(kernel.stats.cache_misses.values())
+    hits, misses = cache_counts(dispatchers)
     started = time.perf_counter()
     result = train_rank(comm, replace(run, steps=1), quiet=True)
     call_seconds = time.perf_counter() - started  # also evaluate()'s first call on rank 0
-    if sum(kernel.stats.cache_misses.values()) > misses:
+    hits_after, misses_after = cache_counts(dispatchers)
+    if misses_after > misses:
         source = "JIT compile"
-    elif sum(kernel.stats.cache_hits.values()) > hits:
+    elif hits_after > hits:
         source = "Numba cache load"
     else:
         source = "already loaded"
@@ -175,13 +194,14 @@ def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, run: Run) 
 
 
 def bare_loop(run: Run) -> tuple[np.ndarray, list[float]]:
-    """The same SGD steps with the kernels called directly: final parameters, per-step seconds.
+    """The same SGD steps with the passes called directly (`syncsgd.nn.backprop.Gradient`, no
+    ranks, no communication buffer): final parameters, per-step seconds.
 
     Like `train_rank`, it allocates its buffers before the loop, so both pay the first touch of
     fresh memory in their first step; like `per_step_seconds`, the times are those of the steps
     after the first. Returns (compute, 0, update, whole step) seconds per step.
     """
-    from syncsgd.nn.kernels import Gradient
+    from syncsgd.nn.backprop import Gradient  # the local gradient's passes, without the ranks
 
     config, model, X, y = run.config, run.model, run.X, run.y
     batch, n_samples, lr = config.batch_size, X.shape[0], config.lr
@@ -226,7 +246,8 @@ def _nothing(i: int) -> None:
 
 
 def overhead(comm: Any, options: argparse.Namespace, run: Run) -> dict:
-    """`train_rank` against the bare loop at P = 1, interleaved ABBA run by run."""
+    """`train_rank` against the bare loop (the passes called directly) at P = 1, interleaved
+    ABBA run by run."""
     if comm.Get_size() != 1:
         raise ValueError("the overhead check runs on one rank")
     trained = train_rank(comm, run, quiet=True)  # also the burn-in of both loops
@@ -655,7 +676,7 @@ def overlap_section(options: argparse.Namespace, call: Callable, rank_counts: li
 
 def overhead_section(options: argparse.Namespace, call: Callable, rank_counts: list[int],
                      say: Callable, master_process: bool) -> list[dict]:  # fmt: skip
-    """At P = 1: train_rank's step against the kernels called directly, per --overhead-batch."""
+    """At P = 1: train_rank's step against the passes called directly, per --overhead-batch."""
     if not options.overhead:
         return []
     if options.batchnorm != "none":
@@ -665,8 +686,9 @@ def overhead_section(options: argparse.Namespace, call: Callable, rank_counts: l
         say("# overhead check skipped: it needs P = 1 (threads, or mpiexec -n 1)")
         return []
     say(
-        "# overhead at P = 1, ms per step: 'train' is train_rank's step, 'bare' the kernels "
-        "called directly; cmp = compute, allr = allreduce, upd = update; interleaved runs"
+        "# overhead at P = 1, ms per step: 'train' is train_rank's step, 'bare' the passes "
+        "called directly (backprop.Gradient); cmp = compute, allr = allreduce, upd = update; "
+        "interleaved runs"
     )
     say(
         "# ratio: median of the paired train/bare step ratios (range: all pairs); best/best: "

@@ -1,0 +1,203 @@
+"""The MLP step of this tree against the code of another tree (the code before a change), paired.
+
+    git worktree add ../before 57613f2          # the code before the layered passes
+    python benchmarks/against_before.py --before ../before
+    python benchmarks/against_before.py --before ../before --ranks 1,2 --dtypes float32 --rounds 9
+
+The project's bar for a refactor of the step: the MLP step is not slower. What is timed is the
+MLP of benchmarks/peers.py, 784-256-256-10 relu xent, plain SGD at lr 0.01, global batch 256 of
+2048 synthetic samples, split over P thread ranks: `syncsgd.training.loop.train_rank` (the
+training loop a user runs, `quiet=True`), its steady state (each run's first step left out), the
+slowest rank's seconds per step.
+
+Each tree runs in its own process (PYTHONPATH pointing at the tree, which the process checks it
+imported syncsgd from), pinned to the first P cores, one BLAS thread per rank, kept alive across
+rounds. After `--warmup` steps each (which also compiles or loads the Numba kernels), a round
+asks every process in turn for `--steps` steps, the two trees of a (P, dtype) back to back, their
+order alternating round by round; one process runs at a time. Quoted: the median over rounds of
+each tree's ms per step, and the median over rounds of each round's ratio new / before (a busy
+neighbour slows both of a round's pair alike). Beside them, the same for CPU seconds: the
+process's CPU time over the whole `train_rank` call (its set-up and first step included, and at
+P = 2 a rank's spinning in the allreduce) per step, which a busy machine disturbs less than
+elapsed time. Both trees take the same steps from the same seed: the line says whether their
+parameters ended bitwise equal in every round. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+SIZES = (784, 256, 256, 10)
+BATCH, SAMPLES, LR, SEED = 256, 2048, 0.01, 0
+BAR = 1.05  # new / before, median of the rounds' ratios
+TREES = ("before", "new")
+
+
+def pin(ranks: int) -> None:
+    """Run this process on the first `ranks` cores, if there are."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= ranks:
+        os.sched_setaffinity(0, cores[:ranks])
+
+
+def serve(ranks: int, dtype: str) -> None:
+    """Answer 'N' lines with 'seconds CPU-seconds digest' per step over N steps until stdin
+    closes (the digest: of rank 0's final parameters)."""
+    pin(ranks)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    from dataclasses import replace
+
+    import syncsgd
+    from syncsgd.comm.threads import run_threads
+    from syncsgd.training.config import TrainConfig
+    from syncsgd.training.loop import train_rank
+    from syncsgd.training.run import prepare
+
+    config = TrainConfig(samples=SAMPLES, features=SIZES[0], hidden=SIZES[1:-1],
+                         classes=SIZES[-1], batch_size=BATCH, steps=2, lr=LR, seed=SEED,
+                         dtype=dtype, activation="relu", loss="xent")  # fmt: skip
+    run = prepare(config)
+    print("ready", os.path.dirname(os.path.dirname(os.path.abspath(syncsgd.__file__))),
+          flush=True)  # fmt: skip
+    for line in sys.stdin:
+        steps = int(line)
+        started = time.process_time()
+        results = run_threads(ranks, train_rank, replace(run, steps=steps + 1), quiet=True)
+        cpu = (time.process_time() - started) / (steps + 1)
+        seconds = max(r.steady_seconds for r in results) / results[0].steady_steps
+        digest = hashlib.sha256(results[0].params.tobytes()).hexdigest()[:16]
+        print(repr(seconds), repr(cpu), digest, flush=True)
+
+
+class Tree:
+    """One tree's server process for one (P, dtype)."""
+
+    def __init__(self, root: str, ranks: int, dtype: str) -> None:
+        env = dict(os.environ, PYTHONPATH=root)
+        command = [sys.executable, os.path.abspath(__file__), "--serve", "--ranks", str(ranks),
+                   "--dtypes", dtype]  # fmt: skip
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, env=env, cwd=root)  # fmt: skip
+        word, _, imported = self.read().partition(" ")
+        if word != "ready" or os.path.realpath(imported) != os.path.realpath(root):
+            self.close()
+            raise RuntimeError(f"the server for {root} imported syncsgd from {imported!r}")
+
+    def read(self) -> str:
+        """The next line the server prints; RuntimeError if it died."""
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"server {self.process.args!r} exited: {self.process.wait()}")
+        return line.strip()
+
+    def ask(self, steps: int) -> tuple[float, float, str]:
+        """(seconds, CPU seconds per step over `steps` steps, digest of the final parameters)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{steps}\n")
+        self.process.stdin.flush()
+        seconds, cpu, digest = self.read().split()
+        return float(seconds), float(cpu), digest
+
+    def close(self) -> None:
+        """Close stdin: the server finishes and exits."""
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def measure(options: argparse.Namespace) -> dict[tuple[int, str], dict[str, Any]]:
+    """Per (P, dtype): each tree's seconds per step per round, and whether the digests agreed."""
+    roots = {"before": os.path.abspath(options.before), "new": os.path.abspath(options.new)}
+    keys = [(ranks, dtype) for dtype in options.dtypes for ranks in options.ranks]
+    servers: dict[tuple[int, str, str], Tree] = {}
+    try:
+        for ranks, dtype in keys:
+            for tree in TREES:
+                servers[ranks, dtype, tree] = Tree(roots[tree], ranks, dtype)
+        for server in servers.values():
+            server.ask(options.warmup)
+        out: dict[tuple[int, str], dict[str, Any]] = {
+            key: {"before": [], "new": [], "cpu before": [], "cpu new": [], "equal": True}
+            for key in keys
+        }
+        for round_ in range(options.rounds):
+            for ranks, dtype in keys:
+                row = out[ranks, dtype]
+                digests = {}
+                for tree in TREES if round_ % 2 == 0 else TREES[::-1]:
+                    seconds, cpu, digests[tree] = servers[ranks, dtype, tree].ask(options.steps)
+                    row[tree].append(seconds)
+                    row[f"cpu {tree}"].append(cpu)
+                row["equal"] = row["equal"] and digests["before"] == digests["new"]
+    finally:
+        for server in servers.values():
+            server.close()
+    return out
+
+
+def report(options: argparse.Namespace, out: dict[tuple[int, str], dict[str, Any]]) -> None:
+    """ms per step of both trees and the median of the rounds' ratios new / before."""
+    print(f"{'P':>2} {'dtype':>8} {'before':>8} {'new':>8} {'new/before':>10} {'range':>13} "
+          f"{'bar':>6} {'cpu bef.':>8} {'cpu new':>8} {'cpu n/b':>7}  params   (ms per step, "
+          f"medians of {options.rounds} rounds)")  # fmt: skip
+    for (ranks, dtype), row in out.items():
+        before, new = statistics.median(row["before"]), statistics.median(row["new"])
+        ratios = [n / b for n, b in zip(row["new"], row["before"], strict=True)]
+        ratio = statistics.median(ratios)
+        cpu = [n / b for n, b in zip(row["cpu new"], row["cpu before"], strict=True)]
+        verdict = "within" if ratio <= BAR else "ABOVE"
+        same = "equal" if row["equal"] else "differ"
+        print(f"{ranks:>2} {dtype:>8} {before * 1e3:>8.3f} {new * 1e3:>8.3f} {ratio:>10.3f} "
+              f"{min(ratios):>6.3f}-{max(ratios):<6.3f} {verdict:>6} "
+              f"{statistics.median(row['cpu before']) * 1e3:>8.3f} "
+              f"{statistics.median(row['cpu new']) * 1e3:>8.3f} {statistics.median(cpu):>7.3f}  "
+              f"{same}", flush=True)  # fmt: skip
+        if options.verbose:
+            for name in ("before", "new", "cpu before", "cpu new"):
+                print(f"# {name:>10} ms:", " ".join(f"{s * 1e3:.2f}" for s in row[name]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Coordinate the two trees' servers, or (--serve) be one."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", default="../before", help="the tree before (../before)")
+    default_new = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parser.add_argument("--new", default=default_new, help="the tree after (this script's)")
+    parser.add_argument("--ranks", default="1,2", help="rank counts (1,2)")
+    parser.add_argument("--dtypes", default="float32,float64", help="(float32,float64)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (7)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per round (20)")
+    parser.add_argument("--warmup", type=int, default=10, help="burn-in steps (10)")
+    parser.add_argument("--verbose", action="store_true", help="print every round's times")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    options.ranks = [int(text) for text in options.ranks.split(",")]
+    options.dtypes = options.dtypes.split(",")
+    if options.serve:
+        serve(options.ranks[0], options.dtypes[0])
+        return 0
+    if not os.path.isdir(os.path.join(options.before, "syncsgd")):
+        parser.error(f"--before {options.before!r} holds no syncsgd package")
+    print(f"# MLP {'-'.join(map(str, SIZES))} relu xent, global batch {BATCH}, SGD lr {LR}, "
+          f"train_rank on thread ranks; before: {os.path.abspath(options.before)}, new: "
+          f"{os.path.abspath(options.new)}; {options.steps} steps x {options.rounds} rounds "
+          f"after {options.warmup}; each process pinned to the first P cores, one BLAS thread "
+          f"per rank; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    out = measure(options)
+    report(options, out)
+    print(f"# new/before: the median of the rounds' ratios (bar {BAR}); params: whether both "
+          f"trees' final parameters were bitwise equal in every round; load at the end "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
