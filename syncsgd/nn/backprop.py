@@ -121,18 +121,30 @@ class Backprop:
             raise ValueError(f"params must be a {network.dtype} array of shape "
                              f"({network.n_params},), got {describe(params)}")  # fmt: skip
         X = np.ascontiguousarray(X, dtype=network.dtype)
+        if X.ndim == 0 or X.size != len(X) * size_of(network.in_shape):
+            raise ValueError(f"X must have shape (m, {', '.join(map(str, network.in_shape))}), "
+                             f"got {describe(X)}")  # fmt: skip
         if X.shape[1:] != network.in_shape:
             X = X.reshape(len(X), *network.in_shape)
         m = X.shape[0]
         if m > self.max_batch:
             raise ValueError(f"micro-batch of {m} samples exceeds max_batch={self.max_batch}")
+        # The losses read y flat, without bounds checks: one label (or target row) per position.
+        shape = (m, *network.layers[-1].out_shape[:-1])
         if network.loss == "xent":
-            y = np.ascontiguousarray(y, dtype=np.int64)
+            y_array = np.asarray(y)
+            if y_array.size != size_of(shape) or (y_array.size and y_array.dtype.kind not in "biu"):
+                raise ValueError(f"labels must be an integer array of shape {shape}, got "
+                                 f"{describe(y_array)}")  # fmt: skip
+            y = np.ascontiguousarray(y_array, dtype=np.int64)
             if m and (y.min() < 0 or y.max() >= network.outputs):
                 raise ValueError(f"labels must lie in [0, {network.outputs}), got "
                                  f"{y.min()}..{y.max()}")  # fmt: skip
         else:
             y = np.ascontiguousarray(y, dtype=network.dtype)
+            if y.size != size_of(shape) * network.outputs:
+                raise ValueError(f"targets must have shape {(*shape, network.outputs)}, got "
+                                 f"{describe(y)}")  # fmt: skip
         return X, y
 
 
