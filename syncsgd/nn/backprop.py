@@ -31,16 +31,30 @@ class Backprop:
         self.network, self.nx = network, nx
         self.max_batch = check_count("max_batch", max_batch, low=0)
         self.loss = LOSSES[network.loss]()
-        dtype = nx.dtype
-        self._inputs = np.zeros(self.max_batch * size_of(network.in_shape), dtype)
-        self._outputs = [np.zeros(self.max_batch * size_of(layer.out_shape), dtype)
-                         for layer in network.layers]  # fmt: skip
-        self._grads = [np.zeros_like(output) for output in self._outputs]
+        self._inputs = np.zeros(self.max_batch * size_of(network.in_shape), nx.dtype)
+        self._outputs, self._grads = self._workspaces(nx.dtype)
         self._losses = np.zeros(self.max_batch * self._positions(), np.float64)
         self._views: dict[tuple, list[dict[str, np.ndarray]]] = {}
+        self._plans: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._weights: np.ndarray | None = None
         self._running: np.ndarray | None = None
+        self._plan: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.m = 0  # samples of the pass under way
+
+    def _workspaces(self, dtype: np.dtype) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per layer, where its output and the gradient at it live: a buffer of its own, or
+        its input's for an element-wise layer after one whose backward pass needs no output."""
+        outputs: list[np.ndarray] = []
+        grads: list[np.ndarray] = []
+        layers = self.network.layers
+        for position, layer in enumerate(layers):
+            if position > 0 and layer.in_place and not layers[position - 1].reads_output:
+                outputs.append(outputs[-1])
+                grads.append(grads[-1])
+                continue
+            outputs.append(np.zeros(self.max_batch * size_of(layer.out_shape), dtype))
+            grads.append(np.zeros_like(outputs[-1]))
+        return outputs, grads
 
     def _positions(self) -> int:
         """Loss terms per sample: one per position of the last output (its leading axes)."""
@@ -56,15 +70,16 @@ class Backprop:
         weights = self.nx.weights(params)
         self._weights, self._running = weights, running
         views = self.views(weights, running)
-        x = self.nx.inputs_(X, self._block(self._inputs, m, self.network.in_shape))
-        for layer, out in zip(self.network.layers, self._outputs, strict=True):
-            block = self._block(out, m, layer.out_shape)
-            with first_load.timing():  # the first call compiles or loads the kernels
-                layer.forward_(self.nx, views[layer.position], x, block)
-            x = block
+        self._plan = plan = self._plan_for(m, self.nx.inputs_(X, self._inputs))
+        for layer, (x, out, _) in zip(self.network.layers, plan, strict=True):
+            if first_load.armed is None:
+                layer.forward_(self.nx, views[layer.position], x, out)
+                continue
+            with first_load.timing():  # the first call compiles or loads the kernels: say so
+                layer.forward_(self.nx, views[layer.position], x, out)
         losses = self._losses[: m * self._positions()]
-        delta = self._block(self._grads[-1], m, self.network.layers[-1].out_shape)
-        correct = self.loss.forward_delta_(self.nx, x, y, delta, losses)
+        _, logits, delta = plan[-1]
+        correct = self.loss.forward_delta_(self.nx, logits, y, delta, losses)
         return self.nx.loss_sum(losses, self._positions()), correct
 
     def backward_(self, grads: np.ndarray, top: int, bottom: int) -> None:
@@ -72,32 +87,30 @@ class Backprop:
         then adds its sums into `grads`; a call ends with the bottom layer's sums."""
         assert self._weights is not None, "backward_ follows forward_loss_"
         views, grad_views = self.views(self._weights, self._running), self.views(grads)
+        layers, plan, nx = self.network.layers, self._plan, self.nx
         for position in range(top, bottom - 1, -1):
-            if position < len(self.network.layers) - 1:  # the loss gave the last layer's
+            if position < len(layers) - 1:  # the loss gave the last layer's
                 above = position + 1
-                self.network.layers[above].backward_input_(
-                    self.nx, views[above], *self._passed(above), self._gradient_at(position))
-            self.network.layers[position].backward_sums_(self.nx, views[position],
-                                                         grad_views[position],
-                                                         *self._passed(position))  # fmt: skip
+                layers[above].backward_input_(nx, views[above], *plan[above], plan[position][2])
+            layers[position].backward_sums_(nx, views[position], grad_views[position],
+                                            *plan[position])  # fmt: skip
 
-    def _passed(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(x, y, dy) of the layer at `position`: its input, output and the gradient at it."""
-        output = self._block(self._outputs[position], self.m,
-                             self.network.layers[position].out_shape)  # fmt: skip
-        return self._input_of(position, self.m), output, self._gradient_at(position)
-
-    def _gradient_at(self, position: int) -> np.ndarray:
-        """The (m, *out_shape) gradient at the output of the layer at `position`."""
-        shape = self.network.layers[position].out_shape
-        return self._block(self._grads[position], self.m, shape)
-
-    def _input_of(self, position: int, m: int) -> np.ndarray:
-        """The (m, *in_shape) input of the layer at `position`."""
-        if position == 0:
-            return self._block(self._inputs, m, self.network.in_shape)
-        return self._block(self._outputs[position - 1], m,
-                           self.network.layers[position - 1].out_shape)  # fmt: skip
+    def _plan_for(self, m: int, inputs: np.ndarray) -> list[tuple[np.ndarray, np.ndarray,
+                                                                  np.ndarray]]:  # fmt: skip
+        """Per layer, (x, y, dy) for m samples: its input, output and the gradient at it."""
+        if m not in self._plans:
+            shapes = [layer.out_shape for layer in self.network.layers]
+            outputs = [_block(out, m, shape) for out, shape in zip(self._outputs, shapes,
+                                                                   strict=True)]  # fmt: skip
+            grads = [_block(grad, m, shape) for grad, shape in zip(self._grads, shapes,
+                                                                 strict=True)]  # fmt: skip
+            self._plans[m] = [(inputs, y, dy) for y, dy in zip(outputs, grads, strict=True)]
+            for position in range(1, len(outputs)):
+                self._plans[m][position] = (outputs[position - 1], *self._plans[m][position][1:])
+        plan = self._plans[m]
+        if plan[0][0] is not inputs:  # the first layer reads this call's inputs
+            plan[0] = (inputs, *plan[0][1:])
+        return plan
 
     def views(self, flat: np.ndarray,
               running: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:  # fmt: skip
@@ -107,10 +120,6 @@ class Backprop:
             self._views[key] = self.network.layer_views(flat, running)
         return self._views[key]
 
-    @staticmethod
-    def _block(workspace: np.ndarray, m: int, shape: tuple[int, ...]) -> np.ndarray:
-        """The first m samples of a workspace, shaped (m, *shape)."""
-        return workspace[: m * size_of(shape)].reshape(m, *shape)
 
     def checked(self, params: np.ndarray, X: np.ndarray,
                 y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
@@ -146,6 +155,11 @@ class Backprop:
                 raise ValueError(f"targets must have shape {(*shape, network.outputs)}, got "
                                  f"{describe(y)}")  # fmt: skip
         return X, y
+
+
+def _block(workspace: np.ndarray, m: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The first m samples of a workspace, shaped (m, *shape)."""
+    return workspace[: m * size_of(shape)].reshape(m, *shape)
 
 
 def address(values: np.ndarray | None) -> tuple[int, int]:

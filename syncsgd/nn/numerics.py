@@ -176,10 +176,10 @@ class Float:
         """The weights the passes read: the parameters themselves."""
         return params
 
-    def inputs_(self, X: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """The shard's inputs as the passes read them, in `out` (a workspace)."""
-        out[...] = X
-        return out
+    def inputs_(self, X: np.ndarray, workspace: np.ndarray) -> np.ndarray:
+        """The shard's inputs as the passes read them: X itself (the caller keeps it for the
+        step)."""
+        return X
 
     def matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, transpose_b: bool) -> None:
         """out = a b, or a b^T."""
@@ -233,9 +233,10 @@ class Narrow(Float):
         pr.narrow_copy_(params, self._weights, self.fmt)
         return self._weights
 
-    def inputs_(self, X: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """The shard's inputs rounded to the format."""
-        pr.narrow_copy_(np.ascontiguousarray(X).reshape(-1), out.reshape(-1), self.fmt)
+    def inputs_(self, X: np.ndarray, workspace: np.ndarray) -> np.ndarray:
+        """The shard's inputs rounded to the format, in the workspace."""
+        out = workspace[: X.size].reshape(X.shape)
+        pr.narrow_copy_(X.reshape(-1), out.reshape(-1), self.fmt)
         return out
 
     def round_(self, values: np.ndarray) -> None:
@@ -300,6 +301,12 @@ class Exact(Float):
         scales = magics(peaks, count)
         for kind, part in zip(kinds, parts, strict=True):
             extract_channel_sums_(a, b, c, kind, scales[part], out[part])
+
+    def inputs_(self, X: np.ndarray, workspace: np.ndarray) -> np.ndarray:
+        """A copy of the shard's inputs: the caller may reuse its buffer before the extraction."""
+        out = workspace[: X.size].reshape(X.shape)
+        out[...] = X
+        return out
 
     def begin_(self) -> None:
         """Forget the last pass's terms."""
@@ -402,6 +409,8 @@ class Exact(Float):
         if term.kind == "outer":
             assert term.b is not None
             m, width = term.b.shape
+            if self._widened.size < m * width:  # a conv's patches: wider than any layer's block
+                self._widened = np.zeros(m * width, np.float64)
             wide = self._widened[: m * width].reshape(m, width)  # float64 once, not per product
             wide[...] = term.b
             tile = ex.accumulator_rows(width)

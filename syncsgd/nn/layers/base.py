@@ -41,6 +41,10 @@ class Layer:
 
     kind: ClassVar[str]  # its name in a --model spec
     signature: ClassVar[str]  # how a spec writes it, e.g. "dense(width)"
+    # An element-wise layer may write its output over its input, and the gradient at its input
+    # over the gradient at its output, unless the layer before it reads its own output backward.
+    in_place: ClassVar[bool] = False
+    reads_output: ClassVar[bool] = False  # backward_input_ reads y
 
     def __init__(self) -> None:
         self.position = 0  # in the network: the first part of its parameters' names

@@ -15,6 +15,7 @@ class ReLU(Layer):
 
     kind = "relu"
     signature = "relu"
+    in_place, reads_output = True, True
 
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
         """y = max(x, 0)."""

@@ -15,6 +15,7 @@ class Tanh(Layer):
 
     kind = "tanh"
     signature = "tanh"
+    in_place, reads_output = True, True
 
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
         """y = round(tanh(x))."""

@@ -1,0 +1,29 @@
+"""flatten: (C, H, W) -> (C·H·W,) in C, H, W order, as torch.nn.Flatten; a copy either way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from syncsgd.nn.layers.base import Layer, Shape, size_of
+
+
+class Flatten(Layer):
+    """One sample's values in one row, as torch.nn.Flatten (C, H, W order)."""
+
+    kind = "flatten"
+    signature = "flatten"
+
+    def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
+        """(C·H·W,)."""
+        return (size_of(in_shape),)
+
+    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+        """y = x, one row per sample."""
+        y[...] = x.reshape(y.shape)
+
+    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+        """dx = dy, in the input's shape."""
+        dx[...] = dy.reshape(dx.shape)

@@ -1,0 +1,87 @@
+"""maxpool(k, stride=k): the largest value of each k x k window, as torch.nn.MaxPool2d.
+
+No padding; output (C, H', W'), H' = (H - k) // stride + 1. A tie goes to the first maximum in
+the window's row-major order, and a NaN wins, as PyTorch's kernel. The forward pass records where
+each maximum is (an int64 workspace per numerics, grown once, as conv's); the backward pass
+scatters the gradient there. No new value is formed, so nothing is rounded, unless windows overlap
+(stride < k): then the gradients that meet at one input are a sum, rounded in narrow modes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from syncsgd.nn.layers.base import Layer, Shape
+from syncsgd.nn.layers.conv import Workspaces, window_positions
+
+
+class MaxPool(Layer):
+    """Max pooling over k x k windows, as torch.nn.MaxPool2d (no padding)."""
+
+    kind = "maxpool"
+    signature = "maxpool(k, stride=k)"
+
+    def __init__(self, k: int, stride: int | None = None) -> None:
+        super().__init__()
+        self.k, self.stride = k, k if stride is None else stride
+        if self.k < 1 or self.stride < 1:
+            raise ValueError(f"{self.describe()}: k and stride must be >= 1")
+
+    def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
+        """(C, H', W') of a (C, H, W) input."""
+        return (in_shape[0], *window_positions(self.describe(), in_shape, self.k, self.stride,
+                                               0))  # fmt: skip
+
+    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+        """y = the maximum of each window; where it is, recorded."""
+        where = nx.group.stats(self.position, Workspaces, 0).get("argmax", y.shape, np.int64)
+        max_pool_(x, self.k, self.stride, y, where)
+
+    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+        """dx = 0, then each window's dy added at its maximum."""
+        where = nx.group.stats(self.position, Workspaces, 0).get("argmax", y.shape, np.int64)
+        max_pool_backward_(dy, where, dx)
+        if self.stride < self.k:
+            nx.round_(dx)
+
+    def describe(self) -> str:
+        """maxpool(k) or maxpool(k, stride=s)."""
+        return f"maxpool({self.k}" + (f", stride={self.stride})" if self.stride != self.k else ")")
+
+
+@njit(nogil=True, cache=True)
+def max_pool_(x, k, stride, y, where):
+    """y[n, c, i, j] = the window's maximum, where[n, c, i, j] = its index h W + w in the plane."""
+    m, channels, out_h, out_w = y.shape
+    width = x.shape[3]
+    for n in range(m):
+        for c in range(channels):
+            for i in range(out_h):
+                for j in range(out_w):
+                    best_h, best_w = i * stride, j * stride
+                    best = x[n, c, best_h, best_w]
+                    for a in range(k):
+                        for b in range(k):
+                            value = x[n, c, i * stride + a, j * stride + b]
+                            if value > best or np.isnan(value):
+                                best, best_h, best_w = value, i * stride + a, j * stride + b
+                    y[n, c, i, j] = best
+                    where[n, c, i, j] = best_h * width + best_w
+
+
+@njit(nogil=True, cache=True)
+def max_pool_backward_(dy, where, dx):
+    """dx = 0; dx at each window's maximum += dy."""
+    m, channels, out_h, out_w = dy.shape
+    width = dx.shape[3]
+    for n in range(m):
+        for c in range(channels):
+            dx[n, c] = 0
+            for i in range(out_h):
+                for j in range(out_w):
+                    index = where[n, c, i, j]
+                    dx[n, c, index // width, index % width] += dy[n, c, i, j]
