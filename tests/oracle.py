@@ -12,6 +12,7 @@ training mode; its backward pass is their chain rule, step by step).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -121,17 +122,79 @@ def loss_and_grad(
 # --- networks of a --model spec, layer by layer: names "<position>.<PyTorch name>" ------------
 
 
-def read_spec(spec: str) -> list[tuple[str, int | None]]:
-    """(kind, width or None) of every layer of a spec such as "dense(8) relu dense"."""
-    layers = []
-    for token in spec.split():
-        kind, _, rest = token.partition("(")
-        layers.append((kind, int(rest.rstrip(")")) if rest else None))
+def read_spec(spec: str, with_args: bool = False) -> list:
+    """(kind, width or None) of every layer of a spec such as "dense(8) relu dense"; with_args:
+    (kind, positional arguments, key=value arguments) of "conv(4, 3, pad=1)" and the like."""
+    layers: list = []
+    for kind, inside in re.findall(r"([^\s(]+)(?:\(([^()]*)\))?", spec):
+        args, kwargs = [], {}
+        for part in filter(None, (piece.strip() for piece in inside.split(","))):
+            key, equals, value = part.partition("=")
+            if equals:
+                kwargs[key.strip()] = int(value)
+            else:
+                args.append(int(part))
+        if with_args:
+            layers.append((kind, tuple(args), kwargs))
+        else:
+            layers.append((kind, args[0] if args else None))
     return layers
 
 
-def layer_forward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
-    """One layer's output, as torch.nn.Linear, ReLU and Tanh compute it."""
+# the arguments of the convolutional layers, by name, with their defaults (None: the kernel's)
+SIGNATURES = {"conv": (("out_channels", None), ("kernel", None), ("stride", 1), ("pad", 0)),
+              "maxpool": (("k", None), ("stride", None)),
+              "avgpool": (("k", None), ("stride", None))}  # fmt: skip
+
+
+def named_args(kind: str, args: tuple = (), kwargs: Mapping | None = None) -> dict:
+    """A layer's arguments by name, the defaults filled in (a pool's stride: its k)."""
+    names = SIGNATURES.get(kind, ())
+    named = {name: default for name, default in names}
+    named.update(zip([name for name, _ in names], args, strict=False))
+    named.update(kwargs or {})
+    if kind in ("maxpool", "avgpool") and named["stride"] is None:
+        named["stride"] = named["k"]
+    return named
+
+
+def windows(x: np.ndarray, k: int, stride: int, pad: int = 0):
+    """(i, j, the (n, c, k, k) window of output position (i, j)) over a zero-padded NCHW x."""
+    padded = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    out_h = (padded.shape[2] - k) // stride + 1
+    out_w = (padded.shape[3] - k) // stride + 1
+    for i in range(out_h):
+        for j in range(out_w):
+            rows, cols = slice(i * stride, i * stride + k), slice(j * stride, j * stride + k)
+            yield i, j, padded[:, :, rows, cols], (rows, cols)
+
+
+def pooled_shape(x: np.ndarray, channels: int, k: int, stride: int, pad: int = 0) -> tuple:
+    """(n, channels, H', W') of a window sliding over x."""
+    return (len(x), channels, (x.shape[2] + 2 * pad - k) // stride + 1,
+            (x.shape[3] + 2 * pad - k) // stride + 1)
+
+
+def layer_forward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray,
+                  args: Mapping | None = None) -> np.ndarray:
+    """One layer's output, as torch.nn.Linear, ReLU, Tanh, Conv2d, MaxPool2d, AvgPool2d and
+    Flatten compute it; `args`: the layer's arguments by name (`named_args`)."""
+    a = args or {}
+    if kind == "conv":  # y[n, o, i, j] = sum over c, a, b of W[o, c, a, b] window[n, c, a, b]
+        k, stride, pad = p["weight"].shape[2], a.get("stride", 1), a.get("pad", 0)
+        y = np.zeros(pooled_shape(x, len(p["weight"]), k, stride, pad))
+        for i, j, window, _ in windows(x, k, stride, pad):
+            y[:, :, i, j] = np.einsum("ncab,ocab->no", window, p["weight"]) + p["bias"]
+        return y
+    if kind in ("maxpool", "avgpool"):
+        k, stride = a["k"], a["stride"]
+        y = np.zeros(pooled_shape(x, x.shape[1], k, stride))
+        for i, j, window, _ in windows(x, k, stride):
+            flat = window.reshape(*window.shape[:2], k * k)
+            y[:, :, i, j] = flat.max(axis=2) if kind == "maxpool" else flat.sum(axis=2) / (k * k)
+        return y
+    if kind == "flatten":
+        return x.reshape(len(x), -1)
     if kind == "dense":
         return x @ p["weight"].T + p["bias"]
     if kind == "relu":
@@ -142,8 +205,35 @@ def layer_forward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray) -> np.n
 
 
 def layer_backward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                   dy: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+                   dy: np.ndarray,
+                   args: Mapping | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(sums of the parameters' per-sample gradients, gradient at the input) of one layer."""
+    a = args or {}
+    if kind == "conv":  # every output position: its window's share of both
+        k, stride, pad = p["weight"].shape[2], a.get("stride", 1), a.get("pad", 0)
+        dweight = np.zeros(p["weight"].shape)
+        dpadded = np.zeros((*x.shape[:2], x.shape[2] + 2 * pad, x.shape[3] + 2 * pad))
+        for i, j, window, (rows, cols) in windows(x, k, stride, pad):
+            dweight += np.einsum("no,ncab->ocab", dy[:, :, i, j], window)
+            dpadded[:, :, rows, cols] += np.einsum("no,ocab->ncab", dy[:, :, i, j], p["weight"])
+        dx = dpadded[:, :, pad : pad + x.shape[2], pad : pad + x.shape[3]]
+        return {"weight": dweight, "bias": dy.sum(axis=(0, 2, 3))}, dx
+    if kind in ("maxpool", "avgpool"):
+        k, stride = a["k"], a["stride"]
+        dx = np.zeros(x.shape)
+        for i, j, window, (rows, cols) in windows(x, k, stride):
+            share = np.zeros(window.shape)
+            if kind == "avgpool":
+                share[...] = (dy[:, :, i, j] / (k * k))[:, :, None, None]
+            else:  # to the first maximum in row-major order
+                flat = window.reshape(*window.shape[:2], k * k)
+                first = flat.argmax(axis=2)
+                n, c = np.indices(first.shape)
+                share[n, c, first // k, first % k] = dy[:, :, i, j]
+            dx[:, :, rows, cols] += share
+        return {}, dx
+    if kind == "flatten":
+        return {}, dy.reshape(x.shape)
     if kind == "dense":
         return {"weight": dy.T @ x, "bias": dy.sum(axis=0)}, dy @ p["weight"]
     if kind == "relu":
@@ -155,23 +245,33 @@ def layer_backward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray, y: np.
 
 def network_loss_and_grad(spec: str, params: Mapping[str, np.ndarray], X: np.ndarray,
                           y: np.ndarray, loss: str, eps: float = 1e-5,
-                          saved: dict | None = None) -> tuple[float, dict[str, np.ndarray]]:
+                          saved: dict | None = None,
+                          in_shape: tuple | None = None) -> tuple[float, dict[str, np.ndarray]]:
     """Mean loss over the batch and its gradient, layer by layer through the spec.
 
-    A batchnorm layer normalises over the whole batch; `saved` receives its state by position.
+    A batchnorm layer normalises over the whole batch (after a conv: per channel over N·H·W);
+    `saved` receives its state by position. `in_shape`: one sample's shape, (C, H, W) for a
+    convolutional network (the rows of X are reshaped to it).
     """
+    if in_shape is not None:
+        X = np.reshape(X, (len(X), *in_shape))
     layers = read_spec(spec)
+    arguments = [named_args(kind, args, kwargs) for kind, args, kwargs in read_spec(spec, True)]
     per_layer = [{name.partition(".")[2]: value for name, value in params.items()
                   if name.partition(".")[0] == str(position)}
                  for position in range(len(layers))]
     saved = {} if saved is None else saved
     outputs = [X]
     for position, ((kind, _), p) in enumerate(zip(layers, per_layer, strict=True)):
-        if kind == "batchnorm":
+        if kind == "batchnorm" and outputs[-1].ndim == 4:  # per channel over N·H·W
+            out, saved[position] = batch_norm(channel_rows(outputs[-1]), p["weight"], p["bias"],
+                                              eps)  # fmt: skip
+            outputs.append(from_channel_rows(out, outputs[-1].shape))
+        elif kind == "batchnorm":
             out, saved[position] = batch_norm(outputs[-1], p["weight"], p["bias"], eps)
             outputs.append(out)
         else:
-            outputs.append(layer_forward(kind, p, outputs[-1]))
+            outputs.append(layer_forward(kind, p, outputs[-1], arguments[position]))
     logits = outputs[-1]
     batch = len(X)
     if loss == "xent":
@@ -182,15 +282,30 @@ def network_loss_and_grad(spec: str, params: Mapping[str, np.ndarray], X: np.nda
         delta = 2 * (logits - y) / logits.shape[1]
     grads = {}
     for position in reversed(range(len(layers))):
-        if position in saved:
+        if position in saved and delta.ndim == 4:
+            rows, dweight, dbias = batch_norm_backward(channel_rows(delta), saved[position])
+            delta, sums = from_channel_rows(rows, delta.shape), {"weight": dweight, "bias": dbias}
+        elif position in saved:
             delta, dweight, dbias = batch_norm_backward(delta, saved[position])
             sums = {"weight": dweight, "bias": dbias}
         else:
             sums, delta = layer_backward(layers[position][0], per_layer[position],
-                                         outputs[position], outputs[position + 1], delta)
+                                         outputs[position], outputs[position + 1], delta,
+                                         arguments[position])  # fmt: skip
         grads.update({f"{position}.{name}": value / batch for name, value in sums.items()})
     mean_loss = float(per_sample_losses(logits, y, loss).sum()) / batch
     return mean_loss, {name: grads[name] for name in params if name in grads}
+
+
+def channel_rows(values: np.ndarray) -> np.ndarray:
+    """(N·H·W, C) rows of an (N, C, H, W) array: one column per channel."""
+    return values.transpose(0, 2, 3, 1).reshape(-1, values.shape[1])
+
+
+def from_channel_rows(rows: np.ndarray, shape: tuple) -> np.ndarray:
+    """The (N, C, H, W) array of `channel_rows`."""
+    n, c, h, w = shape
+    return rows.reshape(n, h, w, c).transpose(0, 3, 1, 2)
 
 
 def batch_indices(
@@ -295,12 +410,14 @@ def serial_sgd(
     bn_eps: float = 1e-5,
     bn_momentum: float = 0.1,
     spec: str | None = None,
+    in_shape: tuple | None = None,
 ) -> tuple[dict[str, np.ndarray], list[float]]:
     """Large-batch SGD on one process; final params and the global-batch mean loss before each step.
 
     `total_steps` (for the cosine schedule) defaults to `steps`. With BatchNorm (gamma0 in
     `params`) the final params also hold the running statistics, running_mean{l} and
-    running_var{l}. With a --model `spec`, the network of that spec (params "0.weight", ...).
+    running_var{l}. With a --model `spec`, the network of that spec (params "0.weight", ...), its
+    samples of shape `in_shape` if given (the rows of X reshaped).
     """
     if not 1 <= batch_size <= len(X):
         raise ValueError(f"batch size {batch_size} must be in 1..{len(X)}")
@@ -318,7 +435,7 @@ def serial_sgd(
         if spec is not None:
             by_position: dict = {}
             value, grads = network_loss_and_grad(spec, theta, X[rows], y[rows], loss, bn_eps,
-                                                 by_position)
+                                                 by_position, in_shape)
             update_network_running(running, by_position, bn_momentum)
         else:
             value, grads = loss_and_grad(

@@ -15,6 +15,7 @@ from syncsgd.nn.network import check_spec, layer_help, parse_spec
 from syncsgd.nn.optim import LR_SCALINGS, OPTIMIZERS, SCHEDULES, SGDOptions, optimizer_options
 from syncsgd.training.variants import PITFALLS, variant
 from syncsgd.util.argtypes import (
+    dimensions,
     finite_float,
     hidden_sizes,
     nonnegative_float,
@@ -112,6 +113,11 @@ class TrainConfig:
         "(a last dense without a width gets the classes or outputs); the layers: "
         + layer_help(), group=DATA, metavar="SPEC", check=check_spec,
         shown="an MLP of --hidden and --activation",
+    )  # fmt: skip
+    input_shape: tuple[int, ...] | None = option(
+        None, "one sample's shape for --model, e.g. 3,8,8 (C,H,W) for conv layers: each row of "
+        "the data read in that order", group=DATA, type=dimensions, metavar="C,H,W",
+        shown="the data's rows",
     )  # fmt: skip
     activation: str = option("relu", "the hidden layers' activation", group=DATA,
                              choices=("relu", "tanh"))  # fmt: skip
@@ -286,6 +292,8 @@ def _check_batchnorm(config: TrainConfig) -> None:
 def _check_model(config: TrainConfig) -> None:
     """What --model does not combine with, in one line each."""
     if config.model is None:
+        _require(config.input_shape is None, "--input-shape is the shape of --model's input: "
+                 "give a --model SPEC")  # fmt: skip
         return
     _require(config.hidden == (64, 64) and config.activation == "relu",
              "--model SPEC describes the whole network: leave out --hidden and --activation")
@@ -304,7 +312,8 @@ def _require(condition: bool, message: str) -> None:
 # fingerprint at their defaults, so that those checkpoints still resume.
 ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32", "loss_scale": None,
                "scale_window": 2000, "batchnorm": "none", "bn_eps": 1e-5,
-               "bn_momentum": 0.1, "optimizer": "sgd", "model": None}  # fmt: skip
+               "bn_momentum": 0.1, "optimizer": "sgd", "model": None,
+               "input_shape": None}  # fmt: skip
 
 
 def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +135,11 @@ def make_model(config: TrainConfig, X: np.ndarray, outputs: int, ranks: int) -> 
     """The --model network, or the MLP of --hidden; refused if the memory cannot hold it."""
     itemsize = np.dtype(config.dtype).itemsize
     if config.model is not None:
-        network = build(config.model, X.shape[1:], outputs, config.loss, config.dtype)
+        in_shape = X.shape[1:] if config.input_shape is None else tuple(config.input_shape)
+        _require(config.input_shape is None or math.prod(in_shape) == math.prod(X.shape[1:]),
+                 f"--input-shape {','.join(map(str, in_shape))} holds {math.prod(in_shape)} "
+                 f"values, the data's samples {math.prod(X.shape[1:])}")  # fmt: skip
+        network = build(config.model, in_shape, outputs, config.loss, config.dtype)
         per_rank = (5 * network.n_params + 3 * config.batch_size * network.activation_size())
         check_memory((ranks * per_rank + network.n_params) * itemsize,
                      f"--model {network.summary()!r} on {ranks} rank(s)")  # fmt: skip

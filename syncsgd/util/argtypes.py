@@ -86,6 +86,16 @@ def hidden_sizes(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in parts)
 
 
+def dimensions(text: str) -> tuple[int, ...]:
+    """A shape: positive integers separated by commas, '3,8,8' -> (3, 8, 8)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isascii() and part.isdigit() and int(part) >= 1 for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"a shape is positive integers separated by commas (e.g. 3,8,8), got {text!r}"
+        )
+    return tuple(int(part) for part in parts)
+
+
 def dtype_list(text: str) -> list[str]:
     """float64,float32 -> ['float64', 'float32']: the float dtypes a model can have."""
     names = comma_separated(text)

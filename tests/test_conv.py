@@ -1,0 +1,281 @@
+"""Convolutional layers: conv, maxpool, avgpool, flatten against the oracle and PyTorch, trained on
+P ranks (exact mode bitwise for any P), with batchnorm after a conv, --overlap, bf16."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import layer_backward, layer_forward, named_args, read_spec, serial_sgd
+
+from syncsgd import TrainConfig, train
+from syncsgd.nn.network import build, make_layer, parse_spec
+from syncsgd.training.run import prepare
+
+SPEC = "conv(4, 3, pad=1) relu maxpool(2) flatten dense"
+SHAPE = (2, 6, 6)
+SMALL = dict(samples=36, features=72, input_shape=SHAPE, classes=3, batch_size=12, steps=3,
+             lr=0.1)  # fmt: skip
+
+
+def digest(values: np.ndarray) -> str:
+    """SHA-256 of an array's bytes."""
+    return hashlib.sha256(values.tobytes()).hexdigest()
+
+
+def relative(ours: dict, theirs: dict) -> float:
+    """max |ours - theirs| / max(1, max |theirs|) over every array."""
+    scale = max(1.0, max(float(np.abs(v).max()) for v in theirs.values()))
+    return max(float(np.abs(ours[k] - theirs[k]).max()) for k in theirs) / scale
+
+
+def one_layer(text: str, in_shape: tuple, mode: str, x: np.ndarray, dy_seed: int = 1):
+    """(the layer, its params, y, the sums of its parameters' gradients, dy, dx) of one layer
+    alone, its passes run with the numerics of `mode` as Backprop runs them."""
+    from syncsgd.nn.numerics import numerics
+
+    [token] = parse_spec(text)
+    layer = make_layer(token)
+    layer.build(0, in_shape, 1, False)
+    rng = np.random.default_rng(dy_seed)
+    p = {param.name: param.draw(rng) for param in layer.params()}
+    sizes = [v.size for v in p.values()]
+    block = len(x) * max(np.prod(in_shape), np.prod(layer.out_shape))
+    nx: Any = numerics(mode == "exact", "fp32", np.dtype(np.float64), max(sizes, default=0), block,
+                  sum(sizes))  # fmt: skip
+    flat = np.zeros(sum(sizes))
+    g, offset = {}, 0
+    for name, value in p.items():
+        g[name] = flat[offset : offset + value.size].reshape(value.shape)
+        offset += value.size
+    m = len(x)
+    y = np.zeros((m, *layer.out_shape))
+    dy = rng.standard_normal(y.shape)
+    dx = np.full(x.shape, np.nan)
+    if nx.exact:
+        nx.begin_()
+        nx.global_batch = m
+    layer.forward_(nx, p, x, y)
+    layer.backward_sums_(nx, p, g, x, y, dy)
+    layer.backward_input_(nx, p, x, y, dy, dx)
+    if nx.exact:
+        scales = nx.scales(np.array(nx.peaks), m)
+        nx.accumulate_(scales, 0, 0)
+    return layer, p, y, g, dy, dx
+
+
+def oracle_of(text: str, p: dict, x: np.ndarray, dy: np.ndarray):
+    """(y, sums, dx) of the oracle's layer."""
+    [(kind, args, kwargs)] = read_spec(text, with_args=True)
+    named = named_args(kind, args, kwargs)
+    y = layer_forward(kind, p, x, named)
+    sums, dx = layer_backward(kind, p, x, y, dy, named)
+    return y, sums, dx
+
+
+LAYERS = ["conv(3, 3)", "conv(4, 3, pad=1)", "conv(2, 2, stride=2)", "conv(3, 3, stride=2, pad=1)",
+          "conv(2, 1)", "maxpool(2)", "maxpool(3, stride=1)", "avgpool(2)", "avgpool(2, stride=1)",
+          "flatten"]  # fmt: skip
+
+
+SUMS = {"float": 1e-13, "exact": 1e-10}  # how far the gradient sums may be from the oracle's
+
+
+# -- one computation two ways: each layer against the oracle's definition -------------------------
+
+
+@pytest.mark.parametrize("mode", ["float", "exact"])
+@pytest.mark.parametrize("text", LAYERS)
+@pytest.mark.parametrize("in_shape", [(2, 6, 6), (1, 5, 5)])
+def test_each_layer_is_the_oracles(text, in_shape, mode):
+    x = np.random.default_rng(0).standard_normal((3, *in_shape))
+    _, p, y, g, dy, dx = one_layer(text, in_shape, mode, x)
+    y_expected, sums_expected, dx_expected = oracle_of(text, p, x, dy)
+    np.testing.assert_allclose(y, y_expected, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(dx, dx_expected, rtol=1e-13, atol=1e-14)
+    assert sorted(g) == sorted(sums_expected)
+    for name in g:  # exact mode: each product on the fixed point of its sum's bound
+        np.testing.assert_allclose(g[name], sums_expected[name], rtol=1e-13, atol=SUMS[mode])
+
+
+@settings(deadline=None)
+@given(channels=st.integers(1, 3), out=st.integers(1, 4), height=st.integers(3, 7),
+       width=st.integers(3, 7), kernel=st.integers(1, 3), stride=st.integers(1, 3),
+       pad=st.integers(0, 1), m=st.integers(1, 4), exact=st.booleans())  # fmt: skip
+def test_any_conv_is_the_oracles(channels, out, height, width, kernel, stride, pad, m, exact):
+    text = f"conv({out}, {kernel}, stride={stride}, pad={pad})"
+    x = np.random.default_rng(m).standard_normal((m, channels, height, width))
+    _, p, y, g, dy, dx = one_layer(text, (channels, height, width), "exact" if exact else "float",
+                                   x)  # fmt: skip
+    y_expected, sums_expected, dx_expected = oracle_of(text, p, x, dy)
+    np.testing.assert_allclose(y, y_expected, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(dx, dx_expected, rtol=1e-13, atol=1e-14)
+    for name in g:
+        np.testing.assert_allclose(g[name], sums_expected[name], rtol=1e-13,
+                                   atol=SUMS["exact" if exact else "float"])  # fmt: skip
+
+
+def test_a_max_pool_tie_goes_to_the_first_maximum():
+    x = np.zeros((1, 1, 4, 4))
+    x[0, 0, 2:, 2:] = [[5.0, 7.0], [7.0, 7.0]]  # three maxima: the first in row-major order
+    _, _, y, _, dy, dx = one_layer("maxpool(2)", (1, 4, 4), "float", x)
+    assert y[0, 0].tolist() == [[0.0, 0.0], [0.0, 7.0]]
+    expected = np.zeros((4, 4))
+    expected[::2, ::2] = dy[0, 0]  # the zero windows: their top-left
+    expected[2, 2], expected[2, 3] = 0.0, dy[0, 0, 1, 1]
+    assert dx[0, 0].tolist() == expected.tolist()
+    assert oracle_of("maxpool(2)", {}, x, dy)[2][0, 0].tolist() == expected.tolist()
+
+
+def test_a_layer_that_does_not_fit_its_input_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="--input-shape"):
+        build("conv(4, 3) flatten dense", (72,), 3, "xent", "float64")
+    with pytest.raises(ValueError, match="does not fit an input of 2x2"):
+        build("conv(4, 3) flatten dense", (1, 2, 2), 3, "xent", "float64")
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        build("conv(4, 3, stride=0) flatten dense", SHAPE, 3, "xent", "float64")
+
+
+# -- against PyTorch in float64 -------------------------------------------------------------------
+
+
+def torch_module(torch, text: str, channels: int):
+    """The torch.nn module of one of our layers."""
+    [(kind, args, kwargs)] = read_spec(text, with_args=True)
+    a = named_args(kind, args, kwargs)
+    if kind == "conv":
+        return torch.nn.Conv2d(channels, a["out_channels"], a["kernel"], a["stride"], a["pad"])
+    if kind == "maxpool":
+        return torch.nn.MaxPool2d(a["k"], a["stride"])
+    if kind == "avgpool":
+        return torch.nn.AvgPool2d(a["k"], a["stride"])
+    return torch.nn.Flatten()
+
+
+@pytest.mark.parametrize("text", LAYERS)
+def test_each_layer_is_pytorchs(text):
+    torch = pytest.importorskip("torch", reason="PyTorch (the peers extra) is not installed")
+    x = np.random.default_rng(4).standard_normal((3, *SHAPE))
+    layer, p, y, g, dy, dx = one_layer(text, SHAPE, "float", x)
+    module = torch_module(torch, text, SHAPE[0]).double()
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in p.items()})
+    x_torch = torch.from_numpy(x.copy()).requires_grad_(True)
+    y_torch = module(x_torch)
+    (y_torch * torch.from_numpy(dy)).sum().backward()
+    np.testing.assert_allclose(y, y_torch.detach().numpy(), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dx, x_torch.grad.numpy(), rtol=1e-12, atol=1e-13)
+    for name, param in module.named_parameters():
+        np.testing.assert_allclose(g[name], param.grad.numpy(), rtol=1e-12, atol=1e-13)
+
+
+def test_a_torch_sequential_has_the_same_state_dict_and_gradient():
+    torch = pytest.importorskip("torch", reason="PyTorch (the peers extra) is not installed")
+    from syncsgd.nn.backprop import Gradient
+
+    network = build(SPEC, SHAPE, 3, "xent", "float64")
+    module = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(),
+                                 torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                                 torch.nn.Linear(36, 3)).double()  # fmt: skip
+    assert [(k, tuple(v.shape)) for k, v in module.state_dict().items()] == [
+        (name, shape) for name, shape, _ in network.layout()]  # fmt: skip
+    params = network.init_params(1)
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in network.to_arrays(params).items()})
+    rng = np.random.default_rng(2)
+    X, y = rng.standard_normal((10, 72)), rng.integers(0, 3, 10)
+    logits = module(torch.from_numpy(X).reshape(10, *SHAPE))
+    loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y))
+    loss.backward()
+    sums = np.zeros(network.n_params)
+    loss_sum, _ = Gradient(network, 10)(params, X, y, sums)
+    assert loss_sum / 10 == pytest.approx(float(loss.detach()), rel=1e-12)
+    ours = {k: v / 10 for k, v in network.views(sums).items()}
+    assert relative(ours, {k: p.grad.numpy() for k, p in module.named_parameters()}) < 1e-12
+
+
+# -- trained on P ranks ---------------------------------------------------------------------------
+
+
+def oracle_run(config: TrainConfig) -> tuple[dict, list[float]]:
+    """The oracle's serial SGD of this config, from the same first parameters and data."""
+    run = prepare(config)
+    start = run.model.to_arrays(run.model.init_params(config.seed))
+    assert config.steps is not None
+    return serial_sgd(run.X, run.y, start, spec=config.model, steps=config.steps,
+                      batch_size=config.batch_size, lr=config.lr, in_shape=SHAPE)  # fmt: skip
+
+
+@functools.cache
+def serial_digest(**overrides) -> str:
+    """The digest of a run on one rank (computed once per config)."""
+    return digest(train(TrainConfig(model=SPEC, **{**SMALL, **overrides}), ranks=1).params)
+
+
+def test_float_mode_trains_as_the_oracle():
+    config = TrainConfig(model=SPEC, **SMALL)
+    result = train(config, ranks=3)
+    expected, losses = oracle_run(config)
+    assert relative(prepare(config).model.to_arrays(result.params), expected) < 1e-9
+    assert result.losses == pytest.approx(losses, rel=1e-9)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+def test_exact_mode_is_bitwise_for_any_number_of_ranks(ranks):
+    config = TrainConfig(model=SPEC, exact=True, **SMALL)
+    assert digest(train(config, ranks=ranks).params) == serial_digest(exact=True)
+
+
+def test_exact_mode_is_bitwise_with_more_ranks_than_samples():
+    config = TrainConfig(model=SPEC, exact=True, **{**SMALL, "batch_size": 3})
+    assert digest(train(config, ranks=5).params) == serial_digest(exact=True, batch_size=3)
+
+
+def test_exact_mode_is_near_the_oracle():
+    config = TrainConfig(model=SPEC, exact=True, **SMALL)
+    result = train(config, ranks=2)
+    expected, _ = oracle_run(config)
+    assert relative(prepare(config).model.to_arrays(result.params), expected) < 1e-9
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_bf16_exact_mode_is_bitwise_for_any_number_of_ranks(dtype):
+    config = TrainConfig(model=SPEC, exact=True, precision="bf16", dtype=dtype, **SMALL)
+    serial = serial_digest(exact=True, precision="bf16", dtype=dtype)
+    assert digest(train(config, ranks=3).params) == serial
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_overlap_gives_the_same_bits(exact):
+    config = TrainConfig(model=SPEC, exact=exact, bucket_bytes=0, **SMALL)
+    plain, overlapped = train(config, ranks=3), train(config, ranks=3, overlap=True)
+    assert digest(overlapped.params) == digest(plain.params)
+
+
+def test_avgpool_and_a_strided_conv_train_as_the_oracle():
+    config = TrainConfig(model="conv(3, 2, stride=2) tanh avgpool(3) flatten dense", **SMALL)
+    result = train(config, ranks=2)
+    expected, _ = oracle_run(config)
+    assert relative(prepare(config).model.to_arrays(result.params), expected) < 1e-9
+
+
+@pytest.mark.parametrize("ranks, exact", [(3, False), (2, True)])
+def test_sync_batchnorm_after_a_conv_trains_as_the_oracle(ranks, exact):
+    spec = "conv(3, 3) batchnorm relu flatten dense"
+    config = TrainConfig(model=spec, exact=exact, **SMALL)
+    result = train(config, ranks=ranks)
+    run = prepare(config)
+    expected, _ = oracle_run(config)
+    ours = {**run.model.to_arrays(result.params), **run.model.running_views(result.running)}
+    assert sorted(ours) == sorted(expected)
+    assert relative(ours, expected) < 1e-9
+
+
+def test_an_input_shape_is_refused_unless_it_holds_the_datas_features():
+    with pytest.raises(ValueError, match="--input-shape 2,6,5 holds 60 values, the data's"):
+        prepare(TrainConfig(model=SPEC, **{**SMALL, "input_shape": (2, 6, 5)}))
+    with pytest.raises(ValueError, match="give a --model"):
+        TrainConfig(input_shape=SHAPE)
