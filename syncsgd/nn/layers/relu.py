@@ -37,7 +37,10 @@ def relu_(x, y):
 
 @njit(nogil=True, cache=True)
 def relu_backward_(y, dy, dx):
-    """dx = 0 where y <= 0, else dy."""
+    """dx = 0 where y <= 0, else dy (dx may be dy: then only the masked values are written)."""
     zero = dx.dtype.type(0)
+    if dx.ctypes.data != dy.ctypes.data:
+        dx[:] = dy
     for i in range(y.size):
-        dx[i] = zero if y[i] <= zero else dy[i]
+        if y[i] <= zero:
+            dx[i] = zero
