@@ -217,8 +217,9 @@ class Gradient:
         if grad_out.shape != (self.network.n_params,) or not grad_out.flags.writeable:
             raise ValueError(f"grad_out must be a writable array of shape "
                              f"({self.network.n_params},), got {describe(grad_out)}")  # fmt: skip
-        grad_out[:] = 0
-        nx.scale, nx.sums_start_at_zero = scale, True
+        if nx.exact:
+            grad_out[:] = 0  # the extracted sums are added in
+        nx.scale, nx.first_sums = scale, not nx.exact
         if nx.exact:
             nx.begin_()
             nx.global_batch = max(len(X), 1)

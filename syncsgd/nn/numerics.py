@@ -38,29 +38,33 @@ def float_matmul_(a, b, out, transpose_b):
 
 
 @njit(nogil=True, cache=True)
-def add_columns_(d, g):
-    """g += the column sums of d, in sample order."""
+def add_columns_(d, g, first):
+    """g += the column sums of d, in sample order (g = them if `first`)."""
+    if first:
+        g[:] = 0
     for i in range(d.shape[0]):
         for j in range(d.shape[1]):
             g[j] += d[i, j]
 
 
 @njit(nogil=True, cache=True)
-def narrow_column_sum_(d, g, fmt):
-    """g += round(column sums of d): summed in float32, rounded once."""
+def narrow_column_sum_(d, g, fmt, first):
+    """g += round(column sums of d): summed in float32, rounded once (g = it if `first`)."""
     column = np.zeros(d.shape[1], np.float32)
     for i in range(d.shape[0]):
         for j in range(d.shape[1]):
             column[j] += d[i, j]
     for j in range(column.shape[0]):
-        g[j] += pr.round_to(np.float64(column[j]), fmt)
+        rounded = pr.round_to(np.float64(column[j]), fmt)
+        g[j] = rounded if first else g[j] + rounded
 
 
 @njit(nogil=True, cache=True)
-def add_narrow_(values, g, fmt):
-    """g += round(values), element by element (flat arrays)."""
+def add_narrow_(values, g, fmt, first):
+    """g += round(values), element by element (flat arrays; g = them if `first`)."""
     for i in range(values.size):
-        g[i] += pr.round_to(np.float64(values[i]), fmt)
+        rounded = pr.round_to(np.float64(values[i]), fmt)
+        g[i] = rounded if first else g[i] + rounded
 
 
 @njit(nogil=True, cache=True)
@@ -167,9 +171,10 @@ class Float:
         self.scale = 1.0  # the loss scale: deltas are of `scale` times the loss
         self.group: LocalGroup = LocalGroup()  # BatchNorm's statistics group
         self.global_batch = 1  # B, which bounds how many terms a sum has (exact mode)
-        # Set by whoever zeroed the gradient buffer before the pass: each weight sum is then
-        # written by its one BLAS call (the same bits as adding it to zero, one pass fewer).
-        self.sums_start_at_zero = False
+        # Set by the caller when this pass's sums are the first into their slots (one micro-batch,
+        # float mode): each is written, not added, so the buffer needs no zeroing first and a
+        # weight sum is its one BLAS call (the same bits as adding to zero, two passes fewer).
+        self.first_sums = False
         self._product = np.zeros(max_weights, self.dtype)  # one weight gradient before it is added
 
     def weights(self, params: np.ndarray) -> np.ndarray:
@@ -196,7 +201,7 @@ class Float:
     def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
                    per_sample: int = 1) -> None:  # fmt: skip
         """g += a^T b: the sum over samples inside BLAS."""
-        if self.sums_start_at_zero:
+        if self.first_sums:
             float_matmul_(a.T, b, g, False)
             return
         product = self._product[: g.size].reshape(g.shape)
@@ -205,7 +210,14 @@ class Float:
 
     def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray, per_sample: int = 1) -> None:
         """g += the column sums of d, in sample order."""
-        add_columns_(d, g)
+        add_columns_(d, g, self.first_sums)
+
+    def add_(self, g: np.ndarray, sums: np.ndarray) -> None:
+        """g += sums a layer computed itself (g = them when they are the first)."""
+        if self.first_sums:
+            g[...] = sums
+        else:
+            g += sums
 
     def agreed_sums_(self, kinds: tuple[int, ...], a: np.ndarray, b: np.ndarray, c: np.ndarray,
                      out: np.ndarray) -> None:  # fmt: skip
@@ -252,11 +264,11 @@ class Narrow(Float):
         """g += round(a^T b), the product summed in float32."""
         product = self._product[: g.size].reshape(g.shape)
         float_matmul_(a.T, b, product, False)
-        add_narrow_(product.reshape(-1), g.reshape(-1), self.fmt)
+        add_narrow_(product.reshape(-1), g.reshape(-1), self.fmt, self.first_sums)
 
     def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray, per_sample: int = 1) -> None:
         """g += round(column sums of d), summed in float32."""
-        narrow_column_sum_(d, g, self.fmt)
+        narrow_column_sum_(d, g, self.fmt, self.first_sums)
 
 
 @dataclass

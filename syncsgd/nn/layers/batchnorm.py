@@ -73,8 +73,8 @@ class BatchNorm(Layer):
         n = dy3.shape[1]
         stats.backward[:] = 0.0
         nx.agreed_sums_((VALUE, PRODUCT), dy3, stats.zhat(dy3), stats.mean, stats.backward)
-        g["bias"] += stats.backward[:n]
-        g["weight"] += stats.backward[n:]
+        nx.add_(g["bias"], stats.backward[:n])
+        nx.add_(g["weight"], stats.backward[n:])
         nx.group.sum_(stats.backward)
 
     def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
