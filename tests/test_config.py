@@ -102,7 +102,8 @@ def test_every_flag_is_read_into_its_field():
             "--checkpoint-every", "2", "--resume", "r", "--skip-nonfinite", "--holdout", "0.2",
             "--eval-every", "1", "--target-loss", "0.1", "--noise-scale",
             "--precision", "bf16", "--loss-scale", "64", "--scale-window", "7",
-            "--bn-eps", "0.001", "--bn-momentum", "0.2", "--overlap"]  # fmt: skip
+            "--bn-eps", "0.001", "--bn-momentum", "0.2", "--overlap",
+            "--batchnorm", "sync"]  # fmt: skip
     config = config_from_options(build_parser().parse_args(argv))
     assert config == TrainConfig(
         data="synthetic-regression", samples=50, features=3, classes=2, hidden=(7, 5),
@@ -113,14 +114,21 @@ def test_every_flag_is_read_into_its_field():
         checkpoint_every=2, resume="r", skip_nonfinite=True, holdout=0.2, eval_every=1,
         target_loss=0.1, noise_scale=True, precision="bf16",
         loss_scale="64", scale_window=7, timeout=7.0, bn_eps=0.001, bn_momentum=0.2,
-        overlap=True,
+        overlap=True, batchnorm="sync",
     )  # fmt: skip
     changed = {f.name for f in dataclasses.fields(TrainConfig)
                if getattr(config, f.name) != f.default}  # fmt: skip
     # --target-accuracy: xent only; --epochs instead of --steps; --allreduce-dtype: not with
-    # --exact; --batchnorm: not with --precision bf16; --optimizer: sgd is the only one yet
-    assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype", "batchnorm",
-                                     "optimizer"}  # fmt: skip
+    # --exact; --optimizer: sgd is the only one yet; --model, --input-shape: not with --hidden
+    assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype", "optimizer",
+                                     "model", "input_shape"}  # fmt: skip
+
+
+def test_the_model_flags_are_read_into_their_fields():
+    argv = ["train", "--model", "conv(2, 3) relu flatten dense", "--input-shape", "1,4,4",
+            "--features", "16"]  # fmt: skip
+    config = config_from_options(build_parser().parse_args(argv))
+    assert (config.model, config.input_shape) == ("conv(2, 3) relu flatten dense", (1, 4, 4))
 
 
 def test_outputs_are_declared_once_too():
