@@ -24,6 +24,7 @@ import numpy as np
 
 from syncsgd.nn.arrays import DTYPES, LOSSES, checked, describe
 from syncsgd.nn.layers.base import Layer, Shape, size_of
+from syncsgd.nn.presets import expand, preset_help
 
 LAYERS_DIR = Path(__file__).resolve().parent / "layers"
 _TOKEN = re.compile(r"\s*([^\s(]+)(\(([^()]*)\))?")
@@ -77,9 +78,10 @@ def _class_constants(node: ast.stmt) -> dict[str, Any]:
 
 
 def layer_help() -> str:
-    """One line per layer type: its signature and summary."""
-    return "; ".join(f"{entry.signature}: {entry.summary.rstrip('.')}"
-                     for entry in catalogue().values())  # fmt: skip
+    """Every layer type's signature and summary, then the presets."""
+    layers = "; ".join(f"{entry.signature}: {entry.summary.rstrip('.')}"
+                       for entry in catalogue().values())  # fmt: skip
+    return f"{layers}. Presets: {preset_help()}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,9 @@ class Token:
 
 
 def parse_spec(spec: str) -> list[Token]:
-    """The layers of a spec, checked against the catalogue; ValueError naming a bad token."""
+    """The layers of a spec (presets expanded), checked against the catalogue; ValueError
+    naming a bad token."""
+    spec = expand(spec)
     tokens, position = [], 0
     known = catalogue()
     while spec[position:].strip():
