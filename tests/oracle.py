@@ -384,6 +384,115 @@ def sgd_update(
     return params, velocity, norm
 
 
+def tensor_norm(values: np.ndarray) -> float:
+    """L2 norm of one tensor, in float64."""
+    return math.sqrt(float(np.sum(values.astype(np.float64) ** 2)))
+
+
+def clipped(grads: dict[str, np.ndarray], clip_norm: float | None) -> tuple[dict, float]:
+    """The gradient scaled to global norm `clip_norm` if its norm exceeds it, and that norm."""
+    norm = math.sqrt(sum(tensor_norm(g) ** 2 for g in grads.values()))
+    dtype = next(iter(grads.values())).dtype.type
+    if clip_norm is not None and norm > clip_norm:
+        grads = {k: g * dtype(clip_norm / norm) for k, g in grads.items()}
+    return grads, norm
+
+
+def adam_update(
+    params: dict[str, np.ndarray],
+    grads: dict[str, np.ndarray],
+    state: dict | None,
+    *,
+    rate: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled: bool = False,
+    clip_norm: float | None = None,
+) -> tuple[dict[str, np.ndarray], dict]:
+    """One Adam step (Kingma and Ba, Algorithm 1, with PyTorch's ε after the square root of the
+    bias-corrected v); `decoupled`: AdamW's θ ← θ − lr wd θ first, else L2 added to g."""
+    beta1, beta2 = betas
+    grads, _ = clipped(grads, clip_norm)
+    if state is None:
+        state = {"t": 0, "m": {k: np.zeros_like(p) for k, p in params.items()},
+                 "v": {k: np.zeros_like(p) for k, p in params.items()}}  # fmt: skip
+    t = state["t"] + 1
+    if weight_decay and decoupled:
+        params = {k: p - rate * weight_decay * p for k, p in params.items()}
+    elif weight_decay:
+        grads = {k: g + weight_decay * params[k] for k, g in grads.items()}
+    m = {k: beta1 * state["m"][k] + (1 - beta1) * g for k, g in grads.items()}
+    v = {k: beta2 * state["v"][k] + (1 - beta2) * g * g for k, g in grads.items()}
+    new = {}
+    for k, p in params.items():
+        m_hat = m[k] / (1 - beta1**t)
+        v_hat = v[k] / (1 - beta2**t)
+        new[k] = p - rate * m_hat / (np.sqrt(v_hat) + eps)
+    return new, {"t": t, "m": m, "v": v}
+
+
+def lamb_update(
+    params: dict[str, np.ndarray],
+    grads: dict[str, np.ndarray],
+    state: dict | None,
+    *,
+    rate: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    clip_norm: float | None = None,
+) -> tuple[dict[str, np.ndarray], dict]:
+    """One LAMB step (You et al. 2019, Algorithm 2): per tensor, Adam's direction plus wd θ,
+    scaled by ‖θ‖ / ‖that‖ (1 where either norm is 0)."""
+    beta1, beta2 = betas
+    grads, _ = clipped(grads, clip_norm)
+    if state is None:
+        state = {"t": 0, "m": {k: np.zeros_like(p) for k, p in params.items()},
+                 "v": {k: np.zeros_like(p) for k, p in params.items()}}  # fmt: skip
+    t = state["t"] + 1
+    m = {k: beta1 * state["m"][k] + (1 - beta1) * g for k, g in grads.items()}
+    v = {k: beta2 * state["v"][k] + (1 - beta2) * g * g for k, g in grads.items()}
+    new = {}
+    for k, p in params.items():
+        r = (m[k] / (1 - beta1**t)) / (np.sqrt(v[k] / (1 - beta2**t)) + eps)
+        u = r + weight_decay * p
+        p_norm, u_norm = tensor_norm(p), tensor_norm(u)
+        ratio = p_norm / u_norm if p_norm > 0 and u_norm > 0 else 1.0
+        new[k] = p - rate * ratio * u
+    return new, {"t": t, "m": m, "v": v}
+
+
+def lars_update(
+    params: dict[str, np.ndarray],
+    grads: dict[str, np.ndarray],
+    velocity: dict[str, np.ndarray] | None,
+    *,
+    rate: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    trust_coefficient: float = 0.001,
+    clip_norm: float | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """One LARS step (You, Gitman and Ginsburg 2017, Algorithm 1): per tensor the local rate
+    η ‖θ‖ / (‖g‖ + wd ‖θ‖) (1 where either norm is 0), v ← μ v + lr λ (g + wd θ), θ ← θ − v."""
+    grads, _ = clipped(grads, clip_norm)
+    new, new_velocity = {}, {}
+    for k, p in params.items():
+        g = grads[k]
+        p_norm, g_norm = tensor_norm(p), tensor_norm(g)
+        if p_norm > 0 and g_norm > 0:
+            local = trust_coefficient * p_norm / (g_norm + weight_decay * p_norm)
+        else:
+            local = 1.0
+        step = rate * local * (g + weight_decay * p)
+        if momentum:
+            step = momentum * (0 if velocity is None else velocity[k]) + step
+            new_velocity[k] = step
+        new[k] = p - step
+    return new, (new_velocity if momentum else None)
+
+
 def serial_sgd(
     X: np.ndarray,
     y: np.ndarray,
@@ -411,13 +520,18 @@ def serial_sgd(
     bn_momentum: float = 0.1,
     spec: str | None = None,
     in_shape: tuple | None = None,
+    optimizer: str = "sgd",
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    trust_coefficient: float = 0.001,
 ) -> tuple[dict[str, np.ndarray], list[float]]:
     """Large-batch SGD on one process; final params and the global-batch mean loss before each step.
 
     `total_steps` (for the cosine schedule) defaults to `steps`. With BatchNorm (gamma0 in
     `params`) the final params also hold the running statistics, running_mean{l} and
     running_var{l}. With a --model `spec`, the network of that spec (params "0.weight", ...), its
-    samples of shape `in_shape` if given (the rows of X reshaped).
+    samples of shape `in_shape` if given (the rows of X reshaped). `optimizer`: sgd, or adam,
+    adamw, lamb or lars (with `betas`, `eps`, `weight_decay`, `momentum`, `trust_coefficient`).
     """
     if not 1 <= batch_size <= len(X):
         raise ValueError(f"batch size {batch_size} must be in 1..{len(X)}")
@@ -455,6 +569,23 @@ def serial_sgd(
             batch_size=batch_size,
             noam_dim=noam_dim,
         )
+        if optimizer in ("adam", "adamw"):
+            theta, velocity = adam_update(theta, grads, velocity, rate=rate, betas=betas, eps=eps,
+                                          weight_decay=weight_decay,
+                                          decoupled=optimizer == "adamw",
+                                          clip_norm=clip_norm)  # fmt: skip
+            continue
+        if optimizer == "lamb":
+            theta, velocity = lamb_update(theta, grads, velocity, rate=rate, betas=betas, eps=eps,
+                                          weight_decay=weight_decay,
+                                          clip_norm=clip_norm)  # fmt: skip
+            continue
+        if optimizer == "lars":
+            theta, velocity = lars_update(theta, grads, velocity, rate=rate, momentum=momentum,
+                                          weight_decay=weight_decay,
+                                          trust_coefficient=trust_coefficient,
+                                          clip_norm=clip_norm)  # fmt: skip
+            continue
         theta, velocity, _ = sgd_update(
             theta,
             grads,

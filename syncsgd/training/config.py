@@ -12,7 +12,15 @@ import numpy as np
 from syncsgd.collectives import ALGORITHMS
 from syncsgd.nn.mlp import BATCHNORMS
 from syncsgd.nn.network import check_spec, layer_help, parse_spec
-from syncsgd.nn.optim import LR_SCALINGS, OPTIMIZERS, SCHEDULES, SGDOptions, optimizer_options
+from syncsgd.nn.optim import (
+    LR_SCALINGS,
+    OPTIMIZERS,
+    SCHEDULES,
+    AdamOptions,
+    LARSOptions,
+    SGDOptions,
+    optimizer_options,
+)
 from syncsgd.training.variants import PITFALLS, variant
 from syncsgd.util.argtypes import (
     dimensions,
@@ -140,7 +148,11 @@ class TrainConfig:
     # SGD's options, declared (flag, default, help, check) in syncsgd/nn/optim/sgd.py
     momentum: float = option_from(SGDOptions, "momentum")
     nesterov: bool = option_from(SGDOptions, "nesterov")
-    weight_decay: float = option_from(SGDOptions, "weight_decay")
+    weight_decay: float | None = option_from(SGDOptions, "weight_decay")
+    # Adam's (adam, adamw, lamb) and LARS's, declared in syncsgd/nn/optim/adam.py and lars.py
+    betas: tuple[float, float] = option_from(AdamOptions, "betas")
+    eps: float = option_from(AdamOptions, "eps")
+    trust_coefficient: float = option_from(LARSOptions, "trust_coefficient")
     clip_norm: float | None = option(
         None, "clip the allreduced gradient to this global L2 norm", group=OPTIMIZATION,
         type=positive_float, shown="no clipping",
@@ -254,7 +266,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for error in errors(self):
             raise ValueError(error)
-        optimizer_options(self.optimizer, self)  # its options together: --nesterov, --momentum
+        # its options together (--nesterov, --momentum), and none of another optimizer's
+        optimizer_options(self.optimizer, self)
         _require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
         variant(self.pitfall, self.clip_norm)  # a pitfall may need other options (local-clip)
         _require(self.precision != "fp32" or self.loss_scale in (None, "none"),
@@ -312,6 +325,7 @@ def _require(condition: bool, message: str) -> None:
 # fingerprint at their defaults, so that those checkpoints still resume.
 ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32", "loss_scale": None,
                "scale_window": 2000, "batchnorm": "none", "bn_eps": 1e-5,
+               "betas": (0.9, 0.999), "eps": 1e-8, "trust_coefficient": 0.001,
                "bn_momentum": 0.1, "optimizer": "sgd", "model": None,
                "input_shape": None}  # fmt: skip
 
@@ -324,6 +338,8 @@ def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -
     # ranks and the outputs are not config fields: the result does not depend on them.
     ignored = {name for name, declared in options_of(TrainConfig) if not declared.fingerprint}
     options = {k: v for k, v in asdict(config).items() if k not in ignored}
+    # no --weight-decay: the optimizer's default, the same digest as when given (sgd: 0.0)
+    options["weight_decay"] = optimizer_options(config.optimizer, config).weight_decay
     for name, default in ADDED_LATER.items():  # at its default: the digest of before
         if options.get(name, default) == default:
             options.pop(name, None)

@@ -140,7 +140,7 @@ def starting_state(comm: Any, run: Run) -> tuple[np.ndarray, Optimizer, int]:
     with watching("the broadcast of the first parameters", bcast_peer(comm, 0)):
         comm.Bcast(params, root=0)
     optimizer = make_optimizer(run.config.optimizer, run.optim, run.model.n_params,
-                               run.model.dtype, run.config)  # fmt: skip
+                               run.model.dtype, run.config, run.model.layout())  # fmt: skip
     if run.start is None:
         return params, optimizer, 0
     optimizer.load_state_arrays(run.start.optimizer)

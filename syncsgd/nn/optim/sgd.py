@@ -7,7 +7,7 @@ or Nesterov momentum, step. Every rank applies it to bitwise the same allreduced
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -36,15 +36,19 @@ class SGDOptions:
     momentum: float = option(0.0, "heavy-ball momentum", group="optimization", type=unit_fraction,
                              check=_momentum)  # fmt: skip
     nesterov: bool = option(False, "Nesterov momentum", group="optimization")
-    weight_decay: float = option(0.0, "L2 weight decay", group="optimization",
-                                 type=nonnegative_float, check=at_least(0))  # fmt: skip
+    weight_decay: float | None = option(
+        None, "weight decay: L2 (added to the gradient) with sgd and adam, decoupled with adamw, "
+        "lamb and lars", group="optimization", type=nonnegative_float, check=at_least(0),
+        shown="0; 0.01 with --optimizer adamw",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         """Check every option and their combination; numbers become Python floats."""
         for error in sgd_errors(self):
             raise ValueError(error)
         object.__setattr__(self, "momentum", float(self.momentum))
-        object.__setattr__(self, "weight_decay", float(self.weight_decay))
+        decay = 0.0 if self.weight_decay is None else self.weight_decay  # None: not given
+        object.__setattr__(self, "weight_decay", float(decay))
 
 
 def sgd_errors(options: SGDOptions) -> Iterator[str]:
@@ -60,7 +64,10 @@ class SGD:
     Options: ClassVar[type[SGDOptions]] = SGDOptions
 
     def __init__(self, config: OptimConfig, n_params: int, dtype: str | np.dtype,
-                 options: SGDOptions | None = None) -> None:  # fmt: skip
+                 options: SGDOptions | None = None,
+                 layout: Sequence[tuple[str, tuple[int, ...], int]] | None = None,
+                 ) -> None:  # fmt: skip
+        # `layout`, the model's tensors, is for the per-tensor optimizers: SGD does not need it
         self.config = config
         self.options = SGDOptions() if options is None else options
         self.n_params = integer_at_least("n_params", n_params, low=0)

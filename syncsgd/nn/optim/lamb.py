@@ -1,0 +1,89 @@
+"""LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
+minutes", Algorithm 2): Adam's update with decoupled weight decay, scaled per tensor by its trust
+ratio. Its options are Adam's (--betas, --eps) and --weight-decay.
+
+The update, in this order: clip the mean gradient to its global norm; t ← t + 1, Adam's moments
+m, v; per tensor u = m̂ / (√v̂ + ε) + wd θ with m̂ = m / (1 − β1^t), √v̂ = √v / √(1 − β2^t);
+θ ← θ − lr · (‖θ‖ / ‖u‖) · u, the ratio 1 where either norm is 0. The norms are summed in float64
+in a fixed order, so every rank computes the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from syncsgd.nn.optim.adam import AdamOptions
+from syncsgd.nn.optim.schedule import (
+    OptimConfig,
+    clip_,
+    global_norm,
+    integer_at_least,
+    learning_rate,
+)
+from syncsgd.nn.optim.tensors import Layout, Moments, check_flat, tensor_norms, tensor_slices
+from syncsgd.util.validate import float_dtype
+
+
+@dataclass(frozen=True)
+class LAMBOptions(AdamOptions):
+    """LAMB's options: Adam's (--betas, --eps, --weight-decay, decoupled here, default 0)."""
+
+
+class LAMB:
+    """LAMB with decoupled weight decay and global-norm clipping, in place."""
+
+    Options: ClassVar[type[LAMBOptions]] = LAMBOptions
+
+    def __init__(self, config: OptimConfig, n_params: int, dtype: str | np.dtype,
+                 options: LAMBOptions | None = None,
+                 layout: Layout | None = None) -> None:  # fmt: skip
+        self.config = config
+        self.options = LAMBOptions() if options is None else options
+        self.n_params = integer_at_least("n_params", n_params, low=0)
+        self.dtype = float_dtype(dtype)
+        self.slices = tensor_slices(layout, self.n_params)
+        # all buffers are allocated here, once; step_ allocates nothing of size n_params
+        self.moments = Moments(self.n_params, self.dtype, self.options.betas, self.options.eps)
+        self._update = np.empty(self.n_params, dtype=self.dtype)
+        self._scratch = np.empty(self.n_params, dtype=self.dtype)
+        self._squares = np.empty(self.n_params, dtype=np.float64)
+
+    def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
+              want_norm: bool = True) -> dict[str, float]:  # fmt: skip
+        """Update `params` in place with the global batch's mean gradient `grad` (overwritten)."""
+        check_flat("params", params, self.n_params, self.dtype)
+        check_flat("grad", grad, self.n_params, self.dtype)
+        config, decay = self.config, self.options.weight_decay
+        lr = learning_rate(config, step)
+        needs_norm = want_norm or config.clip_norm is not None
+        grad_norm = global_norm(grad, self._squares) if needs_norm else math.nan
+        if config.clip_norm is not None:
+            clip_(grad, config.clip_norm, grad_norm)
+        moments, update = self.moments, self._update
+        moments.update_(grad, self._scratch)
+        moments.denominator_(self._scratch)
+        np.divide(moments.exp_avg, moments.bias_correction1(), out=update)  # m̂
+        update /= self._scratch  # m̂ / (√v̂ + ε)
+        if decay:
+            np.multiply(params, decay, out=self._scratch)
+            update += self._scratch  # + wd θ
+        param_norms = tensor_norms(params, self.slices, self._squares)
+        update_norms = tensor_norms(update, self.slices, self._squares)
+        for part, theta, norm in zip(self.slices, param_norms, update_norms, strict=True):
+            trust = theta / norm if theta > 0 and norm > 0 else 1.0
+            update[part] *= lr * trust  # the factor formed in float64, rounded once
+            params[part] -= update[part]
+        return {"lr": lr, "grad_norm": grad_norm}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Copies of the state for a checkpoint: exp_avg, exp_avg_sq and step (0-d int64)."""
+        return self.moments.state_arrays()
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore the state saved by `state_arrays` (other keys of `arrays` are ignored)."""
+        self.moments.load_state_arrays(arrays)

@@ -1,0 +1,125 @@
+"""LARS (You, Gitman and Ginsburg 2017, "Large Batch Training of Convolutional Networks",
+Algorithm 1): a local learning rate per tensor, then heavy-ball momentum. Its options are
+--momentum, --weight-decay and --trust-coefficient.
+
+The update, in this order: clip the mean gradient to its global norm; per tensor the local rate
+λ = η ‖θ‖ / (‖g‖ + wd ‖θ‖) (η the trust coefficient; λ = 1 where either norm is 0),
+v ← μ v + lr λ (g + wd θ), θ ← θ − v (without momentum θ ← θ − lr λ (g + wd θ)). The norms are
+summed in float64 in a fixed order, so every rank computes the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from syncsgd.nn.optim.schedule import (
+    OptimConfig,
+    clip_,
+    global_norm,
+    integer_at_least,
+    learning_rate,
+)
+from syncsgd.nn.optim.sgd import SGDOptions
+from syncsgd.nn.optim.tensors import (
+    Layout,
+    check_flat,
+    load_array,
+    tensor_norms,
+    tensor_slices,
+)
+from syncsgd.util.argtypes import positive_float
+from syncsgd.util.options import errors, option, option_from
+from syncsgd.util.validate import float_dtype
+
+
+def _positive(flag: str, value: float) -> str | None:
+    return None if value > 0 else f"{flag} must be > 0, got {value}"
+
+
+@dataclass(frozen=True)
+class LARSOptions:
+    """LARS's options: SGD's --momentum and --weight-decay, and its own --trust-coefficient."""
+
+    momentum: float = option_from(SGDOptions, "momentum")
+    weight_decay: float | None = option_from(SGDOptions, "weight_decay")
+    trust_coefficient: float = option(
+        0.001, "LARS's trust coefficient η: local lr = η ‖θ‖ / (‖g‖ + wd ‖θ‖) per tensor",
+        group="optimization", type=positive_float, check=_positive, metavar="ETA",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        """Check every option; numbers become Python floats, no --weight-decay 0."""
+        for error in lars_errors(self):
+            raise ValueError(error)
+        decay = 0.0 if self.weight_decay is None else self.weight_decay
+        object.__setattr__(self, "weight_decay", float(decay))
+        object.__setattr__(self, "momentum", float(self.momentum))
+        object.__setattr__(self, "trust_coefficient", float(self.trust_coefficient))
+
+
+def lars_errors(options: LARSOptions) -> Iterator[str]:
+    """What is wrong with LARS's options, each naming its command-line flag."""
+    yield from errors(options)
+
+
+class LARS:
+    """LARS with heavy-ball momentum, weight decay and global-norm clipping, in place."""
+
+    Options: ClassVar[type[LARSOptions]] = LARSOptions
+
+    def __init__(self, config: OptimConfig, n_params: int, dtype: str | np.dtype,
+                 options: LARSOptions | None = None,
+                 layout: Layout | None = None) -> None:  # fmt: skip
+        self.config = config
+        self.options = LARSOptions() if options is None else options
+        self.n_params = integer_at_least("n_params", n_params, low=0)
+        self.dtype = float_dtype(dtype)
+        self.slices = tensor_slices(layout, self.n_params)
+        # all buffers are allocated here, once; step_ allocates nothing of size n_params
+        momentum = self.options.momentum
+        self.velocity = np.zeros(self.n_params, dtype=self.dtype) if momentum > 0.0 else None
+        self._scratch = np.empty(self.n_params, dtype=self.dtype)
+        self._squares = np.empty(self.n_params, dtype=np.float64)
+
+    def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
+              want_norm: bool = True) -> dict[str, float]:  # fmt: skip
+        """Update `params` in place with the global batch's mean gradient `grad` (overwritten)."""
+        check_flat("params", params, self.n_params, self.dtype)
+        check_flat("grad", grad, self.n_params, self.dtype)
+        config, options = self.config, self.options
+        decay, eta = options.weight_decay or 0.0, options.trust_coefficient  # a float by now
+        lr = learning_rate(config, step)
+        needs_norm = want_norm or config.clip_norm is not None
+        grad_norm = global_norm(grad, self._squares) if needs_norm else math.nan
+        if config.clip_norm is not None:
+            clip_(grad, config.clip_norm, grad_norm)
+        param_norms = tensor_norms(params, self.slices, self._squares)
+        grad_norms = tensor_norms(grad, self.slices, self._squares)
+        if decay:
+            np.multiply(params, decay, out=self._scratch)
+            grad += self._scratch  # g + wd θ
+        for part, theta, norm in zip(self.slices, param_norms, grad_norms, strict=True):
+            local = eta * theta / (norm + decay * theta) if theta > 0 and norm > 0 else 1.0
+            scaled = self._scratch[part]
+            np.multiply(grad[part], lr * local, out=scaled)  # lr λ rounded once to the dtype
+            if self.velocity is not None:
+                velocity = self.velocity[part]
+                velocity *= options.momentum
+                velocity += scaled  # v = μ v + lr λ (g + wd θ)
+                scaled = velocity
+            params[part] -= scaled
+        return {"lr": lr, "grad_norm": grad_norm}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Copies of the state for a checkpoint: {"velocity": ...} with momentum, else {}."""
+        return {} if self.velocity is None else {"velocity": self.velocity.copy()}
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore the state saved by `state_arrays` (other keys of `arrays` are ignored)."""
+        if self.velocity is not None:
+            load_array(arrays, "velocity", self.velocity)
