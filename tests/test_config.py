@@ -120,9 +120,10 @@ def test_every_flag_is_read_into_its_field():
                if getattr(config, f.name) != f.default}  # fmt: skip
     changed |= {"betas", "eps", "trust_coefficient"}  # not sgd's: read in tests/test_adam.py
     # --target-accuracy: xent only; --epochs instead of --steps; --allreduce-dtype: not with
-    # --exact; --optimizer: sgd is the only one yet; --model, --input-shape: not with --hidden
+    # --exact; --optimizer: sgd is the only one yet; --model, --input-shape: not with --hidden;
+    # --labels: with IDX --data only (tests/test_image_data.py)
     assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype", "optimizer",
-                                     "model", "input_shape"}  # fmt: skip
+                                     "model", "input_shape", "labels"}  # fmt: skip
 
 
 def test_the_model_flags_are_read_into_their_fields():

