@@ -177,7 +177,8 @@ def test_bad_files_raise_one_clear_line(tmp_path):
         (write_npz(tmp_path, X=np.array([[1.0, np.inf]]), y=np.array([0])), "infinite"),
         (write_npz(tmp_path, X=ones, y=np.array([0, 1, 0])), "4 samples but y has 3"),
         (write_npz(tmp_path, X=np.ones(4), y=np.zeros(4, int)), "X must be 2-D"),
-        (write_npz(tmp_path, X=np.ones((4, 2, 1)), y=np.zeros(4, int)), "X must be 2-D"),
+        # (N, H, W) and (N, C, H, W) are images (tests/test_image_data.py); 5-D is not data
+        (write_npz(tmp_path, X=np.ones((4, 1, 2, 2, 1)), y=np.zeros(4, int)), "X must be 2-D"),
         (write_npz(tmp_path, X=ones, y=np.zeros((4, 1, 1), int)), "y must be 1-D or 2-D"),
         (write_npz(tmp_path, X=ones, y=np.array([0, 1, 0.5, 1])), "label 0.5 .* not an integer"),
         (write_npz(tmp_path, X=ones, y=np.array([0, -1, 0, 1])), "label -1 .* negative"),

@@ -17,7 +17,7 @@ from syncsgd.nn.optim import OptimConfig
 from syncsgd.training import checkpoint, data
 from syncsgd.training.checkpoint import Checkpoint
 from syncsgd.training.config import TrainConfig, _require, fingerprint
-from syncsgd.training.data import check_npz
+from syncsgd.training.data import check_npz, is_data_file
 from syncsgd.training.variants import variant
 from syncsgd.util.files import check_distinct, check_writable
 from syncsgd.util.machine import check_memory
@@ -91,9 +91,9 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
 
     `ranks`: the thread ranks this process will hold, for the estimate of the memory needed.
     """
-    X, y = data.load_data(
-        config.data, samples=config.samples, features=config.features, classes=config.classes,
-        loss=config.loss, seed=config.seed, dtype=config.dtype,
+    X, y, sample_shape = data.load_dataset(
+        config.data, labels=config.labels, samples=config.samples, features=config.features,
+        classes=config.classes, loss=config.loss, seed=config.seed, dtype=config.dtype,
     )  # fmt: skip
     X, y, X_eval, y_eval = split_holdout(X, y, config.holdout, config.seed)
     n_samples = X.shape[0]
@@ -107,7 +107,7 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     outputs = data.n_outputs(y, config.loss)  # xent: max label + 1, which --classes may raise
     if config.loss == "xent" and config.classes is not None:
         outputs = max(outputs, config.classes)
-    model = make_model(config, X, outputs, ranks)
+    model = make_model(config, X, outputs, ranks, sample_shape)
     optim = OptimConfig(
         lr=config.lr, schedule=config.schedule,
         warmup_steps=config.warmup_steps, total_steps=max(steps, 1),  # 0 steps: no lr is used
@@ -116,8 +116,9 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
         noam_dim=widest(model),
         clip_norm=variant(config.pitfall, config.clip_norm).global_clip_norm(),
     )  # fmt: skip
-    run = Run(config, model, X, y, steps, optim, fingerprint(config, X, y, steps),
-                      X_eval=X_eval, y_eval=y_eval)  # fmt: skip
+    run = Run(config, model, X, y, steps, optim,
+              fingerprint(config, X, y, steps, sample_shape),
+              X_eval=X_eval, y_eval=y_eval)  # fmt: skip
     if config.init is not None:
         arrays = load_npz(config.init)
         run.init, run.init_running = model.from_arrays(arrays), model.running_from_arrays(arrays)
@@ -131,11 +132,24 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     return run
 
 
-def make_model(config: TrainConfig, X: np.ndarray, outputs: int, ranks: int) -> MLP | Network:
-    """The --model network, or the MLP of --hidden; refused if the memory cannot hold it."""
+def make_model(
+    config: TrainConfig,
+    X: np.ndarray,
+    outputs: int,
+    ranks: int,
+    sample_shape: tuple[int, ...] | None = None,
+) -> MLP | Network:
+    """The --model network, or the MLP of --hidden; refused if the memory cannot hold it.
+
+    The network's input: --input-shape, else the data's `sample_shape` (images), else X's rows.
+    """
     itemsize = np.dtype(config.dtype).itemsize
     if config.model is not None:
-        in_shape = X.shape[1:] if config.input_shape is None else tuple(config.input_shape)
+        given = None if config.input_shape is None else tuple(config.input_shape)
+        _require(given is None or sample_shape is None or given == tuple(sample_shape),
+                 f"--input-shape {_shape(given)} disagrees with the data: {config.data}'s samples "
+                 f"are {_shape(sample_shape)} (leave --input-shape out)")  # fmt: skip
+        in_shape = given or sample_shape or X.shape[1:]
         _require(config.input_shape is None or math.prod(in_shape) == math.prod(X.shape[1:]),
                  f"--input-shape {','.join(map(str, in_shape))} holds {math.prod(in_shape)} "
                  f"values, the data's samples {math.prod(X.shape[1:])}")  # fmt: skip
@@ -149,6 +163,11 @@ def make_model(config: TrainConfig, X: np.ndarray, outputs: int, ranks: int) -> 
     check_memory(needed, f"a model of layer sizes {','.join(map(str, sizes))} on {ranks} rank(s)")
     return MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype),
                batchnorm=config.batchnorm)  # fmt: skip
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    """(1, 28, 28) -> '1,28,28', as --input-shape is written."""
+    return ",".join(map(str, shape or ()))
 
 
 def widest(model: MLP | Network) -> int:
@@ -172,9 +191,9 @@ def check_outputs(config: TrainConfig, **outputs: str | None) -> None:
     for path in outputs.values():
         if path is not None:
             check_writable(path)
-    data = config.data if config.data.lower().endswith((".npz", ".csv")) else None
+    data = config.data if is_data_file(config.data) else None
     flags = {"--" + name.replace("_", "-"): path for name, path in outputs.items()}
-    check_distinct({"--data": data, "--init": config.init}, flags)
+    check_distinct({"--data": data, "--labels": config.labels, "--init": config.init}, flags)
 
 
 def split_holdout(X: np.ndarray, y: np.ndarray, fraction: float, seed: int):
