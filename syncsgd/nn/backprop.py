@@ -34,7 +34,8 @@ class Backprop:
         self._inputs = np.zeros(self.max_batch * size_of(network.in_shape), nx.dtype)
         self._outputs, self._grads = self._workspaces(nx.dtype)
         self._losses = np.zeros(self.max_batch * self._positions(), np.float64)
-        self._views: dict[tuple, list[dict[str, np.ndarray]]] = {}
+        # (buffer, running, views) by the buffers' ids: the step hands the same buffers each time
+        self._views: dict[tuple, tuple[Any, Any, list[dict[str, np.ndarray]]]] = {}
         self._plans: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._weights: np.ndarray | None = None
         self._running: np.ndarray | None = None
@@ -115,10 +116,13 @@ class Backprop:
     def views(self, flat: np.ndarray,
               running: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:  # fmt: skip
         """Per layer, the views of its arrays in `flat` (and `running`), made once per buffer."""
-        key = (address(flat), address(running))
-        if key not in self._views:
-            self._views[key] = self.network.layer_views(flat, running)
-        return self._views[key]
+        key = (id(flat), id(running))
+        made = self._views.get(key)
+        if made is None or made[0] is not flat or made[1] is not running:  # a new buffer
+            if len(self._views) > 8:  # a caller handing fresh buffers: keep none of the old
+                self._views.clear()
+            made = self._views[key] = (flat, running, self.network.layer_views(flat, running))
+        return made[2]
 
 
     def checked(self, params: np.ndarray, X: np.ndarray,
@@ -160,11 +164,6 @@ class Backprop:
 def _block(workspace: np.ndarray, m: int, shape: tuple[int, ...]) -> np.ndarray:
     """The first m samples of a workspace, shaped (m, *shape)."""
     return workspace[: m * size_of(shape)].reshape(m, *shape)
-
-
-def address(values: np.ndarray | None) -> tuple[int, int]:
-    """Where an array's data starts and how long it is ((0, 0) for None)."""
-    return (0, 0) if values is None else (values.__array_interface__["data"][0], values.size)
 
 
 def evaluate(network: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,

@@ -50,6 +50,8 @@ class LayeredLocalGradient:
         self.exact = config.exact
         self.bounds = np.zeros(0)
         self.scales: list[tuple[float, float]] | None = None  # exact: None if not finite
+        self._buffer: np.ndarray | None = None  # the buffer the views below are of
+        self._gradient = np.zeros(0)
 
     @property
     def sums_between_layers(self) -> bool:
@@ -74,7 +76,7 @@ class LayeredLocalGradient:
     def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
                sums: np.ndarray) -> None:  # fmt: skip
         """The forward pass and the loss sum (exact mode: the backward pass and the peaks)."""
-        grads = sums[: self.n_params]
+        grads = self.gradient_of(sums)
         if self.exact:
             grads[:] = 0  # the extracted sums are added in
         self.nx.first_sums = not self.exact  # float mode: each sum written into its slot
@@ -92,6 +94,12 @@ class LayeredLocalGradient:
             return
         sums[self.loss_slot] = self.nx.extract_loss(self.scales)
 
+    def gradient_of(self, sums: np.ndarray) -> np.ndarray:
+        """The gradient part of the buffer the allreduce sums (one view per buffer)."""
+        if self._buffer is not sums:
+            self._buffer, self._gradient = sums, sums[: self.n_params]
+        return self._gradient
+
     def agree_(self, comm: Any) -> list[tuple[float, float]] | None:
         """The peaks of every term, MAX-allreduced; their fixed points, or None if not finite."""
         if self.bounds.size != len(self.nx.peaks):
@@ -108,7 +116,7 @@ class LayeredLocalGradient:
                 bottom: int) -> None:  # fmt: skip
         """The gradient sums of layers top down to bottom."""
         if not self.exact:
-            self.passes.backward_(sums[: self.n_params], top, bottom)
+            self.passes.backward_(self.gradient_of(sums), top, bottom)
         elif self.scales is not None:
             self.nx.accumulate_(self.scales, top, bottom)
 
