@@ -33,7 +33,8 @@ class Backprop:
         self.loss = LOSSES[network.loss]()
         self._inputs = np.zeros(self.max_batch * size_of(network.in_shape), nx.dtype)
         self._outputs, self._grads = self._workspaces(nx.dtype)
-        self._losses = np.zeros(self.max_batch * self._positions(), np.float64)
+        self.positions = size_of(network.layers[-1].out_shape[:-1])  # loss terms per sample
+        self._losses = np.zeros(self.max_batch * self.positions, np.float64)
         # (buffer, running, views) by the buffers' ids: the step hands the same buffers each time
         self._views: dict[tuple, tuple[Any, Any, list[dict[str, np.ndarray]]]] = {}
         self._plans: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
@@ -57,10 +58,6 @@ class Backprop:
             grads.append(np.zeros_like(outputs[-1]))
         return outputs, grads
 
-    def _positions(self) -> int:
-        """Loss terms per sample: one per position of the last output (its leading axes)."""
-        return size_of(self.network.layers[-1].out_shape[:-1])
-
     def forward_loss_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray,
                       running: np.ndarray | None = None) -> tuple[float, int]:  # fmt: skip
         """The forward pass and the per-sample losses; (loss sum, hits); the logits' delta.
@@ -78,10 +75,10 @@ class Backprop:
                 continue
             with first_load.timing():  # the first call compiles or loads the kernels: say so
                 layer.forward_(self.nx, views[layer.position], x, out)
-        losses = self._losses[: m * self._positions()]
+        losses = self._losses[: m * self.positions]
         _, logits, delta = plan[-1]
         correct = self.loss.forward_delta_(self.nx, logits, y, delta, losses)
-        return self.nx.loss_sum(losses, self._positions()), correct
+        return self.nx.loss_sum(losses, self.positions), correct
 
     def backward_(self, grads: np.ndarray, top: int, bottom: int) -> None:
         """Layers top down to bottom: each takes the gradient at its output from the layer above,
@@ -186,7 +183,7 @@ def evaluate(network: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,
         rows = slice(start, start + chunk)
         part_loss, part_correct = passes.forward_loss_(params, X[rows], y[rows], running)
         loss_sum, correct = loss_sum + part_loss, correct + part_correct
-    terms = n_samples * passes._positions()
+    terms = n_samples * passes.positions
     accuracy = correct / terms if network.loss == "xent" else float("nan")
     return loss_sum / terms, accuracy
 

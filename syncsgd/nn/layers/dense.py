@@ -24,11 +24,13 @@ class Dense(Layer):
         if width is not None and width < 1:
             raise ValueError(f"dense({width}): the width must be >= 1")
         self.width, self.in_out = width, in_out
+        self.positions = 1  # rows per sample (output_shape sets it)
 
     def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
         """The input's leading axes, then the width."""
         if self.width is None and not last:
             raise ValueError("dense needs a width, e.g. dense(64), unless it is the last layer")
+        self.positions = size_of(in_shape[:-1])  # 1, or the positions of a sequence
         return (*in_shape[:-1], self.width or outputs)
 
     def params(self) -> list[Param]:
@@ -50,7 +52,7 @@ class Dense(Layer):
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
         """g.weight += dy^T x, g.bias += column sums of dy."""
         d, x_rows = rows(dy, self.out_shape[-1]), rows(x, self.in_shape[-1])
-        positions = size_of(self.out_shape[:-1])  # rows per sample: each element sums B of them
+        positions = self.positions  # rows per sample: each element's sum has B x positions terms
         if self.in_out:
             nx.outer_sum_(self.position, x_rows, d, g["weight"], positions)
         else:
