@@ -19,10 +19,8 @@ import numpy as np
 
 from syncsgd.nn.optim.schedule import (
     OptimConfig,
-    clip_,
-    global_norm,
+    clipped_,
     integer_at_least,
-    learning_rate,
 )
 from syncsgd.nn.optim.sgd import SGDOptions
 from syncsgd.nn.optim.tensors import Layout, Moments, check_flat
@@ -116,11 +114,7 @@ class Adam:
         check_flat("params", params, self.n_params, self.dtype)
         check_flat("grad", grad, self.n_params, self.dtype)
         config, decay = self.config, self.options.weight_decay
-        lr = learning_rate(config, step)
-        needs_norm = want_norm or config.clip_norm is not None
-        grad_norm = global_norm(grad, self._squares) if needs_norm else math.nan
-        if config.clip_norm is not None:
-            clip_(grad, config.clip_norm, grad_norm)
+        lr, grad_norm = clipped_(config, grad, step, self._squares, want_norm)
         if decay and self.decoupled:
             params *= 1 - lr * decay  # the factor formed in float64, rounded once to the dtype
         elif decay:

@@ -10,7 +10,6 @@ in a fixed order, so every rank computes the same bits.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -20,10 +19,8 @@ import numpy as np
 from syncsgd.nn.optim.adam import AdamOptions
 from syncsgd.nn.optim.schedule import (
     OptimConfig,
-    clip_,
-    global_norm,
+    clipped_,
     integer_at_least,
-    learning_rate,
 )
 from syncsgd.nn.optim.tensors import Layout, Moments, check_flat, tensor_norms, tensor_slices
 from syncsgd.util.validate import float_dtype
@@ -59,11 +56,7 @@ class LAMB:
         check_flat("params", params, self.n_params, self.dtype)
         check_flat("grad", grad, self.n_params, self.dtype)
         config, decay = self.config, self.options.weight_decay
-        lr = learning_rate(config, step)
-        needs_norm = want_norm or config.clip_norm is not None
-        grad_norm = global_norm(grad, self._squares) if needs_norm else math.nan
-        if config.clip_norm is not None:
-            clip_(grad, config.clip_norm, grad_norm)
+        lr, grad_norm = clipped_(config, grad, step, self._squares, want_norm)
         moments, update = self.moments, self._update
         moments.update_(grad, self._scratch)
         moments.denominator_(self._scratch)

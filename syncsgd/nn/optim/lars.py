@@ -10,7 +10,6 @@ summed in float64 in a fixed order, so every rank computes the same bits.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -19,10 +18,8 @@ import numpy as np
 
 from syncsgd.nn.optim.schedule import (
     OptimConfig,
-    clip_,
-    global_norm,
+    clipped_,
     integer_at_least,
-    learning_rate,
 )
 from syncsgd.nn.optim.sgd import SGDOptions
 from syncsgd.nn.optim.tensors import (
@@ -93,11 +90,7 @@ class LARS:
         check_flat("grad", grad, self.n_params, self.dtype)
         config, options = self.config, self.options
         decay, eta = options.weight_decay or 0.0, options.trust_coefficient  # a float by now
-        lr = learning_rate(config, step)
-        needs_norm = want_norm or config.clip_norm is not None
-        grad_norm = global_norm(grad, self._squares) if needs_norm else math.nan
-        if config.clip_norm is not None:
-            clip_(grad, config.clip_norm, grad_norm)
+        lr, grad_norm = clipped_(config, grad, step, self._squares, want_norm)
         param_norms = tensor_norms(params, self.slices, self._squares)
         grad_norms = tensor_norms(grad, self.slices, self._squares)
         if decay:

@@ -108,3 +108,15 @@ def integer_at_least(name: str, value: int, *, low: int) -> int:
     if number < low:
         raise ValueError(f"{name} must be >= {low}, got {number}")
     return number
+
+
+def clipped_(config: OptimConfig, grad: np.ndarray, step: int, squares: np.ndarray,
+             want_norm: bool) -> tuple[float, float]:
+    """The step's learning rate and the gradient's norm (nan unless clipping or the caller needs
+    it), the gradient clipped in place to --clip-norm: every optimizer's first move."""
+    lr = learning_rate(config, step)
+    needs_norm = want_norm or config.clip_norm is not None
+    grad_norm = global_norm(grad, squares) if needs_norm else math.nan
+    if config.clip_norm is not None:
+        clip_(grad, config.clip_norm, grad_norm)
+    return lr, grad_norm

@@ -6,7 +6,6 @@ or Nesterov momentum, step. Every rank applies it to bitwise the same allreduced
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -15,10 +14,8 @@ import numpy as np
 
 from syncsgd.nn.optim.schedule import (
     OptimConfig,
-    clip_,
-    global_norm,
+    clipped_,
     integer_at_least,
-    learning_rate,
 )
 from syncsgd.util.argtypes import nonnegative_float, unit_fraction
 from syncsgd.util.options import at_least, errors, option
@@ -90,11 +87,7 @@ class SGD:
         self._check("params", params)
         self._check("grad", grad)
         config, options = self.config, self.options
-        lr = learning_rate(config, step)
-        needs_norm = want_norm or config.clip_norm is not None
-        grad_norm = global_norm(grad, self._squares) if needs_norm else math.nan
-        if config.clip_norm is not None:
-            clip_(grad, config.clip_norm, grad_norm)
+        lr, grad_norm = clipped_(config, grad, step, self._squares, want_norm)
         if options.weight_decay:
             np.multiply(params, options.weight_decay, out=self._scratch)
             grad += self._scratch  # g + wd * theta
