@@ -12,26 +12,14 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Shape
-from syncsgd.nn.layers.conv import window_positions
+from syncsgd.nn.layers.maxpool import Pool
 
 
-class AvgPool(Layer):
+class AvgPool(Pool):
     """Average pooling over k x k windows, as torch.nn.AvgPool2d (no padding)."""
 
     kind = "avgpool"
     signature = "avgpool(k, stride=k)"
-
-    def __init__(self, k: int, stride: int | None = None) -> None:
-        super().__init__()
-        self.k, self.stride = k, k if stride is None else stride
-        if self.k < 1 or self.stride < 1:
-            raise ValueError(f"{self.describe()}: k and stride must be >= 1")
-
-    def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
-        """(C, H', W') of a (C, H, W) input."""
-        return (in_shape[0], *window_positions(self.describe(), in_shape, self.k, self.stride,
-                                               0))  # fmt: skip
 
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
         """y = round(sum of the window / (k k))."""

@@ -18,11 +18,8 @@ from syncsgd.nn.layers.base import Layer, Shape
 from syncsgd.nn.layers.conv import Workspaces, window_positions
 
 
-class MaxPool(Layer):
-    """Max pooling over k x k windows, as torch.nn.MaxPool2d (no padding)."""
-
-    kind = "maxpool"
-    signature = "maxpool(k, stride=k)"
+class Pool(Layer):
+    """What max and average pooling share: k x k windows every `stride`, no padding."""
 
     def __init__(self, k: int, stride: int | None = None) -> None:
         super().__init__()
@@ -34,6 +31,13 @@ class MaxPool(Layer):
         """(C, H', W') of a (C, H, W) input."""
         return (in_shape[0], *window_positions(self.describe(), in_shape, self.k, self.stride,
                                                0))  # fmt: skip
+
+
+class MaxPool(Pool):
+    """Max pooling over k x k windows, as torch.nn.MaxPool2d (no padding)."""
+
+    kind = "maxpool"
+    signature = "maxpool(k, stride=k)"
 
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
         """y = the maximum of each window; where it is, recorded."""
