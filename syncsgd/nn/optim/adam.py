@@ -20,13 +20,11 @@ import numpy as np
 from syncsgd.nn.optim.schedule import (
     OptimConfig,
     clipped_,
-    integer_at_least,
 )
 from syncsgd.nn.optim.sgd import SGDOptions
-from syncsgd.nn.optim.tensors import Layout, Moments, check_flat
+from syncsgd.nn.optim.tensors import FlatOptimizer, Layout, Moments
 from syncsgd.util.argtypes import finite_float, positive_float
 from syncsgd.util.options import errors, option, option_from
-from syncsgd.util.validate import float_dtype
 
 
 def beta_pair(text: str) -> tuple[float, float]:
@@ -89,7 +87,7 @@ def adam_errors(options: AdamOptions) -> Iterator[str]:
     yield from errors(options)
 
 
-class Adam:
+class Adam(FlatOptimizer):
     """torch.optim.Adam (L2 weight decay added to the gradient) with global-norm clipping."""
 
     Options: ClassVar[type[AdamOptions]] = AdamOptions
@@ -98,21 +96,14 @@ class Adam:
     def __init__(self, config: OptimConfig, n_params: int, dtype: str | np.dtype,
                  options: AdamOptions | None = None,
                  layout: Layout | None = None) -> None:  # fmt: skip
-        self.config = config
-        self.options = self.Options() if options is None else options
-        self.n_params = integer_at_least("n_params", n_params, low=0)
-        self.dtype = float_dtype(dtype)
-        # all buffers are allocated here, once; step_ allocates nothing of size n_params
+        super().__init__(config, n_params, dtype, options, layout)
         self.moments = Moments(self.n_params, self.dtype, self.options.betas, self.options.eps)
-        self._scratch = np.empty(self.n_params, dtype=self.dtype)
         self._denom = np.empty(self.n_params, dtype=self.dtype)
-        self._squares = np.empty(self.n_params, dtype=np.float64)
 
     def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
               want_norm: bool = True) -> dict[str, float]:  # fmt: skip
         """Update `params` in place with the global batch's mean gradient `grad` (overwritten)."""
-        check_flat("params", params, self.n_params, self.dtype)
-        check_flat("grad", grad, self.n_params, self.dtype)
+        self.check_(params, grad)
         config, decay = self.config, self.options.weight_decay
         lr, grad_norm = clipped_(config, grad, step, self._squares, want_norm)
         if decay and self.decoupled:

@@ -20,10 +20,8 @@ from syncsgd.nn.optim.adam import AdamOptions
 from syncsgd.nn.optim.schedule import (
     OptimConfig,
     clipped_,
-    integer_at_least,
 )
-from syncsgd.nn.optim.tensors import Layout, Moments, check_flat, tensor_norms, tensor_slices
-from syncsgd.util.validate import float_dtype
+from syncsgd.nn.optim.tensors import FlatOptimizer, Layout, Moments, tensor_norms
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,7 @@ class LAMBOptions(AdamOptions):
     """LAMB's options: Adam's (--betas, --eps, --weight-decay, decoupled here, default 0)."""
 
 
-class LAMB:
+class LAMB(FlatOptimizer):
     """LAMB with decoupled weight decay and global-norm clipping, in place."""
 
     Options: ClassVar[type[LAMBOptions]] = LAMBOptions
@@ -39,22 +37,14 @@ class LAMB:
     def __init__(self, config: OptimConfig, n_params: int, dtype: str | np.dtype,
                  options: LAMBOptions | None = None,
                  layout: Layout | None = None) -> None:  # fmt: skip
-        self.config = config
-        self.options = LAMBOptions() if options is None else options
-        self.n_params = integer_at_least("n_params", n_params, low=0)
-        self.dtype = float_dtype(dtype)
-        self.slices = tensor_slices(layout, self.n_params)
-        # all buffers are allocated here, once; step_ allocates nothing of size n_params
+        super().__init__(config, n_params, dtype, options, layout)
         self.moments = Moments(self.n_params, self.dtype, self.options.betas, self.options.eps)
         self._update = np.empty(self.n_params, dtype=self.dtype)
-        self._scratch = np.empty(self.n_params, dtype=self.dtype)
-        self._squares = np.empty(self.n_params, dtype=np.float64)
 
     def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
               want_norm: bool = True) -> dict[str, float]:  # fmt: skip
         """Update `params` in place with the global batch's mean gradient `grad` (overwritten)."""
-        check_flat("params", params, self.n_params, self.dtype)
-        check_flat("grad", grad, self.n_params, self.dtype)
+        self.check_(params, grad)
         config, decay = self.config, self.options.weight_decay
         lr, grad_norm = clipped_(config, grad, step, self._squares, want_norm)
         moments, update = self.moments, self._update

@@ -19,19 +19,11 @@ import numpy as np
 from syncsgd.nn.optim.schedule import (
     OptimConfig,
     clipped_,
-    integer_at_least,
 )
 from syncsgd.nn.optim.sgd import SGDOptions
-from syncsgd.nn.optim.tensors import (
-    Layout,
-    check_flat,
-    load_array,
-    tensor_norms,
-    tensor_slices,
-)
+from syncsgd.nn.optim.tensors import FlatOptimizer, Layout, load_array, tensor_norms
 from syncsgd.util.argtypes import positive_float
 from syncsgd.util.options import errors, option, option_from
-from syncsgd.util.validate import float_dtype
 
 
 def _positive(flag: str, value: float) -> str | None:
@@ -64,7 +56,7 @@ def lars_errors(options: LARSOptions) -> Iterator[str]:
     yield from errors(options)
 
 
-class LARS:
+class LARS(FlatOptimizer):
     """LARS with heavy-ball momentum, weight decay and global-norm clipping, in place."""
 
     Options: ClassVar[type[LARSOptions]] = LARSOptions
@@ -72,22 +64,14 @@ class LARS:
     def __init__(self, config: OptimConfig, n_params: int, dtype: str | np.dtype,
                  options: LARSOptions | None = None,
                  layout: Layout | None = None) -> None:  # fmt: skip
-        self.config = config
-        self.options = LARSOptions() if options is None else options
-        self.n_params = integer_at_least("n_params", n_params, low=0)
-        self.dtype = float_dtype(dtype)
-        self.slices = tensor_slices(layout, self.n_params)
-        # all buffers are allocated here, once; step_ allocates nothing of size n_params
+        super().__init__(config, n_params, dtype, options, layout)
         momentum = self.options.momentum
         self.velocity = np.zeros(self.n_params, dtype=self.dtype) if momentum > 0.0 else None
-        self._scratch = np.empty(self.n_params, dtype=self.dtype)
-        self._squares = np.empty(self.n_params, dtype=np.float64)
 
     def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
               want_norm: bool = True) -> dict[str, float]:  # fmt: skip
         """Update `params` in place with the global batch's mean gradient `grad` (overwritten)."""
-        check_flat("params", params, self.n_params, self.dtype)
-        check_flat("grad", grad, self.n_params, self.dtype)
+        self.check_(params, grad)
         config, options = self.config, self.options
         decay, eta = options.weight_decay or 0.0, options.trust_coefficient  # a float by now
         lr, grad_norm = clipped_(config, grad, step, self._squares, want_norm)

@@ -8,10 +8,12 @@ as `global_norm` is, so every rank computes the same bits from the same paramete
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
-from syncsgd.nn.optim.schedule import global_norm
+from syncsgd.nn.optim.schedule import global_norm, integer_at_least
+from syncsgd.util.validate import float_dtype
 
 # (name, shape, offset into the flat buffer) of every parameter tensor: a model's layout()
 Layout = Sequence[tuple[str, tuple[int, ...], int]]
@@ -116,3 +118,27 @@ class Moments:
         load_array(arrays, "exp_avg", self.exp_avg)
         load_array(arrays, "exp_avg_sq", self.exp_avg_sq)
         self.t = int(step.reshape(()))
+
+
+class FlatOptimizer:
+    """What the optimizers over the flat buffer share: their settings, the buffer's length and
+    dtype, its tensors' slices, the float64 scratch of the norms, and the checks of a step's
+    arrays. A subclass sets `Options` and allocates its own state."""
+
+    Options: ClassVar[Any]
+
+    def __init__(self, config: Any, n_params: int, dtype: str | np.dtype, options: Any = None,
+                 layout: Layout | None = None) -> None:  # fmt: skip
+        self.config = config
+        self.options = self.Options() if options is None else options
+        self.n_params = integer_at_least("n_params", n_params, low=0)
+        self.dtype = float_dtype(dtype)
+        self.slices = tensor_slices(layout, self.n_params)
+        # all buffers are allocated when the optimizer is made; a step allocates nothing this long
+        self._scratch = np.empty(self.n_params, dtype=self.dtype)
+        self._squares = np.empty(self.n_params, dtype=np.float64)
+
+    def check_(self, params: np.ndarray, grad: np.ndarray) -> None:
+        """ValueError unless both are contiguous (n_params,) arrays of the optimizer's dtype."""
+        check_flat("params", params, self.n_params, self.dtype)
+        check_flat("grad", grad, self.n_params, self.dtype)
