@@ -99,9 +99,9 @@ def test_overlap_with_batchnorm_riders_casts_and_pitfalls(options):
     {"noise_scale": True, "bucket_bytes": 0},  # a rider that reads the whole local gradient
     {"allreduce_dtype": "bfloat16", "bucket_bytes": 0},  # cast per bucket
     {"pitfall": "mean-of-means", "batch_size": 30, "bucket_bytes": 0},  # the whole sum first
-    {"precision": "bf16", "bucket_bytes": 0},  # narrow kernels: the whole sum first
+    {"precision": "bf16", "bucket_bytes": 0},  # narrow passes, layer by layer
     {"precision": "fp16", "exact": True, "bucket_bytes": 0},  # loss scaling's rider, exact
-    {"precision": "fp16", "bucket_bytes": 100},  # the whole sum first, loss scaling's rider
+    {"precision": "fp16", "bucket_bytes": 100},  # narrow passes, loss scaling's rider
     {"pitfall": "fp32-allreduce", "bucket_bytes": 0},  # a variant's allreduce per bucket
     {"algorithm": "mpi", "bucket_bytes": 100},
 ])  # fmt: skip
