@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.nn.arrays import describe
+from syncsgd.nn.arrays import describe, shape_size
 from syncsgd.nn.kernels import check_count, first_load
-from syncsgd.nn.layers.base import size_of
 from syncsgd.nn.layers.mse import MeanSquaredError
 from syncsgd.nn.layers.xent import CrossEntropy
 from syncsgd.nn.network import Network
@@ -31,9 +30,9 @@ class Backprop:
         self.network, self.nx = network, nx
         self.max_batch = check_count("max_batch", max_batch, low=0)
         self.loss = LOSSES[network.loss]()
-        self._inputs = np.zeros(self.max_batch * size_of(network.in_shape), nx.dtype)
+        self._inputs = np.zeros(self.max_batch * shape_size(network.in_shape), nx.dtype)
         self._outputs, self._grads = self._workspaces(nx.dtype)
-        self.positions = size_of(network.layers[-1].out_shape[:-1])  # loss terms per sample
+        self.positions = shape_size(network.layers[-1].out_shape[:-1])  # loss terms per sample
         self._losses = np.zeros(self.max_batch * self.positions, np.float64)
         # (buffer, running, views) by the buffers' ids: the step hands the same buffers each time
         self._views: dict[tuple, tuple[Any, Any, list[dict[str, np.ndarray]]]] = {}
@@ -54,7 +53,7 @@ class Backprop:
                 outputs.append(outputs[-1])
                 grads.append(grads[-1])
                 continue
-            outputs.append(np.zeros(self.max_batch * size_of(layer.out_shape), dtype))
+            outputs.append(np.zeros(self.max_batch * shape_size(layer.out_shape), dtype))
             grads.append(np.zeros_like(outputs[-1]))
         return outputs, grads
 
@@ -131,7 +130,7 @@ class Backprop:
             raise ValueError(f"params must be a {network.dtype} array of shape "
                              f"({network.n_params},), got {describe(params)}")  # fmt: skip
         X = np.ascontiguousarray(X, dtype=network.dtype)
-        if X.ndim == 0 or X.size != len(X) * size_of(network.in_shape):
+        if X.ndim == 0 or X.size != len(X) * shape_size(network.in_shape):
             raise ValueError(f"X must have shape (m, {', '.join(map(str, network.in_shape))}), "
                              f"got {describe(X)}")  # fmt: skip
         if X.shape[1:] != network.in_shape:
@@ -143,7 +142,8 @@ class Backprop:
         shape = (m, *network.layers[-1].out_shape[:-1])
         if network.loss == "xent":
             y_array = np.asarray(y)
-            if y_array.size != size_of(shape) or (y_array.size and y_array.dtype.kind not in "biu"):
+            integers = y_array.size == 0 or y_array.dtype.kind in "biu"
+            if y_array.size != shape_size(shape) or not integers:
                 raise ValueError(f"labels must be an integer array of shape {shape}, got "
                                  f"{describe(y_array)}")  # fmt: skip
             y = np.ascontiguousarray(y_array, dtype=np.int64)
@@ -152,7 +152,7 @@ class Backprop:
                                  f"{y.min()}..{y.max()}")  # fmt: skip
         else:
             y = np.ascontiguousarray(y, dtype=network.dtype)
-            if y.size != size_of(shape) * network.outputs:
+            if y.size != shape_size(shape) * network.outputs:
                 raise ValueError(f"targets must have shape {(*shape, network.outputs)}, got "
                                  f"{describe(y)}")  # fmt: skip
         return X, y
@@ -160,7 +160,7 @@ class Backprop:
 
 def _block(workspace: np.ndarray, m: int, shape: tuple[int, ...]) -> np.ndarray:
     """The first m samples of a workspace, shaped (m, *shape)."""
-    return workspace[: m * size_of(shape)].reshape(m, *shape)
+    return workspace[: m * shape_size(shape)].reshape(m, *shape)
 
 
 def evaluate(network: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,

@@ -151,10 +151,6 @@ def extract_column_sum_(D, magic, sums):
             sums[j] += (magic + np.float64(D[i, j])) - magic
 
 
-NON_FINITE = ("non-finite gradient in exact mode: a NaN or infinity appeared in the inputs, "
-              "activations, deltas or losses (diverging training? lower --lr)")  # fmt: skip
-
-
 def slot_exponent(value: float, global_batch: int) -> int:
     """The least integer E with 2^E >= 2 * B * value, clamped to [-1022, 1022]."""
     if not math.isfinite(value):

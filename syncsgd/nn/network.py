@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.nn.arrays import DTYPES, LOSSES, checked, describe
-from syncsgd.nn.layers.base import Layer, Shape, size_of
+from syncsgd.nn.arrays import DTYPES, LOSSES, checked, describe, shape_size
+from syncsgd.nn.layers.base import Layer, Shape
 from syncsgd.nn.presets import expand, preset_help
 
 LAYERS_DIR = Path(__file__).resolve().parent / "layers"
@@ -191,7 +191,7 @@ class Network:
                              f"give the {self.outputs} outputs of the loss")  # fmt: skip
         self._layout = self._make_layout("params")
         self._running = self._make_layout("buffers")
-        self.n_params = sum(size_of(shape) for _, shape, _ in self._layout)
+        self.n_params = sum(shape_size(shape) for _, shape, _ in self._layout)
 
     # -- the flat buffer ---------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class Network:
         for layer in self.layers:
             for param in getattr(layer, which)():
                 entries.append((f"{layer.position}.{param.name}", param.shape, offset))
-                offset += size_of(param.shape)
+                offset += shape_size(param.shape)
         return entries
 
     def layout(self) -> list[tuple[str, Shape, int]]:
@@ -227,7 +227,7 @@ class Network:
             raise ValueError(
                 f"expected a flat array of {self.n_params} parameters, got {describe(flat)}"
             )
-        return {name: flat[offset : offset + size_of(shape)].reshape(shape)
+        return {name: flat[offset : offset + shape_size(shape)].reshape(shape)
                 for name, shape, offset in self._layout}  # fmt: skip
 
     def layer_views(self, flat: np.ndarray,
@@ -279,7 +279,7 @@ class Network:
     @property
     def n_running(self) -> int:
         """Length of the flat buffer of running statistics (0 without batchnorm)."""
-        return sum(size_of(shape) for _, shape, _ in self._running)
+        return sum(shape_size(shape) for _, shape, _ in self._running)
 
     def init_running(self) -> np.ndarray:
         """The running statistics PyTorch starts from: every mean 0, every variance 1."""
@@ -296,7 +296,7 @@ class Network:
             raise ValueError(
                 f"expected {self.n_running} running statistics, got {describe(running)}"
             )
-        return {name: running[offset : offset + size_of(shape)].reshape(shape)
+        return {name: running[offset : offset + shape_size(shape)].reshape(shape)
                 for name, shape, offset in self._running}  # fmt: skip
 
     def running_from_arrays(self, arrays: Mapping) -> np.ndarray:
@@ -314,15 +314,15 @@ class Network:
 
     def activation_size(self) -> int:
         """Values per sample of every layer's output."""
-        return sum(size_of(layer.out_shape) for layer in self.layers)
+        return sum(shape_size(layer.out_shape) for layer in self.layers)
 
     def largest_weight(self) -> int:
         """Elements of the largest parameter array."""
-        return max((size_of(shape) for _, shape, _ in self._layout), default=0)
+        return max((shape_size(shape) for _, shape, _ in self._layout), default=0)
 
     def largest_block(self) -> int:
         """Values per sample of the largest layer input or output."""
-        return max(size_of(shape) for layer in self.layers
+        return max(shape_size(shape) for layer in self.layers
                    for shape in (layer.in_shape, layer.out_shape))  # fmt: skip
 
     def summary(self) -> str:

@@ -25,8 +25,6 @@ from numba import njit
 from syncsgd.nn import exact as ex
 from syncsgd.nn import precision as pr
 
-MODES = ("float", "exact")
-
 
 @njit(nogil=True, cache=True)
 def float_matmul_(a, b, out, transpose_b):
@@ -462,4 +460,4 @@ def numerics(exact: bool, precision: str, dtype: np.dtype, max_weights: int, max
     return Narrow(dtype, max_weights, fmt, n_params) if fmt else Float(dtype, max_weights)
 
 
-__all__ = ["MODES", "Exact", "ExactNarrow", "Float", "Narrow", "numerics"]
+__all__ = ["Exact", "ExactNarrow", "Float", "Narrow", "numerics"]

@@ -30,7 +30,7 @@ import re
 import struct
 import zipfile
 import zlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -62,23 +62,11 @@ class Dataset(NamedTuple):
     shape: tuple[int, ...] | None  # (C, H, W) of image sources, D = C*H*W; None: plain rows
 
 
-def load_data(
-    source: str = "synthetic-classification",
-    *,
-    labels: str | None = None,
-    samples: int = 2048,
-    features: int = 32,
-    classes: int | None = None,
-    loss: str = "xent",
-    seed: int = 0,
-    dtype: str | np.dtype = "float64",
-) -> tuple[np.ndarray, np.ndarray]:
-    """Load or generate a data set: X (N, D) in `dtype`, y int64 (N,) (xent) or (N, K) in `dtype`.
-
-    `load_dataset`'s X and y, without the sample shape: images come as flat rows.
-    """
-    X, y, _ = load_dataset(source, labels=labels, samples=samples, features=features,
-                           classes=classes, loss=loss, seed=seed, dtype=dtype)  # fmt: skip
+def load_data(source: str = "synthetic-classification",
+              **options: Any) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """`load_dataset`'s X and y (its keyword options), without the sample shape: images come as
+    flat rows."""
+    X, y, _ = load_dataset(source, **options)
     return X, y
 
 

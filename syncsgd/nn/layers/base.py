@@ -11,7 +11,6 @@ Numba is not imported here: the command line reads the layers' catalogue to buil
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,11 +84,6 @@ class Layer:
     def describe(self) -> str:
         """How the spec would write this layer."""
         return self.kind
-
-
-def size_of(shape: Shape) -> int:
-    """Elements of one sample of this shape."""
-    return math.prod(shape)
 
 
 def rows(values: np.ndarray, width: int) -> np.ndarray:

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Param, Shape, rows, size_of
+from syncsgd.nn.arrays import shape_size
+from syncsgd.nn.layers.base import Layer, Param, Shape, rows
 
 
 class Dense(Layer):
@@ -30,7 +31,7 @@ class Dense(Layer):
         """The input's leading axes, then the width."""
         if self.width is None and not last:
             raise ValueError("dense needs a width, e.g. dense(64), unless it is the last layer")
-        self.positions = size_of(in_shape[:-1])  # 1, or the positions of a sequence
+        self.positions = shape_size(in_shape[:-1])  # 1, or the positions of a sequence
         return (*in_shape[:-1], self.width or outputs)
 
     def params(self) -> list[Param]:

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.nn.layers.base import Layer, Shape, size_of
+from syncsgd.nn.arrays import shape_size
+from syncsgd.nn.layers.base import Layer, Shape
 
 
 class Flatten(Layer):
@@ -17,7 +18,7 @@ class Flatten(Layer):
 
     def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
         """(C·H·W,)."""
-        return (size_of(in_shape),)
+        return (shape_size(in_shape),)
 
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
         """y = x, one row per sample."""
