@@ -398,6 +398,19 @@ def clipped(grads: dict[str, np.ndarray], clip_norm: float | None) -> tuple[dict
     return grads, norm
 
 
+def moments(params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
+            state: dict | None, betas: tuple[float, float]) -> dict:
+    """Adam's step count and moments after this gradient: m <- b1 m + (1 - b1) g,
+    v <- b2 v + (1 - b2) g^2 (zeros before the first step)."""
+    beta1, beta2 = betas
+    if state is None:
+        state = {"t": 0, "m": {k: np.zeros_like(p) for k, p in params.items()},
+                 "v": {k: np.zeros_like(p) for k, p in params.items()}}  # fmt: skip
+    return {"t": state["t"] + 1,
+            "m": {k: beta1 * state["m"][k] + (1 - beta1) * g for k, g in grads.items()},
+            "v": {k: beta2 * state["v"][k] + (1 - beta2) * g * g for k, g in grads.items()}}
+
+
 def adam_update(
     params: dict[str, np.ndarray],
     grads: dict[str, np.ndarray],
@@ -414,16 +427,12 @@ def adam_update(
     bias-corrected v); `decoupled`: AdamW's θ ← θ − lr wd θ first, else L2 added to g."""
     beta1, beta2 = betas
     grads, _ = clipped(grads, clip_norm)
-    if state is None:
-        state = {"t": 0, "m": {k: np.zeros_like(p) for k, p in params.items()},
-                 "v": {k: np.zeros_like(p) for k, p in params.items()}}  # fmt: skip
-    t = state["t"] + 1
     if weight_decay and decoupled:
         params = {k: p - rate * weight_decay * p for k, p in params.items()}
-    elif weight_decay:
+    elif weight_decay:  # L2: the moments see g + wd θ
         grads = {k: g + weight_decay * params[k] for k, g in grads.items()}
-    m = {k: beta1 * state["m"][k] + (1 - beta1) * g for k, g in grads.items()}
-    v = {k: beta2 * state["v"][k] + (1 - beta2) * g * g for k, g in grads.items()}
+    state = moments(params, grads, state, betas)
+    t, m, v = state["t"], state["m"], state["v"]
     new = {}
     for k, p in params.items():
         m_hat = m[k] / (1 - beta1**t)
@@ -447,12 +456,8 @@ def lamb_update(
     scaled by ‖θ‖ / ‖that‖ (1 where either norm is 0)."""
     beta1, beta2 = betas
     grads, _ = clipped(grads, clip_norm)
-    if state is None:
-        state = {"t": 0, "m": {k: np.zeros_like(p) for k, p in params.items()},
-                 "v": {k: np.zeros_like(p) for k, p in params.items()}}  # fmt: skip
-    t = state["t"] + 1
-    m = {k: beta1 * state["m"][k] + (1 - beta1) * g for k, g in grads.items()}
-    v = {k: beta2 * state["v"][k] + (1 - beta2) * g * g for k, g in grads.items()}
+    state = moments(params, grads, state, betas)
+    t, m, v = state["t"], state["m"], state["v"]
     new = {}
     for k, p in params.items():
         r = (m[k] / (1 - beta1**t)) / (np.sqrt(v[k] / (1 - beta2**t)) + eps)
