@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -173,6 +174,17 @@ def test_lamb_and_lars_scale_each_tensor_by_its_own_norms():
                                rtol=1e-7)  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_local_trust_ratios_are_serial_on_one_rank_and_not_on_three(name):
+    """The mean of per-rank ratios is not the ratio of the mean; on one rank they are one."""
+    config = configured(name, {"lr": 0.5} if name == "lars" else {})
+    serial = train(config, ranks=1).params
+    pitfall = replace(config, pitfall="local-trust-ratio")
+    np.testing.assert_array_equal(train(pitfall, ranks=1).params, serial)
+    assert np.abs(train(config, ranks=3).params - serial).max() <= 1e-12
+    assert np.abs(train(pitfall, ranks=3).params - serial).max() > 1e-6
+
+
 def test_a_layout_must_tile_the_buffer():
     with pytest.raises(ValueError, match="covers 3 of 4"):
         LAMB(OptimConfig(), 4, np.float64, None, [("a", (3,), 0)])
@@ -260,6 +272,7 @@ def test_a_checkpoint_of_another_optimizer_does_not_resume(tmp_path):
         ({"optimizer": "lars", "trust_coefficient": -1.0}, "--trust-coefficient must be > 0"),
         ({"optimizer": "adamw", "weight_decay": -0.1}, "--weight-decay must be >= 0"),
         ({"optimizer": "rmsprop"}, "unknown --optimizer 'rmsprop': choose one of sgd, adam,"),
+        ({"pitfall": "local-trust-ratio"}, "--pitfall local-trust-ratio needs --optimizer lamb"),
     ],
 )
 def test_refusals_name_their_flag(options, message):

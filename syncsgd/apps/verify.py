@@ -154,6 +154,8 @@ AT_ONE_RANK = {
     "fp32-allreduce": "P = 1 differs too: the gradient is rounded to float32 around the "
     "allreduce on one rank as well; that loss of precision is there at every P, and how the "
     "batch is split then changes the rounding",
+    "local-trust-ratio": "P = 1 differs only where the gradient's sums are float32: the "
+    "agreed trust ratios travel with them and are rounded to float32",
     "local-clip": "P = 1 differs only in exact mode: one rank's clipping is the global "
     "clipping, but it scales the sum before the division by B instead of the mean after it, "
     "so the last bits round differently (far inside the float tolerance)",

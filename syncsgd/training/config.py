@@ -273,7 +273,7 @@ class TrainConfig:
         # its options together (--nesterov, --momentum), and none of another optimizer's
         optimizer_options(self.optimizer, self)
         _require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
-        variant(self.pitfall, self.clip_norm)  # a pitfall may need other options (local-clip)
+        variant(self.pitfall, self.clip_norm, self.optimizer)  # a pitfall may need other options
         _require(self.precision != "fp32" or self.loss_scale in (None, "none"),
                  "--loss-scale guards a narrow format's range: it needs --precision bf16|fp16")
         _require(not (self.exact and self.allreduce_dtype is not None),

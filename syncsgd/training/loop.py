@@ -92,7 +92,8 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
                            digests=record_digests)  # fmt: skip
         riders = [hook.rider for hook in hooks if hook.rider is not None]
         trace = timeline.collective_step if timeline is not None else None
-        chosen = variant(run.config.pitfall, run.config.clip_norm)  # the correct run, or a pitfall
+        config = run.config
+        chosen = variant(config.pitfall, config.clip_norm, config.optimizer)  # or the correct run
         stepper = DataParallelStep(comm, run, params, optimizer, chosen, riders, trace=trace)
         result.running = start_running(comm, run, stepper)  # BatchNorm's; None without
         started = time.perf_counter()

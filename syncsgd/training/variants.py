@@ -1,7 +1,8 @@
 """Variants of the step: the correct run changes nothing; each pitfall changes one seam.
 
 The seams are the sample order, the global batch, a rank's contribution to the allreduce, the
-allreduce itself and the clipping of the global gradient. `docs/pitfalls.md` says where each
+allreduce itself, the values sent along with the gradient and the clipping of the global
+gradient. `docs/pitfalls.md` says where each
 pitfall is met in practice and why it breaks the equality with serial SGD.
 """
 
@@ -24,8 +25,9 @@ class Variant:
     shows_with: ClassVar[dict[str, Any]] = {}
     shows_at: ClassVar[int] = 2
 
-    def __init__(self, clip_norm: float | None = None) -> None:
+    def __init__(self, clip_norm: float | None = None, optimizer: str = "sgd") -> None:
         self.clip_norm = clip_norm
+        self.optimizer = optimizer
 
     def order_seed(self, seed: int, rank: int) -> int:
         """The seed this rank draws the sample order from."""
@@ -42,6 +44,10 @@ class Variant:
     def allreduce(self, allreduce: Allreduce) -> Allreduce:
         """The allreduce this run sums with."""
         return allreduce
+
+    def riders(self, stepper: Any) -> list[Any]:
+        """Values this run sends along with the gradient (a `step.Rider` each)."""
+        return []
 
     def global_clip_norm(self) -> float | None:
         """The norm the allreduced gradient is clipped to (None: no clipping)."""
@@ -72,10 +78,10 @@ class LocalClip(Variant):
     shows_with = {"clip_norm": 0.05}
     shows_at = 3
 
-    def __init__(self, clip_norm: float | None = None) -> None:
+    def __init__(self, clip_norm: float | None = None, optimizer: str = "sgd") -> None:
         if clip_norm is None:
             raise ValueError("--pitfall local-clip needs --clip-norm")
-        super().__init__(clip_norm)
+        super().__init__(clip_norm, optimizer)
 
     def contribution_(self, grad_sum: np.ndarray, shard_size: int, batch_size: int,
                       size: int) -> None:  # fmt: skip
@@ -128,17 +134,55 @@ class PadDuplicate(Variant):
         return np.concatenate([batch, np.resize(batch, padding)])
 
 
+class LocalTrustRatio(Variant):
+    """Every rank computes LAMB's or LARS's trust ratios from its own shard's mean gradient; the
+    ranks agree on their sample-weighted mean, and the step scales the update by it."""
+
+    name = "local-trust-ratio"
+    why = "trust ratios from each rank's gradient: the mean of ratios is not the ratio of the mean"
+    shows_with = {"optimizer": "lamb", "lr": 0.01}
+
+    def __init__(self, clip_norm: float | None = None, optimizer: str = "sgd") -> None:
+        if optimizer not in ("lamb", "lars"):
+            raise ValueError("--pitfall local-trust-ratio needs --optimizer lamb or lars")
+        super().__init__(clip_norm, optimizer)
+        self.weight = 1.0
+
+    def contribution_(self, grad_sum: np.ndarray, shard_size: int, batch_size: int,
+                      size: int) -> None:  # fmt: skip
+        self.weight = shard_size / batch_size  # this rank's share of the batch, for its ratios
+
+    def riders(self, stepper: Any) -> list[Any]:
+        from syncsgd.training.step import Rider
+
+        optimizer, params = stepper.optimizer, stepper.params
+        local_mean = np.empty(len(params), params.dtype)
+
+        def fill_(slots: np.ndarray, grad_sum: np.ndarray, shard_size: int) -> None:
+            slots[...] = 0.0
+            if shard_size:  # the shard's mean gradient, unscaled
+                np.divide(grad_sum, shard_size * stepper.local_gradient.scale, out=local_mean)
+                slots += np.array(optimizer.trust_ratios(params, local_mean)) * self.weight
+
+        def read_(slots: np.ndarray, grad_mean: np.ndarray, batch_size: int, finite: bool) -> None:
+            optimizer.agreed_trust = [float(ratio) for ratio in slots]
+
+        return [Rider("local trust ratios", len(optimizer.slices), fill_, read_)]
+
+
 VARIANTS: dict[str, type[Variant]] = {
-    v.name: v for v in (MeanOfMeans, LocalClip, UnsyncedShuffle, Fp32Allreduce, PadDuplicate)
+    v.name: v for v in (MeanOfMeans, LocalClip, UnsyncedShuffle, Fp32Allreduce, PadDuplicate,
+                        LocalTrustRatio)
     if v.name is not None
 }  # fmt: skip
 PITFALLS = tuple(VARIANTS)
 
 
-def variant(pitfall: str | None, clip_norm: float | None) -> Variant:
-    """The variant a run with `--pitfall` (None: the correct run) and `--clip-norm` takes."""
+def variant(pitfall: str | None, clip_norm: float | None, optimizer: str = "sgd") -> Variant:
+    """The variant a run with `--pitfall` (None: the correct run), `--clip-norm` and
+    `--optimizer` takes."""
     if pitfall is None:
-        return Variant(clip_norm)
+        return Variant(clip_norm, optimizer)
     if pitfall not in VARIANTS:
         raise ValueError(f"unknown --pitfall {pitfall!r}: choose one of {', '.join(PITFALLS)}")
-    return VARIANTS[pitfall](clip_norm)
+    return VARIANTS[pitfall](clip_norm, optimizer)

@@ -10,6 +10,7 @@ in a fixed order, so every rank computes the same bits.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -21,7 +22,7 @@ from syncsgd.nn.optim.schedule import (
     OptimConfig,
     clipped_,
 )
-from syncsgd.nn.optim.tensors import FlatOptimizer, Layout, Moments, tensor_norms
+from syncsgd.nn.optim.tensors import LayerwiseOptimizer, Layout, Moments, tensor_norms
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class LAMBOptions(AdamOptions):
     """LAMB's options: Adam's (--betas, --eps, --weight-decay, decoupled here, default 0)."""
 
 
-class LAMB(FlatOptimizer):
+class LAMB(LayerwiseOptimizer):
     """LAMB with decoupled weight decay and global-norm clipping, in place."""
 
     Options: ClassVar[type[LAMBOptions]] = LAMBOptions
@@ -45,9 +46,17 @@ class LAMB(FlatOptimizer):
               want_norm: bool = True) -> dict[str, float]:  # fmt: skip
         """Update `params` in place with the global batch's mean gradient `grad` (overwritten)."""
         self.check_(params, grad)
-        config, decay = self.config, self.options.weight_decay
-        lr, grad_norm = clipped_(config, grad, step, self._squares, want_norm)
-        moments, update = self.moments, self._update
+        lr, grad_norm = clipped_(self.config, grad, step, self._squares, want_norm)
+        update = self.adam_update_(self.moments, params, grad)
+        trusts = self.step_ratios(self.ratios(params, update))
+        for part, trust in zip(self.slices, trusts, strict=True):
+            update[part] *= lr * trust  # the factor formed in float64, rounded once
+            params[part] -= update[part]
+        return {"lr": lr, "grad_norm": grad_norm}
+
+    def adam_update_(self, moments: Moments, params: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        """Advance `moments` by `grad`; u = m̂ / (√v̂ + ε) + wd θ, in the optimizer's buffer."""
+        decay, update = self.options.weight_decay, self._update
         moments.update_(grad, self._scratch)
         moments.denominator_(self._scratch)
         np.divide(moments.exp_avg, moments.bias_correction1(), out=update)  # m̂
@@ -55,13 +64,18 @@ class LAMB(FlatOptimizer):
         if decay:
             np.multiply(params, decay, out=self._scratch)
             update += self._scratch  # + wd θ
+        return update
+
+    def ratios(self, params: np.ndarray, update: np.ndarray) -> list[float]:
+        """‖θ‖ / ‖u‖ per tensor, 1 where either norm is 0."""
         param_norms = tensor_norms(params, self.slices, self._squares)
         update_norms = tensor_norms(update, self.slices, self._squares)
-        for part, theta, norm in zip(self.slices, param_norms, update_norms, strict=True):
-            trust = theta / norm if theta > 0 and norm > 0 else 1.0
-            update[part] *= lr * trust  # the factor formed in float64, rounded once
-            params[part] -= update[part]
-        return {"lr": lr, "grad_norm": grad_norm}
+        return [theta / norm if theta > 0 and norm > 0 else 1.0
+                for theta, norm in zip(param_norms, update_norms, strict=True)]  # fmt: skip
+
+    def trust_ratios(self, params: np.ndarray, grad: np.ndarray) -> list[float]:
+        """Every tensor's ratio were `grad` this step's mean gradient; the moments unchanged."""
+        return self.ratios(params, self.adam_update_(copy.deepcopy(self.moments), params, grad))
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Copies of the state for a checkpoint: exp_avg, exp_avg_sq and step (0-d int64)."""

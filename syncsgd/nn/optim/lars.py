@@ -21,7 +21,7 @@ from syncsgd.nn.optim.schedule import (
     clipped_,
 )
 from syncsgd.nn.optim.sgd import SGDOptions
-from syncsgd.nn.optim.tensors import FlatOptimizer, Layout, load_array, tensor_norms
+from syncsgd.nn.optim.tensors import LayerwiseOptimizer, Layout, load_array, tensor_norms
 from syncsgd.util.argtypes import positive_float
 from syncsgd.util.options import errors, option, option_from
 
@@ -56,7 +56,7 @@ def lars_errors(options: LARSOptions) -> Iterator[str]:
     yield from errors(options)
 
 
-class LARS(FlatOptimizer):
+class LARS(LayerwiseOptimizer):
     """LARS with heavy-ball momentum, weight decay and global-norm clipping, in place."""
 
     Options: ClassVar[type[LARSOptions]] = LARSOptions
@@ -73,15 +73,13 @@ class LARS(FlatOptimizer):
         """Update `params` in place with the global batch's mean gradient `grad` (overwritten)."""
         self.check_(params, grad)
         config, options = self.config, self.options
-        decay, eta = options.weight_decay or 0.0, options.trust_coefficient  # a float by now
+        decay = options.weight_decay or 0.0  # a float by now
         lr, grad_norm = clipped_(config, grad, step, self._squares, want_norm)
-        param_norms = tensor_norms(params, self.slices, self._squares)
-        grad_norms = tensor_norms(grad, self.slices, self._squares)
+        trusts = self.step_ratios(self.trust_ratios(params, grad))
         if decay:
             np.multiply(params, decay, out=self._scratch)
             grad += self._scratch  # g + wd θ
-        for part, theta, norm in zip(self.slices, param_norms, grad_norms, strict=True):
-            local = eta * theta / (norm + decay * theta) if theta > 0 and norm > 0 else 1.0
+        for part, local in zip(self.slices, trusts, strict=True):
             scaled = self._scratch[part]
             np.multiply(grad[part], lr * local, out=scaled)  # lr λ rounded once to the dtype
             if self.velocity is not None:
@@ -91,6 +89,14 @@ class LARS(FlatOptimizer):
                 scaled = velocity
             params[part] -= scaled
         return {"lr": lr, "grad_norm": grad_norm}
+
+    def trust_ratios(self, params: np.ndarray, grad: np.ndarray) -> list[float]:
+        """λ = η ‖θ‖ / (‖g‖ + wd ‖θ‖) per tensor for the mean gradient `grad` (before decay)."""
+        decay, eta = self.options.weight_decay or 0.0, self.options.trust_coefficient
+        param_norms = tensor_norms(params, self.slices, self._squares)
+        grad_norms = tensor_norms(grad, self.slices, self._squares)
+        return [eta * theta / (norm + decay * theta) if theta > 0 and norm > 0 else 1.0
+                for theta, norm in zip(param_norms, grad_norms, strict=True)]  # fmt: skip
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Copies of the state for a checkpoint: {"velocity": ...} with momentum, else {}."""

@@ -142,3 +142,21 @@ class FlatOptimizer:
         """ValueError unless both are contiguous (n_params,) arrays of the optimizer's dtype."""
         check_flat("params", params, self.n_params, self.dtype)
         check_flat("grad", grad, self.n_params, self.dtype)
+
+
+class LayerwiseOptimizer(FlatOptimizer):
+    """An optimizer that scales each tensor's update by a trust ratio of its own (LAMB, LARS).
+
+    `agreed_trust`, when set, replaces the ratios of the next step (then clears): what a run that
+    agrees on them elsewhere uses (the local-trust-ratio pitfall)."""
+
+    agreed_trust: list[float] | None = None
+
+    def trust_ratios(self, params: np.ndarray, grad: np.ndarray) -> list[float]:
+        """Every tensor's ratio were `grad` this step's mean gradient; no state changes."""
+        raise NotImplementedError
+
+    def step_ratios(self, computed: list[float]) -> list[float]:
+        """The ratios this step uses: the agreed ones if set (once), else `computed`."""
+        agreed, self.agreed_trust = self.agreed_trust, None
+        return computed if agreed is None else agreed
