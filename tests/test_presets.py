@@ -9,6 +9,7 @@ import pytest
 from syncsgd import TrainConfig, train
 from syncsgd.nn.network import build, parse_spec
 from syncsgd.nn.presets import PRESETS
+from syncsgd.training.run import widest
 
 
 def test_lenet5_is_lecuns_layers_on_28_by_28_digits():
@@ -37,3 +38,16 @@ def test_lenet5_trains_bitwise_alike_on_one_and_three_ranks_in_exact_mode():
     serial, three = train(config, ranks=1), train(config, ranks=3)
     assert hashlib.sha256(serial.params.tobytes()).digest() == hashlib.sha256(
         three.params.tobytes()).digest()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spec", "in_shape", "width"),
+    [
+        ("lenet5", (1, 28, 28), 120),  # its widest dense layer, wider than 16 channels
+        ("conv(32, 3) relu flatten dense", (1, 6, 6), 32),  # a conv's channels, not its columns
+        ("dense", (7,), 7),  # no hidden layer: the inputs' width
+        ("flatten dense", (2, 3, 3), 18),
+    ],
+)
+def test_the_noam_schedules_d_is_the_model_width(spec, in_shape, width):
+    assert widest(build(spec, in_shape, 10, "xent", "float64")) == width

@@ -11,6 +11,7 @@ import numpy as np
 
 from syncsgd.comm.watchdog import Watched
 from syncsgd.comm.world import constants
+from syncsgd.nn.arrays import shape_size
 from syncsgd.nn.mlp import MLP
 from syncsgd.nn.network import Network, build
 from syncsgd.nn.optim import OptimConfig
@@ -171,10 +172,11 @@ def _shape(shape: tuple[int, ...] | None) -> str:
 
 
 def widest(model: MLP | Network) -> int:
-    """d of the noam schedule: the widest hidden layer (the inputs' width without one)."""
+    """d of the noam schedule: the model width, that of its widest hidden layer (a dense layer's
+    features, a conv's channels); the inputs' width without one."""
     if isinstance(model, Network):
-        return max((layer.out_shape[-1] for layer in model.layers[:-1]),
-                   default=model.in_shape[-1])  # fmt: skip
+        hidden = [layer.model_width() for layer in model.layers[:-1]]
+        return max(hidden, default=0) or shape_size(model.in_shape)
     return max(model.sizes[1:-1], default=model.sizes[0])
 
 

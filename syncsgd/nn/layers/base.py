@@ -60,6 +60,10 @@ class Layer:
         """The per-sample output shape for this input (element-wise layers keep it)."""
         return in_shape
 
+    def model_width(self) -> int:
+        """The model width it sets (the Noam schedule's d): 0 for a layer that sets none."""
+        return 0
+
     def params(self) -> list[Param]:
         """The parameter arrays it owns, in buffer order (none by default)."""
         return []

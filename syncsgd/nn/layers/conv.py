@@ -44,6 +44,10 @@ class Conv(Layer):
         return (self.out_channels, *window_positions(self.describe(), in_shape, self.kernel,
                                                      self.stride, self.pad))  # fmt: skip
 
+    def model_width(self) -> int:
+        """Its output channels."""
+        return self.out_channels
+
     def params(self) -> list[Param]:
         """weight (out, C, k, k) and bias (out,), both U(±1/sqrt(C·k·k)) as PyTorch starts them."""
         fan_in = self.in_shape[0] * self.kernel * self.kernel

@@ -67,6 +67,10 @@ class Dense(Layer):
         nx.matmul_(rows(dy, self.out_shape[-1]), p["weight"], below, self.in_out)
         nx.round_(below)
 
+    def model_width(self) -> int:
+        """Its output features."""
+        return self.out_shape[-1]
+
     def describe(self) -> str:
         """dense(width)."""
         return f"dense({self.out_shape[-1]})" if self.out_shape else "dense"
