@@ -44,6 +44,7 @@ class Row:
     sha256: str
     first_difference: int | None  # steps taken when the parameters first differed; None: never
     matches: bool
+    first_parameter: str | None = None  # the first tensor, in buffer order, that differed then
 
 
 def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
@@ -111,8 +112,21 @@ def compare(reference: TrainResult, result: TrainResult, ranks: int, exact: bool
     first = next((step + 1 for step, (a, b) in enumerate(pairs) if a != b), None)
     matches = bitwise if exact else relative <= tolerance
     ulps, flips = same_sign_ulps(ours, theirs)
+    parameter = None if first is None else first_tensor(
+        result.digests[first - 1], reference.digests[first - 1], result.model.layout())
     return Row(ranks, max_abs, relative, ulps, flips, bitwise, sha256(ours), first,
-               matches)  # fmt: skip
+               matches, parameter)  # fmt: skip
+
+
+def first_tensor(ours: bytes, theirs: bytes, layout: list) -> str | None:
+    """The name of the first parameter tensor whose digest differs (Digests: one per tensor)."""
+    from syncsgd.training.hooks import DIGEST_BYTES
+
+    for index, (name, _, _) in enumerate(layout):
+        part = slice(index * DIGEST_BYTES, (index + 1) * DIGEST_BYTES)
+        if ours[part] != theirs[part]:
+            return name
+    return None
 
 
 def verify(config: TrainConfig, ranks_list: list[int], tolerance: float, report=None,
@@ -154,6 +168,9 @@ AT_ONE_RANK = {
     "fp32-allreduce": "P = 1 differs too: the gradient is rounded to float32 around the "
     "allreduce on one rank as well; that loss of precision is there at every P, and how the "
     "batch is split then changes the rounding",
+    "accumulate-means": "P = 1 differs too: one rank's K micro-batches are uneven as well "
+    "where K does not divide B, and adding their means weighs the samples of a smaller one "
+    "more; it is accumulation's pitfall, not data parallelism's",
     "local-clip": "P = 1 differs only in exact mode: one rank's clipping is the global "
     "clipping, but it scales the sum before the division by B instead of the mean after it, "
     "so the last bits round differently (far inside the float tolerance)",
@@ -183,7 +200,10 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
     if config.batchnorm == "local" and any(ranks > 1 for ranks in failed):
         print(comment(LOCAL_BATCHNORM))
     if json_path:
+        from syncsgd.apps.verify_grid import record
+
         document = {"config": asdict(config), "rows": [asdict(row) for row in rows],
+                    "runs": [record(config, row, tolerance) for row in rows],
                     "matches": not failed}  # fmt: skip
         jsonout.write(json_path, document, default=str)
     if failed:
@@ -289,6 +309,13 @@ def allow_all(parser: Any) -> None:
 
 def run_options(options: Any, config_from_options: Any) -> int:
     """`syncsgd verify` from its parsed options: one pitfall's table, or every pitfall's."""
+    from syncsgd.apps import verify_grid
+
+    if verify_grid.wants_grid(options):
+        if options.pitfall == ALL:
+            raise ValueError("--pitfall all is a table of its own: leave out the grid's lists "
+                             "and --report, --png, --svg, --pdf")  # fmt: skip
+        return verify_grid.main_grid(config_from_options(options), options)
     if options.json:
         check_writable(options.json)  # before the runs, not after them
     if options.pitfall == ALL:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -164,7 +165,9 @@ def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,
     if timeline is not None:
         hooks.append(TimelineSpans(timeline))
     if digests:
-        hooks.append(Digests(result))
+        spans = [slice(offset, offset + math.prod(shape))
+                 for _, shape, offset in run.model.layout()]  # fmt: skip
+        hooks.append(Digests(result, spans))
     if config.noise_scale:
         hooks.append(NoiseScale(result, run.model.n_params))
     if progress:
