@@ -23,7 +23,7 @@ from syncsgd.comm.watchdog import Watched, bcast_peer, collective_timeout, curre
 from syncsgd.comm.world import launch
 from syncsgd.nn.optim import Optimizer, make_optimizer
 from syncsgd.training import checkpoint, data
-from syncsgd.training.batchnorm import record_comm, start_running
+from syncsgd.training.batchnorm import micro_batch_note, record_comm, start_running
 from syncsgd.training.config import TrainConfig, loss_scaling
 from syncsgd.training.hooks import (
     Checkpointing,
@@ -222,6 +222,8 @@ def finish(comm: Any, run: Run, result: TrainResult, outputs: Outputs, quiet: bo
     if not quiet and not stopped:
         print(summary(result, comm.Get_size(), "threads" if threads else "MPI", outputs.save),
               flush=True)  # fmt: skip
+        if result.running is not None and run.config.accumulate > 1:
+            print(micro_batch_note(run.config), flush=True)
 
 
 def save_params(path: str, result: TrainResult) -> None:
