@@ -13,6 +13,7 @@ digests of the parameters give the first step after which a run differs.
 
 from __future__ import annotations
 
+import argparse
 import textwrap
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -213,6 +214,71 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
     return 0
 
 
+def main_grid(config: TrainConfig, options: argparse.Namespace) -> int:
+    """Every configuration against its serial run on every P: the table, the outputs; exit
+    status 1 if a run that should match does not."""
+    from syncsgd.apps import verify_grid as grid
+
+    configs = grid.configurations(config, options)
+    grid.check_outputs(options)
+    if options.png or options.svg or options.pdf:
+        from syncsgd.apps.verify_report import check_matplotlib
+
+        check_matplotlib()
+    ranks_list = options.ranks
+    print(comment(f"{len(configs)} configurations x P = {', '.join(map(str, ranks_list))}: "
+                  f"{len(configs) * len(ranks_list)} runs, each against the serial run of its "
+                  "configuration (1 rank, no pitfall); exact mode: bitwise, float mode: within "
+                  "the tolerance"))  # fmt: skip
+    print(HEADER, flush=True)
+    runs = []
+    for each in configs:
+        tolerance = TOLERANCE[each.dtype] if options.tolerance is None else options.tolerance
+        print(f"# {grid.label(each)}: "
+              f"{'bitwise' if each.exact else f'tolerance {tolerance:g}'}", flush=True)
+        runs += [grid.record(each, row, tolerance)
+                 for row in grid_rows(each, ranks_list, tolerance)]  # fmt: skip
+    document = {"runs": runs, "configurations": [grid.label(each) for each in configs],
+                "ranks": ranks_list, "command": grid.command_line(options),
+                "versions": grid.versions(), "machine": grid.machine(), "config": asdict(config),
+                "matches": all(record["matches"] for record in runs)}  # fmt: skip
+    write_grid(document, options)
+    failed = sum(not record["matches"] for record in runs)
+    if failed:
+        print(f"MISMATCH: {failed} of {len(runs)} runs differ from serial SGD")
+        return 1
+    print(f"all {len(runs)} runs match serial SGD")
+    return 0
+
+
+def grid_rows(config: TrainConfig, ranks_list: list[int], tolerance: float) -> list[Row]:
+    """One configuration on every P against its serial run, each row printed as it comes."""
+    reference = run(serial(config), 1)
+    scale = max(1.0, float(np.max(np.abs(trained_state(reference)), initial=0.0)))
+    rows = []
+    for ranks in ranks_list:
+        # P = 1 of a configuration without a pitfall is its serial run: not run twice
+        same = ranks == 1 and config == serial(config)
+        result = reference if same else run(config, ranks)
+        rows.append(compare(reference, result, ranks, config.exact, tolerance))
+        print(format_row(rows[-1], scale), flush=True)
+    return rows
+
+
+def write_grid(document: dict[str, Any], options: argparse.Namespace) -> None:
+    """The grid's outputs that were asked for: --json, --report, --png, --svg, --pdf."""
+    from syncsgd.apps import verify_report
+    from syncsgd.apps.verify_grid import FIGURES
+
+    if options.json:
+        jsonout.write(options.json, document, default=str)
+    if options.report:
+        verify_report.write_html(document, options.report)
+    for kind in FIGURES:
+        if getattr(options, kind):
+            verify_report.write_figure(document, getattr(options, kind), kind)
+
+
 def comment(text: str) -> str:
     """`text` as '# ' lines of at most 80 columns."""
     return textwrap.fill(text, 80, initial_indent="# ", subsequent_indent="# ")
@@ -315,7 +381,7 @@ def run_options(options: Any, config_from_options: Any) -> int:
         if options.pitfall == ALL:
             raise ValueError("--pitfall all is a table of its own: leave out the grid's lists "
                              "and --report, --png, --svg, --pdf")  # fmt: skip
-        return verify_grid.main_grid(config_from_options(options), options)
+        return main_grid(config_from_options(options), options)
     if options.json:
         check_writable(options.json)  # before the runs, not after them
     if options.pitfall == ALL:

@@ -4,9 +4,10 @@ micro-batches and optimizer, each run compared with the serial run of its own co
     syncsgd verify --ranks 1,2,3,4 --algorithms ring,tree --precisions fp32,bf16 \\
         --modes float,exact --report r.html --json r.json --png r.png
 
-The table is the verify table, one block per configuration; --json holds one record per run,
---report a self-contained page with the heatmap (rows: configurations, columns: P) and
---png/--svg/--pdf the heatmap alone (verify_report.py draws both).
+The table is the verify table, one block per configuration (verify.main_grid runs them); --json
+holds one record per run, --report a self-contained page with the heatmap (rows:
+configurations, columns: P) and --png/--svg/--pdf the heatmap alone (verify_report.py draws
+both).
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
                           help=f"comma list, e.g. {example} (default: {single}'s)")  # fmt: skip
     grid.add_argument("--report", metavar="PATH.html", default=None,
                       help="a self-contained page: the heatmap, where each run first left "
-                      "serial SGD, the command, the versions and the machine")  # fmt: skip
+                      "serial SGD, the command, the versions and the machine "
+                      "(default: none)")  # fmt: skip
     for kind in FIGURES:
         grid.add_argument(f"--{kind}", metavar=f"PATH.{kind}", default=None,
-                          help=f"the heatmap alone, as {kind.upper()}")  # fmt: skip
+                          help=f"the heatmap alone, as {kind.upper()} (default: none)")  # fmt: skip
 
 
 def wants_grid(options: argparse.Namespace) -> bool:
@@ -183,60 +185,3 @@ def check_outputs(options: argparse.Namespace) -> None:
     for path in outputs.values():
         if path:
             check_writable(path)
-
-
-def main_grid(config: TrainConfig, options: argparse.Namespace) -> int:
-    """Every configuration against its serial run on every P: the table, the outputs; exit
-    status 1 if a run that should match does not."""
-    from syncsgd.apps import verify
-    from syncsgd.util import jsonout
-
-    configs = configurations(config, options)
-    check_outputs(options)
-    if options.png or options.svg or options.pdf:
-        from syncsgd.apps.verify_report import check_matplotlib
-
-        check_matplotlib()
-    ranks_list = options.ranks
-    print(verify.comment(f"{len(configs)} configurations x P = "
-                         f"{', '.join(map(str, ranks_list))}: {len(configs) * len(ranks_list)} "
-                         "runs, each against the serial run of its configuration (1 rank, no "
-                         "pitfall); exact mode: bitwise, float mode: within the tolerance"))
-    print(verify.HEADER, flush=True)
-    runs = []
-    for each in configs:
-        tolerance = (verify.TOLERANCE[each.dtype] if options.tolerance is None
-                     else options.tolerance)  # fmt: skip
-        mode = "bitwise" if each.exact else f"tolerance {tolerance:g}"
-        print(f"# {label(each)}: {mode}", flush=True)
-        reference = verify.run(verify.serial(each), 1)
-        scale = max(1.0, float(abs(verify.trained_state(reference)).max(initial=0.0)))
-        for ranks in ranks_list:
-            # P = 1 of a configuration without a pitfall is its serial run: not run twice
-            result = reference if ranks == 1 and each == verify.serial(each) else (
-                verify.run(each, ranks))  # fmt: skip
-            row = verify.compare(reference, result, ranks, each.exact, tolerance)
-            print(verify.format_row(row, scale), flush=True)
-            runs.append(record(each, row, tolerance))
-    failed = [run for run in runs if not run["matches"]]
-    document = {"runs": runs, "configurations": [label(each) for each in configs],
-                "ranks": ranks_list, "command": command_line(options), "versions": versions(),
-                "machine": machine(), "config": asdict(config),
-                "matches": not failed}  # fmt: skip
-    if options.json:
-        jsonout.write(options.json, document, default=str)
-    if options.report:
-        from syncsgd.apps.verify_report import write_html
-
-        write_html(document, options.report)
-    for kind in FIGURES:
-        path = getattr(options, kind)
-        if path:
-            from syncsgd.apps.verify_report import write_figure
-
-            write_figure(document, path, kind)
-    if failed:
-        print(f"MISMATCH: {len(failed)} of {len(runs)} runs differ from serial SGD")
-        return 1
-    print(f"all {len(runs)} runs match serial SGD")
-    return 0

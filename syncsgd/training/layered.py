@@ -35,13 +35,13 @@ class LayeredLocalGradient:
         from syncsgd.nn.backprop import Backprop  # imports Numba: only when training
         from syncsgd.nn.numerics import numerics
 
-        self.nx: Any = numerics(config.exact, config.precision, network.dtype,
-                                network.largest_weight(), max_batch * network.largest_block(),
-                                network.n_params)  # fmt: skip
+        # The passes' workspaces hold one micro-batch of the shard (the largest, of K).
         self.micro_batches = config.accumulate
-        largest_micro_batch = -(-max_batch // self.micro_batches)
-        self.network = network
-        self.passes = Backprop(network, largest_micro_batch, self.nx)
+        largest = -(-max_batch // self.micro_batches)
+        self.nx: Any = numerics(config.exact, config.precision, network.dtype,
+                                network.largest_weight(), largest * network.largest_block(),
+                                network.n_params)  # fmt: skip
+        self.network, self.passes = network, Backprop(network, largest, self.nx)
         self.nx.global_batch = config.batch_size
         self.allreduce_ = functools.partial(collective_allreduce, algorithm=config.algorithm,
                                             check=False, trace=trace)  # fmt: skip
