@@ -120,3 +120,8 @@ def test_bad_grid_options_are_one_line_before_any_run(args, says, capsys):
     assert status != 0 and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and says in err, err
     assert "P  max" not in out  # no table started
+
+
+def test_accumulate_means_with_one_micro_batch_says_it_needs_more(capsys):
+    assert main(["verify", "--ranks", "2", "--pitfall", "accumulate-means", *TINY]) == 0
+    assert "changes nothing with one micro-batch" in capsys.readouterr().out

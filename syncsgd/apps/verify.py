@@ -84,6 +84,12 @@ LOCAL_BATCHNORM = (
 )
 
 
+ONE_MICRO_BATCH = (
+    "accumulate-means changes nothing with one micro-batch: its mean times the shard's size is "
+    "its sum; give --accumulate K > 1 (uneven micro-batches show it)"
+)
+
+
 def serial(config: TrainConfig) -> TrainConfig:
     """The reference's options: serial SGD, no pitfall, the gradient sums in the model's dtype."""
     return replace(config, pitfall=None, allreduce_dtype=None)
@@ -200,6 +206,8 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
         print(comment(COMPRESSED_AT_ONE_RANK))
     if config.batchnorm == "local" and any(ranks > 1 for ranks in failed):
         print(comment(LOCAL_BATCHNORM))
+    if config.pitfall == "accumulate-means" and config.accumulate == 1:
+        print(comment(ONE_MICRO_BATCH))
     if json_path:
         from syncsgd.apps.verify_grid import record
 

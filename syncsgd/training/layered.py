@@ -58,8 +58,8 @@ class LayeredLocalGradient:
         self.exact = config.exact
         self.bounds = np.zeros(0)
         self.scales: list[tuple[float, float]] | None = None  # exact: None if not finite
-        # The gradient a micro-batch of `size` samples out of a shard of `shard` weighs its
-        # samples with, in K of them: 1 (sums); a pitfall changes it (variants.py).
+        # What a micro-batch's loss is multiplied by, from (its size, the shard's, K): 1, so
+        # that its gradient SUM is added; a pitfall changes it (variants.py).
         self.micro_batch_weight: Any = lambda size, shard, count: 1.0
         self._buffer: np.ndarray | None = None  # the buffer the views below are of
         self._gradient = np.zeros(0)
