@@ -220,8 +220,10 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     groups = {name: parser.add_argument_group(name) for name in GROUPS if name != "output"}
     add_options(parser, TrainConfig, groups, keep=lambda declared: declared.verify)
     from syncsgd.apps.verify import allow_all
+    from syncsgd.apps.verify_grid import add_grid_arguments
 
     allow_all(parser)  # --pitfall all: every pitfall, a row each
+    add_grid_arguments(parser)  # --algorithms, ..., --report: every combination
 
 
 def config_from_options(options: argparse.Namespace):  # -> TrainConfig (imported lazily)
@@ -356,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = launcher_rank() != 0 and job_size() > 1  # --help and --version: once per job
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         options = build_parser().parse_args(argv)
+    options.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for reports
     if launcher_rank() != 0 and not getattr(options, "mpi", False):
         return 0  # a command on thread ranks, started by mpiexec: rank 0 runs it, once per job
     if not options.debug:  # an overflow is reported by the run, in one line, with its step

@@ -529,6 +529,8 @@ def serial_sgd(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     trust_coefficient: float = 0.001,
+    ranks: int = 1,
+    accumulate: int = 1,
 ) -> tuple[dict[str, np.ndarray], list[float]]:
     """Large-batch SGD on one process; final params and the global-batch mean loss before each step.
 
@@ -537,6 +539,8 @@ def serial_sgd(
     running_var{l}. With a --model `spec`, the network of that spec (params "0.weight", ...), its
     samples of shape `in_shape` if given (the rows of X reshaped). `optimizer`: sgd, or adam,
     adamw, lamb or lars (with `betas`, `eps`, `weight_decay`, `momentum`, `trust_coefficient`).
+    `ranks`, `accumulate`: BatchNorm's statistics over the micro-batches of a run on that many
+    ranks with --accumulate (micro_batch_groups), the gradient their sums over B.
     """
     if not 1 <= batch_size <= len(X):
         raise ValueError(f"batch size {batch_size} must be in 1..{len(X)}")
@@ -551,7 +555,12 @@ def serial_sgd(
     for step in range(steps):
         rows = batch_indices(step, len(X), batch_size, seed, shuffle)
         saved: list = []
-        if spec is not None:
+        if accumulate > 1:
+            value, grads = accumulated_loss_and_grad(
+                micro_batch_groups(rows, ranks, accumulate), theta, X, y, running,
+                spec=spec, loss=loss, hidden_activation=hidden_activation, eps=bn_eps,
+                momentum=bn_momentum, in_shape=in_shape)  # fmt: skip
+        elif spec is not None:
             by_position: dict = {}
             value, grads = network_loss_and_grad(spec, theta, X[rows], y[rows], loss, bn_eps,
                                                  by_position, in_shape)
@@ -602,6 +611,41 @@ def serial_sgd(
             clip_norm=clip_norm,
         )
     return {**theta, **running}, losses
+
+
+def micro_batch_groups(rows: np.ndarray, ranks: int, accumulate: int) -> list[np.ndarray]:
+    """The batch's micro-batches as the ranks run them: micro-batch k is every rank's k-th
+    piece of its shard (numpy.array_split of the batch into shards, of each shard into pieces)."""
+    pieces = [np.array_split(shard, accumulate) for shard in np.array_split(rows, ranks)]
+    return [np.concatenate([own[k] for own in pieces]) for k in range(accumulate)]
+
+
+def accumulated_loss_and_grad(groups: list[np.ndarray], theta: dict, X: np.ndarray,
+                              y: np.ndarray, running: dict, *, spec: str | None, loss: str,
+                              hidden_activation: str, eps: float, momentum: float,
+                              in_shape: tuple | None) -> tuple[float, dict]:  # fmt: skip
+    """Mean loss and gradient of a batch from its micro-batches' sums; BatchNorm's statistics
+    (and its running statistics, moved once per micro-batch) are each micro-batch's own."""
+    batch = sum(len(group) for group in groups)
+    loss_sum, sums = 0.0, {name: np.zeros_like(value) for name, value in theta.items()}
+    for group in groups:
+        if not len(group):
+            continue  # no sample: no gradient, and BatchNorm's statistics stay
+        saved: list = []
+        if spec is not None:
+            by_position: dict = {}
+            value, grads = network_loss_and_grad(spec, theta, X[group], y[group], loss, eps,
+                                                 by_position, in_shape)  # fmt: skip
+            update_network_running(running, by_position, momentum)
+        else:
+            value, grads = loss_and_grad(theta, X[group], y[group],
+                                         hidden_activation=hidden_activation, loss=loss,
+                                         eps=eps, saved=saved)  # fmt: skip
+            update_running(running, saved, momentum)
+        loss_sum += value * len(group)
+        for name, mean in grads.items():
+            sums[name] += mean * len(group)
+    return loss_sum / batch, {name: total / batch for name, total in sums.items()}
 
 
 def initial_running(params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

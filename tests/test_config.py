@@ -103,7 +103,7 @@ def test_every_flag_is_read_into_its_field():
             "--eval-every", "1", "--target-loss", "0.1", "--noise-scale",
             "--precision", "bf16", "--loss-scale", "64", "--scale-window", "7",
             "--bn-eps", "0.001", "--bn-momentum", "0.2", "--overlap",
-            "--batchnorm", "sync"]  # fmt: skip
+            "--batchnorm", "sync", "--accumulate", "3"]  # fmt: skip
     config = config_from_options(build_parser().parse_args(argv))
     assert config == TrainConfig(
         data="synthetic-regression", samples=50, features=3, classes=2, hidden=(7, 5),
@@ -114,7 +114,7 @@ def test_every_flag_is_read_into_its_field():
         checkpoint_every=2, resume="r", skip_nonfinite=True, holdout=0.2, eval_every=1,
         target_loss=0.1, noise_scale=True, precision="bf16",
         loss_scale="64", scale_window=7, timeout=7.0, bn_eps=0.001, bn_momentum=0.2,
-        overlap=True, batchnorm="sync",
+        overlap=True, batchnorm="sync", accumulate=3,
     )  # fmt: skip
     changed = {f.name for f in dataclasses.fields(TrainConfig)
                if getattr(config, f.name) != f.default}  # fmt: skip

@@ -13,6 +13,7 @@ digests of the parameters give the first step after which a run differs.
 
 from __future__ import annotations
 
+import argparse
 import textwrap
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -44,6 +45,7 @@ class Row:
     sha256: str
     first_difference: int | None  # steps taken when the parameters first differed; None: never
     matches: bool
+    first_parameter: str | None = None  # the first tensor, in buffer order, that differed then
 
 
 def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
@@ -82,6 +84,12 @@ LOCAL_BATCHNORM = (
 )
 
 
+ONE_MICRO_BATCH = (
+    "accumulate-means changes nothing with one micro-batch: its mean times the shard's size is "
+    "its sum; give --accumulate K > 1 (uneven micro-batches show it)"
+)
+
+
 def serial(config: TrainConfig) -> TrainConfig:
     """The reference's options: serial SGD, no pitfall, the gradient sums in the model's dtype."""
     return replace(config, pitfall=None, allreduce_dtype=None)
@@ -111,8 +119,21 @@ def compare(reference: TrainResult, result: TrainResult, ranks: int, exact: bool
     first = next((step + 1 for step, (a, b) in enumerate(pairs) if a != b), None)
     matches = bitwise if exact else relative <= tolerance
     ulps, flips = same_sign_ulps(ours, theirs)
+    parameter = None if first is None else first_tensor(
+        result.digests[first - 1], reference.digests[first - 1], result.model.layout())
     return Row(ranks, max_abs, relative, ulps, flips, bitwise, sha256(ours), first,
-               matches)  # fmt: skip
+               matches, parameter)  # fmt: skip
+
+
+def first_tensor(ours: bytes, theirs: bytes, layout: list) -> str | None:
+    """The name of the first parameter tensor whose digest differs (Digests: one per tensor)."""
+    from syncsgd.training.hooks import DIGEST_BYTES
+
+    for index, (name, _, _) in enumerate(layout):
+        part = slice(index * DIGEST_BYTES, (index + 1) * DIGEST_BYTES)
+        if ours[part] != theirs[part]:
+            return name
+    return None
 
 
 def verify(config: TrainConfig, ranks_list: list[int], tolerance: float, report=None,
@@ -156,6 +177,9 @@ AT_ONE_RANK = {
     "batch is split then changes the rounding",
     "local-trust-ratio": "P = 1 differs only where the gradient's sums are float32: the "
     "agreed trust ratios travel with them and are rounded to float32",
+    "accumulate-means": "P = 1 differs too: one rank's K micro-batches are uneven as well "
+    "where K does not divide B, and adding their means weighs the samples of a smaller one "
+    "more; it is accumulation's pitfall, not data parallelism's",
     "local-clip": "P = 1 differs only in exact mode: one rank's clipping is the global "
     "clipping, but it scales the sum before the division by B instead of the mean after it, "
     "so the last bits round differently (far inside the float tolerance)",
@@ -184,8 +208,13 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
         print(comment(COMPRESSED_AT_ONE_RANK))
     if config.batchnorm == "local" and any(ranks > 1 for ranks in failed):
         print(comment(LOCAL_BATCHNORM))
+    if config.pitfall == "accumulate-means" and config.accumulate == 1:
+        print(comment(ONE_MICRO_BATCH))
     if json_path:
+        from syncsgd.apps.verify_grid import record
+
         document = {"config": asdict(config), "rows": [asdict(row) for row in rows],
+                    "runs": [record(config, row, tolerance) for row in rows],
                     "matches": not failed}  # fmt: skip
         jsonout.write(json_path, document, default=str)
     if failed:
@@ -193,6 +222,71 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
         return 1
     print(f"all {len(rows)} runs match serial SGD")
     return 0
+
+
+def main_grid(config: TrainConfig, options: argparse.Namespace) -> int:
+    """Every configuration against its serial run on every P: the table, the outputs; exit
+    status 1 if a run that should match does not."""
+    from syncsgd.apps import verify_grid as grid
+
+    configs = grid.configurations(config, options)
+    grid.check_outputs(options)
+    if options.png or options.svg or options.pdf:
+        from syncsgd.apps.verify_report import check_matplotlib
+
+        check_matplotlib()
+    ranks_list = options.ranks
+    print(comment(f"{len(configs)} configurations x P = {', '.join(map(str, ranks_list))}: "
+                  f"{len(configs) * len(ranks_list)} runs, each against the serial run of its "
+                  "configuration (1 rank, no pitfall); exact mode: bitwise, float mode: within "
+                  "the tolerance"))  # fmt: skip
+    print(HEADER, flush=True)
+    runs = []
+    for each in configs:
+        tolerance = TOLERANCE[each.dtype] if options.tolerance is None else options.tolerance
+        print(f"# {grid.label(each)}: "
+              f"{'bitwise' if each.exact else f'tolerance {tolerance:g}'}", flush=True)
+        runs += [grid.record(each, row, tolerance)
+                 for row in grid_rows(each, ranks_list, tolerance)]  # fmt: skip
+    document = {"runs": runs, "configurations": [grid.label(each) for each in configs],
+                "ranks": ranks_list, "command": grid.command_line(options),
+                "versions": grid.versions(), "machine": grid.machine(), "config": asdict(config),
+                "matches": all(record["matches"] for record in runs)}  # fmt: skip
+    write_grid(document, options)
+    failed = sum(not record["matches"] for record in runs)
+    if failed:
+        print(f"MISMATCH: {failed} of {len(runs)} runs differ from serial SGD")
+        return 1
+    print(f"all {len(runs)} runs match serial SGD")
+    return 0
+
+
+def grid_rows(config: TrainConfig, ranks_list: list[int], tolerance: float) -> list[Row]:
+    """One configuration on every P against its serial run, each row printed as it comes."""
+    reference = run(serial(config), 1)
+    scale = max(1.0, float(np.max(np.abs(trained_state(reference)), initial=0.0)))
+    rows = []
+    for ranks in ranks_list:
+        # P = 1 of a configuration without a pitfall is its serial run: not run twice
+        same = ranks == 1 and config == serial(config)
+        result = reference if same else run(config, ranks)
+        rows.append(compare(reference, result, ranks, config.exact, tolerance))
+        print(format_row(rows[-1], scale), flush=True)
+    return rows
+
+
+def write_grid(document: dict[str, Any], options: argparse.Namespace) -> None:
+    """The grid's outputs that were asked for: --json, --report, --png, --svg, --pdf."""
+    from syncsgd.apps import verify_report
+    from syncsgd.apps.verify_grid import FIGURES
+
+    if options.json:
+        jsonout.write(options.json, document, default=str)
+    if options.report:
+        verify_report.write_html(document, options.report)
+    for kind in FIGURES:
+        if getattr(options, kind):
+            verify_report.write_figure(document, getattr(options, kind), kind)
 
 
 def comment(text: str) -> str:
@@ -291,6 +385,13 @@ def allow_all(parser: Any) -> None:
 
 def run_options(options: Any, config_from_options: Any) -> int:
     """`syncsgd verify` from its parsed options: one pitfall's table, or every pitfall's."""
+    from syncsgd.apps import verify_grid
+
+    if verify_grid.wants_grid(options):
+        if options.pitfall == ALL:
+            raise ValueError("--pitfall all is a table of its own: leave out the grid's lists "
+                             "and --report, --png, --svg, --pdf")  # fmt: skip
+        return main_grid(config_from_options(options), options)
     if options.json:
         check_writable(options.json)  # before the runs, not after them
     if options.pitfall == ALL:

@@ -291,6 +291,10 @@ class Exact(Float):
         super().__init__(dtype, max_weights)
         self.terms: list[Term] = []
         self.peaks: list[float] = []
+        # A later micro-batch's terms share the first micro-batch's peak slots: the next slot to
+        # raise, or None while the terms register slots of their own.
+        self._shared: int | None = None
+        self._kept: dict[tuple[int, str], np.ndarray] = {}  # factors kept past their pass
         self._transposed = np.zeros(max_weights, self.dtype)
         self._sums = np.zeros(max_weights, np.float64)
         self._widened = np.zeros(max_block, np.float64)
@@ -322,6 +326,41 @@ class Exact(Float):
         """Forget the last pass's terms."""
         self.terms.clear()
         self.peaks.clear()
+        self._shared = None
+
+    def next_micro_batch_(self) -> None:
+        """The next pass adds to this one's sums: keep the factors of the terms registered so
+        far (the workspaces are the next pass's), and let its terms share their peak slots."""
+        assert self._shared in (None, len(self.peaks)), "micro-batches register alike"
+        for index, term in enumerate(self.terms):
+            term.a = self._keep(index, "a", term.a)
+            if term.b is not None:
+                term.b = self._keep(index, "b", term.b)
+        self._shared = 0
+
+    def _keep(self, index: int, factor: str, values: np.ndarray) -> np.ndarray:
+        """`values` in an array of the term's own (reused from step to step), unless kept."""
+        kept = self._kept.get((index, factor))
+        if kept is not None and values.base is kept:
+            return values  # kept after an earlier micro-batch
+        if kept is None or kept.size < values.size or kept.dtype != values.dtype:
+            kept = self._kept[(index, factor)] = np.empty(values.size, values.dtype)
+        copy = kept[: values.size].reshape(values.shape)
+        copy[...] = values
+        return copy
+
+    def _peaks_(self, *values: float) -> int:
+        """Where a term's peaks are: slots of its own, or (a later micro-batch) those of the
+        first micro-batch's same term, raised to cover these values. Returns the first."""
+        if self._shared is None:
+            first = len(self.peaks)
+            self.peaks += values
+            return first
+        first = self._shared
+        for offset, value in enumerate(values):
+            self.peaks[first + offset] = max(self.peaks[first + offset], value)
+        self._shared += len(values)
+        return first
 
     def matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, transpose_b: bool) -> None:
         """out = a b (or a b^T), every element summed over ascending k whatever the rows."""
@@ -334,19 +373,19 @@ class Exact(Float):
     def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
                    per_sample: int = 1) -> None:  # fmt: skip
         """Register g += sum of a_i b_i^T, with the peaks of a and b."""
-        self._register(Term(layer, "outer", g, a, b, len(self.peaks), per_sample))
-        self.peaks += [ex.peak_magnitude(a.reshape(-1)), ex.peak_magnitude(b.reshape(-1))]
+        first = self._peaks_(ex.peak_magnitude(a.reshape(-1)), ex.peak_magnitude(b.reshape(-1)))
+        self._register(Term(layer, "outer", g, a, b, first, per_sample))
 
     def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray, per_sample: int = 1) -> None:
         """Register g += the column sums of d, with the peak of d."""
-        self._register(Term(layer, "columns", g, d, None, len(self.peaks), per_sample))
-        self.peaks.append(ex.peak_magnitude(d.reshape(-1)))
+        first = self._peaks_(ex.peak_magnitude(d.reshape(-1)))
+        self._register(Term(layer, "columns", g, d, None, first, per_sample))
 
     def loss_sum(self, losses: np.ndarray, per_sample: int = 1) -> float:
         """Register the loss sum (extracted with the gradient); its value comes later."""
-        self._register(Term(-1, "loss", np.zeros(1), losses.reshape(-1, 1), None,
-                            len(self.peaks), per_sample))  # fmt: skip
-        self.peaks.append(ex.peak_magnitude(losses))
+        first = self._peaks_(ex.peak_magnitude(losses))
+        self._register(Term(-1, "loss", np.zeros(1), losses.reshape(-1, 1), None, first,
+                            per_sample))  # fmt: skip
         return 0.0
 
     def _register(self, term: Term) -> None:
@@ -405,12 +444,14 @@ class Exact(Float):
                 self._extract_(term, magic, unit)
 
     def extract_loss(self, scales: list[tuple[float, float]]) -> float:
-        """The extracted loss sum."""
+        """The extracted loss sum (of every micro-batch's: exact sums of one fixed point, so
+        their sum is exact too)."""
+        total: float | None = None
         for term, (magic, unit) in zip(self.terms, scales, strict=True):
             if term.kind == "loss":
                 self._extract_(term, magic, unit)
-                return float(term.out[0])
-        return 0.0
+                total = float(term.out[0]) if total is None else total + float(term.out[0])
+        return 0.0 if total is None else total
 
     def _extract_(self, term: Term, magic: float, unit: float) -> None:
         """out += the term's exact sum at the fixed point `magic`."""

@@ -61,3 +61,12 @@ def evaluate(model: MLP | Network, params: np.ndarray, running: np.ndarray | Non
 
     network = model if isinstance(model, Network) else model.network()
     return evaluate_network(network, params, X, y, running, eps)
+
+
+def micro_batch_note(config: Any) -> str:
+    """What --accumulate K does to BatchNorm's statistics, for under the summary."""
+    whose = ("each rank's own micro-batch" if config.batchnorm == "local" else
+             "every rank's k-th micro-batch together, as a serial run of those samples would")
+    return (f"BatchNorm with --accumulate {config.accumulate}: statistics over each micro-batch "
+            f"({config.batchnorm if config.batchnorm != 'none' else 'sync'}: {whose}), the "
+            f"running statistics moved {config.accumulate} times a step")  # fmt: skip

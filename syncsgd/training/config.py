@@ -137,6 +137,11 @@ class TrainConfig:
                        choices=("xent", "mse"))  # fmt: skip
     batch_size: int = option(256, "global batch size, split over the ranks", group=OPTIMIZATION,
                              type=positive_int, check=at_least(1))  # fmt: skip
+    accumulate: int = option(
+        1, "each rank's shard in K micro-batches (numpy.array_split's sizes), their gradient "
+        "sums added before the one allreduce and the one division by B", group=OPTIMIZATION,
+        type=positive_int, check=at_least(1), metavar="K",
+    )  # fmt: skip
     steps: int | None = option(
         None, "steps to take; 0: none (--save writes the initial parameters)",
         group=OPTIMIZATION, type=nonnegative_int, check=at_least(0), shown="100, or --epochs",
@@ -342,7 +347,7 @@ ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32", "loss_scale": None,
                "scale_window": 2000, "batchnorm": "none", "bn_eps": 1e-5,
                "betas": (0.9, 0.999), "eps": 1e-8, "trust_coefficient": 0.001,
                "bn_momentum": 0.1, "optimizer": "sgd", "model": None,
-               "input_shape": None, "labels": None}  # fmt: skip
+               "input_shape": None, "labels": None, "accumulate": 1}  # fmt: skip
 
 
 def fingerprint(

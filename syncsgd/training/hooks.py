@@ -156,17 +156,23 @@ class TimelineSpans(Hook):
         return False
 
 
-class Digests(Hook):
-    """A digest of the parameters after every step (verify finds the first step that differs)."""
+DIGEST_BYTES = 16  # of each parameter tensor's digest
 
-    def __init__(self, result: TrainResult) -> None:
-        self.result = result
+
+class Digests(Hook):
+    """A digest of each parameter tensor after every step, in buffer order, joined (verify finds
+    the first step and the first tensor that differ)."""
+
+    def __init__(self, result: TrainResult, spans: list[slice]) -> None:
+        self.result, self.spans = result, spans
 
     def attach(self, stepper: DataParallelStep) -> None:
         self.params = stepper.params
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
-        self.result.digests.append(hashlib.blake2b(self.params.tobytes(), digest_size=16).digest())
+        self.result.digests.append(b"".join(
+            hashlib.blake2b(self.params[span].tobytes(), digest_size=DIGEST_BYTES).digest()
+            for span in self.spans))  # fmt: skip
         return False
 
 

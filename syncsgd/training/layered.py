@@ -5,6 +5,11 @@
     layers_   the gradient sums of layers top down to bottom (exact mode: their extraction)
 The step calls both at once; --overlap calls layers_ a few layers at a time and hands each
 bucket to its allreduce as soon as its layers are done.
+
+With --accumulate K the shard is K micro-batches (numpy.array_split's sizes): begin_ runs every
+micro-batch but the last through both passes, adding their SUMS into the same buffer, then the
+last one's forward pass; layers_ is the last one's backward pass. Exact mode registers every
+micro-batch's terms, agrees on peaks that cover them all, and extracts them all in layers_.
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ class LayeredLocalGradient:
         from syncsgd.nn.backprop import Backprop  # imports Numba: only when training
         from syncsgd.nn.numerics import numerics
 
+        # The passes' workspaces hold one micro-batch of the shard (the largest, of K).
+        self.micro_batches = config.accumulate
+        largest = -(-max_batch // self.micro_batches)
         self.nx: Any = numerics(config.exact, config.precision, network.dtype,
-                                network.largest_weight(), max_batch * network.largest_block(),
+                                network.largest_weight(), largest * network.largest_block(),
                                 network.n_params)  # fmt: skip
-        self.network, self.passes = network, Backprop(network, max_batch, self.nx)
+        self.network, self.passes = network, Backprop(network, largest, self.nx)
         self.nx.global_batch = config.batch_size
         self.allreduce_ = functools.partial(collective_allreduce, algorithm=config.algorithm,
                                             check=False, trace=trace)  # fmt: skip
@@ -50,6 +58,9 @@ class LayeredLocalGradient:
         self.exact = config.exact
         self.bounds = np.zeros(0)
         self.scales: list[tuple[float, float]] | None = None  # exact: None if not finite
+        # What a micro-batch's loss is multiplied by, from (its size, the shard's, K): 1, so
+        # that its gradient SUM is added; a pitfall changes it (variants.py).
+        self.micro_batch_weight: Any = lambda size, shard, count: 1.0
         self._buffer: np.ndarray | None = None  # the buffer the views below are of
         self._gradient = np.zeros(0)
 
@@ -75,19 +86,34 @@ class LayeredLocalGradient:
 
     def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
                sums: np.ndarray) -> None:  # fmt: skip
-        """The forward pass and the loss sum (exact mode: the backward pass and the peaks)."""
+        """The forward pass and the loss sum (exact mode: the backward pass and the peaks);
+        with micro-batches, every one but the last through both passes first."""
         grads = self.gradient_of(sums)
         if self.exact:
             grads[:] = 0  # the extracted sums are added in
-        self.nx.first_sums = not self.exact  # float mode: each sum written into its slot
         self.group.comm, self.calls = comm, self.calls + 1
         if self.exact:
             self.nx.begin_()
-        loss_sum, _ = self.passes.forward_loss_(params, X, y, self.running)
+        top, scale = self.n_layers - 1, self.nx.scale
+        bounds = micro_batch_bounds(len(X), self.micro_batches)
+        for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            # float mode: the first micro-batch's sums are written into their slots, the others
+            # added to them
+            self.nx.first_sums = not self.exact and index == 0
+            self.nx.scale = scale * self.micro_batch_weight(stop - start, len(X),
+                                                            self.micro_batches)  # fmt: skip
+            loss_sum, _ = self.passes.forward_loss_(params, X[start:stop], y[start:stop],
+                                                    self.running)  # fmt: skip
+            if not self.exact:
+                sums[self.loss_slot] = loss_sum if index == 0 else sums[self.loss_slot] + loss_sum
+            last = index == self.micro_batches - 1
+            if self.exact or not last:  # float mode: layers_ is the last one's backward pass
+                self.passes.backward_(grads, top, 0)
+            if self.exact and not last:
+                self.nx.next_micro_batch_()
+        self.nx.scale = scale
         if not self.exact:
-            sums[self.loss_slot] = loss_sum
             return
-        self.passes.backward_(grads, self.n_layers - 1, 0)
         self.scales = self.agree_(comm)
         if self.scales is None:
             sums[:] = np.nan  # the same on every rank: all skip or stop alike
@@ -119,6 +145,13 @@ class LayeredLocalGradient:
             self.passes.backward_(self.gradient_of(sums), top, bottom)
         elif self.scales is not None:
             self.nx.accumulate_(self.scales, top, bottom)
+
+
+def micro_batch_bounds(shard_size: int, count: int) -> list[int]:
+    """Where each of `count` micro-batches of a shard starts, then its end: numpy.array_split's
+    sizes (the first shard_size % count one larger; empty ones when count > shard_size)."""
+    size, larger = divmod(shard_size, count)
+    return [index * size + min(index, larger) for index in range(count + 1)]
 
 
 class StatsGroup(LocalGroup):

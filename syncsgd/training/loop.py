@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -22,7 +23,7 @@ from syncsgd.comm.watchdog import Watched, bcast_peer, collective_timeout, curre
 from syncsgd.comm.world import launch
 from syncsgd.nn.optim import Optimizer, make_optimizer
 from syncsgd.training import checkpoint, data
-from syncsgd.training.batchnorm import record_comm, start_running
+from syncsgd.training.batchnorm import micro_batch_note, record_comm, start_running
 from syncsgd.training.config import TrainConfig, loss_scaling
 from syncsgd.training.hooks import (
     Checkpointing,
@@ -165,7 +166,9 @@ def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,
     if timeline is not None:
         hooks.append(TimelineSpans(timeline))
     if digests:
-        hooks.append(Digests(result))
+        spans = [slice(offset, offset + math.prod(shape))
+                 for _, shape, offset in run.model.layout()]  # fmt: skip
+        hooks.append(Digests(result, spans))
     if config.noise_scale:
         hooks.append(NoiseScale(result, run.model.n_params))
     if progress:
@@ -220,6 +223,8 @@ def finish(comm: Any, run: Run, result: TrainResult, outputs: Outputs, quiet: bo
     if not quiet and not stopped:
         print(summary(result, comm.Get_size(), "threads" if threads else "MPI", outputs.save),
               flush=True)  # fmt: skip
+        if result.running is not None and run.config.accumulate > 1:
+            print(micro_batch_note(run.config), flush=True)
 
 
 def save_params(path: str, result: TrainResult) -> None:

@@ -96,6 +96,7 @@ class DataParallelStep:
         largest_shard = -(-config.batch_size // self.size)
         buffer = CommBuffer(model.n_params, np.dtype(np.float64 if config.exact else model.dtype))
         self.local_gradient = local_gradient(config, model, largest_shard, buffer, trace)
+        self.local_gradient.micro_batch_weight = variant.micro_batch_weight
         riders = [*riders, *variant.riders(self)]  # a pitfall's values, if any
         spans = [buffer.register(rider.name, rider.count) for rider in riders]
         self.comm_buffer = buffer.build()

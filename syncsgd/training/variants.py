@@ -1,9 +1,9 @@
 """Variants of the step: the correct run changes nothing; each pitfall changes one seam.
 
-The seams are the sample order, the global batch, a rank's contribution to the allreduce, the
-allreduce itself, the values sent along with the gradient and the clipping of the global
-gradient. `docs/pitfalls.md` says where each
-pitfall is met in practice and why it breaks the equality with serial SGD.
+The seams are the sample order, the global batch, the weight of a micro-batch's samples, a rank's
+contribution to the allreduce, the allreduce itself, the values sent along with the gradient and
+the clipping of the global gradient. `docs/pitfalls.md` says where each pitfall is met in
+practice and why it breaks the equality with serial SGD.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ class Variant:
     def global_batch(self, batch: np.ndarray, size: int) -> np.ndarray:
         """The samples this step trains on, the same on every rank."""
         return batch
+
+    def micro_batch_weight(self, size: int, shard_size: int, count: int) -> float:
+        """What a micro-batch of `size` samples (of `count` in a shard) multiplies its loss
+        with before its gradient sum is added: 1, a sum like every other."""
+        return 1.0
 
     def contribution_(self, grad_sum: np.ndarray, shard_size: int, batch_size: int,
                       size: int) -> None:  # fmt: skip
@@ -134,6 +139,20 @@ class PadDuplicate(Variant):
         return np.concatenate([batch, np.resize(batch, padding)])
 
 
+class AccumulateMeans(Variant):
+    """Each micro-batch's loss is its mean divided by K: the mean of the micro-batch means."""
+
+    name = "accumulate-means"
+    why = "adds micro-batch means: uneven micro-batches weigh their samples unevenly"
+    shows_with = {"batch_size": 30, "accumulate": 4}
+
+    def micro_batch_weight(self, size: int, shard_size: int, count: int) -> float:
+        # A sum of `size` samples weighed (1/size)(1/K): the mean of the means, then times the
+        # shard's size, so that the ranks' shards are weighed as they should be and only the
+        # accumulation is wrong. Even micro-batches: exactly 1.
+        return shard_size / count / size if size else 1.0
+
+
 class LocalTrustRatio(Variant):
     """Every rank computes LAMB's or LARS's trust ratios from its own shard's mean gradient; the
     ranks agree on their sample-weighted mean, and the step scales the update by it."""
@@ -172,7 +191,7 @@ class LocalTrustRatio(Variant):
 
 VARIANTS: dict[str, type[Variant]] = {
     v.name: v for v in (MeanOfMeans, LocalClip, UnsyncedShuffle, Fp32Allreduce, PadDuplicate,
-                        LocalTrustRatio)
+                        AccumulateMeans, LocalTrustRatio)
     if v.name is not None
 }  # fmt: skip
 PITFALLS = tuple(VARIANTS)

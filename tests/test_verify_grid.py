@@ -1,0 +1,127 @@
+"""`syncsgd verify` over a grid: every combination in the JSON, the report's page and figure."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+from test_demo_html import headless, needs_chromium
+
+from syncsgd.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = ["--samples", "40", "--features", "4", "--hidden", "5", "--batch-size", "10",
+        "--steps", "2", "--seed", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """One small grid: its exit status, JSON, page and PNG."""
+    where = tmp_path_factory.mktemp("grid")
+    paths = {kind: where / f"r.{kind}" for kind in ("json", "html", "png")}
+    status = main(["verify", "--ranks", "1,2", "--algorithms", "ring,tree", "--modes",
+                   "float,exact", "--accumulates", "1,4", *TINY, "--json", str(paths["json"]),
+                   "--report", str(paths["html"]), "--png", str(paths["png"])])  # fmt: skip
+    return status, json.loads(paths["json"].read_text()), paths
+
+
+def test_every_combination_is_a_run_and_exact_cells_are_bitwise(report):
+    status, document, _ = report
+    assert status == 0
+    runs = document["runs"]
+    keys = {(r["ranks"], r["algorithm"], r["mode"], r["accumulate"]) for r in runs}
+    assert keys == set(itertools.product([1, 2], ["ring", "tree"], ["float", "exact"], [1, 4]))
+    assert len(runs) == 16
+    for run in runs:
+        assert set(run) >= {"ranks", "algorithm", "precision", "mode", "accumulate", "optimizer",
+                            "bitwise", "max_ulp", "rel_diff", "sha256", "first_diff_step",
+                            "first_diff_param"}  # fmt: skip
+        assert run["precision"] == "fp32" and run["optimizer"] == "sgd"
+        if run["mode"] == "exact" or run["ranks"] == 1 and run["accumulate"] == 1:
+            assert run["bitwise"] and run["first_diff_step"] is None
+        if not run["bitwise"]:
+            assert run["first_diff_step"] >= 1 and run["first_diff_param"] in ("W0", "b0", "W1",
+                                                                              "b1")  # fmt: skip
+    exact = {r["sha256"] for r in runs if r["mode"] == "exact"}
+    assert len(exact) == 1  # one state for every P, K and algorithm
+    assert document["versions"]["numpy"] and document["machine"]["cores"] >= 1
+    assert document["command"].startswith("syncsgd verify --ranks 1,2")
+
+
+def test_the_page_holds_the_json_and_the_figure_is_a_png(report):
+    _, document, paths = report
+    page = paths["html"].read_text()
+    assert not re.search(r"(src|href)=\"(https?:)?//", page)  # nothing fetched
+    embedded = re.search(r'<script id="data" type="application/json">(.*?)</script>', page,
+                         re.DOTALL)[1]  # fmt: skip
+    assert json.loads(embedded.replace("<\\/", "</"))["runs"] == document["runs"]
+    assert "viridis" in page and "colour-vision" in page
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def cells(dom: str) -> list[dict]:
+    """The heatmap's cells as the browser holds them."""
+    found = re.findall(r'<td class="cell[^"]*"[^>]*data-ranks="(\d+)" data-config="([^"]*)" '
+                       r'data-rel="([^"]*)" data-ulp="(\d+)" data-bitwise="(\w+)">(.*?)</td>',
+                       dom)  # fmt: skip
+    return [{"ranks": int(r), "config": c, "rel": float(rel), "ulp": int(u),
+             "bitwise": b == "true", "text": t} for r, c, rel, u, b, t in found]  # fmt: skip
+
+
+@needs_chromium
+def test_the_page_renders_in_chromium_with_the_json_numbers(report, tmp_path):
+    from syncsgd.apps.verify_grid import label
+
+    _, document, paths = report
+    done = headless("--dump-dom", paths["html"].as_uri(), profile=tmp_path / "profile")
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = {(cell["config"], cell["ranks"]): cell for cell in cells(done.stdout)}
+    assert len(shown) == len(document["runs"])
+    for run in document["runs"]:
+        cell = shown[(label(run), run["ranks"])]
+        assert cell["rel"] == run["rel_diff"] and cell["ulp"] == run["max_ulp"]
+        assert cell["bitwise"] == run["bitwise"]
+        assert ("bitwise" if run["bitwise"] else f"{run['rel_diff']:.2e}") in cell["text"]
+    shot = tmp_path / "shot.png"
+    done = headless("--window-size=1000,900", f"--screenshot={shot}", paths["html"].as_uri(),
+                    profile=tmp_path / "profile")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_a_run_that_should_match_and_does_not_exits_1(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    status = main(["verify", "--ranks", "2", "--exact", "--accumulates", "1,4",
+                   "--pitfall", "accumulate-means", *TINY, "--batch-size", "30",
+                   "--json", str(path)])  # fmt: skip
+    assert status == 1
+    runs = {run["accumulate"]: run for run in json.loads(path.read_text())["runs"]}
+    assert runs[1]["bitwise"] and runs[1]["matches"]  # one micro-batch: its mean is its sum
+    assert not runs[4]["matches"] and runs[4]["first_diff_step"] == 1
+    assert "MISMATCH: 1 of 2 runs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--algorithms", "ring,bogus"], "'bogus' is not one of"),
+    (["--report", "/nonexistent/r.html"], "cannot write /nonexistent/r.html"),
+    (["--precision", "bf16", "--loss-scale", "8", "--precisions", "bf16,fp32"],
+     "ring fp32 float K=1 sgd: --loss-scale"),
+    (["--modes", "exact", "--pitfall", "all"], "--pitfall all is a table of its own"),
+])  # fmt: skip
+def test_bad_grid_options_are_one_line_before_any_run(args, says, capsys):
+    try:
+        status = main(["verify", *TINY, *args])
+    except SystemExit as exc:  # argparse's refusal
+        status = exc.code
+    out, err = capsys.readouterr()
+    assert status != 0 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and says in err, err
+    assert "P  max" not in out  # no table started
+
+
+def test_accumulate_means_with_one_micro_batch_says_it_needs_more(capsys):
+    assert main(["verify", "--ranks", "2", "--pitfall", "accumulate-means", *TINY]) == 0
+    assert "changes nothing with one micro-batch" in capsys.readouterr().out
