@@ -132,7 +132,9 @@ _local = threading.local()
 _MAX_PLANS = 64  # plans kept per thread; more distinct buffer sizes start the cache afresh
 
 
-def plan_for(algorithm: str | Collective, length: int, dtype: np.dtype, size: int, rank: int, comm: Any) -> Plan:
+def plan_for(
+    algorithm: str | Collective, length: int, dtype: np.dtype, size: int, rank: int, comm: Any
+) -> Plan:
     """This thread's plan for `algorithm` on `length` x `dtype` on `comm`; built once."""
     key = algorithm, length, dtype, size, rank, type(comm)
     try:

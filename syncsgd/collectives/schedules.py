@@ -284,9 +284,9 @@ def ring_reduce_scatter_schedule(length: int, size: int, rank: int) -> Schedule:
     steps = []
     for s in range(size - 1):  # block b starts at rank b + 1 and reaches rank b after P-1 steps
         send, recv = (rank - s - 1) % size, (rank - s - 2) % size
-        steps.append(CollectiveStep("reduce-scatter", s, right, left, send, recv,
-                                    slice(bounds[send], bounds[send + 1]),
-                                    slice(bounds[recv], bounds[recv + 1]), ADD_OWN_FIRST))  # fmt: skip
+        sent, received = (slice(bounds[c], bounds[c + 1]) for c in (send, recv))
+        steps.append(CollectiveStep("reduce-scatter", s, right, left, send, recv, sent, received,
+                                    ADD_OWN_FIRST))  # fmt: skip
     return tuple(steps)
 
 
@@ -325,8 +325,8 @@ def recursive_doubling_allgather_schedule(length: int, size: int, rank: int) -> 
 
 
 def recursive_halving_reduce_scatter_schedule(length: int, size: int, rank: int) -> Schedule:
-    """Fold, then log2(p') exchanges with the partner p'/2, p'/4, ... away: each keeps the half
-    of its window its own block is in and adds; unfold: the odd rank returns the even rank's block."""
+    """Fold, then log2(p') exchanges with the partner p'/2, p'/4, ... away, each keeping the half
+    of its window that holds its own block; unfold: the odd rank returns the even rank's block."""
     pof2, extra, newrank = _folding(size, rank)
     first, starts = _folded_blocks(length, size)
     bounds, whole = chunk_bounds(length, size), slice(0, length)
