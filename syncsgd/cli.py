@@ -115,12 +115,12 @@ def _version() -> str:
 
 def _add_apps(commands: argparse._SubParsersAction) -> None:
     """The subcommands that the modules of syncsgd.apps implement."""
-    from syncsgd.apps import cluster, costmodel, demo, study
+    from syncsgd.apps import cluster, costmodel_parts, demo, study
     from syncsgd.apps.bench import allreduce, step
 
     for module, name, summary in (
         (demo, "ring-demo", "watch every step of a ring (or another) allreduce on small integers"),
-        (costmodel, "model", "the α-β-γ cost model of the allreduce algorithms; --fit a sweep"),
+        (costmodel_parts, "model", "the α-β-γ cost model of the collectives; --fit a sweep"),
         (cluster, "cluster", "run an MPI command on N emulated nodes with shaped links (root)"),
     ):
         module.add_arguments(_command(commands, name, module.main, summary, _first_line(module)))

@@ -45,7 +45,7 @@ import json
 import math
 import os
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -535,9 +535,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the rows of the sweep to fit (default ring)",
     )
     add_step_arguments(parser)
-    from syncsgd.apps import costmodel_parts  # it builds on this module
-
-    costmodel_parts.add_arguments(parser)
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
@@ -570,15 +567,15 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
                         "their residuals")  # fmt: skip
 
 
-def main(options: argparse.Namespace) -> int:
-    """`syncsgd model`: the prediction table, the crossovers and, with --fit, the fit."""
-    for path in (options.json, options.png, getattr(options, "scaling", None)):
+Extra = Callable[[argparse.Namespace, Params, dict[str, Any]], list[str]]
+
+
+def main(options: argparse.Namespace, extra: Extra | None = None) -> int:
+    """`syncsgd model`: the prediction table, the crossovers and, with --fit, the fit; `extra`
+    adds lines (and JSON to its dict) for the parameters used."""
+    for path in (options.json, options.png):
         if path:
             check_writable(path)
-    if getattr(options, "scaling", None):
-        from syncsgd.apps.costmodel_parts import figure_format
-
-        figure_format(options.scaling)
     given = {
         name: getattr(options, name)
         for name in PARAM_NAMES
@@ -610,34 +607,18 @@ def main(options: argparse.Namespace) -> int:
                               options.ranks, params)  # fmt: skip
         lines += describe_overlap(table, options.overlap, options.shard, options.flops)
         result["overlap"] = table
-    lines += _collective_lines(options, params, result)
+    if extra is not None:
+        lines += extra(options, params, result)
     print("\n".join(lines))
     if options.png:
         fit_result, fit_ranks = (fitted, sweep_ranks) if options.fit else (None, None)
         draw_png(options.png, options.ranks, options.sizes, options.algorithms, params,
                  fit_result, fit_ranks)  # fmt: skip
         print(f"wrote {options.png}")
-    if options.scaling:
-        from syncsgd.apps.costmodel_parts import draw_scaling
-
-        draw_scaling(options.scaling, options.scaling_size, options.scaling_ranks, params,
-                     options.algorithms)  # fmt: skip
-        print(f"wrote {options.scaling}")
     if options.json:
         result.update(predictions_json(options.ranks, options.sizes, options.algorithms, params))
         jsonout.write(options.json, result)
     return 0
-
-
-def _collective_lines(options: argparse.Namespace, params: Params, result: dict[str, Any]
-                      ) -> list[str]:  # fmt: skip
-    """--collectives: each collective's formula and times (also into `result`)."""
-    if not getattr(options, "collectives", False):
-        return []
-    from syncsgd.apps.costmodel_parts import describe_parts, parts_json
-
-    result["collectives"] = parts_json(options.ranks, options.sizes, params)
-    return describe_parts(options.ranks, options.sizes, params)
 
 
 # -- output ---------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from syncsgd.apps import costmodel
 from syncsgd.apps.costmodel import (
     Cost,
     Params,
@@ -41,6 +42,7 @@ from syncsgd.apps.costmodel import (
     predict,
 )
 from syncsgd.util.argtypes import positive_int
+from syncsgd.util.files import check_writable
 
 PARTS = (
     ("broadcast", "ring"), ("broadcast", "binomial"), ("reduce", "ring"), ("reduce", "binomial"),
@@ -157,7 +159,8 @@ SCALING_RANKS = 2 ** np.arange(1, 13)  # P = 2 .. 4096
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `syncsgd model` for the collectives and the scaling figure."""
+    """The options of `syncsgd model`: the allreduces', then the collectives' and the figure's."""
+    costmodel.add_arguments(parser)
     parser.add_argument("--collectives", action="store_true",
                         help="also give broadcast, reduce, allgather, reduce-scatter and alltoall "
                         "on their own: formulas and times")  # fmt: skip
@@ -168,6 +171,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--scaling: bytes for time against P (default 64M)")  # fmt: skip
     parser.add_argument("--scaling-ranks", type=positive_int, default=64,
                         help="--scaling: ranks for time against size (default 64)")  # fmt: skip
+
+
+def main(options: argparse.Namespace) -> int:
+    """`syncsgd model`, with --collectives and --scaling."""
+    if options.scaling:
+        check_writable(options.scaling)
+        figure_format(options.scaling)
+    drawn: list[Params] = []
+
+    def collectives(options: argparse.Namespace, params: Params, result: dict[str, Any]
+                    ) -> list[str]:  # fmt: skip
+        drawn.append(params)
+        if not options.collectives:
+            return []
+        result["collectives"] = parts_json(options.ranks, options.sizes, params)
+        return describe_parts(options.ranks, options.sizes, params)
+
+    status = costmodel.main(options, collectives)
+    if options.scaling and drawn:
+        draw_scaling(options.scaling, options.scaling_size, options.scaling_ranks, drawn[0],
+                     options.algorithms)  # fmt: skip
+        print(f"wrote {options.scaling}")
+    return status
 
 
 def figure_format(path: str) -> str:
