@@ -403,10 +403,11 @@ def part_schedule(collective: Collective, length: int, size: int, rank: int) -> 
                              f"{', '.join(PART_SCHEDULES)})") from None  # fmt: skip
         raise ValueError(f"no {collective.name} algorithm {collective.algorithm!r} (choose "
                          f"{', '.join(known)})") from None  # fmt: skip
-    if not 0 <= collective.root < size:
-        raise ValueError(f"root {collective.root} is not in a communicator of size {size}")
-    relative = (rank - collective.root) % size  # rooted schedules are written for root 0
-    return _rooted(steps_of(length, size, relative), collective.root, size)
+    root = collective.root if collective.name in ROOTED else 0  # the others have no root
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} is not in a communicator of size {size}")
+    relative = (rank - root) % size  # rooted schedules are written for root 0
+    return _rooted(steps_of(length, size, relative), root, size)
 
 
 def schedule(algorithm: str | Collective, length: int, size: int, rank: int) -> Schedule:
