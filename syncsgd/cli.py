@@ -116,7 +116,7 @@ def _version() -> str:
 def _add_apps(commands: argparse._SubParsersAction) -> None:
     """The subcommands that the modules of syncsgd.apps implement."""
     from syncsgd.apps import cluster, costmodel_parts, demo, study
-    from syncsgd.apps.bench import allreduce, step
+    from syncsgd.apps.bench import allreduce, collective, step
 
     for module, name, summary in (
         (demo, "ring-demo", "watch every step of a ring (or another) allreduce on small integers"),
@@ -135,6 +135,7 @@ def _add_apps(commands: argparse._SubParsersAction) -> None:
     benchmarks = _subcommands(bench, "benchmark", "BENCHMARK")
     for module, name, summary in (
         (allreduce, "allreduce", "ring vs the library's Allreduce, 8 B to 64 MiB"),
+        (collective, "collective", "broadcast, reduce, allgather, ... vs the library's own"),
         (step, "step", "training-step time split into compute, allreduce and update, P = 1..N"),
     ):
         sub = _command(benchmarks, name, module.main, summary, _first_line(module))

@@ -149,3 +149,19 @@ def test_every_collective_matches_the_library_under_mpiexec(ranks):
     done = run_mpiexec(ranks, [WORKER], timeout=60 + 20 * ranks)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"ok: {ranks} ranks" in done.stdout
+
+
+def test_bench_collective_times_every_algorithm(tmp_path, capsys):
+    import json
+
+    from syncsgd.cli import main
+
+    path = tmp_path / "parts.json"
+    assert main(["bench", "collective", "--ranks", "3", "--min-bytes", "64", "--max-bytes", "64",
+                 "--batches", "1", "--warmup", "1", "--max-iters", "2",
+                 "--json", str(path)]) == 0  # fmt: skip
+    rows = json.loads(path.read_text())["rows"]
+    timed = {(row["collective"], row["algorithm"]) for row in rows}
+    assert timed == {(name, a) for name, algorithms in COLLECTIVES.items() for a in algorithms}
+    assert all(row["count"] == 6 and row["time_us"] > 0 for row in rows)  # 8 float64, cut to 3k
+    assert "no library to compare with" in capsys.readouterr().out
