@@ -103,3 +103,26 @@ def test_the_cli_prints_the_collectives_and_writes_the_figure(tmp_path, capsys):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["model", "--scaling", str(tmp_path / "why.jpg")]) != 0
     assert "syncsgd:" in capsys.readouterr().err
+
+
+def test_the_numbers_the_instructor_guide_quotes(capsys):
+    from syncsgd.apps.costmodel import format_bytes, format_seconds, predict
+    from syncsgd.cli import main
+
+    assert main(["model", "--ranks", "6,48,64,1024", "--sizes", "1M,64M",
+                 "--algorithms", "ring,rabenseifner"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.split("\n")
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in lines if line[:1] == " "}
+    quoted = {("64", "64", "MiB"): ["17.4", "ms", "17.2", "ms*"],
+              ("1024", "64", "MiB"): ["21.5", "ms", "17.5", "ms*"],
+              ("1024", "1", "MiB"): ["4.36", "ms", "312", "us*"],
+              ("6", "64", "MiB"): ["14.6", "ms*", "30.5", "ms"],
+              ("48", "64", "MiB"): ["17.3", "ms*", "34.4", "ms"]}  # fmt: skip
+    for key, cells in quoted.items():
+        assert rows[key][:4] == cells, key
+    n = 64 << 20
+    assert f"{costmodel_parts.bandwidth_bound_from(n, DEFAULTS):.3g}" == "2.68e+03"
+    assert format_bytes(64 * DEFAULTS.alpha / DEFAULTS.beta) == "1.53 MiB"
+    lead = predict("ring", 64, n, DEFAULTS) - predict("rabenseifner", 64, n, DEFAULTS)
+    assert format_seconds(lead) == "228 us" and format_seconds(n / 2 * DEFAULTS.beta) == "2.68 ms"
+    assert f"{lead / (n / 2 * DEFAULTS.beta):.3f}" == "0.085"
