@@ -234,7 +234,7 @@ def ring_reduce_schedule(length: int, size: int, rank: int) -> Schedule:
 
 
 def binomial_broadcast_schedule(length: int, size: int, rank: int) -> Schedule:
-    """Rank 0 sends to rank 2^(k-1), then both to +2^(k-2), ...: ceil(log2 P) rounds (as MPICH)."""
+    """Rank 0 sends to 2^(K-1), then both 2^(K-2) on, ...: K = ceil(log2 P) rounds (as MPICH)."""
     whole, rounds = slice(0, length), (size - 1).bit_length()
     mask = 1
     while mask < size and not rank & mask:  # the lowest bit set: whom we receive from
