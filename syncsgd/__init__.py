@@ -1,6 +1,18 @@
 """syncsgd: synchronous data-parallel SGD with a hand-written ring allreduce."""
 
-from syncsgd.collectives import ALGORITHMS, TraceEvent, allreduce, allreducer, ring_allreduce
+from syncsgd.collectives import (
+    ALGORITHMS,
+    COLLECTIVES,
+    TraceEvent,
+    allgather,
+    allreduce,
+    allreducer,
+    alltoall,
+    broadcast,
+    reduce,
+    reduce_scatter,
+    ring_allreduce,
+)
 from syncsgd.comm.threads import (
     CollectiveTimeout,
     CommClosed,
@@ -15,6 +27,7 @@ from syncsgd.training.loop import TrainResult, train
 __version__ = "0.1.0"
 __all__ = [
     "ALGORITHMS",
+    "COLLECTIVES",
     "CollectiveTimeout",
     "CommClosed",
     "DeadlockError",
@@ -23,8 +36,13 @@ __all__ = [
     "TraceEvent",
     "TrainConfig",
     "TrainResult",
+    "allgather",
     "allreduce",
     "allreducer",
+    "alltoall",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
     "ring_allreduce",
     "run_threads",
     "train",

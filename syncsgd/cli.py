@@ -115,12 +115,12 @@ def _version() -> str:
 
 def _add_apps(commands: argparse._SubParsersAction) -> None:
     """The subcommands that the modules of syncsgd.apps implement."""
-    from syncsgd.apps import cluster, costmodel, demo, study
-    from syncsgd.apps.bench import allreduce, step
+    from syncsgd.apps import cluster, costmodel_parts, demo, study
+    from syncsgd.apps.bench import allreduce, collective, step
 
     for module, name, summary in (
         (demo, "ring-demo", "watch every step of a ring (or another) allreduce on small integers"),
-        (costmodel, "model", "the α-β-γ cost model of the allreduce algorithms; --fit a sweep"),
+        (costmodel_parts, "model", "the α-β-γ cost model of the collectives; --fit a sweep"),
         (cluster, "cluster", "run an MPI command on N emulated nodes with shaped links (root)"),
     ):
         module.add_arguments(_command(commands, name, module.main, summary, _first_line(module)))
@@ -135,6 +135,7 @@ def _add_apps(commands: argparse._SubParsersAction) -> None:
     benchmarks = _subcommands(bench, "benchmark", "BENCHMARK")
     for module, name, summary in (
         (allreduce, "allreduce", "ring vs the library's Allreduce, 8 B to 64 MiB"),
+        (collective, "collective", "broadcast, reduce, allgather, ... vs the library's own"),
         (step, "step", "training-step time split into compute, allreduce and update, P = 1..N"),
     ):
         sub = _command(benchmarks, name, module.main, summary, _first_line(module))

@@ -45,7 +45,7 @@ import json
 import math
 import os
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -567,8 +567,12 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
                         "their residuals")  # fmt: skip
 
 
-def main(options: argparse.Namespace) -> int:
-    """`syncsgd model`: the prediction table, the crossovers and, with --fit, the fit."""
+Extra = Callable[[argparse.Namespace, Params, dict[str, Any]], list[str]]
+
+
+def main(options: argparse.Namespace, extra: Extra | None = None) -> int:
+    """`syncsgd model`: the prediction table, the crossovers and, with --fit, the fit; `extra`
+    adds lines (and JSON to its dict) for the parameters used."""
     for path in (options.json, options.png):
         if path:
             check_writable(path)
@@ -603,6 +607,8 @@ def main(options: argparse.Namespace) -> int:
                               options.ranks, params)  # fmt: skip
         lines += describe_overlap(table, options.overlap, options.shard, options.flops)
         result["overlap"] = table
+    if extra is not None:
+        lines += extra(options, params, result)
     print("\n".join(lines))
     if options.png:
         fit_result, fit_ranks = (fitted, sweep_ranks) if options.fit else (None, None)

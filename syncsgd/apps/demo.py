@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="ring",
         help="the allreduce to show (default ring; others from syncsgd.collectives)",
     )
+    parser.add_argument("--collective", default="allreduce",
+                        choices=("allreduce", "broadcast", "reduce", "allgather", "reduce-scatter"),
+                        help="the collective to show (default allreduce); --algorithm then names "
+                        "one of its algorithms: ring, binomial (broadcast, reduce), "
+                        "recursive-doubling (allgather), recursive-halving (reduce-scatter)")
+    parser.add_argument("--root", type=nonnegative_int, default=0,
+                        help="broadcast and reduce: the root rank (default 0)")
     parser.add_argument("--png", metavar="PATH", help="also draw every round into this PNG file")
     parser.add_argument("--frames", metavar="DIR",
                         help="also write one slide-ready PNG per round into DIR")  # fmt: skip
@@ -81,7 +88,13 @@ def main(options: argparse.Namespace) -> int:
     for path in (options.png, options.html):
         if path:
             check_writable(path)
-    demo = run_demo(options.ranks, options.length, options.algorithm)
+    if options.collective == "allreduce":
+        demo = run_demo(options.ranks, options.length, options.algorithm)
+    else:
+        from syncsgd.apps.demo_parts import run_collective_demo
+
+        demo = run_collective_demo(options.collective, options.ranks, options.length,
+                                   options.algorithm, options.root)  # fmt: skip
     print(render_text(demo, use_color(options.color)))
     if options.png:
         draw_png(demo, options.png)
@@ -93,6 +106,6 @@ def main(options: argparse.Namespace) -> int:
         write_html(demo, options.html)
         print(f"wrote {options.html}")
     if not demo.correct:
-        print(f"syncsgd: ring-demo: the {demo.algorithm} result is not the sum", file=sys.stderr)
+        print(f"syncsgd: ring-demo: the {demo.what} result is wrong", file=sys.stderr)
         return 1
     return 0

@@ -26,6 +26,7 @@ MAX_RANKS = 16  # a demo: 2(P-1) steps of P lines each
 MAX_LENGTH = 64
 DIGIT_RANKS = 9  # up to here rank r starts with 10**r, one decimal digit per rank
 NO_ALGORITHM_STEPS = ("mpi",)  # the library's own Allreduce: no steps to show
+ROOT_WORD = {"broadcast": "from", "reduce": "to"}
 
 ADDED = "\x1b[1;30;43m"  # bold black on yellow: the chunk just reduced
 COPIED = "\x1b[1;30;42m"  # bold black on green: a finished chunk just received
@@ -53,13 +54,34 @@ class Demo(NamedTuple):
     start: list[np.ndarray]  # per rank
     steps: list[tuple[str, list[Snapshot]]]  # per round: its title, and each rank's step in it
     final: list[np.ndarray]  # per rank
-    expected: np.ndarray  # the NumPy sum of the starting buffers
+    expected: np.ndarray  # the NumPy sum of the starting buffers (or what the collective makes)
     note: str = ""  # e.g. which algorithm "auto" chose
+    collective: str = "allreduce"  # or one of syncsgd.collectives.COLLECTIVES
+    root: int = 0  # of broadcast and reduce
+    results: tuple[tuple[int, int], ...] = ()  # per rank, the range that must equal `expected`
+    explanation: tuple[str, ...] = ()  # how to read the rounds (else EXPLANATIONS)
 
     @property
     def correct(self) -> bool:
-        """True if every rank ends with exactly the NumPy sum."""
-        return all(np.array_equal(buf, self.expected) for buf in self.final)
+        """True if every rank ends with exactly the NumPy sum (or its part of the result)."""
+        if not self.results:
+            return all(np.array_equal(buf, self.expected) for buf in self.final)
+        pairs = zip(self.final, self.results, strict=True)
+        return all(np.array_equal(buf[a:b], self.expected[a:b]) for buf, (a, b) in pairs)
+
+    @property
+    def key(self) -> Any:
+        """What `collectives.schedule` takes: the algorithm, or the Collective."""
+        if self.collective == "allreduce":
+            return self.algorithm
+        return collectives.Collective(self.collective, self.algorithm, self.root)
+
+    @property
+    def what(self) -> str:
+        """'ring allreduce', 'binomial broadcast from rank 2'."""
+        rooted = self.collective in ("broadcast", "reduce")
+        return f"{self.algorithm} {self.collective}" + (f" {ROOT_WORD[self.collective]} rank "
+                                                        f"{self.root}" if rooted else "")
 
 
 def starting_buffer(rank: int, ranks: int, length: int) -> np.ndarray:
@@ -220,7 +242,7 @@ def _round_title(group: list[Snapshot], steps_in: dict[str, set[int]]) -> str:
     return "; ".join(titles)
 
 
-def _annotate(algorithm: str, length: int, ranks: int, rank: int,
+def _annotate(algorithm: Any, length: int, ranks: int, rank: int,
               steps: list[tuple[Any, np.ndarray]]) -> list[Snapshot]:  # fmt: skip
     """Each step with its peers and whether it added: from the algorithm's schedule if known."""
     try:
@@ -265,6 +287,13 @@ def chunk_layout(algorithm: str, length: int, ranks: int) -> list[int] | None:
     if algorithm == "rabenseifner":
         return chunk_bounds(length, 1 << (ranks.bit_length() - 1))
     return None
+
+
+def demo_chunks(demo: Demo) -> list[int] | None:
+    """The chunk (or block) bounds of the buffer `demo` shows, or None for whole buffers."""
+    if demo.collective != "allreduce":
+        return chunk_bounds(demo.length, demo.ranks)
+    return chunk_layout(demo.algorithm, demo.length, demo.ranks)
 
 
 # -- text -----------------------------------------------------------------------------------------
@@ -338,9 +367,14 @@ def chunk_count(algorithm: str, ranks: int, phase: str, step: int) -> int:
 def what_moves(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:
     """'chunk 2 [6:8)', 'chunks 0-1 [0:6)', or 'the buffer' where whole buffers move."""
     empty = " (empty)" if span[1] <= span[0] else ""
-    if chunk_layout(demo.algorithm, demo.length, demo.ranks) is None or event.phase in (
-        "fold", "unfold"
-    ):
+    bounds = demo_chunks(demo)
+    if demo.collective != "allreduce" and bounds is not None:  # blocks: as many as the span holds
+        if span == (0, demo.length):
+            return "the buffer" + empty
+        count = max(sum(span[0] <= bounds[c] < span[1] for c in range(chunk, len(bounds) - 1)), 1)
+        name = f"block {chunk}" if count == 1 else f"blocks {chunk}-{chunk + count - 1}"
+        return f"{name} [{span[0]}:{span[1]}){empty}"
+    if bounds is None or event.phase in ("fold", "unfold"):
         return "the buffer" + empty
     count = chunk_count(demo.algorithm, demo.ranks, event.phase, event.step)
     name = f"chunk {chunk}" if count == 1 else f"chunks {chunk}-{chunk + count - 1}"
@@ -352,7 +386,7 @@ def render_text(demo: Demo, color: bool = False) -> str:
     everything = [*demo.start, *demo.final] + [s.buffer for _, group in demo.steps for s in group]
     width = max([len(str(int(v))) for buf in everything for v in buf] or [1])
     label = max(len(f"rank {demo.ranks - 1}"), 6)  # the width of the row names
-    bounds = chunk_layout(demo.algorithm, demo.length, demo.ranks)
+    bounds = demo_chunks(demo)
     lines = _header_lines(demo, bounds, color)
     lines += ["", "start"]
     lines += _buffer_lines(demo.start, width, label, color)
@@ -361,7 +395,9 @@ def render_text(demo: Demo, color: bool = False) -> str:
     lines += _buffer_lines(demo.final, width, label, color)
     lines.append(f"  {'NumPy':<{label}}: " + format_buffer(demo.expected, width, color=color))
     verdict = "equal to the NumPy sum on every rank" if demo.correct else "WRONG: not the NumPy sum"
-    lines.append(f"{demo.algorithm} allreduce result: {verdict}")
+    if demo.collective != "allreduce":
+        verdict = "as expected on every rank" if demo.correct else "WRONG: not as expected"
+    lines.append(f"{demo.algorithm} {demo.collective} result: {verdict}")
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -369,13 +405,15 @@ def _header_lines(demo: Demo, bounds: list[int] | None, color: bool) -> list[str
     """What is summed over how many ranks, how to read the buffers, and the chunks."""
     p = demo.ranks
     elements, ranks = _count(demo.length, "int64 element"), _count(p, "thread rank")
-    lines = [f"{demo.algorithm} allreduce of {elements} over {ranks}"]
+    lines = [f"{demo.what} of {elements} over {ranks}"]
     if demo.note:
         lines.append(demo.note)
     if p == 1:
         lines.append("one rank has nobody to talk to: its buffer is already the sum")
         return lines
-    if p <= DIGIT_RANKS:
+    if demo.explanation:  # another collective: what it starts from and what it does
+        lines += demo.explanation
+    elif p <= DIGIT_RANKS:
         lines.append("rank r starts with 10**r in every element: digit r of a sum (from the right)")
         lines.append(f"says whether rank r is in it, and {'1' * p} means all {p} ranks")
     else:
@@ -383,9 +421,10 @@ def _header_lines(demo: Demo, bounds: list[int] | None, color: bool) -> list[str
     if bounds is not None:
         spans = "  ".join(f"{c} = [{bounds[c]}:{bounds[c + 1]})" for c in range(len(bounds) - 1))
         lines.append(f"chunks (as numpy.array_split): {spans}")
-    if p & (p - 1) and demo.algorithm in ("recursive-doubling", "rabenseifner"):
-        lines += FOLDING
-    lines += EXPLANATIONS.get(demo.algorithm, ())
+    if not demo.explanation:
+        if p & (p - 1) and demo.algorithm in ("recursive-doubling", "rabenseifner"):
+            lines += FOLDING
+        lines += EXPLANATIONS.get(demo.algorithm, ())
     lines.append(rounds_line(demo))
     marked = "in colour" if color else "in [brackets]"
     lines.append(f"what each rank just received is {marked}")
@@ -398,7 +437,11 @@ def rounds_line(demo: Demo) -> str:
 
     rounds = len(demo.steps)
     line = f"{_count(rounds, 'round')}, each rank sending and receiving at most one message in each"
-    if demo.algorithm in ALGORITHMS:
+    if demo.collective != "allreduce":
+        from syncsgd.apps.costmodel_parts import part_cost
+
+        line += f": `syncsgd model`'s {part_cost(demo.collective, demo.algorithm, demo.ranks).a:g}α"
+    elif demo.algorithm in ALGORITHMS:
         line += f": `syncsgd model`'s {cost(demo.algorithm, demo.ranks).a:g}α"
     return line
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from syncsgd.apps.demo_core import Demo, chunk_layout, contributors, exchange_text, rounds_line
+from syncsgd.apps.demo_core import Demo, contributors, demo_chunks, exchange_text, rounds_line
 from syncsgd.util import jsonout
 from syncsgd.util.files import write_text
 
@@ -60,7 +60,7 @@ def model_bytes(demo: Demo) -> str:
     from syncsgd.apps.costmodel import ALGORITHMS, cost
 
     n = demo.length * 8
-    if demo.algorithm not in ALGORITHMS:
+    if demo.algorithm not in ALGORITHMS or demo.collective != "allreduce":
         return ""
     b = cost(demo.algorithm, demo.ranks).b
     formula = {"ring": "2(P−1)/P·n"}.get(demo.algorithm, f"{b:g}·n")
@@ -73,11 +73,11 @@ def page(demo: Demo) -> str:
         "algorithm": demo.algorithm, "ranks": demo.ranks, "length": demo.length,
         "topology": TOPOLOGY.get(demo.algorithm, "ring"), "frames": rounds_data(demo),
         "model": model_bytes(demo), "rounds": rounds_line(demo), "correct": demo.correct,
-        "bounds": chunk_layout(demo.algorithm, demo.length, demo.ranks),
+        "bounds": demo_chunks(demo),
     }  # fmt: skip
     # "</" escaped: the payload never ends its <script>
     payload = jsonout.dumps(document, ensure_ascii=False).replace("</", "<\\/")
-    title = html.escape(f"{demo.algorithm} allreduce on {demo.ranks} ranks")
+    title = html.escape(f"{demo.what} on {demo.ranks} ranks")
     return TEMPLATE.replace("@TITLE@", title).replace("@DATA@", payload)
 
 

@@ -179,7 +179,7 @@ def _short(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:
 
 def _title(demo: Demo) -> str:
     """The algorithm, the sizes, and how to read the colours."""
-    return (f"{demo.algorithm} allreduce, {demo.ranks} ranks, {demo.length} elements: darker = "
+    return (f"{demo.what}, {demo.ranks} ranks, {demo.length} elements: darker = "
             f"more ranks summed in; black frame = just received (solid: added, dashed: copied)")
 
 

@@ -1,5 +1,5 @@
 """Allreduce algorithms as schedules run by one executor over point-to-point messages, and the
-library's own."""
+library's own; broadcast, reduce, allgather, reduce-scatter and alltoall by the same executor."""
 
 from syncsgd.collectives.api import (
     ALGORITHMS,
@@ -21,26 +21,47 @@ from syncsgd.collectives.executor import (
     ring_allreduce,
     tree_allreduce,
 )
-from syncsgd.collectives.schedules import COPY, CollectiveStep, chunk_bounds, schedule
+from syncsgd.collectives.parts import (
+    COLLECTIVES,
+    allgather,
+    alltoall,
+    broadcast,
+    reduce,
+    reduce_scatter,
+)
+from syncsgd.collectives.schedules import (
+    COPY,
+    Collective,
+    CollectiveStep,
+    chunk_bounds,
+    schedule,
+)
 
 __all__ = [
     "ALGORITHMS",
     "AUTO_LIBRARY_BELOW",
+    "COLLECTIVES",
     "COPY",
     "LATENCY_BYTES",
     "SHORT_MESSAGE_BYTES",
+    "Collective",
     "CollectiveStep",
     "Trace",
     "TraceEvent",
+    "allgather",
     "allreduce",
     "allreducer",
+    "alltoall",
     "auto_choice",
+    "broadcast",
     "buffer_defect",
     "choose_algorithm",
     "chunk_bounds",
     "naive_allreduce",
     "rabenseifner_allreduce",
     "recursive_doubling_allreduce",
+    "reduce",
+    "reduce_scatter",
     "ring_allreduce",
     "schedule",
     "tree_allreduce",

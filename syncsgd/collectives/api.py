@@ -70,22 +70,36 @@ def auto_choice(nbytes: int, count: int, size: int) -> str:
     return "mpi" if nbytes < AUTO_LIBRARY_BELOW else choose_algorithm(nbytes, count, size)
 
 
-def _agree(buf: Any, comm: Any, name: str) -> None:
-    """Raise ValueError on every rank unless all buffers are usable and of one length and dtype."""
-    defect = buffer_defect(buf, name)
+def _agree(
+    buf: Any, comm: Any, name: str, defect: str | None = None,
+    alike: tuple[tuple[str, int], ...] = (),
+) -> None:  # fmt: skip
+    """Raise ValueError on every rank unless all buffers are usable and of one length and dtype.
+
+    `defect`: why this rank cannot take part ("" for nothing) if the caller checked, else None
+    (then `buffer_defect` tells); `alike`: (what, value) pairs every rank must pass alike.
+    """
+    if defect is None:
+        defect = buffer_defect(buf, name)
     if comm.Get_size() == 1:
         if defect:
             raise ValueError(defect)
         return
     length = 0 if defect else buf.size
     code = NO_DTYPE if defect else DTYPE_CODE[buf.dtype]
-    mine = np.array([defect is not None, length, -length, code, -code], np.int64)
+    mine = np.array([bool(defect), length, -length, code, -code]
+                    + [v for _, value in alike for v in (value, -value)], np.int64)  # fmt: skip
     every = np.empty_like(mine)
-    with watching(f"{name}'s agreement round"):  # the extra collective: 40 bytes
+    with watching(f"{name}'s agreement round"):  # the extra collective: 40 bytes and `alike`
         comm.Allreduce(mine, every, op=constants(comm).MAX)
-    unusable, longest, minus_shortest, last_dtype, minus_first_dtype = every.tolist()
+    unusable, longest, minus_shortest, last_dtype, minus_first_dtype = every[:5].tolist()
     if defect:
         raise ValueError(defect)
+    for index, (what, value) in enumerate(alike):
+        largest, minus_smallest = every[5 + 2 * index : 7 + 2 * index].tolist()
+        if largest != -minus_smallest:
+            raise ValueError(f"{name}: the ranks passed different {what}s ({-minus_smallest} to "
+                             f"{largest}; rank {comm.Get_rank()} passed {value})")  # fmt: skip
     mine_text = f"rank {comm.Get_rank()} has {buf.dtype} of length {buf.size}"
     if unusable:
         raise ValueError(

@@ -14,7 +14,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.collectives.schedules import ADD_OWN_FIRST, COPY, SCHEDULES, CollectiveStep
+from syncsgd.collectives.schedules import (
+    ADD_OWN_FIRST,
+    COPY,
+    SCHEDULES,
+    Collective,
+    CollectiveStep,
+    schedule,
+)
 from syncsgd.comm.threads import MessageTruncated, ThreadComm
 from syncsgd.comm.world import constants
 
@@ -26,6 +33,13 @@ _NOTHING = np.empty(0, np.uint8)  # what a rank with an unusable buffer sends an
 _COPIED = -1  # `arriving` of a step whose data lands straight in its place: nothing to add
 # The name each algorithm's errors carry: the function the user called.
 FUNCTION_NAMES = {name: name.replace("-", "_") + "_allreduce" for name in SCHEDULES}
+
+
+def function_name(algorithm: str | Collective) -> str:
+    """The function the user called to run `algorithm`: `ring_allreduce`, `broadcast`, ..."""
+    if isinstance(algorithm, Collective):
+        return algorithm.name.replace("-", "_")
+    return FUNCTION_NAMES[algorithm]
 
 
 class TraceEvent(NamedTuple):
@@ -118,7 +132,9 @@ _local = threading.local()
 _MAX_PLANS = 64  # plans kept per thread; more distinct buffer sizes start the cache afresh
 
 
-def plan_for(algorithm: str, length: int, dtype: np.dtype, size: int, rank: int, comm: Any) -> Plan:
+def plan_for(
+    algorithm: str | Collective, length: int, dtype: np.dtype, size: int, rank: int, comm: Any
+) -> Plan:
     """This thread's plan for `algorithm` on `length` x `dtype` on `comm`; built once."""
     key = algorithm, length, dtype, size, rank, type(comm)
     try:
@@ -127,7 +143,7 @@ def plan_for(algorithm: str, length: int, dtype: np.dtype, size: int, rank: int,
         pass
     if not hasattr(_local, "plans") or len(_local.plans) >= _MAX_PLANS:
         _local.plans, _local.scratch = {}, {}
-    steps = SCHEDULES[algorithm](length, size, rank)
+    steps = schedule(algorithm, length, size, rank)
     largest = max((s.recv.stop - s.recv.start for s in steps if s.combine != COPY), default=0)
     scratch = _local.scratch.get(dtype)
     if scratch is None or scratch.size < largest:
@@ -136,19 +152,22 @@ def plan_for(algorithm: str, length: int, dtype: np.dtype, size: int, rank: int,
     mpi = constants(comm)
     planned = tuple(_planned(step, dtype.itemsize, scratch) for step in steps)
     result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), planned,
-                  _truncation_unsafe(comm), FUNCTION_NAMES[algorithm],
+                  _truncation_unsafe(comm), function_name(algorithm),
                   type(comm) is ThreadComm)  # fmt: skip
     _local.plans[key] = result
     return result
 
 
-def execute(algorithm: str, buf: np.ndarray, comm: Any, trace: Trace | None = None) -> np.ndarray:
-    """Sum `buf` over all ranks of `comm` in place by `algorithm`'s schedule and return it."""
+def execute(
+    algorithm: str | Collective, buf: np.ndarray, comm: Any, trace: Trace | None = None
+) -> np.ndarray:
+    """Sum `buf` over all ranks of `comm` in place by `algorithm`'s schedule and return it (or
+    run another collective's schedule on it: `Collective`)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     if type(buf) is np.ndarray and buf.flags.carray and buf.dtype in DTYPE_CODE:
         defect, flat = None, buf.ravel()  # the usual case, checked quickly; ravel: a flat view
     else:
-        defect = buffer_defect(buf, FUNCTION_NAMES[algorithm])
+        defect = buffer_defect(buf, function_name(algorithm))
         # np.matrix & co. stay 2-D when raveled: view the memory as a plain array first
         flat = _NOTHING if defect else buf.view(np.ndarray).ravel()
     if size == 1:

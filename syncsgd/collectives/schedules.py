@@ -187,14 +187,240 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
 }
 
 
-def schedule(algorithm: str, length: int, size: int, rank: int) -> Schedule:
-    """The steps `rank` takes in a hand-written allreduce of `length` elements on `size` ranks."""
+# -- the other collectives, each on one buffer of P blocks -----------------------------------------
+# Block b is chunk_bounds(length, P)'s chunk b. Broadcast and reduce move the whole buffer (the
+# ring: block by block); allgather starts with rank r's data in block r and ends with every block;
+# reduce-scatter ends with the sum of block r on rank r; alltoall's buffer is 2P blocks, what rank r
+# sends to rank j in block j and what it receives from rank i in block P + i.
+
+
+class Collective(NamedTuple):
+    """A collective other than allreduce, as the executor runs it: which, by what, whose root."""
+
+    name: str  # one of PART_SCHEDULES
+    algorithm: str
+    root: int = 0
+
+
+def _pipeline(phase: str, length: int, size: int, position: int, ahead: int, behind: int,
+              combine: int) -> Schedule:  # fmt: skip
+    """The P blocks along a chain, one step apart: the rank at `position` receives block c from
+    `behind` at step c + position - 1 and passes it on to `ahead` at step c + position."""
+    bounds = chunk_bounds(length, size)
+    block = [slice(bounds[c], bounds[c + 1]) for c in range(size)]
+    steps = []
+    for step in range(max(position - 1, 0), position + size):
+        send, recv = step - position, step - position + 1
+        sends, recvs = position < size - 1 and 0 <= send < size, position > 0 and recv < size
+        if sends or recvs:
+            steps.append(CollectiveStep(
+                phase, step, ahead if sends else -1, behind if recvs else -1,
+                send if sends else -1, recv if recvs else -1, block[send] if sends else _NONE,
+                block[recv] if recvs else _NONE, combine if recvs else COPY,
+            ))  # fmt: skip
+    return tuple(steps)
+
+
+def ring_broadcast_schedule(length: int, size: int, rank: int) -> Schedule:
+    """From rank 0 to the right around the ring, block by block, each rank passing the last on."""
+    left, right = (rank - 1) % size, (rank + 1) % size
+    return _pipeline("broadcast", length, size, rank, right, left, COPY)
+
+
+def ring_reduce_schedule(length: int, size: int, rank: int) -> Schedule:
+    """From rank P-1 to the left around the ring to rank 0, block by block, each adding its own."""
+    left, right = (rank - 1) % size, (rank + 1) % size
+    return _pipeline("reduce", length, size, size - 1 - rank, left, right, ADD_OWN_FIRST)
+
+
+def binomial_broadcast_schedule(length: int, size: int, rank: int) -> Schedule:
+    """Rank 0 sends to 2^(K-1), then both 2^(K-2) on, ...: K = ceil(log2 P) rounds (as MPICH)."""
+    whole, rounds = slice(0, length), (size - 1).bit_length()
+    mask = 1
+    while mask < size and not rank & mask:  # the lowest bit set: whom we receive from
+        mask <<= 1
+    steps = []
+    if rank:
+        steps.append(_recv("broadcast", rounds - mask.bit_length(), rank - mask, 0, whole, COPY))
+    mask >>= 1
+    while mask:
+        if rank + mask < size:
+            steps.append(_send("broadcast", rounds - mask.bit_length(), rank + mask, 0, whole))
+        mask >>= 1
+    return tuple(steps)
+
+
+def binomial_reduce_schedule(length: int, size: int, rank: int) -> Schedule:
+    """The broadcast's tree backwards: in round k ranks with bit k set send to rank - 2^k."""
+    whole, steps, mask = slice(0, length), [], 1
+    while mask < size:
+        if rank & mask:
+            steps.append(_send("reduce", mask.bit_length() - 1, rank - mask, 0, whole))
+            break
+        if rank + mask < size:  # own + incoming: the lower ranks' sum comes first
+            steps.append(_recv("reduce", mask.bit_length() - 1, rank + mask, 0, whole,
+                               ADD_OWN_FIRST))  # fmt: skip
+        mask <<= 1
+    return tuple(steps)
+
+
+def ring_allgather_schedule(length: int, size: int, rank: int) -> Schedule:
+    """P-1 steps: pass on to the right the block received last (first: our own)."""
+    bounds = chunk_bounds(length, size)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    steps = []
+    for s in range(size - 1):
+        send, recv = (rank - s) % size, (rank - s - 1) % size
+        steps.append(CollectiveStep("allgather", s, right, left, send, recv,
+                                    slice(bounds[send], bounds[send + 1]),
+                                    slice(bounds[recv], bounds[recv + 1]), COPY))  # fmt: skip
+    return tuple(steps)
+
+
+def ring_reduce_scatter_schedule(length: int, size: int, rank: int) -> Schedule:
+    """P-1 steps: add the block from the left to our own and pass it right; block r ends here."""
+    bounds = chunk_bounds(length, size)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    steps = []
+    for s in range(size - 1):  # block b starts at rank b + 1 and reaches rank b after P-1 steps
+        send, recv = (rank - s - 1) % size, (rank - s - 2) % size
+        sent, received = (slice(bounds[c], bounds[c + 1]) for c in (send, recv))
+        steps.append(CollectiveStep("reduce-scatter", s, right, left, send, recv, sent, received,
+                                    ADD_OWN_FIRST))  # fmt: skip
+    return tuple(steps)
+
+
+def _folded_blocks(length: int, size: int) -> tuple[list[int], list[int]]:
+    """Per folded rank n of p': its first block, and where its blocks start, plus `length`."""
+    pof2, extra, _ = _folding(size, 0)
+    first = [2 * n if n < extra else n + extra for n in range(pof2)]
+    bounds = chunk_bounds(length, size)
+    return first, [bounds[b] for b in first] + [length]
+
+
+def recursive_doubling_allgather_schedule(length: int, size: int, rank: int) -> Schedule:
+    """Fold, then log2(p') exchanges of 1, 2, 4, ... ranks' blocks with the partner in bit k,
+    then unfold: the odd rank returns the whole buffer."""
+    pof2, extra, newrank = _folding(size, rank)
+    first, starts = _folded_blocks(length, size)
+    bounds, whole = chunk_bounds(length, size), slice(0, length)
+    steps: list[CollectiveStep] = []
+    if rank < 2 * extra:  # the even rank's block to the odd rank above
+        own = slice(bounds[rank - rank % 2], bounds[rank - rank % 2 + 1])
+        if rank % 2 == 0:
+            steps.append(_send("fold", 0, rank + 1, rank, own))
+        else:
+            steps.append(_recv("fold", 0, rank - 1, rank - 1, own, COPY))
+    if newrank >= 0:
+        for k in range(pof2.bit_length() - 1):
+            partner = newrank ^ (1 << k)
+            mine, theirs = newrank >> k << k, partner >> k << k
+            peer = _real_rank(partner, extra)
+            steps.append(CollectiveStep(
+                "allgather", k, peer, peer, first[mine], first[theirs],
+                slice(starts[mine], starts[mine + (1 << k)]),
+                slice(starts[theirs], starts[theirs + (1 << k)]), COPY,
+            ))  # fmt: skip
+    return tuple(steps + _fold("unfold", rank, extra, whole))
+
+
+def recursive_halving_reduce_scatter_schedule(length: int, size: int, rank: int) -> Schedule:
+    """Fold, then log2(p') exchanges with the partner p'/2, p'/4, ... away, each keeping the half
+    of its window that holds its own block; unfold: the odd rank returns the even rank's block."""
+    pof2, extra, newrank = _folding(size, rank)
+    first, starts = _folded_blocks(length, size)
+    bounds, whole = chunk_bounds(length, size), slice(0, length)
+    steps = _fold("fold", rank, extra, whole)
+    if newrank >= 0:
+        lo, hi = 0, pof2  # the window of folded ranks whose blocks this rank still adds
+        for step, k in enumerate(reversed(range(pof2.bit_length() - 1))):  # as MPICH: far first
+            peer, mid = _real_rank(newrank ^ (1 << k), extra), (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if newrank >> k & 1 == 0 else ((mid, hi), (lo, mid))
+            steps.append(CollectiveStep(
+                "reduce-scatter", step, peer, peer, first[give[0]], first[keep[0]],
+                slice(starts[give[0]], starts[give[1]]), slice(starts[keep[0]], starts[keep[1]]),
+                _added_in_order(rank, peer),
+            ))  # fmt: skip
+            lo, hi = keep
+    if rank < 2 * extra:  # the odd rank returns the even rank's block
+        even = slice(bounds[rank - rank % 2], bounds[rank - rank % 2 + 1])
+        if rank % 2 == 0:
+            steps.append(_recv("unfold", 0, rank + 1, rank, even, COPY))
+        else:
+            steps.append(_send("unfold", 0, rank - 1, rank - 1, even))
+    return tuple(steps)
+
+
+def pairwise_alltoall_schedule(length: int, size: int, rank: int) -> Schedule:
+    """P-1 steps: at step s send block r+s to rank r+s and receive from rank r-s (as MPICH)."""
+    bounds = chunk_bounds(length, 2 * size)  # sent: blocks 0..P-1; received: P..2P-1
+    steps = []
+    for s in range(1, size):
+        dest, source = (rank + s) % size, (rank - s) % size
+        steps.append(CollectiveStep("alltoall", s - 1, dest, source, dest, source,
+                                    slice(bounds[dest], bounds[dest + 1]),
+                                    slice(bounds[size + source], bounds[size + source + 1]),
+                                    COPY))  # fmt: skip
+    return tuple(steps)
+
+
+PART_SCHEDULES: dict[str, dict[str, Callable[[int, int, int], Schedule]]] = {
+    "broadcast": {"ring": ring_broadcast_schedule, "binomial": binomial_broadcast_schedule},
+    "reduce": {"ring": ring_reduce_schedule, "binomial": binomial_reduce_schedule},
+    "allgather": {
+        "ring": ring_allgather_schedule,
+        "recursive-doubling": recursive_doubling_allgather_schedule,
+    },
+    "reduce-scatter": {
+        "ring": ring_reduce_scatter_schedule,
+        "recursive-halving": recursive_halving_reduce_scatter_schedule,
+    },
+    "alltoall": {"pairwise": pairwise_alltoall_schedule},
+}
+ROOTED = ("broadcast", "reduce")
+
+
+def _rooted(steps: Schedule, root: int, size: int) -> Schedule:
+    """A schedule written for root 0 with every peer renumbered: rank v is rank (v + root) % P."""
+    if root == 0:
+        return steps
+    return tuple(
+        step._replace(send_to=(step.send_to + root) % size if step.send_to >= 0 else -1,
+                      recv_from=(step.recv_from + root) % size if step.recv_from >= 0 else -1)
+        for step in steps
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def part_schedule(collective: Collective, length: int, size: int, rank: int) -> Schedule:
+    """The steps `rank` takes in `collective` on a buffer of `length` elements."""
+    try:
+        steps_of = PART_SCHEDULES[collective.name][collective.algorithm]
+    except KeyError:
+        known = PART_SCHEDULES.get(collective.name)
+        if known is None:
+            raise ValueError(f"no collective {collective.name!r} (choose "
+                             f"{', '.join(PART_SCHEDULES)})") from None  # fmt: skip
+        raise ValueError(f"no {collective.name} algorithm {collective.algorithm!r} (choose "
+                         f"{', '.join(known)})") from None  # fmt: skip
+    root = collective.root if collective.name in ROOTED else 0  # the others have no root
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} is not in a communicator of size {size}")
+    relative = (rank - root) % size  # rooted schedules are written for root 0
+    return _rooted(steps_of(length, size, relative), root, size)
+
+
+def schedule(algorithm: str | Collective, length: int, size: int, rank: int) -> Schedule:
+    """The steps `rank` takes in a hand-written allreduce (or another collective) of `length`
+    elements on `size` ranks."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a communicator of size {size}")
+    if isinstance(algorithm, Collective):
+        return part_schedule(algorithm, length, size, rank)
     try:
         steps_of = SCHEDULES[algorithm]
     except KeyError:
         raise ValueError(
             f"no schedule for allreduce algorithm {algorithm!r} (choose {', '.join(SCHEDULES)})"
         ) from None
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is not in a communicator of size {size}")
     return steps_of(length, size, rank)
