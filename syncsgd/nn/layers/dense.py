@@ -67,6 +67,10 @@ class Dense(Layer):
         nx.matmul_(rows(dy, self.out_shape[-1]), p["weight"], below, self.in_out)
         nx.round_(below)
 
+    def multiply_adds(self) -> int:
+        """positions x in x out per sample."""
+        return self.positions * self.in_shape[-1] * self.out_shape[-1]
+
     def describe(self) -> str:
         """dense(width)."""
         return f"dense({self.out_shape[-1]})" if self.out_shape else "dense"
