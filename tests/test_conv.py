@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -351,6 +352,66 @@ def test_mpiexec_exact_conv_training_has_one_sha256_for_every_p(tmp_path, ranks)
     assert done.returncode == 0, done.stderr
     runs = {**thread_digests(), f"mpiexec P={ranks}": saved_digest(path)}
     assert len(set(runs.values())) == 1, runs
+
+
+# -- every guarantee of the MLP, for a conv net with batchnorm ------------------------------------
+
+BN_SPEC = "conv(3, 3, pad=1) batchnorm relu maxpool(2) flatten dense"
+GUARDED = TrainConfig(model=BN_SPEC, exact=True, momentum=0.9, **SMALL)
+
+
+def state(result: Any) -> str:
+    """One digest of the parameters and the running statistics."""
+    return digest(result.params) + digest(result.running)
+
+
+def overlap_in_buckets(tmp_path: Any) -> None:
+    """--overlap with 64-byte buckets on 3 ranks: the serial bits."""
+    overlapped = train(GUARDED, ranks=3, overlap=True, bucket_bytes=64)
+    assert state(overlapped) == state(train(GUARDED, ranks=1))
+
+
+def resume_on_another_p(tmp_path: Any) -> None:
+    """A checkpoint written on 2 ranks, resumed on 5: the uninterrupted serial bits."""
+    train(GUARDED, ranks=2, steps=2, checkpoint=str(tmp_path))
+    assert state(train(GUARDED, ranks=5, resume=str(tmp_path))) == state(train(GUARDED, ranks=1))
+
+
+def fp16_loss_scaling(tmp_path: Any) -> None:
+    """fp16 with the dynamic loss scale: the same skipped steps, scales and bits for any P."""
+    config = replace(GUARDED, precision="fp16", loss_scale="dynamic", scale_window=1, steps=4)
+    serial, parallel = train(config, ranks=1), train(config, ranks=3)
+    assert serial.skipped_steps  # 2^16 x the gradient overflows fp16's 65504 at first
+    assert parallel.skipped_steps == serial.skipped_steps
+    assert parallel.loss_scales == serial.loss_scales and state(parallel) == state(serial)
+
+
+def verify_and_its_pitfalls(tmp_path: Any) -> None:
+    """verify passes the correct run and fails each pitfall that changes a conv net's sums."""
+    from syncsgd.apps.verify import TOLERANCE, verify
+
+    config = replace(GUARDED, batch_size=10)  # 4, 3, 3 samples on 3 ranks
+    assert verify(config, [3], TOLERANCE)[0].bitwise_equal
+    for pitfall in ("mean-of-means", "pad-duplicate", "unsynced-shuffle"):
+        assert not verify(replace(config, pitfall=pitfall), [3], TOLERANCE)[0].matches
+
+
+def timeline_of_each_allreduce(tmp_path: Any) -> None:
+    """The timeline holds each step's allreduces: batchnorm's three and the gradient's."""
+    import json
+
+    trace = tmp_path / "trace.json"
+    train(replace(GUARDED, exact=False), ranks=2, timeline=str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    per_rank = [e for e in events if e.get("cat") == "allreduce" and e["tid"] == 0]
+    assert len(per_rank) == 3 * (3 + 1) * 2  # steps x allreduces x (reduce-scatter, allgather)
+
+
+@pytest.mark.parametrize("check", [overlap_in_buckets, resume_on_another_p, fp16_loss_scaling,
+                                   verify_and_its_pitfalls, timeline_of_each_allreduce],
+                         ids=lambda check: check.__name__)  # fmt: skip
+def test_a_conv_net_keeps_every_guarantee(check, tmp_path):
+    check(tmp_path)
 
 
 def test_an_input_shape_is_refused_unless_it_holds_the_datas_features():
