@@ -203,7 +203,8 @@ def whole_steps(options: argparse.Namespace) -> list[dict]:
     features = int(np.prod(options.input_shape)) if options.model else options.features
     rows = []
     print(f"whole steps: {describe(options)}, global batch {options.global_batch}, "
-          f"{options.step_ranks} thread ranks, {options.steps} steps per run, median of {options.batches} runs")  # fmt: skip
+          f"{options.step_ranks} thread ranks, {options.steps} steps per run, median of "
+          f"{options.batches} runs")  # fmt: skip
     print(f"{'dtype':>8} {'mode':>6} {'step (ms)':>10} {'exact/float':>12}")
     for dtype in options.dtypes:
         problems = {
