@@ -4,7 +4,9 @@
                                                 # then whole steps at P = 2 (target: <= 4x)
     python benchmarks/exact.py --ranks 2        # two thread ranks computing at the same time
     OPENBLAS_NUM_THREADS=1 python benchmarks/exact.py --clock cpu --json exact.json
+    python benchmarks/exact.py --model simple-cnn --input-shape 1,28,28 --batches 3 --iters 1
 
+`--model SPEC --input-shape C,H,W` benchmarks any --model network instead of the --hidden MLP.
 The default setting is global batch 256 on P = 2 ranks, so each rank's micro-batch is 128. Exact
 mode is `passes` (Backprop with the Exact numerics: the batch-invariant forward and backward
 passes, every sum registered with its peaks) then `extract` (`Exact.scales` and the extraction of
@@ -39,27 +41,42 @@ import numpy as np
 
 from syncsgd.apps.bench.timing import CLOCKS, interleaved_rounds
 from syncsgd.nn.mlp import MLP, parse_hidden
-from syncsgd.util.argtypes import dtype_list
+from syncsgd.nn.network import Network, build
+from syncsgd.util.argtypes import dimensions, dtype_list
 
 MODES = ("float", "exact", "passes", "extract")  # the last two: exact's phases alone
 
 
-def setup(model: MLP, batch: int, seed: int, rank: int) -> tuple[np.ndarray, ...]:
+def make_network(options: argparse.Namespace, dtype: str) -> Network:
+    """The --model network on --input-shape, or the --hidden MLP."""
+    if options.model is not None:
+        return build(options.model, options.input_shape, options.classes, "xent", dtype)
+    sizes = (options.features, *parse_hidden(options.hidden), options.classes)
+    return MLP(sizes, "relu", "xent", np.dtype(dtype)).network()
+
+
+def describe(options: argparse.Namespace) -> str:
+    """The network as the output names it."""
+    if options.model is not None:
+        return f"{options.model} on {','.join(map(str, options.input_shape))}"
+    return f"MLP {options.features}-{options.hidden.replace(',', '-')}-{options.classes} relu"
+
+
+def setup(model: Network, batch: int, seed: int, rank: int) -> tuple[np.ndarray, ...]:
     """Parameters and one rank's micro-batch of inputs and labels."""
     rng = np.random.default_rng([seed, rank])
-    X = rng.standard_normal((batch, model.sizes[0])).astype(model.dtype)
-    y = rng.integers(0, model.sizes[-1], batch)
+    X = rng.standard_normal((batch, int(np.prod(model.in_shape)))).astype(model.dtype)
+    y = rng.integers(0, model.outputs, batch)
     return model.init_params(seed), X, y
 
 
 class ExactPhases:
     """One rank's exact-mode gradient sum in the step's two phases, around the MAX of the peaks."""
 
-    def __init__(self, model: MLP, max_batch: int) -> None:
+    def __init__(self, network: Network, max_batch: int) -> None:
         from syncsgd.nn.backprop import Backprop
         from syncsgd.nn.numerics import Exact, numerics
 
-        network = model.network()
         nx = numerics(True, "fp32", network.dtype, network.largest_weight(),
                       max_batch * network.largest_block(), network.n_params)  # fmt: skip
         assert isinstance(nx, Exact)
@@ -86,7 +103,7 @@ class ExactPhases:
         return loss_sum
 
 
-def rank_calls(model: MLP, options: argparse.Namespace, rank: int) -> dict[str, Callable]:
+def rank_calls(model: Network, options: argparse.Namespace, rank: int) -> dict[str, Callable]:
     """One rank's calls of every mode, after checking that exact and float mode agree."""
     from syncsgd.nn.backprop import Gradient
 
@@ -118,11 +135,10 @@ def rank_calls(model: MLP, options: argparse.Namespace, rank: int) -> dict[str, 
 
 def run(options: argparse.Namespace) -> list[dict]:
     """Times every mode for every dtype; prints and returns one row per (dtype, mode)."""
-    sizes = (options.features, *parse_hidden(options.hidden), options.classes)
     calls: dict[tuple[str, str], list[Callable]] = {}
     first_call = {}
     for dtype in options.dtypes:
-        model = MLP(sizes, "relu", "xent", np.dtype(dtype))
+        model = make_network(options, dtype)
         started = time.perf_counter()
         per_rank = [rank_calls(model, options, rank) for rank in range(options.ranks)]
         first_call[dtype] = time.perf_counter() - started  # compile or cache load, and checks
@@ -134,7 +150,7 @@ def run(options: argparse.Namespace) -> list[dict]:
     )
 
     print(
-        f"MLP {'-'.join(map(str, sizes))} relu xent, micro-batch {options.batch} of global "
+        f"{describe(options)} xent, micro-batch {options.batch} of global "
         f"batch {options.global_batch}, {options.ranks} thread rank(s) at once; median of "
         f"{options.batches} rounds x {options.iters} calls, {options.clock} clock; "
         f"cores {os.cpu_count()}, "
@@ -149,7 +165,7 @@ def run(options: argparse.Namespace) -> list[dict]:
             row = {
                 "dtype": dtype,
                 "mode": mode,
-                "sizes": list(sizes),
+                "network": describe(options),
                 "batch": options.batch,
                 "global_batch": options.global_batch,
                 "ranks": options.ranks,
@@ -180,16 +196,20 @@ def whole_steps(options: argparse.Namespace) -> list[dict]:
     from syncsgd.training.config import TrainConfig
     from syncsgd.training.loop import prepare, train_rank
 
-    hidden = parse_hidden(options.hidden)
+    layers: dict = (
+        {"model": options.model, "input_shape": options.input_shape} if options.model else
+        {"hidden": parse_hidden(options.hidden)}
+    )  # fmt: skip
+    features = int(np.prod(options.input_shape)) if options.model else options.features
     rows = []
-    print(f"whole steps: MLP {options.features}-{'-'.join(map(str, hidden))}-{options.classes}, "
-          f"global batch {options.global_batch}, {options.step_ranks} thread ranks, "
-          f"{options.steps} steps per run, median of {options.batches} runs")  # fmt: skip
+    print(f"whole steps: {describe(options)}, global batch {options.global_batch}, "
+          f"{options.step_ranks} thread ranks, {options.steps} steps per run, median of "
+          f"{options.batches} runs")  # fmt: skip
     print(f"{'dtype':>8} {'mode':>6} {'step (ms)':>10} {'exact/float':>12}")
     for dtype in options.dtypes:
         problems = {
             mode: prepare(TrainConfig(
-                samples=max(2048, options.global_batch), features=options.features, hidden=hidden,
+                samples=max(2048, options.global_batch), features=features, **layers,
                 classes=options.classes, batch_size=options.global_batch, steps=options.steps,
                 dtype=dtype, exact=mode == "exact", seed=options.seed,
             ))
@@ -221,6 +241,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options."""
     parser.add_argument("--features", type=int, default=784, help="input size (784)")
     parser.add_argument("--hidden", default="256,256", help="hidden sizes (256,256)")
+    parser.add_argument("--model", metavar="SPEC",
+                        help="a --model network (e.g. simple-cnn) instead of the --hidden MLP")
+    parser.add_argument("--input-shape", type=dimensions, default=(1, 28, 28),
+                        help="--model: one sample's shape (1,28,28)")
     parser.add_argument("--classes", type=int, default=10, help="output size (10)")
     parser.add_argument("--batch", type=int, default=128, help="micro-batch per rank (128)")
     parser.add_argument("--global-batch", type=int, default=256, help="global batch B (256)")

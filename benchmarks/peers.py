@@ -3,6 +3,7 @@
     pip install -e '.[peers]'                 # PyTorch (CPU) and JAX; each is skipped if missing
     python benchmarks/peers.py                # P = 1, 2; float32, float64; 5 rounds of 20 steps
     python benchmarks/peers.py --ranks 2 --dtypes float32 --rounds 9 --json peers.json
+    python benchmarks/peers.py --model simple-cnn --steps 3 --warmup 2   # the CNN, 1x28x28 inputs
 
 What is timed: one synchronous data-parallel SGD step of an MLP 784-256-256-10 (relu, softmax
 cross-entropy, plain SGD at lr 0.01) on a global batch of 256 samples drawn from 2048 synthetic
@@ -13,6 +14,9 @@ ones, split over P ranks, each rank on its own core:
   jax      `jax.pmap` over P forced host devices (XLA_FLAGS=
            --xla_force_host_platform_device_count=P), the gradient averaged with `lax.pmean`,
            the update inside the pmapped step.
+`--model SPEC` times any syncsgd --model network instead (conv, pooling, flatten, dense, relu,
+tanh, batchnorm; `--input-shape`, default 1,28,28): the same synthetic samples read as images,
+PyTorch's nn.Sequential of the same layers under DDP; JAX's contender is the MLP's only.
 Every contender gathers its shard from the sample array each step, and each runs in its own
 process, pinned to the first P cores, kept alive across rounds. A round asks every contender in
 turn for `--steps` steps (interleaved, so a noisy neighbour slows all alike); the median over
@@ -24,9 +28,12 @@ machine when steps were dispatched ahead without waiting for them: here every st
 (`block_until_ready` on the new parameters) before the next is dispatched, which is also how
 the other contenders run.
 
-The GEMM floor (P = 1): the step's floating-point operations divided by the best single-core GEMM
-rate measured in the same run (a 256 x 784 x 256 product through the kernels' BLAS, SciPy's
-OpenBLAS, from Numba, one thread); the share is floor / syncsgd's step. Nothing is asserted.
+The GEMM floor (P = 1): the step's floating-point operations (2 x its layers' multiply-adds,
+forward and backward, `Network.step_multiply_adds`) divided by the best single-core GEMM rate
+measured in the same run: the better of the step's largest product (a 256 x 784 x 256 for the
+MLP; a conv's im2col product, its rows capped at 8192) and a 512^3 product, through the kernels'
+BLAS (SciPy's OpenBLAS, from Numba, one thread); the share is floor / syncsgd's step. Nothing is
+asserted.
 """
 
 from __future__ import annotations
@@ -45,14 +52,39 @@ import numpy as np
 
 SIZES = (784, 256, 256, 10)
 BATCH, SAMPLES, LR, SEED = 256, 2048, 0.01, 0
-GEMM_SHAPE = (256, 784, 256)  # the step's largest product (m, k, n)
 PEERS = {"ddp": "torch", "jax": "jax"}
+GEMM_SHAPE = (256, 784, 256)  # the MLP's largest product (m, k, n)
+SQUARE = (512, 512, 512)  # the other product the floor's GEMM rate is measured on
+MAX_ROWS = 8192  # a product's rows beyond these do not change its rate
 
 
-def step_flops(sizes: tuple[int, ...] = SIZES, batch: int = BATCH) -> int:
-    """Multiply-adds x 2 of one step: forward, weight gradients, deltas below the first layer."""
-    products = [a * b for a, b in zip(sizes[:-1], sizes[1:], strict=False)]
-    return 2 * batch * (2 * sum(products) + sum(products[1:]))
+def network(model: str | None, shape: tuple[int, ...], dtype: str = "float64") -> Any:
+    """syncsgd's Network of the run: the --model spec on `shape`, or the MLP."""
+    from syncsgd.nn.mlp import MLP
+    from syncsgd.nn.network import build
+
+    if model is None:
+        return MLP(SIZES, "relu", "xent", np.dtype(dtype)).network()
+    return build(model, shape, SIZES[-1], "xent", dtype)
+
+
+def step_flops(net: Any = None, batch: int = BATCH) -> int:
+    """Multiply-adds x 2 of one step (the MLP's by default): forward, weight gradients, deltas
+    below the first layer."""
+    return 2 * batch * sum((net or network(None, ())).step_multiply_adds())
+
+
+def largest_product(net: Any, batch: int = BATCH) -> tuple[int, int, int]:
+    """(m, k, n) of the step's largest product: a dense layer's, or a conv's im2col one."""
+    shapes = []
+    for layer in net.layers:
+        if layer.kind == "dense":
+            shapes.append((batch * layer.positions, layer.in_shape[-1], layer.out_shape[-1]))
+        elif layer.kind == "conv":
+            positions = layer.out_shape[1] * layer.out_shape[2]
+            shapes.append((batch * positions, layer.in_shape[0] * layer.kernel ** 2,
+                           layer.out_channels))  # fmt: skip
+    return max(shapes, key=lambda mkn: mkn[0] * mkn[1] * mkn[2])
 
 
 def pin(ranks: int) -> None:
@@ -70,13 +102,40 @@ def shared_data(dtype: str) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(run.X), np.ascontiguousarray(run.y, dtype=np.int64)
 
 
-def syncsgd_config(dtype: str, steps: int) -> Any:
-    """The TrainConfig of the benchmark's run."""
+def syncsgd_config(dtype: str, steps: int, model: str | None = None,
+                   shape: tuple[int, ...] = ()) -> Any:  # fmt: skip
+    """The TrainConfig of the benchmark's run: the MLP, or the --model spec on `shape`."""
     from syncsgd.training.config import TrainConfig
 
-    return TrainConfig(samples=SAMPLES, features=SIZES[0], hidden=SIZES[1:-1],
-                       classes=SIZES[-1], batch_size=BATCH, steps=steps, lr=LR, seed=SEED,
-                       dtype=dtype, activation="relu", loss="xent")  # fmt: skip
+    layers: dict[str, Any] = {"hidden": SIZES[1:-1], "activation": "relu"}
+    if model is not None:
+        layers = {"model": model, "input_shape": shape}
+    return TrainConfig(samples=SAMPLES, features=SIZES[0], classes=SIZES[-1], batch_size=BATCH,
+                       steps=steps, lr=LR, seed=SEED, dtype=dtype, loss="xent",
+                       **layers)  # fmt: skip
+
+
+def torch_sequential(net: Any) -> Any:
+    """PyTorch's nn.Sequential of the same layers as a syncsgd Network (PyTorch's own init)."""
+    from torch import nn
+
+    modules: list[nn.Module] = []
+    for layer in net.layers:
+        if layer.kind == "conv":
+            modules.append(nn.Conv2d(layer.in_shape[0], layer.out_channels, layer.kernel,
+                                     layer.stride, layer.pad))  # fmt: skip
+        elif layer.kind in ("maxpool", "avgpool"):
+            pool = nn.MaxPool2d if layer.kind == "maxpool" else nn.AvgPool2d
+            modules.append(pool(layer.k, layer.stride))
+        elif layer.kind == "batchnorm":
+            norm = nn.BatchNorm2d if len(layer.in_shape) == 3 else nn.BatchNorm1d
+            modules.append(norm(layer.in_shape[0] if len(layer.in_shape) == 3 else
+                                layer.in_shape[-1]))  # fmt: skip
+        elif layer.kind == "dense":
+            modules.append(nn.Linear(layer.in_shape[-1], layer.out_shape[-1]))
+        else:
+            modules.append({"relu": nn.ReLU, "tanh": nn.Tanh, "flatten": nn.Flatten}[layer.kind]())
+    return nn.Sequential(*modules)
 
 
 def batches(seed: int, steps: int) -> list[np.ndarray]:
@@ -95,7 +154,7 @@ def serve(measure: Any) -> None:
         print(repr(measure(int(line))), flush=True)
 
 
-def serve_syncsgd(ranks: int, dtype: str) -> None:
+def serve_syncsgd(ranks: int, dtype: str, model: str | None, shape: tuple[int, ...]) -> None:
     """syncsgd's training loop on `ranks` thread ranks; the steady state of each run."""
     from dataclasses import replace
 
@@ -103,7 +162,7 @@ def serve_syncsgd(ranks: int, dtype: str) -> None:
     from syncsgd.training.loop import train_rank
     from syncsgd.training.run import prepare
 
-    run = prepare(syncsgd_config(dtype, steps=2))
+    run = prepare(syncsgd_config(dtype, steps=2, model=model, shape=shape))
 
     def measure(steps: int) -> float:
         results = run_threads(ranks, train_rank, replace(run, steps=steps + 1), quiet=True)
@@ -112,8 +171,8 @@ def serve_syncsgd(ranks: int, dtype: str) -> None:
     serve(measure)
 
 
-def serve_gemm(dtype: str) -> None:
-    """Seconds per step's worth of GEMM at the rate of the step's largest product, one thread."""
+def serve_gemm(dtype: str, model: str | None, shape: tuple[int, ...]) -> None:
+    """Seconds per step's worth of GEMM at the best rate of two products, one thread."""
     from numba import njit
 
     import syncsgd.nn.kernels  # noqa: F401  (chooses the BLAS kernels, as training does)
@@ -123,23 +182,31 @@ def serve_gemm(dtype: str) -> None:
         for _ in range(times):
             np.dot(a, b, out)
 
-    m, k, n = GEMM_SHAPE
+    net = network(model, shape, dtype)
+    flops = step_flops(net)
+    m, k, n = largest_product(net)
     rng = np.random.default_rng(SEED)
-    a, b = rng.random((m, k)).astype(dtype), rng.random((k, n)).astype(dtype)
-    out = np.empty((m, n), dtype)
-    product(a, b, out, 3)
+    operands = []
+    for rows, inner, cols in ((min(m, MAX_ROWS), k, n), SQUARE):
+        a, b = rng.random((rows, inner)).astype(dtype), rng.random((inner, cols)).astype(dtype)
+        operands.append((a, b, np.empty((rows, cols), dtype)))
+        product(*operands[-1], 3)
 
     def measure(steps: int) -> float:
-        repeats = 4 * steps  # about as long as the step's products
-        started = time.perf_counter()
-        product(a, b, out, repeats)
-        rate = 2 * m * k * n * repeats / (time.perf_counter() - started)
-        return step_flops() / rate
+        rates = []
+        for a, b, out in operands:
+            work = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            repeats = max(1, round(steps * flops / work / 2))  # half the step's time each
+            started = time.perf_counter()
+            product(a, b, out, repeats)
+            rates.append(work * repeats / (time.perf_counter() - started))
+        return flops / max(rates)
 
     serve(measure)
 
 
-def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any) -> None:
+def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any, model: str | None,
+             shape: tuple[int, ...]) -> None:  # fmt: skip
     """One PyTorch DDP rank: N from rank 0 by broadcast, N steps, the slowest rank's seconds."""
     import torch
     import torch.distributed as dist
@@ -151,10 +218,11 @@ def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any) -> Non
                             world_size=ranks)  # fmt: skip
     torch_dtype = getattr(torch, dtype)
     X, y = (torch.from_numpy(array) for array in shared_data(dtype))
+    if model is not None:
+        X = X.reshape(len(X), *shape)
     torch.manual_seed(SEED)
-    model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                          nn.Linear(256, 10)).to(torch_dtype)  # fmt: skip
-    ddp = nn.parallel.DistributedDataParallel(model)
+    layers = torch_sequential(network(model, shape)).to(torch_dtype)
+    ddp = nn.parallel.DistributedDataParallel(layers)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
     shard = slice(rank * BATCH // ranks, (rank + 1) * BATCH // ranks)
     request, elapsed = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.float64)
@@ -178,7 +246,7 @@ def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any) -> Non
     dist.destroy_process_group()
 
 
-def serve_ddp(ranks: int, dtype: str) -> None:
+def serve_ddp(ranks: int, dtype: str, model: str | None, shape: tuple[int, ...]) -> None:
     """PyTorch DDP: this process is rank 0, the others are spawned processes."""
     import queue
     import socket
@@ -190,13 +258,13 @@ def serve_ddp(ranks: int, dtype: str) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     context = mp.get_context("spawn")
-    others = [context.Process(target=ddp_rank, args=(r, ranks, dtype, port, None))
+    others = [context.Process(target=ddp_rank, args=(r, ranks, dtype, port, None, model, shape))
               for r in range(1, ranks)]  # fmt: skip
     for process in others:
         process.start()
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=relay_stdin, args=(commands,), daemon=True).start()
-    ddp_rank(0, ranks, dtype, port, commands)
+    ddp_rank(0, ranks, dtype, port, commands, model, shape)
     for process in others:
         process.join()
 
@@ -258,12 +326,12 @@ def serve_jax(ranks: int, dtype: str) -> None:
 class Contender:
     """A contender's process, asked for seconds per step over N steps."""
 
-    def __init__(self, kind: str, ranks: int, dtype: str) -> None:
+    def __init__(self, kind: str, ranks: int, dtype: str, workload: list[str]) -> None:
         env = dict(os.environ)
         if kind == "jax":  # read when JAX loads: set in the child only
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ranks}"
         command = [sys.executable, __file__, "--serve", kind, "--ranks", str(ranks),
-                   "--dtypes", dtype]  # fmt: skip
+                   "--dtypes", dtype, *workload]  # fmt: skip
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True, env=env)  # fmt: skip
         self.read()  # "ready"
@@ -296,6 +364,8 @@ def contenders_to_run(options: argparse.Namespace) -> list[tuple[str, int, str]]
     for kind, module in PEERS.items():
         if importlib.util.find_spec(module) is None:
             print(f"# {kind} skipped: {module} is not installed (pip install -e '.[peers]')")
+        elif kind == "jax" and options.model is not None:
+            print("# jax skipped: its contender is the MLP's only (no pmapped CNN written)")
         else:
             kinds.append(kind)
     keys = [(kind, p, d) for d in options.dtypes for p in options.ranks for kind in kinds]
@@ -306,7 +376,9 @@ def contenders_to_run(options: argparse.Namespace) -> list[tuple[str, int, str]]
 
 def measure_all(options: argparse.Namespace, keys: list[tuple[str, int, str]]) -> dict:
     """Median seconds per step of every contender over interleaved rounds."""
-    contenders = {key: Contender(*key) for key in keys}
+    workload = [] if options.model is None else [
+        "--model", options.model, "--input-shape", ",".join(map(str, options.input_shape))]
+    contenders = {key: Contender(*key, workload) for key in keys}
     try:
         for contender in contenders.values():
             contender.ask(options.warmup)
@@ -356,7 +428,7 @@ def report(options: argparse.Namespace, samples: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """Coordinate the contenders, or (--serve) be one."""
-    from syncsgd.util.argtypes import dtype_list, rank_list
+    from syncsgd.util.argtypes import dimensions, dtype_list, rank_list
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=rank_list, default=[1, 2], help="rank counts (1,2)")
@@ -364,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
     parser.add_argument("--steps", type=int, default=20, help="steps per round (20)")
     parser.add_argument("--warmup", type=int, default=10, help="burn-in steps (10)")
+    parser.add_argument("--model", metavar="SPEC",
+                        help="time this syncsgd --model network (e.g. simple-cnn) instead of the "
+                        "MLP")  # fmt: skip
+    parser.add_argument("--input-shape", type=dimensions, default=(1, 28, 28),
+                        help="--model: one sample's shape (1,28,28); it must hold 784 values")
     parser.add_argument("--json", metavar="PATH", help="write the rows and samples as JSON")
     parser.add_argument(
         "--serve", choices=("syncsgd", "gemm", "ddp", "jax"), help=argparse.SUPPRESS
@@ -374,13 +451,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from syncsgd.nn.blas import describe
 
+    net = network(options.model, options.input_shape)
+    shown = (f"MLP {'-'.join(map(str, SIZES))} relu" if options.model is None else
+             f"{net.summary()} on {','.join(map(str, options.input_shape))}")  # fmt: skip
     print(
-        f"# MLP {'-'.join(map(str, SIZES))} relu xent, global batch {BATCH}, SGD lr {LR}; "
+        f"# {shown} xent, global batch {BATCH}, SGD lr {LR}; "
         f"{options.steps} steps x {options.rounds} rounds after {options.warmup}; "
         f"each rank pinned to a core; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
     )
-    print(f"# GEMM floor (P = 1): {step_flops() / 1e6:.1f} MFLOP per step at the rate of a "
-          f"{'x'.join(map(str, GEMM_SHAPE))} product; share = floor / syncsgd")  # fmt: skip
+    m, k, n = largest_product(net)
+    print(f"# GEMM floor (P = 1): {step_flops(net) / 1e6:.1f} MFLOP per step at the best rate of "
+          f"a {min(m, MAX_ROWS)}x{k}x{n} and a {'x'.join(map(str, SQUARE))} product; share = "
+          "floor / syncsgd")  # fmt: skip
     samples = measure_all(options, contenders_to_run(options))
     rows = report(options, samples)
     print(f"# syncsgd's BLAS: {describe()}; load at the end {os.getloadavg()[0]:.2f}")
@@ -400,12 +482,13 @@ def main_worker(options: argparse.Namespace) -> None:
     pin(options.ranks[0])
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     dtype, ranks = options.dtypes[0], options.ranks[0]
+    shape = tuple(options.input_shape)
     if options.serve == "syncsgd":
-        serve_syncsgd(ranks, dtype)
+        serve_syncsgd(ranks, dtype, options.model, shape)
     elif options.serve == "gemm":
-        serve_gemm(dtype)
+        serve_gemm(dtype, options.model, shape)
     elif options.serve == "ddp":
-        serve_ddp(ranks, dtype)
+        serve_ddp(ranks, dtype, options.model, shape)
     else:
         serve_jax(ranks, dtype)
 

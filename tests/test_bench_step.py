@@ -11,6 +11,7 @@ import argparse
 import csv
 import json
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -161,3 +162,26 @@ def test_mpiexec_smoke_run(tmp_path):
     ]  # fmt: skip
     assert result["overhead"] == [] and "overhead check skipped" in done.stdout
     assert done.stdout.count("# training step:") == 1  # rank 0 alone prints
+
+
+def test_a_conv_model_spec_is_timed(tmp_path, capsys):
+    json_path = tmp_path / "step.json"
+    argv = ["--backend", "threads", "--ranks", "1,2", "--model", "conv(2, 3) relu maxpool(2) "
+            "flatten dense", "--input-shape", "1,6,6", "--features", "36", "--classes", "3",
+            "--samples", "48", "--scaling", "strong", "--global-batch", "8", "--steps", "2",
+            "--repeats", "1", "--warmup", "1", "--overhead-batch", "4", "--overhead-repeats", "2",
+            "--cli-runs", "0", "--json", str(json_path)]  # fmt: skip
+    assert step.main(parse(argv)) == 0
+    result = json.loads(json_path.read_text())
+    assert result["model"] == "conv(2, 3) relu maxpool(2) flatten dense"
+    assert [row["ranks"] for row in result["scaling"]] == [1, 2]
+    assert result["overhead"][0]["bitwise_equal"] is True  # the bare loop runs the conv too
+    assert "# training step: conv(2, 3) relu maxpool(2) flatten dense on 1,6,6" in (
+        capsys.readouterr().out)
+
+
+def test_a_model_that_does_not_fit_its_input_fails_first():
+    argv = ["--backend", "threads", *TINY, "--model", "conv(2, 3) flatten dense",
+            "--input-shape", "1,2,3"]  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape("a 3x3 window does not fit an input of 2x3")):
+        step.main(parse(argv))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from conftest import requires_mpi, run_mpiexec
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from oracle import layer_backward, layer_forward, named_args, read_spec, serial_sgd
 
@@ -272,6 +274,144 @@ def test_sync_batchnorm_after_a_conv_trains_as_the_oracle(ranks, exact):
     ours = {**run.model.to_arrays(result.params), **run.model.running_views(result.running)}
     assert sorted(ours) == sorted(expected)
     assert relative(ours, expected) < 1e-9
+
+
+@st.composite
+def conv_specs(draw: Any) -> tuple[str, tuple[int, int, int]]:
+    """(a conv spec that fits, its input shape): conv [batchnorm] activation [pool] ... dense."""
+    shape = (draw(st.integers(1, 2)), draw(st.integers(3, 6)), draw(st.integers(3, 6)))
+    layers = []
+    for _ in range(draw(st.integers(1, 2))):
+        kernel, stride = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+        pad = draw(st.integers(0, 1))
+        layers.append(f"conv({draw(st.integers(1, 3))}, {kernel}, stride={stride}, pad={pad})")
+        layers += ["batchnorm"] * draw(st.booleans())
+        layers.append(draw(st.sampled_from(["relu", "tanh"])))
+        layers += [draw(st.sampled_from(["", "maxpool(2)", "avgpool(2, stride=1)"]))]
+    spec = " ".join(layer for layer in [*layers, "flatten", "dense"] if layer)
+    try:
+        build(spec, shape, 3, "xent", "float64")
+    except ValueError:  # a window that does not fit the shape before it
+        assume(False)
+    return spec, shape
+
+
+@settings(deadline=None, max_examples=12)
+@given(drawn=conv_specs(), ranks=st.integers(2, 6), batch_size=st.integers(1, 10),
+       dtype=st.sampled_from(["float64", "float32"]),
+       momentum=st.sampled_from([0.0, 0.9]))  # fmt: skip
+def test_exact_mode_is_bitwise_for_drawn_conv_specs_and_any_p(drawn, ranks, batch_size, dtype,
+                                                              momentum):  # fmt: skip
+    spec, shape = drawn
+    config = TrainConfig(model=spec, input_shape=shape, samples=20, features=int(np.prod(shape)),
+                         classes=3, batch_size=batch_size, steps=2, lr=0.1, momentum=momentum,
+                         dtype=dtype, exact=True, seed=3)  # fmt: skip
+    serial, distributed = train(config, ranks=1), train(config, ranks=ranks)  # P > B too
+    assert digest(distributed.params) == digest(serial.params)
+    if serial.running is not None:  # sync batchnorm's statistics
+        assert digest(distributed.running) == digest(serial.running)
+    assert distributed.losses == serial.losses
+
+
+# -- the same under a real mpiexec: one SHA-256 for every P and both backends ---------------------
+
+MPI_SPEC = "conv(3, 3, pad=1) batchnorm relu maxpool(2) conv(2, 2) tanh flatten dense"
+MPI_ARGS = ["--model", MPI_SPEC, "--samples", "36", "--features", "72", "--input-shape", "2,6,6",
+            "--classes", "3", "--batch-size", "12", "--steps", "3", "--lr", "0.1",
+            "--momentum", "0.9", "--exact", "--quiet"]  # fmt: skip
+
+
+def saved_digest(path: Any) -> str:
+    """SHA-256 of a saved run's arrays, in name order."""
+    with np.load(path, allow_pickle=False) as saved:
+        return hashlib.sha256(b"".join(saved[name].tobytes() for name in sorted(saved))).hexdigest()
+
+
+@functools.cache
+def thread_digests() -> dict[str, str]:
+    """The SHA-256 of MPI_ARGS's run on 1 and 3 thread ranks (computed once)."""
+    import tempfile
+
+    from syncsgd.cli import main
+
+    runs = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for ranks in (1, 3):
+            path = f"{scratch}/{ranks}.npz"
+            assert main(["train", *MPI_ARGS, "--ranks", str(ranks), "--save", path]) == 0
+            runs[f"threads P={ranks}"] = saved_digest(path)
+    return runs
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_mpiexec_exact_conv_training_has_one_sha256_for_every_p(tmp_path, ranks):
+    path = tmp_path / "mpi.npz"
+    done = run_mpiexec(ranks, ["-m", "syncsgd.cli", "train", *MPI_ARGS, "--save", str(path)],
+                       timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    runs = {**thread_digests(), f"mpiexec P={ranks}": saved_digest(path)}
+    assert len(set(runs.values())) == 1, runs
+
+
+# -- every guarantee of the MLP, for a conv net with batchnorm ------------------------------------
+
+BN_SPEC = "conv(3, 3, pad=1) batchnorm relu maxpool(2) flatten dense"
+GUARDED = TrainConfig(model=BN_SPEC, exact=True, momentum=0.9, **SMALL)
+
+
+def state(result: Any) -> str:
+    """One digest of the parameters and the running statistics."""
+    return digest(result.params) + digest(result.running)
+
+
+def overlap_in_buckets(tmp_path: Any) -> None:
+    """--overlap with 64-byte buckets on 3 ranks: the serial bits."""
+    overlapped = train(GUARDED, ranks=3, overlap=True, bucket_bytes=64)
+    assert state(overlapped) == state(train(GUARDED, ranks=1))
+
+
+def resume_on_another_p(tmp_path: Any) -> None:
+    """A checkpoint written on 2 ranks, resumed on 5: the uninterrupted serial bits."""
+    train(GUARDED, ranks=2, steps=2, checkpoint=str(tmp_path))
+    assert state(train(GUARDED, ranks=5, resume=str(tmp_path))) == state(train(GUARDED, ranks=1))
+
+
+def fp16_loss_scaling(tmp_path: Any) -> None:
+    """fp16 with the dynamic loss scale: the same skipped steps, scales and bits for any P."""
+    config = replace(GUARDED, precision="fp16", loss_scale="dynamic", scale_window=1, steps=4)
+    serial, parallel = train(config, ranks=1), train(config, ranks=3)
+    assert serial.skipped_steps  # 2^16 x the gradient overflows fp16's 65504 at first
+    assert parallel.skipped_steps == serial.skipped_steps
+    assert parallel.loss_scales == serial.loss_scales and state(parallel) == state(serial)
+
+
+def verify_and_its_pitfalls(tmp_path: Any) -> None:
+    """verify passes the correct run and fails each pitfall that changes a conv net's sums."""
+    from syncsgd.apps.verify import TOLERANCE, verify
+
+    config = replace(GUARDED, batch_size=10)  # 4, 3, 3 samples on 3 ranks
+    assert verify(config, [3], TOLERANCE)[0].bitwise_equal
+    for pitfall in ("mean-of-means", "pad-duplicate", "unsynced-shuffle"):
+        assert not verify(replace(config, pitfall=pitfall), [3], TOLERANCE)[0].matches
+
+
+def timeline_of_each_allreduce(tmp_path: Any) -> None:
+    """The timeline holds each step's allreduces: batchnorm's three and the gradient's."""
+    import json
+
+    trace = tmp_path / "trace.json"
+    train(replace(GUARDED, exact=False), ranks=2, timeline=str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    per_rank = [e for e in events if e.get("cat") == "allreduce" and e["tid"] == 0]
+    assert len(per_rank) == 3 * (3 + 1) * 2  # steps x allreduces x (reduce-scatter, allgather)
+
+
+@pytest.mark.parametrize("check", [overlap_in_buckets, resume_on_another_p, fp16_loss_scaling,
+                                   verify_and_its_pitfalls, timeline_of_each_allreduce],
+                         ids=lambda check: check.__name__)  # fmt: skip
+def test_a_conv_net_keeps_every_guarantee(check, tmp_path):
+    check(tmp_path)
 
 
 def test_an_input_shape_is_refused_unless_it_holds_the_datas_features():

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -559,3 +560,46 @@ def test_a_sweep_that_is_not_a_regular_file_is_refused_not_read(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="not a regular file"):
         costmodel.load_sweep(str(fifo))
+
+
+# -- the step of a --model network ----------------------------------------------------------------
+
+
+def test_the_step_of_a_conv_spec_counts_its_products(tmp_path, capsys):
+    # conv(4, 3) on 2x5x5: 3x3 positions x 2·3·3 patch x 4 channels = 648 multiply-adds a sample;
+    # the dense after flatten: 36 in x 3 out = 108. Backward: both twice, less the conv's input.
+    out = tmp_path / "model.json"
+    lines = run(capsys, "--model", "conv(4, 3) relu maxpool(1) flatten dense", "--input-shape",
+                "2,5,5", "--classes", "3", "--ranks", "2", "--shard", "10", "--flops", "1e6",
+                "--gamma", "0", "--json", str(out))  # fmt: skip
+    assert any("756 multiply-adds per sample forward, 864 backward" in line for line in lines)
+    rows = json.loads(out.read_text())["overlap"]
+    assert [row["buckets"] for row in rows][:1] == [2]  # one per layer with parameters
+    for row in rows:
+        assert row["compute_s"] == pytest.approx(10 * (756 + 864) / 1e6)
+
+
+def test_a_preset_and_the_mlp_flag_agree_with_the_same_network(capsys):
+    mlp = costmodel.overlap_table(costmodel.step_network(parse("--overlap", "64,32,10")), 8,
+                                  1e9, 8, [4], Params(2e-6, 1e-10, 1e-10))  # fmt: skip
+    spec = costmodel.step_network(parse("--model", "dense(32) relu dense", "--input-shape", "64"))
+    assert costmodel.overlap_table(spec, 8, 1e9, 8, [4], Params(2e-6, 1e-10, 1e-10)) == mlp
+    lenet = costmodel.step_network(parse("--model", "lenet5", "--input-shape", "1,28,28"))
+    assert lenet.step_multiply_adds()[0] == 416_520  # LeNet-5's 0.42 M multiply-adds
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "conv(4, 3) flatten dense"], "--model needs --input-shape"),
+    (["--input-shape", "1,8,8"], "--input-shape is the shape of --model's input"),
+    (["--model", "dense", "--input-shape", "4", "--overlap", "4,2"], "give one"),
+    (["--model", "conv(4, 9) flatten dense", "--input-shape", "1,8,8"], "conv(4, 9)"),
+])  # fmt: skip
+def test_a_bad_model_gets_one_line(argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        costmodel.main(parse(*argv))
+
+
+def test_a_bad_spec_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parse("--model", "conv(4, 3) blur")
+    assert "blur" in capsys.readouterr().err

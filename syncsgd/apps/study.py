@@ -47,7 +47,13 @@ from syncsgd.apps import costmodel
 from syncsgd.training import noise
 from syncsgd.training.result import NonFiniteError
 from syncsgd.util import jsonout
-from syncsgd.util.argtypes import comma_list, finite_float, nonnegative_int, positive_int
+from syncsgd.util.argtypes import (
+    comma_list,
+    dimensions,
+    finite_float,
+    nonnegative_int,
+    positive_int,
+)
 from syncsgd.util.files import check_writable
 from syncsgd.util.options import JSON, RANKS
 
@@ -695,6 +701,11 @@ def add_workload_arguments(work: argparse._ArgumentGroup) -> None:
     work.add_argument("--features", type=positive_int, help=f"({preset_help('features')})")
     work.add_argument("--classes", type=positive_int, help="(default: from the data)")
     work.add_argument("--hidden", help=f"hidden layer widths ({preset_help('hidden')})")
+    work.add_argument("--model", metavar="SPEC", type=costmodel.model_spec,
+                      help="any network the layers express instead of the MLP, e.g. simple-cnn "
+                      "(as in syncsgd train; --hidden and --activation then do not apply)")
+    work.add_argument("--input-shape", metavar="C,H,W", type=dimensions,
+                      help="--model: one sample's shape (default: the data's)")
     work.add_argument("--activation", choices=("relu", "tanh"), default="relu")
     work.add_argument("--loss", choices=("xent", "mse"), default="xent")
     work.add_argument("--dtype", choices=("float64", "float32"), default="float64")
@@ -744,6 +755,8 @@ def resolve(options: argparse.Namespace) -> argparse.Namespace:
     values = vars(options).copy()
     own_target = options.target_loss is not None or options.target_accuracy is not None
     for name, default in chosen.items():
+        if name == "hidden" and options.model is not None:
+            continue
         if values.get(name) is None and not (name == "target_loss" and own_target):
             values[name] = default
     return argparse.Namespace(**values)
@@ -754,13 +767,17 @@ def workload(options: argparse.Namespace) -> Any:
     from syncsgd.nn.mlp import parse_hidden
     from syncsgd.training.config import TrainConfig
 
+    # With --model the preset gives no --hidden: the config refuses one given with it.
+    network: dict[str, Any] = {"model": options.model, "input_shape": options.input_shape}
+    if options.hidden is not None:
+        network["hidden"] = parse_hidden(options.hidden)
     return TrainConfig(
         data=options.data,
         samples=options.samples,
         features=options.features,
         classes=options.classes,
-        hidden=parse_hidden(options.hidden),
         activation=options.activation,
+        **network,
         loss=options.loss,
         dtype=options.dtype,
         seed=options.seed,
@@ -815,9 +832,14 @@ def describe_workload(base: Any, problem: Any, settings: StudySettings) -> str:
         if settings.noise_ranks >= 2
         else "no noise-scale runs"
     )
+    network = (
+        problem.model.summary()
+        if base.model is not None
+        else f"MLP {'-'.join(map(str, problem.model.sizes))} {base.activation}"
+    )
     return (
-        f"# batch-size study: MLP {'-'.join(map(str, problem.model.sizes))} {base.activation} "
-        f"{base.loss} {base.dtype} on {base.data} ({len(problem.X)} training, "
+        f"# batch-size study: {network} {base.loss} {base.dtype} on {base.data} "
+        f"({len(problem.X)} training, "
         f"{len(problem.X_eval)} held-out samples); target {describe_target(base)}; "
         f"{len(lrs)} lrs {min(lrs):.4g}..{max(lrs):.4g}, momentum {momentums}; budget "
         f"{settings.max_steps} steps; {ranks}; {noise_runs}"

@@ -325,6 +325,17 @@ class Network:
         return max(shape_size(shape) for layer in self.layers
                    for shape in (layer.in_shape, layer.out_shape))  # fmt: skip
 
+    def multiply_adds(self) -> list[int]:
+        """Per layer, the multiply-adds of its forward product per sample (0 for none)."""
+        return [layer.multiply_adds() for layer in self.layers]
+
+    def step_multiply_adds(self) -> tuple[int, int]:
+        """(forward, backward) multiply-adds per sample of the layers' products."""
+        # Backward, each product twice: the parameters' sums and the gradient at the layer's
+        # input; the first layer's input needs none.
+        products = self.multiply_adds()
+        return sum(products), 2 * sum(products) - products[0]
+
     def summary(self) -> str:
         """The layers with their widths, e.g. "dense(64) relu dense(4)"."""
         return " ".join(layer.describe() for layer in self.layers)

@@ -488,21 +488,27 @@ def _read_named(name: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     if spec is None or spec.origin is None:
         raise ValueError(f"--data {name} needs {package}: pip install -e '.[data]' "
                          f"(or pip install {package})")  # fmt: skip
-    path = os.path.join(os.path.dirname(spec.origin), *parts)
-    width = math.prod(shape) + 1
+    table = _named_table(name, os.path.join(os.path.dirname(spec.origin), *parts))
+    X, y = table[:, :-1], table[:, -1]
+    if y.size and (y.min() < 0 or (y != np.round(y)).any() or X.min() < 0 or X.max() > top):
+        raise ValueError(f"--data {name}: {package}'s table is not {shape} pixels in [0, {top:g}] "
+                         "and an integer label per sample")  # fmt: skip
+    return X / top, y.astype(np.int64), shape
+
+
+@functools.cache
+def _named_table(name: str, path: str) -> np.ndarray:
+    """The table at `path` of `name`, read once per process (a study prepares its data per run)."""
     table = None
     if os.path.isfile(path):
         try:
             table = np.loadtxt(path, delimiter=",", dtype=np.int64, ndmin=2)  # 5x floats' speed
         except (OSError, ValueError, EOFError, zlib.error):
             table = None
-    if table is None or table.shape[1] != width:
+    if table is None or table.shape[1] != math.prod(_NAMED[name][4]) + 1:
         table = _named_from_api(name)
-    X, y = table[:, :-1], table[:, -1]
-    if y.size and (y.min() < 0 or (y != np.round(y)).any() or X.min() < 0 or X.max() > top):
-        raise ValueError(f"--data {name}: {package}'s table is not {shape} pixels in [0, {top:g}] "
-                         "and an integer label per sample")  # fmt: skip
-    return X / top, y.astype(np.int64), shape
+    table.flags.writeable = False  # shared by every later call
+    return table
 
 
 def _named_from_api(name: str) -> np.ndarray:

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from syncsgd.apps.costmodel import model_spec
 from syncsgd.comm.threads import run_threads
 from syncsgd.comm.world import constants, launched_by_mpi, mpi_world, resolve_backend
 from syncsgd.nn.mlp import parse_hidden
@@ -50,6 +51,7 @@ from syncsgd.training.run import Run, prepare
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import (
     comma_separated,
+    dimensions,
     nonnegative_int,
     positive_float,
     positive_int,
@@ -80,12 +82,29 @@ def scaling_list(text: str) -> list[str]:
 
 def train_config(options: argparse.Namespace, batch_size: int) -> TrainConfig:
     """The benchmark's training run (synthetic data, constant-lr SGD) at one global batch size."""
+    network: dict[str, Any] = (
+        {"model": options.model, "input_shape": options.input_shape} if options.model else
+        {"hidden": parse_hidden(options.hidden), "activation": options.activation}
+    )  # fmt: skip
     return TrainConfig(
         samples=options.samples, features=options.features, classes=options.classes,
-        hidden=parse_hidden(options.hidden), activation=options.activation, loss="xent",
-        batch_size=batch_size, steps=options.steps, lr=options.lr, seed=options.seed,
-        dtype=options.dtype, batchnorm=options.batchnorm,
+        loss="xent", batch_size=batch_size, steps=options.steps, lr=options.lr, seed=options.seed,
+        dtype=options.dtype, batchnorm=options.batchnorm, **network,
     )  # fmt: skip
+
+
+def has_batchnorm(options: argparse.Namespace) -> bool:
+    """Whether the --model spec has batchnorm layers."""
+    from syncsgd.nn.network import parse_spec
+
+    return bool(options.model) and any(t.kind == "batchnorm" for t in parse_spec(options.model))
+
+
+def network_name(options: argparse.Namespace) -> str:
+    """The network as the header and the JSON name it: the --model spec or the MLP's sizes."""
+    if options.model:
+        return options.model
+    return "-".join(map(str, (options.features, *parse_hidden(options.hidden), options.classes)))
 
 
 def global_batch_size(options: argparse.Namespace, scaling: str, ranks: int) -> int:
@@ -136,9 +155,21 @@ def step_kernels() -> list[Any]:
     from numba.core.dispatcher import Dispatcher
 
     from syncsgd.nn import backprop, kernels, numerics  # noqa: F401  (backprop: the passes)
-    from syncsgd.nn.layers import batchnorm, dense, mse, relu, tanh, xent
+    from syncsgd.nn.layers import (
+        avgpool,
+        batchnorm,
+        conv,
+        dense,
+        flatten,
+        maxpool,
+        mse,
+        relu,
+        tanh,
+        xent,
+    )
 
-    modules = (kernels, numerics, dense, relu, tanh, batchnorm, xent, mse)
+    modules = (kernels, numerics, dense, relu, tanh, batchnorm, xent, mse, conv, maxpool,
+               avgpool, flatten)  # fmt: skip
     return [value for module in modules for value in vars(module).values()
             if isinstance(value, Dispatcher)]  # fmt: skip
 
@@ -479,6 +510,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--samples", type=positive_int, default=2048, help="synthetic samples (2048)")
     add("--features", type=positive_int, default=784, help="input size (784)")
     add("--hidden", default="256,256", help="hidden sizes (256,256)")
+    add("--model", metavar="SPEC", type=model_spec,
+        help="time this network instead of the MLP, as `syncsgd train --model` takes it "
+        "(presets too: simple-cnn, lenet5); --hidden and --activation then do not apply")
+    add("--input-shape", metavar="C,H,W", type=dimensions,
+        help="--model: one sample's shape, e.g. 1,28,28 (it must hold --features values)")
     add("--classes", type=positive_int, default=10, help="classes (10)")
     add("--activation", choices=("relu", "tanh"), default="relu", help="(default relu)")
     add("--batchnorm", choices=("none", "local", "sync"), default="none",
@@ -516,9 +552,11 @@ def main(options: argparse.Namespace) -> int:
         if path:
             check_writable(path)  # before the work, not after it
     say = print if master_process else (lambda *args, **kwargs: None)
-    model = "-".join(map(str, (options.features, *parse_hidden(options.hidden), options.classes)))
+    model = network_name(options)
+    shown = (f"{model} on {','.join(map(str, options.input_shape or (options.features,)))}"
+             if options.model else f"MLP {model} {options.activation}")  # fmt: skip
     say(
-        f"# training step: MLP {model} {options.activation} xent {options.dtype}, {backend} "
+        f"# training step: {shown} xent {options.dtype}, {backend} "
         f"backend, {options.samples} synthetic samples; {options.steps} steps x {options.repeats} "
         f"runs after {options.warmup} burn-in steps; medians, slowest rank; "
         f"cores {os.cpu_count()}, load average {load_average()}",
@@ -533,7 +571,8 @@ def main(options: argparse.Namespace) -> int:
         print(f"# load average at the end: {load_average()} (other work skews every time)")
         write_outputs(options, {
             "benchmark": "step", "backend": backend, "model": model,
-            "activation": options.activation, "loss": "xent", "dtype": options.dtype,
+            "activation": None if options.model else options.activation, "loss": "xent",
+            "dtype": options.dtype, "input_shape": options.input_shape,
             "samples": options.samples, "cores": os.cpu_count(),
             "load_average": {"start": load_before, "end": load_average()},
             "command": sys.argv, "first_step": jit, "scaling": rows, "overhead": overhead_rows,
@@ -565,8 +604,8 @@ def phase_runner(options: argparse.Namespace, backend: str) -> tuple[Callable, l
 
 
 def check_batch_sizes(options: argparse.Namespace, rank_counts: list[int]) -> None:
-    """Fail before any work if --hidden is malformed or a global batch exceeds the samples."""
-    parse_hidden(options.hidden)
+    """Fail before any work if the network is malformed or a global batch exceeds the samples."""
+    prepare(train_config(options, 1))
     largest = max(
         [global_batch_size(options, s, p) for s in options.scaling for p in rank_counts]
         + (options.overhead_batch if options.overhead else [])
@@ -679,7 +718,7 @@ def overhead_section(options: argparse.Namespace, call: Callable, rank_counts: l
     """At P = 1: train_rank's step against the passes called directly, per --overhead-batch."""
     if not options.overhead:
         return []
-    if options.batchnorm != "none":
+    if options.batchnorm != "none" or has_batchnorm(options):
         say("# overhead check skipped: the bare loop has no BatchNorm")
         return []
     if 1 not in rank_counts:

@@ -85,6 +85,10 @@ class Layer:
         """dx = the gradient at x, from dy, the gradient at y."""
         raise NotImplementedError
 
+    def multiply_adds(self) -> int:
+        """Multiply-adds per sample of its forward product (0: it has none)."""
+        return 0
+
     def describe(self) -> str:
         """How the spec would write this layer."""
         return self.kind

@@ -99,6 +99,11 @@ class Conv(Layer):
         col2im_(dcols, self.kernel, self.stride, self.pad, dx)
         nx.round_(dx)
 
+    def multiply_adds(self) -> int:
+        """H'·W' output positions x C·k·k x out_channels per sample: im2col's product."""
+        _, width, positions = self._sizes(1)
+        return positions * width * self.out_channels
+
     def describe(self) -> str:
         """conv(out_channels, kernel, stride=..., pad=...), the defaults left out."""
         extra = (f", stride={self.stride}" if self.stride != 1 else "") + (

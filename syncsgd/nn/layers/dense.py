@@ -71,6 +71,10 @@ class Dense(Layer):
         """Its output features."""
         return self.out_shape[-1]
 
+    def multiply_adds(self) -> int:
+        """positions x in x out per sample."""
+        return self.positions * self.in_shape[-1] * self.out_shape[-1]
+
     def describe(self) -> str:
         """dense(width)."""
         return f"dense({self.out_shape[-1]})" if self.out_shape else "dense"
