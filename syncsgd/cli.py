@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncsgd.util.argtypes import positive_float
+from syncsgd.util.figures import figure_path
 from syncsgd.util.lines import print_line
 from syncsgd.util.options import (
     BACKEND,
@@ -187,8 +188,8 @@ class TrainOutputs:
         None, "write a Chrome trace (chrome://tracing, Perfetto): one row per rank", metavar="PATH"
     )
     timeline_png: str | None = output(
-        None, "draw the timeline as a Gantt chart, a row per rank, for slides (PNG)",
-        metavar="PATH",
+        None, "draw the timeline as a Gantt chart, a row per rank, on a slide: .png, .svg or "
+        ".pdf", metavar="PATH", type=figure_path,
     )  # fmt: skip
     quiet: bool = output(False, "print nothing but errors")
 

@@ -43,6 +43,7 @@ from syncsgd.training.timeline import Timeline, draw_gantt_file
 from syncsgd.training.timeline import write as write_timeline
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import positive_float, positive_int
+from syncsgd.util.figures import figure_path
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.machine import check_memory
 from syncsgd.util.options import BACKEND, JSON, RANKS
@@ -422,8 +423,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", metavar="PATH",
                         help="after the sweep, one traced call per algorithm and size as a "
                         "Chrome trace (one row per rank, a span per step)")  # fmt: skip
-    parser.add_argument("--timeline-png", metavar="PATH",
-                        help="the same traced calls as a Gantt chart per rank (PNG)")  # fmt: skip
+    parser.add_argument("--timeline-png", metavar="PATH", type=figure_path,
+                        help="the same traced calls as a Gantt chart per rank: .png, .svg or "
+                        ".pdf")  # fmt: skip
     parser.add_argument(
         "--check",
         action="store_true",
