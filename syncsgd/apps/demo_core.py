@@ -69,6 +69,28 @@ def starting_buffer(rank: int, ranks: int, length: int) -> np.ndarray:
     return np.full(length, value, dtype=np.int64)
 
 
+# viridis from 0.5 to 1 (teal to yellow) in 11 steps: black text on any of them is >= 5.4:1
+LIGHT_VIRIDIS = ("#21918c", "#1e9c89", "#22a884", "#2fb47c", "#44bf70", "#5ec962", "#7ad151",
+                 "#9bd93c", "#bddf26", "#dfe318", "#fde725")  # fmt: skip
+
+
+def count_colour(count: int, ranks: int) -> tuple[float, float, float]:
+    """The RGB of an element summed over `count` of `ranks` ranks: light for 1, teal for all."""
+    if count <= 0:
+        return (1.0, 1.0, 1.0)
+    at = 0.0 if ranks <= 1 else (count - 1) / (ranks - 1)  # 0: one rank, 1: all
+    position = (1 - at) * (len(LIGHT_VIRIDIS) - 1)
+    low = min(int(position), len(LIGHT_VIRIDIS) - 2)
+    mix = position - low
+    rgb = [[int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)] for c in LIGHT_VIRIDIS[low : low + 2]]
+    return tuple((1 - mix) * a + mix * b for a, b in zip(*rgb, strict=True))  # type: ignore[return-value]
+
+
+def hex_colour(rgb: Sequence[float]) -> str:
+    """'#rrggbb'."""
+    return "#" + "".join(f"{round(255 * c):02x}" for c in rgb)
+
+
 def ranks_summed(values: np.ndarray, ranks: int) -> np.ndarray:
     """How many ranks each element holds a contribution of: its nonzero digits (base 10 or 2)."""
     base = 10 if ranks <= DIGIT_RANKS else 2
@@ -372,6 +394,16 @@ def chunk_count(algorithm: str, ranks: int, phase: str, step: int) -> int:
     if algorithm == "rabenseifner" and phase == "allgather":
         return 1 << step
     return 1
+
+
+def chunk_name(demo: Demo, event: Any, chunk: int) -> str:
+    """'c2', 'c0-1', or 'all' where whole buffers move: what a message carries, for a label."""
+    if chunk_layout(demo.algorithm, demo.length, demo.ranks) is None or event.phase in (
+        "fold", "unfold"
+    ):
+        return "all"
+    count = chunk_count(demo.algorithm, demo.ranks, event.phase, event.step)
+    return f"c{chunk}" if count == 1 else f"c{chunk}-{chunk + count - 1}"
 
 
 def what_moves(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:

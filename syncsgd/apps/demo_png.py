@@ -22,8 +22,9 @@ import numpy as np
 from syncsgd.apps.demo_core import (
     Demo,
     Snapshot,
-    chunk_count,
     chunk_layout,
+    chunk_name,
+    count_colour,
     explain_round,
     ranks_summed,
 )
@@ -36,18 +37,6 @@ MONO = "DejaVu Sans Mono"  # matplotlib's own: every character the same width
 MONO_EM = 0.6021  # a DejaVu Sans Mono character's advance, in ems
 LEGEND = 2 * LINE + 14  # the legend's two lines at the bottom
 FRAME = "black"  # the range just received; never a cell colour
-LIGHTEST, DARKEST = 1.0, 0.5  # viridis from yellow (1 rank) to teal (all): black text >= 5.4:1
-
-
-@functools.lru_cache(maxsize=512)
-def count_colour(count: int, ranks: int) -> tuple[float, float, float]:
-    """The colour of an element summed over `count` of `ranks` ranks (white: none)."""
-    from matplotlib import colormaps
-
-    if count <= 0:
-        return (1.0, 1.0, 1.0)
-    at = LIGHTEST if ranks <= 1 else LIGHTEST + (DARKEST - LIGHTEST) * (count - 1) / (ranks - 1)
-    return tuple(colormaps["viridis"](at)[:3])  # type: ignore[return-value]
 
 
 def text_width(text: str, size: float, mono: bool = False) -> float:
@@ -376,13 +365,8 @@ def exchange_labels(demo: Demo, snapshot: Snapshot) -> list[str]:
 
 def _short(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:
     """'c2 [6:8)', 'c0-1 [0:6)' or 'all'."""
-    if chunk_layout(demo.algorithm, demo.length, demo.ranks) is None or event.phase in (
-        "fold", "unfold"
-    ):
-        return "all"
-    count = chunk_count(demo.algorithm, demo.ranks, event.phase, event.step)
-    name = f"c{chunk}" if count == 1 else f"c{chunk}-{chunk + count - 1}"
-    return f"{name} [{span[0]}:{span[1]})"
+    name = chunk_name(demo, event, chunk)
+    return name if name == "all" else f"{name} [{span[0]}:{span[1]})"
 
 
 class FrameLayout:
@@ -468,10 +452,37 @@ def draw_png(demo: Demo, path: str) -> None:
 def write_frames(demo: Demo, directory: str) -> list[str]:
     """One PNG slide per round (and the start) in `directory`: step-000.png, step-001.png, ..."""
     os.makedirs(directory, exist_ok=True)
-    layout = FrameLayout(demo)
-    paths = []
-    for row in range(len(demo.steps) + 1):
-        path = os.path.join(directory, f"step-{row:03d}.png")
-        frame_canvas(demo, row, layout).save(path)
-        paths.append(path)
+    paths = [os.path.join(directory, f"step-{row:03d}.png") for row in range(len(demo.steps) + 1)]
+    workers = min(len(os.sched_getaffinity(0)), len(paths))
+    if workers > 1 and not _under_mpi():  # the slides are independent: one process per core
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")
+        with context.Pool(workers, _start_worker, (demo,)) as pool:
+            pool.map(_write_frame, list(enumerate(paths)), chunksize=1)
+    else:
+        _start_worker(demo)
+        for job in enumerate(paths):
+            _write_frame(job)
     return paths
+
+
+_WORKER: dict[str, Any] = {}  # a frame-writing process's demo and layout
+
+
+def _start_worker(demo: Demo) -> None:
+    """Keep the demo and its layout for `_write_frame`."""
+    _WORKER.update(demo=demo, layout=FrameLayout(demo))
+
+
+def _write_frame(job: tuple[int, str]) -> None:
+    """Write the slide of round `row` (0: the start) to `path`."""
+    row, path = job
+    frame_canvas(_WORKER["demo"], row, _WORKER["layout"]).save(path)
+
+
+def _under_mpi() -> bool:
+    """Whether an MPI launcher started this process (no forking there)."""
+    from syncsgd.comm.world import launched_by_mpi
+
+    return launched_by_mpi()
