@@ -191,7 +191,9 @@ class TrainOutputs:
         None, "draw the timeline as a Gantt chart, a row per rank, on a slide: .png, .svg or "
         ".pdf", metavar="PATH", type=figure_path,
     )  # fmt: skip
-    quiet: bool = output(False, "print nothing but errors")
+    quiet: bool = output(False, "print nothing but errors (and the digest, with --digest)")
+    digest: bool = output(False, "print the SHA-256 of the final parameters' bytes, as verify "
+                          "and --json's params_sha256 give it: equal digests, equal bits")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -272,6 +274,10 @@ def run_train(options: argparse.Namespace) -> int:
         )  # fmt: skip
         if options.timeline_png and trace and result.stopped_after is None:
             _draw_timeline(trace, options.timeline_png, options.quiet)
+    if options.digest and result.stopped_after is None and launcher_rank() == 0:
+        from syncsgd.training.result import sha256
+
+        print(f"parameters' SHA-256: {sha256(result.params)}")
     if result.stopped_after is not None:  # every rank stopped after the same step
         if launcher_rank() == 0:
             where = f"; checkpoint written to {config.checkpoint}" if config.checkpoint else ""
