@@ -274,10 +274,7 @@ def run_train(options: argparse.Namespace) -> int:
         )  # fmt: skip
         if options.timeline_png and trace and result.stopped_after is None:
             _draw_timeline(trace, options.timeline_png, options.quiet)
-    if options.digest and result.stopped_after is None and launcher_rank() == 0:
-        from syncsgd.training.result import sha256
-
-        print(f"parameters' SHA-256: {sha256(result.params)}")
+    _print_digest(options, result)
     if result.stopped_after is not None:  # every rank stopped after the same step
         if launcher_rank() == 0:
             where = f"; checkpoint written to {config.checkpoint}" if config.checkpoint else ""
@@ -318,6 +315,14 @@ def _trace_path(options: argparse.Namespace) -> Iterator[str | None]:
 
     with tempfile.TemporaryDirectory(prefix="syncsgd-trace-") as scratch:
         yield os.path.join(scratch, "trace.json")
+
+
+def _print_digest(options: argparse.Namespace, result: Any) -> None:
+    """--digest: rank 0 prints the SHA-256 of the final parameters (not after an interruption)."""
+    if options.digest and result.stopped_after is None and launcher_rank() == 0:
+        from syncsgd.training.result import sha256
+
+        print(f"parameters' SHA-256: {sha256(result.params)}")
 
 
 def _draw_timeline(trace: str, png: str, quiet: bool) -> None:

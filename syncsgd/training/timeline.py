@@ -110,9 +110,6 @@ def draw_gantt(events: list[dict], path: str, title: str = "timeline") -> None:
 
 def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
     """The slide: a row per rank, a bar per span coloured by what it is, the steps marked."""
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
     from syncsgd.util import figures
 
     spans = [e for e in events if e.get("ph") == "X"]
@@ -144,6 +141,20 @@ def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
             continue
         kinds.setdefault(kind, COLOURS.get(kind, OTHER))
         axes.broken_barh(xranges, (row - 0.35, 0.7), facecolors=kinds[kind])
+    marked = _mark_steps(axes, steps, origin, scale)
+    axes.set_xlim(0, (end - origin) * 1.02 * scale)
+    _rank_ticks(axes, rows)
+    axes.invert_yaxis()
+    axes.set_xlabel(f"time ({unit}) from the start of the first step shown", fontsize=TEXT)
+    axes.tick_params(labelsize=TEXT)
+    axes.set_title(title, fontsize=TEXT)
+    axes.grid(True, axis="x", alpha=0.3)
+    _legend(figure, kinds, marked, calls)
+    return figure
+
+
+def _mark_steps(axes: Any, steps: dict[int, float], origin: float, scale: float) -> bool:
+    """A dashed line where each step shown starts, its number on top; False if there are none."""
     boundaries = sorted((t, step) for step, t in steps.items() if t >= origin)
     for start, _ in boundaries:
         axes.axvline((start - origin) * scale, color="black", linestyle="--", linewidth=1.0)
@@ -153,22 +164,22 @@ def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
         top.set_xticks([(t - origin) * scale for t, _ in boundaries[::every]],
                        [f"step {step}" for _, step in boundaries[::every]])  # fmt: skip
         top.tick_params(labelsize=TEXT)
-    axes.set_xlim(0, (end - origin) * 1.02 * scale)
-    _rank_ticks(axes, rows)
-    axes.invert_yaxis()
-    axes.set_xlabel(f"time ({unit}) from the start of the first step shown", fontsize=TEXT)
-    axes.tick_params(labelsize=TEXT)
-    axes.set_title(title, fontsize=TEXT)
-    axes.grid(True, axis="x", alpha=0.3)
+    return bool(boundaries)
+
+
+def _legend(figure: Any, kinds: dict[str, str], steps: bool, calls: bool) -> None:
+    """A legend entry for every mark the chart uses: the colours, the steps' lines, the calls."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     handles: list[Any] = [Patch(facecolor=colour, label=kind) for kind, colour in kinds.items()]
-    if boundaries:
+    if steps:
         handles.append(Line2D([], [], color="black", linestyle="--",
                               label="a step starts\n(on its first rank)"))  # fmt: skip
     if calls:
         handles.append(Patch(facecolor="none", edgecolor="black", label="one traced call"))
     if handles:
         figure.legend(handles=handles, loc="outside right upper", fontsize=TEXT, frameon=False)
-    return figure
 
 
 def _rank_ticks(axes: Any, rows: dict[int, int]) -> None:

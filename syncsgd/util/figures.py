@@ -192,5 +192,5 @@ def _backgrounds(artist: Any, box: Any, fills: tuple[Any, Any, Any],
     area = max(box.width * box.height, 1e-9)
     under = ((orders <= artist.get_zorder()) & (width > 0) & (height > 0)
              & (width * height >= 0.2 * area))  # fmt: skip
-    found = [tuple(c) for c in np.unique(colours[under], axis=0)]
+    found: list[Sequence[float]] = [tuple(c) for c in np.unique(colours[under], axis=0)]
     return found or [_over_white(figure_colour)]
