@@ -360,7 +360,7 @@ def draw_png(rows: list[dict], path: str, title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from syncsgd.util.files import atomic_path
+    from syncsgd.util import figures
 
     figure = Figure(figsize=(10, 4), layout="constrained")
     FigureCanvasAgg(figure)
@@ -376,8 +376,7 @@ def draw_png(rows: list[dict], path: str, title: str) -> None:
         axes.grid(True, which="both", alpha=0.3)
         axes.legend()
     figure.suptitle(title)
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=100)
+    figures.save(figure, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -412,7 +411,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     JSON.add(parser, help="write the results as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
-    parser.add_argument("--png", metavar="PATH", help="plot time and busbw against size")
+    parser.add_argument("--png", metavar="PATH", type=figure_path,
+                        help="plot time and busbw against size (.png, .svg or .pdf)")
     parser.add_argument(
         "--algorithms",
         type=algorithm_list,
