@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncsgd.util.argtypes import positive_float
+from syncsgd.util.figures import figure_path
 from syncsgd.util.lines import print_line
 from syncsgd.util.options import (
     BACKEND,
@@ -188,10 +189,12 @@ class TrainOutputs:
         None, "write a Chrome trace (chrome://tracing, Perfetto): one row per rank", metavar="PATH"
     )
     timeline_png: str | None = output(
-        None, "draw the timeline as a Gantt chart, a row per rank, for slides (PNG)",
-        metavar="PATH",
+        None, "draw the timeline as a Gantt chart, a row per rank, on a slide: .png, .svg or "
+        ".pdf", metavar="PATH", type=figure_path,
     )  # fmt: skip
-    quiet: bool = output(False, "print nothing but errors")
+    quiet: bool = output(False, "print nothing but errors (and the digest, with --digest)")
+    digest: bool = output(False, "print the SHA-256 of the final parameters' bytes, as verify "
+                          "and --json's params_sha256 give it: equal digests, equal bits")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -274,6 +277,7 @@ def run_train(options: argparse.Namespace) -> int:
         )  # fmt: skip
         if options.timeline_png and trace and result.stopped_after is None:
             _draw_timeline(trace, options.timeline_png, options.quiet)
+    _print_digest(options, result)
     if result.stopped_after is not None:  # every rank stopped after the same step
         if launcher_rank() == 0:
             where = f"; checkpoint written to {config.checkpoint}" if config.checkpoint else ""
@@ -314,6 +318,14 @@ def _trace_path(options: argparse.Namespace) -> Iterator[str | None]:
 
     with tempfile.TemporaryDirectory(prefix="syncsgd-trace-") as scratch:
         yield os.path.join(scratch, "trace.json")
+
+
+def _print_digest(options: argparse.Namespace, result: Any) -> None:
+    """--digest: rank 0 prints the SHA-256 of the final parameters (not after an interruption)."""
+    if options.digest and result.stopped_after is None and launcher_rank() == 0:
+        from syncsgd.training.result import sha256
+
+        print(f"parameters' SHA-256: {sha256(result.params)}")
 
 
 def _draw_timeline(trace: str, png: str, quiet: bool) -> None:

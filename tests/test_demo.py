@@ -148,10 +148,10 @@ def test_no_text_overflows_its_box_at_p8_and_p16(ranks, length, algorithm):
         assert demo_png.overflows(demo_png.frame_canvas(run, row)) == [], row
 
 
-def test_frames_never_take_a_chunk_colour():
-    for chunks in (4, 10, 16):
-        colours = [tuple(demo_png.chunk_colour(c, chunks)) for c in range(chunks)]
-        assert (0.0, 0.0, 0.0) not in colours and len(set(colours)) == chunks
+def test_frames_never_take_a_cell_colour():
+    for ranks in (4, 10, 16):
+        colours = [demo_png.count_colour(c, ranks) for c in range(ranks + 1)]
+        assert (0.0, 0.0, 0.0) not in colours and len(set(colours)) == ranks + 1
     assert demo_png.FRAME == "black"
 
 

@@ -77,6 +77,15 @@ def test_json_sha256_is_that_of_the_saved_parameters_and_verifys(tmp_path):
     assert document["final_loss"] == result.final_loss
 
 
+def test_digest_prints_the_sha256_that_json_and_verify_give(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    out = run_cli(capsys, "--steps", "2", "--ranks", "2", "--digest", "--quiet", "--json",
+                  str(path))  # fmt: skip
+    [line] = out.splitlines()  # --quiet: the digest alone
+    assert line == f"parameters' SHA-256: {strict_loads(path.read_text())['params_sha256']}"
+    assert "SHA-256" not in run_cli(capsys, "--steps", "1", "--ranks", "2")  # only when asked
+
+
 def test_mse_writes_null_accuracy_with_the_reason_and_a_strict_log(tmp_path, capsys):
     path, log = tmp_path / "run.json", tmp_path / "log.jsonl"
     run_cli(capsys, *REGRESSION, "--steps", "3", "--holdout", "0.25", "--eval-every", "1",

@@ -59,6 +59,7 @@ from syncsgd.util.argtypes import (
     hidden_sizes,
     positive_int,
 )
+from syncsgd.util.figures import figure_path
 from syncsgd.util.files import check_writable
 from syncsgd.util.options import JSON, RANK_COUNTS
 
@@ -579,10 +580,10 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--itemsize", type=positive_int, default=8,
                         help="--overlap, --model: bytes per parameter (8: float64, 4: float32)")
     JSON.add(parser, help="write the predictions as JSON")
-    parser.add_argument("--png", metavar="PATH",
+    parser.add_argument("--png", metavar="PATH", type=figure_path,
                         help="draw time against size per algorithm (log-log), the fastest "
                         "shaded and where it changes marked; with --fit, the measurements and "
-                        "their residuals")  # fmt: skip
+                        "their residuals: a slide, .png, .svg or .pdf")  # fmt: skip
 
 
 Extra = Callable[[argparse.Namespace, Params, dict[str, Any]], list[str]]
@@ -1007,50 +1008,62 @@ def predictions_json(ranks: Sequence[int], sizes: Sequence[int], algorithms: Seq
 # -- the figure (--png): time against size per algorithm, the fastest shaded ----------------------
 
 LOWEST, HIGHEST = 8, 1 << 30  # the sizes drawn, in bytes, widened to the ones asked about
-
-
-def _figure_modules() -> tuple[Any, Any]:
-    """matplotlib's Figure and Agg canvas, or a RuntimeError saying how to install them."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise RuntimeError("--png needs matplotlib: pip install 'syncsgd[plot]'") from None
-    return Figure, FigureCanvasAgg
+TEXT = 14  # points, on a 16:9 slide (syncsgd.util.figures)
 
 
 def draw_png(path: str, ranks: Sequence[int], sizes: Sequence[int], algorithms: Sequence[str],
              params: Params, fitted: Fit | None = None,
              fit_ranks: int | None = None) -> None:  # fmt: skip
-    """Write the figure to `path` (PNG): a panel per P, and the residuals of a fit."""
-    Figure, FigureCanvasAgg = _figure_modules()
-    from syncsgd.util.files import atomic_path
+    """Write the figure to `path` (.png, .svg or .pdf): a panel per P, the residuals of a fit."""
+    from syncsgd.util import figures
 
-    shown = list(ranks)[:4]  # more panels than four are unreadable on a slide
+    figures.save(model_figure(ranks, sizes, algorithms, params, fitted, fit_ranks), path)
+
+
+def model_figure(ranks: Sequence[int], sizes: Sequence[int], algorithms: Sequence[str],
+                 params: Params, fitted: Fit | None = None,
+                 fit_ranks: int | None = None) -> Any:  # fmt: skip
+    """The slide: time against size per algorithm, a panel per P (at most three), one legend."""
+    from syncsgd.util import figures
+
+    shown = list(ranks)[:3]  # more panels than three leave no room for 14-point labels
     residuals = fitted is not None and fit_ranks in shown
-    figure = Figure(figsize=(5.2 * len(shown), 6.4 if residuals else 4.6), layout="constrained")
-    FigureCanvasAgg(figure)
+    figure = figures.new_figure(layout="constrained")
     grid = figure.add_gridspec(2 if residuals else 1, len(shown),
                                height_ratios=[3, 1] if residuals else [1])  # fmt: skip
-    colours = _colours(algorithms)
+    styles = _styles(algorithms)
     n = np.geomspace(min(LOWEST, *sizes), max(HIGHEST, *sizes), 400)
     for column, p in enumerate(shown):
         axes = figure.add_subplot(grid[0, column])
-        _panel(axes, p, n, algorithms, params, colours)
+        _panel(axes, p, n, algorithms, params, styles)
+        if column > 0:
+            axes.set_ylabel("")
         if fitted is not None and p == fit_ranks:
-            _measured(axes, fitted, colours)
-            _residuals(figure.add_subplot(grid[1, column], sharex=axes), fitted, colours)
-    figure.suptitle("α-β-γ model: " + _params_text(params), fontsize=11)
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=120)
+            _measured(axes, fitted, styles)
+            _residuals(figure.add_subplot(grid[1, column], sharex=axes), fitted, styles)
+    handles, labels = _legend_entries(figure)
+    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4),
+                  fontsize=TEXT, frameon=False)  # fmt: skip
+    figure.suptitle("α-β-γ model: " + _params_text(params), fontsize=TEXT + 2)
+    return figure
 
 
-def _colours(algorithms: Sequence[str]) -> dict[str, Any]:
-    """A tab10 colour per algorithm."""
-    from matplotlib import colormaps
+def _styles(algorithms: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """An Okabe-Ito colour, a dash pattern and a marker per algorithm: told apart without colour."""
+    from syncsgd.util.figures import DASHES, LINE_COLOURS, MARKERS
 
-    palette = colormaps["tab10"]
-    return {name: palette(i % 10) for i, name in enumerate(algorithms)}
+    return {name: {"color": LINE_COLOURS[i % len(LINE_COLOURS)],
+                   "linestyle": DASHES[i % len(DASHES)], "marker": MARKERS[i % len(MARKERS)]}
+            for i, name in enumerate(algorithms)}  # fmt: skip
+
+
+def _legend_entries(figure: Any) -> tuple[list[Any], list[str]]:
+    """Every labelled line and patch of the figure, once each."""
+    entries: dict[str, Any] = {}
+    for axes in figure.axes:
+        for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    return list(entries.values()), list(entries)
 
 
 def _params_text(params: Params) -> str:
@@ -1063,68 +1076,69 @@ def _params_text(params: Params) -> str:
 
 
 def _panel(axes: Any, ranks: int, n: np.ndarray, algorithms: Sequence[str], params: Params,
-           colours: dict[str, Any]) -> None:  # fmt: skip
+           styles: dict[str, dict[str, Any]]) -> None:  # fmt: skip
     """One P: a line per algorithm, the fastest one's region shaded, its changes marked."""
+    from matplotlib.ticker import LogLocator
+
     times = {name: np.array([predict(name, ranks, x, params) for x in n]) for name in algorithms}
-    for name in algorithms:
-        axes.plot(n, times[name], color=colours[name], label=name, linewidth=1.8)
+    for index, name in enumerate(algorithms):
+        axes.plot(n, times[name], label=name, linewidth=2.2, markersize=8,
+                  markevery=(5 * index, 40), **styles[name])  # fmt: skip
     fastest = np.min(np.stack(list(times.values())), axis=0)
     bottom = fastest.min() / 3
     for region in best_by_size(ranks, params, algorithms):
         inside = (n >= region.start) & (n <= (region.stop or np.inf))
         axes.fill_between(n[inside], bottom, fastest[inside], alpha=0.18, linewidth=0,
-                          color=colours[region.algorithms[0]])  # fmt: skip
+                          color=styles[region.algorithms[0]]["color"])  # fmt: skip
         if region.start > 0 and n[0] <= region.start <= n[-1]:
-            at = float(np.interp(region.start, n, fastest))
-            axes.axvline(region.start, color="black", linestyle=":", linewidth=1)
-            axes.plot([region.start], [at], "o", color="black", markersize=5)
-            axes.annotate(f"{' = '.join(region.algorithms)}\nfrom {format_bytes(region.start)}",
-                          (region.start, at), textcoords="offset points", xytext=(6, 8),
-                          fontsize=8)  # fmt: skip
+            axes.axvline(region.start, color="black", linestyle=":", linewidth=1.2,
+                         label="the fastest changes")  # fmt: skip
     _ring_crossovers(axes, ranks, n, times, params, algorithms)
     axes.set(xscale="log", yscale="log", ylim=(bottom, None), xlabel="message size (bytes)",
-             ylabel="predicted time (s)", title=f"P = {ranks}: shaded = the fastest")  # fmt: skip
+             ylabel="predicted time (s)")  # fmt: skip
+    axes.set_title(f"P = {ranks}: shaded = the fastest", fontsize=TEXT)
+    axes.xaxis.label.set_size(TEXT)
+    axes.yaxis.label.set_size(TEXT)
+    axes.xaxis.set_major_locator(LogLocator(numticks=4))
+    axes.yaxis.set_major_locator(LogLocator(numticks=5))
+    axes.tick_params(labelsize=TEXT)
     axes.grid(True, which="major", alpha=0.3)
-    axes.legend(fontsize=8, loc="upper left")
 
 
 def _ring_crossovers(axes: Any, ranks: int, n: np.ndarray, times: dict[str, np.ndarray],
                      params: Params, algorithms: Sequence[str]) -> None:  # fmt: skip
-    """Hollow markers where the ring overtakes another algorithm, listed in a corner."""
+    """Hollow circles where the ring overtakes another algorithm (the text lists them)."""
     if "ring" not in times:
         return
-    labels = []
     for crossing in crossovers(ranks, params, algorithms):
         if "ring" not in (crossing.faster, crossing.slower) or not n[0] <= crossing.nbytes <= n[-1]:
             continue
         at = float(np.interp(crossing.nbytes, n, times["ring"]))
         axes.plot([crossing.nbytes], [at], "o", markerfacecolor="white", markeredgecolor="black",
-                  markersize=6)  # fmt: skip
-        labels.append(f"{crossing.faster} < {crossing.slower} above "
-                      f"{format_bytes(crossing.nbytes)}")  # fmt: skip
-    if labels:
-        axes.text(0.98, 0.03, "○ " + "\n○ ".join(labels), transform=axes.transAxes, ha="right",
-                  va="bottom", fontsize=7.5,
-                  bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0})  # fmt: skip
+                  markersize=10, markeredgewidth=1.8, linestyle="none",
+                  label="the ring crosses another")  # fmt: skip
 
 
-def _measured(axes: Any, fitted: Fit, colours: dict[str, Any]) -> None:
-    """The sweep's measured times as points on the panel of its P."""
+def _measured(axes: Any, fitted: Fit, styles: dict[str, dict[str, Any]]) -> None:
+    """The sweep's measured times as crosses on the panel of its P."""
     for name in dict.fromkeys(row.algorithm for row in fitted.rows):
         rows = [row for row in fitted.rows if row.algorithm == name]
-        axes.plot([r.nbytes for r in rows], [r.measured for r in rows], "x",
-                  color=colours.get(name, "black"), markersize=6,
-                  label=f"{name} measured")  # fmt: skip
-    axes.legend(fontsize=8, loc="upper left")
+        colour = styles.get(name, {}).get("color", "black")
+        axes.plot([r.nbytes for r in rows], [r.measured for r in rows], "x", color=colour,
+                  markersize=9, markeredgewidth=2, label=f"{name} measured")  # fmt: skip
 
 
-def _residuals(axes: Any, fitted: Fit, colours: dict[str, Any]) -> None:
+def _residuals(axes: Any, fitted: Fit, styles: dict[str, dict[str, Any]]) -> None:
     """(predicted - measured) / measured of every fitted row, against the size."""
     for name in dict.fromkeys(row.algorithm for row in fitted.rows):
         rows = [row for row in fitted.rows if row.algorithm == name]
-        axes.plot([r.nbytes for r in rows], [100 * r.relative_error for r in rows], "x-",
-                  color=colours.get(name, "black"), linewidth=0.8)  # fmt: skip
+        style = styles.get(name, {"color": "black", "linestyle": "-", "marker": "x"})
+        axes.plot([r.nbytes for r in rows], [100 * r.relative_error for r in rows],
+                  linewidth=1.2, markersize=7, **style)  # fmt: skip
     axes.axhline(0, color="black", linewidth=0.8)
-    axes.set(xscale="log", xlabel="message size (bytes)", ylabel="fit error (%)",
-             title=f"residuals of the fit, R² = {fitted.r_squared:.3f}")  # fmt: skip
+    axes.set(xscale="log", xlabel="message size (bytes)", ylabel="fit error (%)")
+    axes.set_title(f"residuals, R² = {fitted.r_squared:.3f}", fontsize=TEXT)
+    axes.xaxis.label.set_size(TEXT)
+    axes.yaxis.label.set_size(TEXT)
+    axes.tick_params(labelsize=TEXT)
     axes.grid(True, alpha=0.3)

@@ -34,7 +34,6 @@ from syncsgd.apps import costmodel
 from syncsgd.apps.costmodel import (
     Cost,
     Params,
-    _figure_modules,
     cost,
     format_bytes,
     format_seconds,
@@ -42,6 +41,7 @@ from syncsgd.apps.costmodel import (
     predict,
 )
 from syncsgd.util.argtypes import positive_int
+from syncsgd.util.figures import SLIDE_DPI, figure_path, new_figure, save
 from syncsgd.util.files import check_writable
 
 PARTS = (
@@ -141,9 +141,6 @@ def parts_json(ranks: Sequence[int], sizes: Sequence[int], params: Params) -> li
 # -- why the ring: time against P and against size ----------------------------------------------
 
 # Okabe and Ito's colour-blind-safe palette; every line also has its own marker and dashes.
-OKABE_ITO = {"black": "#000000", "orange": "#E69F00", "sky blue": "#56B4E9",
-             "bluish green": "#009E73", "blue": "#0072B2", "vermillion": "#D55E00",
-             "reddish purple": "#CC79A7"}  # fmt: skip
 STYLES = {
     "ring": ("#000000", "o", "-"),
     "naive": ("#CC79A7", "v", (0, (1, 1))),
@@ -151,10 +148,7 @@ STYLES = {
     "rabenseifner": ("#0072B2", "D", "-."),
     "tree": ("#D55E00", "^", (0, (5, 1, 1, 1, 1, 1))),
 }
-SLIDE_PIXELS = (1920, 1080)
-SLIDE_DPI = 120
-FONT_POINTS = 16  # at 1920 x 1080: 27 pixels
-FORMATS = ("png", "svg", "pdf")
+FONT_POINTS = 16  # on a 1920 x 1080 slide
 SCALING_RANKS = 2 ** np.arange(1, 13)  # P = 2 .. 4096
 
 
@@ -164,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collectives", action="store_true",
                         help="also give broadcast, reduce, allgather, reduce-scatter and alltoall "
                         "on their own: formulas and times")  # fmt: skip
-    parser.add_argument("--scaling", metavar="PATH",
+    parser.add_argument("--scaling", metavar="PATH", type=figure_path,
                         help="draw the allreduces' time against P at --scaling-size and against "
                         "the size at --scaling-ranks, for a 1920x1080 slide (.png, .svg, .pdf)")
     parser.add_argument("--scaling-size", type=parse_quantity, default=float(64 << 20),
@@ -177,7 +171,6 @@ def main(options: argparse.Namespace) -> int:
     """`syncsgd model`, with --collectives and --scaling."""
     if options.scaling:
         check_writable(options.scaling)
-        figure_format(options.scaling)
     drawn: list[Params] = []
 
     def collectives(options: argparse.Namespace, params: Params, result: dict[str, Any]
@@ -196,15 +189,6 @@ def main(options: argparse.Namespace) -> int:
     return status
 
 
-def figure_format(path: str) -> str:
-    """'png', 'svg' or 'pdf' from the extension of `path`; ValueError for any other."""
-    extension = path.rsplit(".", 1)[-1].lower() if "." in path.rsplit("/", 1)[-1] else ""
-    if extension not in FORMATS:
-        raise ValueError(f"{path}: a figure is written as .png, .svg or .pdf, not "
-                         f"{'.' + extension if extension else 'a file without an extension'}")
-    return extension
-
-
 def shown_algorithms(algorithms: Sequence[str]) -> list[str]:
     """The algorithms the scaling figure draws: the naive one, far above, only if alone."""
     drawn = [name for name in algorithms if name != "naive"]
@@ -219,14 +203,7 @@ def bandwidth_bound_from(nbytes: float, params: Params) -> float:
 def draw_scaling(path: str, nbytes: float, ranks: int, params: Params,
                  algorithms: Sequence[str]) -> Any:  # fmt: skip
     """Write the two panels to `path` (its extension says the format); return the figure."""
-    kind = figure_format(path)
-    Figure, FigureCanvasAgg = _figure_modules()
-    from syncsgd.util.files import atomic_path
-
-    width, height = SLIDE_PIXELS
-    figure = Figure(figsize=(width / SLIDE_DPI, height / SLIDE_DPI), dpi=SLIDE_DPI,
-                    layout="constrained")
-    FigureCanvasAgg(figure)
+    figure = new_figure(layout="constrained", dpi=SLIDE_DPI)
     left, right = figure.subplots(1, 2)
     algorithms = shown_algorithms(algorithms)
     _against_ranks(left, nbytes, params, algorithms)
@@ -234,8 +211,7 @@ def draw_scaling(path: str, nbytes: float, ranks: int, params: Params,
     figure.suptitle(f"Why the ring: α = {format_seconds(params.alpha)}, "
                     f"{1 / params.beta / 1e9:.3g} GB/s, γ = {params.gamma:.3g} s/B",
                     fontsize=FONT_POINTS + 2)  # fmt: skip
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format=kind, dpi=SLIDE_DPI)
+    save(figure, path)
     return figure
 
 

@@ -29,6 +29,7 @@ from syncsgd.apps.demo_html import write_html
 from syncsgd.apps.demo_png import draw_png, write_frames
 from syncsgd.comm.world import launched_by_mpi
 from syncsgd.util.argtypes import nonnegative_int
+from syncsgd.util.figures import figure_path
 from syncsgd.util.options import RANKS
 
 # -- the command line -----------------------------------------------------------------------------
@@ -55,12 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "recursive-doubling (allgather), recursive-halving (reduce-scatter)")
     parser.add_argument("--root", type=nonnegative_int, default=0,
                         help="broadcast and reduce: the root rank (default 0)")
-    parser.add_argument("--png", metavar="PATH", help="also draw every round into this PNG file")
+    parser.add_argument("--png", metavar="PATH", type=figure_path,
+                        help="also draw every round on one slide: .png, .svg or .pdf")
     parser.add_argument("--frames", metavar="DIR",
-                        help="also write one slide-ready PNG per round into DIR")  # fmt: skip
+                        help="also write one 1920x1080 PNG slide per round into DIR")  # fmt: skip
     parser.add_argument("--html", metavar="PATH",
                         help="also write a self-contained HTML page that steps through the "
-                        "rounds (arrow keys, buttons, or PATH#step=k)")  # fmt: skip
+                        "rounds (arrow keys, PageUp/PageDown, space, buttons, auto-play, or "
+                        "PATH#step=k)")  # fmt: skip
     parser.add_argument(
         "--color",
         choices=("auto", "always", "never"),

@@ -3,11 +3,12 @@
 P thread ranks run the allreduce on int64 buffers. Rank r starts with 10**r in every element
 (for P <= 9), so each decimal digit of a partial sum says which ranks it already contains: 101 is
 ranks 0 and 2, and the final 111 is everyone; a 2 would be a rank counted twice. (For P > 9 rank
-r starts with r + 1.) The trace callback runs on each rank's thread right after each step, and
-copies the rank's buffer there. The steps are grouped into rounds from the algorithm's schedules
-(in a round each rank sends and receives at most one message, as the cost model counts them) and
-printed round by round: each rank's buffer with the range it just received in [brackets] (in
-colour on a terminal), and which chunks, as element ranges, it sent and received, and with whom.
+r starts with 2**r: the binary digits say the same.) The trace callback runs on each rank's
+thread right after each step, and copies the rank's buffer there. The steps are grouped into
+rounds from the algorithm's schedules (in a round each rank sends and receives at most one
+message, as the cost model counts them) and printed round by round: each rank's buffer with the
+range it just received in [brackets] (in colour on a terminal), and which chunks, as element
+ranges, it sent and received, and with whom.
 """
 
 from __future__ import annotations
@@ -85,17 +86,43 @@ class Demo(NamedTuple):
 
 
 def starting_buffer(rank: int, ranks: int, length: int) -> np.ndarray:
-    """Rank `rank`'s buffer: 10**rank everywhere (one digit per rank), or rank + 1 for P > 9."""
-    value = 10**rank if ranks <= DIGIT_RANKS else rank + 1
+    """Rank `rank`'s buffer: 10**rank everywhere (one decimal digit per rank), 2**rank for P > 9."""
+    value = 10**rank if ranks <= DIGIT_RANKS else 1 << rank
     return np.full(length, value, dtype=np.int64)
 
 
+# viridis from 0.5 to 1 (teal to yellow) in 11 steps: black text on any of them is >= 5.4:1
+LIGHT_VIRIDIS = ("#21918c", "#1e9c89", "#22a884", "#2fb47c", "#44bf70", "#5ec962", "#7ad151",
+                 "#9bd93c", "#bddf26", "#dfe318", "#fde725")  # fmt: skip
+
+
+def count_colour(count: int, ranks: int) -> tuple[float, float, float]:
+    """The RGB of an element summed over `count` of `ranks` ranks: light for 1, teal for all."""
+    if count <= 0:
+        return (1.0, 1.0, 1.0)
+    at = 0.0 if ranks <= 1 else (count - 1) / (ranks - 1)  # 0: one rank, 1: all
+    position = (1 - at) * (len(LIGHT_VIRIDIS) - 1)
+    low = min(int(position), len(LIGHT_VIRIDIS) - 2)
+    mix = position - low
+    rgb = [[int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)] for c in LIGHT_VIRIDIS[low : low + 2]]
+    return tuple((1 - mix) * a + mix * b for a, b in zip(*rgb, strict=True))  # type: ignore[return-value]
+
+
+def hex_colour(rgb: Sequence[float]) -> str:
+    """'#rrggbb'."""
+    return "#" + "".join(f"{round(255 * c):02x}" for c in rgb)
+
+
+def ranks_summed(values: np.ndarray, ranks: int) -> np.ndarray:
+    """How many ranks each element holds a contribution of: its nonzero digits (base 10 or 2)."""
+    base = 10 if ranks <= DIGIT_RANKS else 2
+    digits = (np.asarray(values, dtype=np.int64)[:, None] // base ** np.arange(ranks)) % base
+    return np.count_nonzero(digits, axis=1)
+
+
 def contributors(values: np.ndarray, ranks: int) -> np.ndarray:
-    """The share of the final sum in each element: ranks counted / P (P <= 9), else value / sum."""
-    if ranks > DIGIT_RANKS:
-        return values / (ranks * (ranks + 1) // 2)
-    digits = (values[:, None] // 10 ** np.arange(ranks)) % 10
-    return np.count_nonzero(digits, axis=1) / ranks
+    """The share of the final sum in each element: the ranks summed in / P."""
+    return ranks_summed(values, ranks) / ranks
 
 
 def resolve_allreduce(algorithm: str) -> Callable[..., Any]:
@@ -319,6 +346,40 @@ EXPLANATIONS = {
         "and sends the total to its parent; broadcast: the sum goes back down the tree",
     ),
 }
+PHASE_EXPLANATIONS = {  # (algorithm, phase) or (None, phase): one line for a round of that phase
+    ("ring", "reduce-scatter"): "each rank adds the chunk its left neighbour sends to its own copy",
+    ("ring", "allgather"): "each rank copies the finished chunk its left neighbour sends",
+    ("naive", "reduce"): "rank 0 adds one more rank's whole buffer to its own",
+    ("naive", "broadcast"): "rank 0 sends the finished sum to one more rank",
+    ("recursive-doubling", "exchange"): "partners whose numbers differ in one bit swap whole "
+    "buffers; both add",
+    ("rabenseifner", "reduce-scatter"): "partners swap half of their window of chunks; each adds "
+    "the half it keeps",
+    ("rabenseifner", "allgather"): "partners swap their finished chunks: each holds twice as many",
+    ("tree", "reduce"): "a child sends the sum of its subtree to its parent, which adds it",
+    ("tree", "broadcast"): "a parent sends the finished sum to its children, one at a time",
+    (None, "fold"): "P is not a power of two: an even rank hands its buffer to the odd rank above",
+    (None, "unfold"): "the ranks that sat out get the finished sum back",
+    (None, "reduce-scatter"): "chunks travel and are added: each rank ends with its part of the "
+    "sum",
+    (None, "allgather"): "finished chunks travel and are copied",
+    (None, "reduce"): "partial sums travel towards the root and are added",
+    (None, "broadcast"): "the root's data travels and is copied",
+}
+
+
+def explain_round(demo: Demo, title: str) -> str:
+    """One line on what happens in a round titled `title` ('fold; reduce-scatter 1 of 2')."""
+    parts = []
+    for part in title.split("; "):
+        phase = part.split(" ")[0] if part.split(" ")[-1].isdigit() else part
+        line = PHASE_EXPLANATIONS.get((demo.algorithm, phase),
+                                      PHASE_EXPLANATIONS.get((None, phase)))  # fmt: skip
+        if line and line not in parts:
+            parts.append(line)
+    return "; ".join(parts)
+
+
 FOLDING = (
     "fold: P is not a power of two, so the first even ranks hand their buffer to the odd rank",
     "above and sit out; unfold: at the end they get the sum back",
@@ -362,6 +423,16 @@ def chunk_count(algorithm: str, ranks: int, phase: str, step: int) -> int:
     if algorithm == "rabenseifner" and phase == "allgather":
         return 1 << step
     return 1
+
+
+def chunk_name(demo: Demo, event: Any, chunk: int) -> str:
+    """'c2', 'c0-1', or 'all' where whole buffers move: what a message carries, for a label."""
+    if chunk_layout(demo.algorithm, demo.length, demo.ranks) is None or event.phase in (
+        "fold", "unfold"
+    ):
+        return "all"
+    count = chunk_count(demo.algorithm, demo.ranks, event.phase, event.step)
+    return f"c{chunk}" if count == 1 else f"c{chunk}-{chunk + count - 1}"
 
 
 def what_moves(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:
@@ -417,7 +488,8 @@ def _header_lines(demo: Demo, bounds: list[int] | None, color: bool) -> list[str
         lines.append("rank r starts with 10**r in every element: digit r of a sum (from the right)")
         lines.append(f"says whether rank r is in it, and {'1' * p} means all {p} ranks")
     else:
-        lines.append(f"rank r starts with r + 1 in every element; the sum is {p * (p + 1) // 2}")
+        lines.append("rank r starts with 2**r in every element: binary digit r of a sum says")
+        lines.append(f"whether rank r is in it, and {(1 << p) - 1} = 2**{p} - 1 means all ranks")
     if bounds is not None:
         spans = "  ".join(f"{c} = [{bounds[c]}:{bounds[c + 1]})" for c in range(len(bounds) - 1))
         lines.append(f"chunks (as numpy.array_split): {spans}")

@@ -1,10 +1,13 @@
 """`ring-demo --html`: one self-contained page that steps through the rounds of an allreduce.
 
-No network and no server: the rounds are embedded as JSON, the page draws the topology (ring,
-butterfly, tree, star) as inline SVG with the round's messages as arrows, each rank's buffer with
-the range just received framed, and the bytes each rank has sent so far beside what the cost
-model says a rank sends in all. The arrow keys or the buttons step; `page.html#step=k` opens at
-round k (k = 0 is the start), which is how the tests read it in a headless browser.
+No network and no server: the rounds are embedded as JSON, the page draws the ranks and every
+pair that ever exchanges a message as inline SVG, the round's messages as arrows coloured and
+labelled by the chunk they carry, each rank's buffer coloured by how many ranks it holds the
+sum of (the PNG slides' colours) with the range just received framed, a line on what happens in
+the round, and the bytes each rank has sent so far beside what the cost model says a rank sends
+in all. The arrow keys, PageUp/PageDown (what presentation clickers send), space, the buttons or
+auto-play step; `page.html#step=k` opens at round k (k = 0 is the start), `#step=k&play` plays
+from there, which is how the tests drive it in a headless browser.
 """
 
 from __future__ import annotations
@@ -12,26 +15,32 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from syncsgd.apps.demo_core import Demo, contributors, demo_chunks, exchange_text, rounds_line
+from syncsgd.apps.demo_core import (
+    Demo,
+    chunk_name,
+    count_colour,
+    demo_chunks,
+    exchange_text,
+    explain_round,
+    hex_colour,
+    ranks_summed,
+    rounds_line,
+)
 from syncsgd.util import jsonout
 from syncsgd.util.files import write_text
 
-TOPOLOGY = {
-    "ring": "ring",
-    "naive": "star",
-    "recursive-doubling": "butterfly",
-    "rabenseifner": "butterfly",
-    "tree": "tree",
-}
+TOPOLOGY = {"tree": "tree", "naive": "star"}  # the rest: the ranks on a circle
+CHUNK_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#555555")
+WHOLE_BUFFER = "#000000"  # a message that carries the whole buffer
 
 
 def rounds_data(demo: Demo) -> list[dict[str, Any]]:
-    """The start and every round: buffers, messages, shares summed in, bytes sent so far."""
-    buffers = [buf.tolist() for buf in demo.start]
+    """The start and every round: buffers, messages, ranks summed in, bytes sent so far."""
     sent = [0] * demo.ranks
-    frames = [{"title": "start", "buffers": buffers, "messages": [],
+    frames = [{"title": "start", "explain": "each rank holds its own contribution",
+               "buffers": [buf.tolist() for buf in demo.start], "messages": [],
                "received": [None] * demo.ranks, "notes": [""] * demo.ranks, "sent": list(sent),
-               "share": [contributors(b, demo.ranks).tolist() for b in demo.start]}]  # fmt: skip
+               "counts": [ranks_summed(b, demo.ranks).tolist() for b in demo.start]}]  # fmt: skip
     current = list(demo.start)
     for number, (title, group) in enumerate(demo.steps, start=1):
         received: list[Any] = [None] * demo.ranks
@@ -45,14 +54,25 @@ def rounds_data(demo: Demo) -> list[dict[str, Any]]:
             if snapshot.recv_from >= 0 and hi > lo:
                 received[rank] = [int(lo), int(hi), bool(snapshot.added)]
             if snapshot.send_to >= 0:
-                messages.append([rank, snapshot.send_to])
+                label = chunk_name(demo, event, event.send_chunk)
+                colour = WHOLE_BUFFER if label == "all" else (
+                    CHUNK_COLOURS[event.send_chunk % len(CHUNK_COLOURS)])  # fmt: skip
+                messages.append([rank, snapshot.send_to, label, colour])
         frames.append({
             "title": f"round {number} of {len(demo.steps)}: {title}",
+            "explain": explain_round(demo, title),
             "buffers": [buf.tolist() for buf in current], "messages": messages,
             "received": received, "notes": notes, "sent": list(sent),
-            "share": [contributors(b, demo.ranks).tolist() for b in current],
+            "counts": [ranks_summed(b, demo.ranks).tolist() for b in current],
         })  # fmt: skip
     return frames
+
+
+def links(demo: Demo) -> list[list[int]]:
+    """Every pair of ranks that exchanges a message at some round, lower rank first."""
+    pairs = {tuple(sorted((s.event.rank, s.send_to))) for _, group in demo.steps for s in group
+             if s.send_to >= 0}  # fmt: skip
+    return [list(pair) for pair in sorted(pairs)]
 
 
 def model_bytes(demo: Demo) -> str:
@@ -71,9 +91,10 @@ def page(demo: Demo) -> str:
     """The whole HTML document."""
     document = {
         "algorithm": demo.algorithm, "ranks": demo.ranks, "length": demo.length,
-        "topology": TOPOLOGY.get(demo.algorithm, "ring"), "frames": rounds_data(demo),
-        "model": model_bytes(demo), "rounds": rounds_line(demo), "correct": demo.correct,
-        "bounds": demo_chunks(demo),
+        "topology": TOPOLOGY.get(demo.algorithm, "circle"), "links": links(demo),
+        "frames": rounds_data(demo), "model": model_bytes(demo), "rounds": rounds_line(demo),
+        "correct": demo.correct, "bounds": demo_chunks(demo),
+        "colours": [hex_colour(count_colour(c, demo.ranks)) for c in range(demo.ranks + 1)],
     }  # fmt: skip
     # "</" escaped: the payload never ends its <script>
     payload = jsonout.dumps(document, ensure_ascii=False).replace("</", "<\\/")
@@ -88,54 +109,65 @@ def write_html(demo: Demo, path: str) -> None:
 
 TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>@TITLE@</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <style>
-body { font-family: sans-serif; margin: 1.5em; color: #222; }
-h1 { font-size: 1.3em; margin: 0 0 .3em; }
-#title { font-size: 1.15em; font-weight: bold; margin: .5em 0; }
+body { font-family: sans-serif; margin: .8em 1.2em; color: #111; font-size: 18px; }
+@media (max-width: 1400px) {  /* a 1024 x 768 projector: the notes move into the rows' tooltips */
+  body { font-size: 15px; } td.note { display: none; }
+  #topology { width: min(380px, 40vh) !important; height: min(380px, 40vh) !important; } }
+h1 { font-size: 1.4em; margin: 0 0 .3em; }
+#title { font-size: 1.3em; font-weight: bold; margin: .4em 0 .1em; }
+#explain { font-size: 1.1em; margin: 0 0 .5em; min-height: 1.3em; }
 table.buffers { border-collapse: collapse; }
-table.buffers td { padding: .15em .4em; text-align: right; font-family: monospace;
-  border: 1px solid #fff; }
-td.name { font-family: sans-serif; text-align: left; padding-right: 1em; }
-td.received-added { outline: 3px solid #000; }
-td.received-copied { outline: 3px dashed #000; }
-td.note, td.sent { font-family: sans-serif; text-align: left; color: #333; padding-left: 1em; }
-.controls button { font-size: 1em; margin-right: .3em; }
-svg line.link { stroke: #bbb; stroke-width: 1.5; }
-svg line.message { stroke: #c0392b; stroke-width: 3; marker-end: url(#arrow); }
-svg circle { fill: #eef; stroke: #335; stroke-width: 1.5; }
-svg text { font-size: 13px; text-anchor: middle; dominant-baseline: central; }
-.layout { display: flex; gap: 2em; align-items: flex-start; flex-wrap: wrap; }
+table.buffers td { padding: .1em .35em; text-align: right; font-family: monospace;
+  font-size: 1.05em; border: 1px solid #fff; color: #000; }
+td.name { font-family: sans-serif; text-align: left; padding-right: 1em; white-space: nowrap; }
+td.received-added { outline: 3px solid #000; outline-offset: -3px; }
+td.received-copied { outline: 3px dashed #000; outline-offset: -3px; }
+td.note, td.sent { font-family: sans-serif; text-align: left; padding-left: 1em; }
+td.sent { white-space: nowrap; }
+.controls button { font-size: 1em; margin-right: .3em; padding: .2em .6em; }
+.legend { margin: .5em 0; }
+.legend span.swatch { display: inline-block; min-width: 1.6em; text-align: center; color: #000;
+  font-family: monospace; }
+svg line.link { stroke: #999; stroke-width: 1.5; }
+svg line.message { stroke-width: 3.5; }
+svg circle { fill: #fff; stroke: #000; stroke-width: 1.5; }
+svg text { font-size: 16px; text-anchor: middle; dominant-baseline: central; fill: #000; }
+svg text.label { font-size: 14px; font-weight: bold; paint-order: stroke; stroke: #fff;
+  stroke-width: 4px; }
+.layout { display: flex; gap: 1.5em; align-items: flex-start; flex-wrap: wrap; }
+#topology { width: min(380px, 45vh); height: min(380px, 45vh); flex: none; }
+code { font-size: 1em; }
 </style></head>
 <body>
 <h1>@TITLE@</h1>
 <div class="controls"><button id="first">&laquo; start</button><button id="prev">&#x25C0; back
 </button><button id="next">next &#x25B6;</button><button id="last">end &raquo;</button>
-<span id="position"></span> &mdash; arrow keys step; the address <code>#step=k</code> opens
-round k</div>
+<button id="play">play</button>
+<span id="position"></span> &mdash; keys: &rarr;, PageDown or space: next; &larr; or PageUp:
+back; Home, End; P: play or pause</div>
 <div id="title"></div>
-<div class="layout"><svg id="topology" width="360" height="360" viewBox="0 0 360 360">
-<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6"
-markerHeight="6" orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#c0392b"/>
-</marker></defs></svg>
+<div id="explain"></div>
+<div class="layout"><svg id="topology" viewBox="0 0 380 380"
+role="img" aria-label="the ranks and the messages of this round"></svg>
 <div><table class="buffers" id="buffers"></table>
+<div class="legend" id="legend"></div>
 <p id="rounds"></p><p id="model"></p></div></div>
 <script id="data" type="application/json">@DATA@</script>
 <script>
 "use strict";
 const data = JSON.parse(document.getElementById("data").textContent);
 const frames = data.frames, P = data.ranks;
-const palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-  "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94",
-  "#f7b6d2"];
-let step = 0;
+let step = 0, timer = null;
 
 function positions() {
-  const cx = 180, cy = 180, r = 140, spots = [];
+  const cx = 190, cy = 190, r = 150, spots = [];
   if (data.topology === "tree") {
     for (let i = 0; i < P; i++) {
       const depth = Math.floor(Math.log2(i + 1)), first = (1 << depth) - 1;
       const across = 1 << depth, at = i - first;
-      spots.push([20 + (320 * (at + 0.5)) / across, 30 + depth * 70]);
+      spots.push([20 + (340 * (at + 0.5)) / across, 30 + depth * 75]);
     }
     return spots;
   }
@@ -154,18 +186,6 @@ function positions() {
   return spots;
 }
 
-function links() {
-  const pairs = [];
-  for (let i = 0; i < P; i++) {
-    if (data.topology === "ring" && P > 1) pairs.push([i, (i + 1) % P]);
-    if (data.topology === "tree" && i > 0) pairs.push([i, Math.floor((i - 1) / 2)]);
-    if (data.topology === "star" && i > 0) pairs.push([0, i]);
-    if (data.topology === "butterfly")
-      for (let k = 1; k < P; k <<= 1) if ((i ^ k) < P && i < (i ^ k)) pairs.push([i, i ^ k]);
-  }
-  return pairs;
-}
-
 function svg(name, attributes, text) {
   const node = document.createElementNS("http://www.w3.org/2000/svg", name);
   for (const [key, value] of Object.entries(attributes)) node.setAttribute(key, value);
@@ -173,36 +193,42 @@ function svg(name, attributes, text) {
   return node;
 }
 
+function arrowHead(root, colour) {
+  const id = "arrow-" + colour.slice(1);
+  if (!root.querySelector("#" + id)) {
+    const marker = svg("marker", {id: id, viewBox: "0 0 10 10", refX: 10, refY: 5,
+      markerWidth: 5, markerHeight: 5, orient: "auto-start-reverse"});
+    marker.appendChild(svg("path", {d: "M 0 0 L 10 5 L 0 10 z", fill: colour}));
+    let defs = root.querySelector("defs");
+    if (!defs) { defs = svg("defs", {}); root.appendChild(defs); }
+    defs.appendChild(marker);
+  }
+  return "url(#" + id + ")";
+}
+
 function drawTopology(frame) {
   const root = document.getElementById("topology"), spots = positions();
   root.querySelectorAll(".drawn").forEach((node) => node.remove());
-  for (const [a, b] of links())
-    root.appendChild(svg("line", {class: "link drawn", x1: spots[a][0], y1: spots[a][1],
-      x2: spots[b][0], y2: spots[b][1]}));
-  frame.messages.forEach(([from, to], index) => {
+  for (const [a, b] of data.links)
+    root.appendChild(svg("line", {class: "link drawn", "data-a": a, "data-b": b,
+      x1: spots[a][0], y1: spots[a][1], x2: spots[b][0], y2: spots[b][1]}));
+  const labels = [];
+  frame.messages.forEach(([from, to, label, colour]) => {
     const [x1, y1] = spots[from], [x2, y2] = spots[to];
     const length = Math.hypot(x2 - x1, y2 - y1) || 1, ux = (x2 - x1) / length,
-      uy = (y2 - y1) / length, bend = from < to ? 4 : -4;
+      uy = (y2 - y1) / length, bend = 5;  // to the left of its direction: a→b and b→a apart
+    const line = {x1: x1 + 18 * ux - bend * uy, y1: y1 + 18 * uy + bend * ux,
+      x2: x2 - 20 * ux - bend * uy, y2: y2 - 20 * uy + bend * ux};
     root.appendChild(svg("line", {class: "message drawn", "data-from": from, "data-to": to,
-      x1: x1 + 18 * ux - bend * uy, y1: y1 + 18 * uy + bend * ux,
-      x2: x2 - 20 * ux - bend * uy, y2: y2 - 20 * uy + bend * ux}));
+      "data-chunk": label, stroke: colour, "marker-end": arrowHead(root, colour), ...line}));
+    labels.push(svg("text", {class: "label drawn", "data-chunk": label,
+      x: (line.x1 + line.x2) / 2 - 16 * uy, y: (line.y1 + line.y2) / 2 + 16 * ux}, label));
   });
   spots.forEach(([x, y], rank) => {
     root.appendChild(svg("circle", {class: "drawn", cx: x, cy: y, r: 17}));
     root.appendChild(svg("text", {class: "drawn", x: x, y: y}, String(rank)));
   });
-}
-
-function chunkOf(i) {
-  if (!data.bounds) return 0;
-  let c = 0;
-  while (c + 1 < data.bounds.length - 1 && data.bounds[c + 1] <= i) c++;
-  return c;
-}
-
-function mix(hex, strength) {
-  const rgb = [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16));
-  return "rgb(" + rgb.map((v) => Math.round(255 - strength * (255 - v))).join(",") + ")";
+  labels.forEach((node) => root.appendChild(node));
 }
 
 function drawBuffers(frame) {
@@ -211,6 +237,7 @@ function drawBuffers(frame) {
   for (let rank = 0; rank < P; rank++) {
     const row = table.insertRow();
     row.id = "rank-" + rank;
+    row.title = frame.notes[rank];
     const name = row.insertCell();
     name.className = "name";
     name.textContent = "rank " + rank;
@@ -219,9 +246,8 @@ function drawBuffers(frame) {
       const cell = row.insertCell();
       cell.className = "value";
       cell.textContent = String(value);
-      const strength = 0.15 + 0.85 * Math.min(frame.share[rank][i], 1);
-      cell.style.background = mix(palette[chunkOf(i) % palette.length], strength);
-      cell.style.color = strength > 0.6 ? "#fff" : "#000";
+      cell.title = frame.counts[rank][i] + " of " + P + " ranks summed in";
+      cell.style.background = data.colours[frame.counts[rank][i]];
       if (received && received[0] <= i && i < received[1])
         cell.classList.add(received[2] ? "received-added" : "received-copied");
     });
@@ -235,35 +261,91 @@ function drawBuffers(frame) {
   }
 }
 
+function drawLegend() {
+  const legend = document.getElementById("legend");
+  legend.append("colour: how many ranks an element holds the sum of ");
+  for (let count = 1; count <= P; count++) {
+    const swatch = document.createElement("span");
+    swatch.className = "swatch";
+    swatch.style.background = data.colours[count];
+    swatch.textContent = String(count);
+    legend.append(swatch);
+  }
+  legend.append("; frame: just received (solid: added, dashed: copied); an arrow's colour " +
+    "and label: the chunk it carries (all: the whole buffer)");
+}
+
+function withCode(node, text) {
+  // `name` in the text is shown as code, without the backticks
+  text.split("`").forEach((part, i) => {
+    if (i % 2 === 1) {
+      const code = document.createElement("code");
+      code.textContent = part;
+      node.append(code);
+    } else node.append(part);
+  });
+}
+
 function show(k) {
   step = Math.max(0, Math.min(frames.length - 1, k));
   const frame = frames[step];
   document.getElementById("title").textContent = frame.title;
+  document.getElementById("explain").textContent = frame.explain;
   document.getElementById("position").textContent = "step " + step + " of " + (frames.length - 1);
   document.body.dataset.step = String(step);
   drawTopology(frame);
   drawBuffers(frame);
-  if (location.hash !== "#step=" + step) history.replaceState(null, "", "#step=" + step);
+  if (step === frames.length - 1) pause();
+  const hash = "#step=" + step;
+  if (location.hash !== hash) history.replaceState(null, "", hash);
+}
+
+function play(every) {
+  if (timer) return;
+  if (step === frames.length - 1) show(0);
+  timer = setInterval(() => show(step + 1), every || 1500);
+  document.body.dataset.playing = "yes";
+  document.getElementById("play").textContent = "pause";
+  show(step);
+}
+
+function pause() {
+  if (timer) clearInterval(timer);
+  timer = null;
+  document.body.dataset.playing = "no";
+  document.getElementById("play").textContent = "play";
 }
 
 function fromHash() {
   const match = /step=(\\d+)/.exec(location.hash);
+  const playing = /[#&]play(?:=(\\d+))?/.exec(location.hash);  // play=ms: the time per round
   show(match ? parseInt(match[1], 10) : 0);
+  if (playing) play(playing[1] ? parseInt(playing[1], 10) : 1500);
 }
 
-document.getElementById("rounds").textContent = data.rounds;
-document.getElementById("model").textContent = data.model;
+withCode(document.getElementById("rounds"), data.rounds);
+withCode(document.getElementById("model"), data.model);
+drawLegend();
 document.getElementById("first").onclick = () => show(0);
 document.getElementById("prev").onclick = () => show(step - 1);
 document.getElementById("next").onclick = () => show(step + 1);
 document.getElementById("last").onclick = () => show(frames.length - 1);
+document.getElementById("play").onclick = () => (timer ? pause() : play(1500));
+const NEXT = ["ArrowRight", "ArrowDown", "PageDown", " "];
+const BACK = ["ArrowLeft", "ArrowUp", "PageUp"];
 document.addEventListener("keydown", (event) => {
-  if (event.key === "ArrowRight" || event.key === "ArrowDown" || event.key === " ") show(step + 1);
-  if (event.key === "ArrowLeft" || event.key === "ArrowUp") show(step - 1);
-  if (event.key === "Home") show(0);
-  if (event.key === "End") show(frames.length - 1);
+  if (event.target.tagName === "BUTTON" && (event.key === " " || event.key === "Enter")) return;
+  let handled = true;
+  if (NEXT.includes(event.key)) show(step + 1);
+  else if (BACK.includes(event.key)) show(step - 1);
+  else if (event.key === "Home") show(0);
+  else if (event.key === "End") show(frames.length - 1);
+  else if (event.key === "p" || event.key === "P") timer ? pause() : play(1500);
+  else handled = false;
+  if (handled) event.preventDefault();  // no scrolling: the keys step through the rounds
 });
 window.addEventListener("hashchange", fromHash);
+document.body.dataset.playing = "no";
 fromHash();
 </script>
 </body></html>

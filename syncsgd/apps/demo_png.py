@@ -1,14 +1,20 @@
-"""`ring-demo --png` and `--frames`: the rounds of an allreduce drawn for slides.
+"""`ring-demo --png` and `--frames`: the rounds of an allreduce as slides.
 
-Each buffer is a row of boxes, one per element, coloured by its chunk and darker the more ranks
-its value holds; the range a rank just received is framed in black (solid: added, dashed:
-copied), a colour no chunk takes. Font sizes follow the size of a box, and a value that would not
-fit its box at a legible size is replaced by the number of ranks summed into it.
+Each figure is one 16:9 slide (`syncsgd.util.figures`), laid out in points, with every text at
+14 points or more. A cell's colour says how many ranks an element holds a contribution of, from
+viridis' light half, where black text stays above 4.5:1. A figure writes one kind of number in
+its cells, named in its legend: the value itself (rank r starts with 10**r, so digit r says
+whether rank r is in it) where every value fits at 14 points, else the count of ranks summed in
+where that fits, else none - the colour alone says it. `--png` draws every round of every rank
+where that fits on the slide, else the compact grid of ranks x rounds.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,138 +22,329 @@ import numpy as np
 from syncsgd.apps.demo_core import (
     Demo,
     Snapshot,
-    chunk_count,
-    chunk_layout,
-    contributors,
+    chunk_name,
+    count_colour,
+    demo_chunks,
+    explain_round,
+    ranks_summed,
 )
+from syncsgd.util import figures
 
-ROW_HEIGHT = 2.6  # in element boxes: a row of boxes, two lines of labels, a gap
-MIN_POINTS = 5.0  # the smallest font a value is written in; below it, the ranks summed
-FRAME = "black"  # never a chunk colour: tab10 and tab20 have no black
-
-
-def _figure_modules() -> tuple[Any, Any]:
-    """matplotlib's Figure and Agg canvas, or a RuntimeError saying how to install them."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise RuntimeError("--png needs matplotlib: pip install 'syncsgd[plot]'") from None
-    return Figure, FigureCanvasAgg
+WIDTH, HEIGHT = 72 * figures.SLIDE[0], 72 * figures.SLIDE[1]  # the slide in points: 960 x 540
+TEXT, TITLE = 14.0, 18.0  # points
+LINE = 1.3 * TEXT  # the height of a line of text
+MONO = "DejaVu Sans Mono"  # matplotlib's own: every character the same width
+MONO_EM = 0.6021  # a DejaVu Sans Mono character's advance, in ems
+LEGEND = 2 * LINE + 14  # the legend's two lines at the bottom
+FRAME = "black"  # the range just received; never a cell colour
 
 
-def chunk_colour(chunk: int, chunks: int) -> np.ndarray:
-    """The RGB of a chunk: tab10 for up to 10 chunks, tab20 without its greys for more."""
-    from matplotlib import colormaps
+def text_width(text: str, size: float, mono: bool = False) -> float:
+    """How wide `text` is in points at `size` points (the glyphs' advances, 2% to spare)."""
+    return 1.02 * size * sum(_advance(char, mono) for char in text)
 
-    if chunks <= 10:
-        return np.array(colormaps["tab10"](chunk % 10)[:3])
-    usable = [i for i in range(20) if i not in (14, 15)]  # 14 and 15 are tab20's greys
-    return np.array(colormaps["tab20"](usable[chunk % len(usable)])[:3])
+
+@functools.lru_cache(maxsize=1024)
+def _advance(char: str, mono: bool) -> float:
+    """A character's advance in ems, in DejaVu Sans (Mono)."""
+    from matplotlib.font_manager import FontProperties, findfont, get_font
+
+    font = get_font(findfont(FontProperties(family=MONO if mono else "DejaVu Sans")))
+    font.set_size(100, 72)
+    return float(font.load_char(ord(char)).linearHoriAdvance) / 65536 / 100
 
 
 def _rows(demo: Demo) -> list[tuple[str, list[np.ndarray], list[Snapshot | None]]]:
-    """(name, every rank's buffer, every rank's step or None) for the start and each round."""
+    """(title, every rank's buffer, every rank's step or None) for the start and each round."""
     rows: list[tuple[str, list[np.ndarray], list[Snapshot | None]]] = [
         ("start", list(demo.start), [None] * demo.ranks)
     ]
     current = list(demo.start)
-    for number, (title, group) in enumerate(demo.steps, start=1):
+    for title, group in demo.steps:
         taken: list[Snapshot | None] = [None] * demo.ranks
         for snapshot in group:
             taken[snapshot.event.rank] = snapshot
             current[snapshot.event.rank] = snapshot.buffer
-        rows.append((f"round {number}: {title}", list(current), taken))
+        rows.append((title, list(current), taken))
     return rows
 
 
 class Canvas:
-    """A figure whose unit is one element box, `box` points wide."""
+    """A slide whose unit is the point, y growing downwards; cells go into one collection."""
 
-    def __init__(self, width: float, height: float, box_inches: float, title: str) -> None:
-        Figure, FigureCanvasAgg = _figure_modules()
-        self.box = box_inches * 72  # points per element box
-        self.figure = Figure(figsize=(width * box_inches, height * box_inches))
-        FigureCanvasAgg(self.figure)
+    def __init__(self, title: str) -> None:
+        self.figure = figures.new_figure()
         self.axes = self.figure.add_axes((0, 0, 1, 1))
-        self.axes.set_xlim(0, width)
-        self.axes.set_ylim(-height, 0)
+        self.axes.set_xlim(0, WIDTH)
+        self.axes.set_ylim(HEIGHT, 0)
         self.axes.axis("off")
-        self.boxes: list[tuple[Any, tuple[float, float, float, float]]] = []  # text, its box
-        self.axes.text(width / 2, -0.4, title, ha="center", va="top",
-                       fontsize=self.points(0.55))  # fmt: skip
-
-    def points(self, boxes: float) -> float:
-        """A font size of `boxes` element boxes."""
-        return boxes * self.box
+        self.boxes: list[tuple[Any, tuple[float, float, float, float]]] = []  # text, its room
+        self.cells: list[list[tuple[float, float]]] = []
+        self.colours: list[tuple[float, float, float]] = []
+        self.frames: dict[bool, list[list[tuple[float, float]]]] = {False: [], True: []}
+        self.frame_width = 2.5  # points; thinner where the cells are narrow
+        self.text(WIDTH / 2, 6, title, TITLE, (0, 0, WIDTH, 6 + 1.3 * TITLE), ha="center",
+                  va="top", weight="bold")  # fmt: skip
 
     def text(self, x: float, y: float, text: str, size: float,
-             room: tuple[float, float, float, float], **style: Any) -> None:  # fmt: skip
-        """Write `text` at (x, y) in `size` boxes, and remember the room it must stay within."""
-        artist = self.axes.text(x, y, text, fontsize=self.points(size), **style)
+             room: tuple[float, float, float, float], **style: Any) -> Any:  # fmt: skip
+        """Write `text` at (x, y), `size` points, and remember the room it must stay within."""
+        artist = self.axes.text(x, y, text, fontsize=size, color="black", **style)
         self.boxes.append((artist, room))
+        return artist
+
+    def cell(self, x: float, y: float, width: float, height: float,
+             colour: tuple[float, float, float]) -> None:  # fmt: skip
+        """A filled box with its top left at (x, y)."""
+        self.cells.append([(x, y), (x + width, y), (x + width, y + height), (x, y + height)])
+        self.colours.append(colour)
+
+    def outline(self, x: float, y: float, width: float, height: float, dashed: bool) -> None:
+        """The frame around a range just received: solid if added, dashed if copied."""
+        self.frames[dashed].append([(x, y), (x + width, y), (x + width, y + height),
+                                    (x, y + height)])  # fmt: skip
+
+    def finish(self) -> Any:
+        """Put the cells on the figure (once) and return it."""
+        from matplotlib.collections import PolyCollection
+
+        if self.cells:
+            self.axes.add_collection(PolyCollection(self.cells, facecolors=self.colours,
+                                                    edgecolors="none", zorder=1))  # fmt: skip
+            self.cells, self.colours = [], []
+        for dashed, boxes in self.frames.items():
+            if boxes:
+                self.axes.add_collection(PolyCollection(
+                    boxes, facecolors="none", edgecolors=FRAME, linewidths=self.frame_width,
+                    zorder=3, linestyles=(0, (3, 2)) if dashed else "solid"))  # fmt: skip
+        self.frames = {False: [], True: []}
+        return self.figure
 
     def save(self, path: str) -> None:
-        """Write the figure as a PNG, atomically."""
-        from syncsgd.util.files import atomic_path
-
-        with atomic_path(path) as tmp:
-            self.figure.savefig(tmp, format="png", dpi=120)
+        """Write the slide to `path` in the format its extension names, atomically."""
+        figures.save(self.finish(), path)
 
 
 def overflows(canvas: Canvas) -> list[str]:
     """The texts that reach outside the room they were given (empty: every label fits)."""
+    canvas.finish()
     renderer = canvas.figure.canvas.get_renderer()
     to_data = canvas.axes.transData.inverted()
     found = []
     for artist, (x0, y0, x1, y1) in canvas.boxes:
         extent = artist.get_window_extent(renderer)
-        (left, bottom), (right, top) = to_data.transform([[extent.x0, extent.y0],
-                                                          [extent.x1, extent.y1]])  # fmt: skip
-        slack = 1e-6
-        if left < x0 - slack or right > x1 + slack or bottom < y0 - slack or top > y1 + slack:
+        corners = to_data.transform([[extent.x0, extent.y0], [extent.x1, extent.y1]])
+        left, right = sorted(corners[:, 0])
+        top, bottom = sorted(corners[:, 1])
+        slack = 0.5
+        if left < x0 - slack or right > x1 + slack or top < y0 - slack or bottom > y1 + slack:
             found.append(artist.get_text())
     return found
 
 
-def _value_text(value: int, share: float, ranks: int, box_points: float) -> tuple[str, float]:
-    """The value and its font size in boxes, or the ranks summed in if the value cannot fit."""
-    digits = len(str(value))
-    size = min(0.5, 0.85 / (0.62 * digits))  # a digit is about 0.6 em wide
-    if size * box_points >= MIN_POINTS:
-        return str(value), size
-    count = str(round(share * ranks))
-    return count, min(0.5, 0.85 / (0.62 * len(count)))
+# -- what the cells say ---------------------------------------------------------------------------
 
 
-def draw_buffer(canvas: Canvas, demo: Demo, x0: float, y: float, values: np.ndarray,
-                snapshot: Snapshot | None, room: float) -> None:  # fmt: skip
-    """One rank's buffer with its top left at (x0, y), and what it sent and received below it."""
-    from matplotlib.patches import Rectangle
+def numbers_for(demo: Demo, cell_width: float, cell_height: float) -> str | None:
+    """'value', 'count' or None: the one kind of number every cell of a figure can show."""
+    if cell_height < LINE:
+        return None
+    everything = [*demo.start] + [s.buffer for _, group in demo.steps for s in group]
+    widest = max((len(str(int(v))) for buf in everything for v in buf), default=1)
+    for kind, chars in (("value", widest), ("count", len(str(demo.ranks)))):
+        if kind == "value" and demo.ranks > 9:
+            continue  # the values are binary codes there: their decimal digits say nothing
+        if cell_width >= (chars + 1) * MONO_EM * TEXT:
+            return kind
+    return None
 
-    bounds = chunk_layout(demo.algorithm, demo.length, demo.ranks)
-    chunks = 1 if bounds is None else len(bounds) - 1
-    share = contributors(values, demo.ranks)
-    for i, value in enumerate(values.tolist()):
-        chunk = 0 if bounds is None else int(np.searchsorted(bounds, i, side="right")) - 1
-        strength = 0.15 + 0.85 * min(float(share[i]), 1.0)
-        face = (1 - strength) * np.ones(3) + strength * chunk_colour(chunk, chunks)
-        canvas.axes.add_patch(Rectangle((x0 + i, y - 1), 1, 1, facecolor=face, edgecolor="white"))
-        text, size = _value_text(value, float(share[i]), demo.ranks, canvas.box)
-        ink = "white" if strength > 0.6 else "black"
-        canvas.text(x0 + i + 0.5, y - 0.5, text, size, (x0 + i, y - 1, x0 + i + 1, y),
-                    ha="center", va="center", color=ink)  # fmt: skip
+
+def draw_buffer(canvas: Canvas, demo: Demo, x: float, y: float, cell: tuple[float, float],
+                values: np.ndarray, numbers: str | None,
+                snapshot: Snapshot | None) -> None:  # fmt: skip
+    """One rank's buffer, top left at (x, y), cells of `cell` points, the range received framed."""
+    width, height = cell
+    counts = ranks_summed(values, demo.ranks)
+    gap = 1.0 if width >= 6 else 0.0
+    for i, count in enumerate(counts.tolist()):
+        canvas.cell(x + i * width, y, width - gap, height, count_colour(count, demo.ranks))
+    if numbers is not None and len(values):
+        shown = values.tolist() if numbers == "value" else counts.tolist()
+        chars = max(len(str(v)) for v in shown) + 1
+        largest = max(TEXT, min(TEXT + 4, 0.75 * height))
+        per_cell = max(chars, min(math.ceil(width / (MONO_EM * largest)),
+                                  math.floor(width / (MONO_EM * TEXT))))  # fmt: skip
+        size = width / (per_cell * MONO_EM)  # >= 14 points: numbers_for saw to that
+        line = "".join(f"{v:^{per_cell}}" for v in shown)
+        room = (x, y, x + width * len(values) + size, y + height)  # + a trailing space's bearing
+        canvas.text(x, y + height / 2, line, size, room, ha="left", va="center",
+                    family=MONO)  # fmt: skip
+    if snapshot is not None:
+        lo, hi = snapshot.event.recv_range
+        if hi > lo and snapshot.recv_from >= 0:
+            canvas.outline(x + lo * width, y, (hi - lo) * width - gap, height, not snapshot.added)
+
+
+def draw_legend(canvas: Canvas, demo: Demo, numbers: str | None) -> None:
+    """Two lines at the bottom: the colour of each count, and what numbers and frames mean."""
+    y = HEIGHT - LEGEND + 4
+    label = "colour: how many ranks an element holds the sum of"
+    canvas.text(8, y + LINE / 2, label, TEXT, (0, y, WIDTH, y + LINE), va="center")
+    x = 16 + text_width(label, TEXT)
+    swatch = min(30.0, (WIDTH - x - 8) / max(demo.ranks, 1))
+    for count in range(1, demo.ranks + 1):
+        canvas.cell(x + (count - 1) * swatch, y, swatch - 1, LINE, count_colour(count, demo.ranks))
+        if swatch >= (len(str(count)) + 0.4) * MONO_EM * TEXT:
+            canvas.text(x + (count - 0.5) * swatch, y + LINE / 2, str(count), TEXT,
+                        (x + (count - 1) * swatch, y, x + count * swatch, y + LINE),
+                        ha="center", va="center", family=MONO)  # fmt: skip
+    meaning = {
+        "value": "number: the sum (rank r starts with 10**r: digit r is 1 if rank r is in it)",
+        "count": "number: how many ranks the element holds the sum of",
+        None: "no numbers: the colour alone",
+    }[numbers]
+    y += LINE + 4
+    text = f"{meaning};  frame: just received (solid: added, dashed: copied)"
+    canvas.text(8, y + LINE / 2, text, TEXT, (0, y, WIDTH, y + LINE), va="center")
+
+
+def peers_text(snapshot: Snapshot | None) -> str:
+    """'→1 ←3': whom a rank sent to and received from in a round ('' if idle)."""
     if snapshot is None:
-        return
-    lo, hi = snapshot.event.recv_range
-    if hi > lo:
-        style = "solid" if snapshot.added else (0, (2, 1.5))
-        canvas.axes.add_patch(Rectangle((x0 + lo, y - 1), hi - lo, 1, fill=False, linewidth=2.5,
-                                        edgecolor=FRAME, linestyle=style))  # fmt: skip
-    for line, text in enumerate(exchange_labels(demo, snapshot)):
-        size = min(0.42, room / (0.6 * max(len(text), 1)))
-        top = y - 1.15 - line * 0.6
-        canvas.text(x0, top, text, size, (x0, top - 0.6, x0 + room, top), ha="left", va="top")
+        return ""
+    parts = []
+    if snapshot.send_to >= 0:
+        parts.append(f"→{snapshot.send_to}")
+    if snapshot.recv_from >= 0:
+        parts.append(f"←{snapshot.recv_from}")
+    return " ".join(parts)
+
+
+def _title(demo: Demo) -> str:
+    """'ring allreduce: 4 ranks, 10 elements'."""
+    return f"{demo.what}: {demo.ranks} ranks, {demo.length} elements"
+
+
+# -- --png: every round of every rank, or the compact grid ----------------------------------------
+
+
+def grid_canvas(demo: Demo) -> Canvas:
+    """The whole allreduce on one slide: rounds x ranks with numbers if they fit, else compact."""
+    detailed = _detailed_layout(demo)
+    return _detailed(demo, *detailed) if detailed is not None else compact_canvas(demo)
+
+
+def _detailed_layout(demo: Demo) -> tuple[float, float, float, str] | None:
+    """(names' width, row pitch, cell width, numbers) if every round fits with numbers."""
+    rows = _rows(demo)
+    names = max(text_width(_row_name(k, title), TEXT) for k, (title, _, _) in enumerate(rows))
+    names += 12
+    pitch = (HEIGHT - 40 - LINE - LEGEND) / len(rows)
+    cell_height = pitch - LINE - 8
+    buffer_width = (WIDTH - names - 8) / demo.ranks - 12
+    if cell_height < LINE or demo.length == 0:
+        return None
+    peers = max(text_width(peers_text(s), TEXT) for _, _, taken in rows for s in taken)
+    if peers > buffer_width:
+        return None
+    cell_width = buffer_width / demo.length
+    numbers = numbers_for(demo, cell_width, min(cell_height, 2 * LINE))
+    if numbers is None:
+        return None
+    return names, pitch, cell_width, numbers
+
+
+def _row_name(number: int, title: str) -> str:
+    """'start' or 'round 3: reduce-scatter 3 of 3'."""
+    return "start" if number == 0 else f"round {number}: {title}"
+
+
+def _detailed(demo: Demo, names: float, pitch: float, cell_width: float,
+              numbers: str) -> Canvas:  # fmt: skip
+    """Every round as a row of every rank's buffer, whom it sent to and received from below."""
+    canvas = Canvas(_title(demo))
+    rows = _rows(demo)
+    cell_height = min(pitch - LINE - 8, 2 * LINE)
+    span = cell_width * demo.length
+    across = (WIDTH - names - 8) / demo.ranks
+    top = 40 + LINE
+    for rank in range(demo.ranks):
+        x = names + rank * across
+        canvas.text(x + span / 2, top - LINE / 2, f"rank {rank}", TEXT,
+                    (x - 6, top - LINE, x + across - 6, top), ha="center", va="center")  # fmt: skip
+    for number, (title, buffers, taken) in enumerate(rows):
+        y = top + number * pitch
+        canvas.text(names - 8, y + cell_height / 2, _row_name(number, title), TEXT,
+                    (0, y, names, y + cell_height), ha="right", va="center")  # fmt: skip
+        for rank in range(demo.ranks):
+            x = names + rank * across
+            draw_buffer(canvas, demo, x, y, (cell_width, cell_height), buffers[rank], numbers,
+                        taken[rank])  # fmt: skip
+            text = peers_text(taken[rank])
+            if text:
+                canvas.text(x, y + cell_height + 2, text, TEXT,
+                            (x, y + cell_height, x + across - 8, y + cell_height + LINE + 4),
+                            ha="left", va="top")  # fmt: skip
+    draw_legend(canvas, demo, numbers)
+    return canvas
+
+
+def compact_canvas(demo: Demo) -> Canvas:
+    """Ranks x rounds: each rank's buffer after each round as a strip of colours, no numbers."""
+    canvas = Canvas(_title(demo) + ": each rank's buffer after each round")
+    rows = _rows(demo)
+    names = text_width(f"rank {demo.ranks - 1}", TEXT) + 16
+    phases = _phase_lines(rows, WIDTH - 16)
+    top = 40 + LINE
+    bottom = HEIGHT - LEGEND - len(phases) * LINE - 6
+    pitch = (bottom - top) / max(demo.ranks, 1)
+    column = (WIDTH - names - 8) / len(rows)
+    canvas.text(names - 8, top - LINE / 2, "round", TEXT, (0, top - LINE, names, top),
+                ha="right", va="center")  # fmt: skip
+    for number in range(len(rows)):
+        x = names + number * column
+        canvas.text(x + (column - 3) / 2, top - LINE / 2, str(number), TEXT,
+                    (x - 2, top - LINE, x + column + 2, top), ha="center", va="center")  # fmt: skip
+    cell = ((column - 4) / max(demo.length, 1), pitch - 4)
+    canvas.frame_width = min(2.5, max(1.0, cell[0] / 2))
+    for rank in range(demo.ranks):
+        y = top + rank * pitch
+        canvas.text(names - 8, y + cell[1] / 2, f"rank {rank}", TEXT, (0, y, names, y + pitch),
+                    ha="right", va="center")  # fmt: skip
+        for number, (_, buffers, taken) in enumerate(rows):
+            draw_buffer(canvas, demo, names + number * column, y, cell, buffers[rank], None,
+                        taken[rank])  # fmt: skip
+    for line, text in enumerate(phases):
+        y = bottom + line * LINE
+        canvas.text(8, y + LINE / 2, text, TEXT, (0, y, WIDTH, y + LINE), va="center")
+    draw_legend(canvas, demo, None)
+    return canvas
+
+
+def _phase_lines(rows: Sequence[tuple[str, Any, Any]], width: float) -> list[str]:
+    """'round 0: start; 1-3: reduce-scatter; 4-6: allgather', wrapped to `width` points."""
+    spans: list[list[Any]] = []  # [first, last, what]
+    for number, (title, _, _) in enumerate(rows):
+        what = " + ".join(dict.fromkeys(part.split(" ")[0] if part[-1:].isdigit() else part
+                                        for part in title.split("; ")))  # fmt: skip
+        if spans and spans[-1][2] == what:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number, what])
+    parts = [f"{first}: {what}" if first == last else f"{first}-{last}: {what}"
+             for first, last, what in spans]  # fmt: skip
+    parts[0] = "round " + parts[0]
+    lines = [""]
+    for part in parts:
+        joined = f"{lines[-1]}; {part}" if lines[-1] else part
+        if text_width(joined, TEXT) <= width or not lines[-1]:
+            lines[-1] = joined
+        else:
+            lines.append(part)
+    return lines
+
+
+# -- --frames: one slide per round ----------------------------------------------------------------
 
 
 def exchange_labels(demo: Demo, snapshot: Snapshot) -> list[str]:
@@ -168,91 +365,124 @@ def exchange_labels(demo: Demo, snapshot: Snapshot) -> list[str]:
 
 def _short(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:
     """'c2 [6:8)', 'c0-1 [0:6)' or 'all'."""
-    if chunk_layout(demo.algorithm, demo.length, demo.ranks) is None or event.phase in (
-        "fold", "unfold"
-    ):
-        return "all"
-    count = chunk_count(demo.algorithm, demo.ranks, event.phase, event.step)
-    name = f"c{chunk}" if count == 1 else f"c{chunk}-{chunk + count - 1}"
-    return f"{name} [{span[0]}:{span[1]})"
+    name = chunk_name(demo, event, chunk)
+    return name if name == "all" else f"{name} [{span[0]}:{span[1]})"
 
 
-def _title(demo: Demo) -> str:
-    """The algorithm, the sizes, and how to read the colours."""
-    return (f"{demo.what}, {demo.ranks} ranks, {demo.length} elements: darker = "
-            f"more ranks summed in; black frame = just received (solid: added, dashed: copied)")
+class FrameLayout:
+    """Where a frame puts things, the same for every round of a demo."""
+
+    def __init__(self, demo: Demo) -> None:
+        rows = _rows(demo)
+        self.names = text_width(f"rank {demo.ranks - 1}", TEXT) + 16
+        notes = [_wrap(explain_round(demo, title), WIDTH - 16) for title, _, _ in rows]
+        self.top = 10 + 1.3 * TITLE + max(len(n) for n in notes) * LINE + 6
+        self.chunks = demo_chunks(demo)
+        if self.chunks is not None:
+            self.top += LINE  # the chunks' names
+        labels = ["; ".join(exchange_labels(demo, s)) for _, _, taken in rows for s in taken
+                  if s is not None]  # fmt: skip
+        self.labels = max([text_width(text, TEXT) for text in labels] or [0.0]) + 12
+        room = WIDTH - self.names - self.labels - 8
+        self.pitch = (HEIGHT - LEGEND - 8 - self.top) / max(demo.ranks, 1)
+        self.cell = (min(60.0, max(room, 0) / max(demo.length, 1)), min(self.pitch - 4, 2 * LINE))
+        self.numbers = numbers_for(demo, *self.cell) if demo.length else None
 
 
-def grid_canvas(demo: Demo) -> Canvas:
-    """Every round as a row of every rank's buffer: the whole allreduce in one figure."""
-    p, n = demo.ranks, demo.length
+def _wrap(text: str, width: float) -> list[str]:
+    """`text` in lines of at most `width` points at 14 points, broken at spaces."""
+    lines = [""]
+    for word in text.split(" "):
+        joined = f"{lines[-1]} {word}" if lines[-1] else word
+        if text_width(joined, TEXT) <= width or not lines[-1]:
+            lines[-1] = joined
+        else:
+            lines.append(word)
+    return lines
+
+
+def frame_canvas(demo: Demo, row: int, layout: FrameLayout | None = None) -> Canvas:
+    """One round as a slide: its name and what happens in it, every rank's buffer in a row."""
+    layout = layout or FrameLayout(demo)
     rows = _rows(demo)
-    pitch = max(n, 8) + 1.5  # x distance of two ranks' buffers: room for the labels
-    margin = 11.0  # the rounds' names
-    width, height = margin + p * pitch, 2.2 + len(rows) * ROW_HEIGHT
-    canvas = Canvas(width, height, min(0.3, 40 / width), _title(demo))
-    for rank in range(p):
-        canvas.text(margin + rank * pitch + n / 2, -1.6, f"rank {rank}", 0.5,
-                    (margin + rank * pitch - 0.5, -2.2, margin + (rank + 1) * pitch - 1, -1.0),
-                    ha="center", va="center")  # fmt: skip
-    for row, (name, buffers, taken) in enumerate(rows):
-        y = -2.2 - row * ROW_HEIGHT
-        size = min(0.45, (margin - 0.6) / (0.6 * len(name)))
-        canvas.text(margin - 0.4, y - 0.5, name, size, (0, y - 1.3, margin - 0.2, y + 0.3),
-                    ha="right", va="center")  # fmt: skip
-        for rank in range(p):
-            draw_buffer(canvas, demo, margin + rank * pitch, y, buffers[rank], taken[rank],
-                        pitch - 1.0)  # fmt: skip
-    return canvas
-
-
-def frame_canvas(demo: Demo, row: int) -> Canvas:
-    """One round as a slide: every rank's buffer in a row of its own, the round's name on top."""
-    rows = _rows(demo)
-    name, buffers, taken = rows[row]
-    n = max(demo.length, 8)
-    label = 5.0  # the ranks' names
-    width, height = label + n + 14, 2.2 + demo.ranks * 1.9
-    canvas = Canvas(width, height, min(0.4, 13.3 / width, 7.5 / height),
-                    f"{name}  ({row} of {len(rows) - 1})")  # fmt: skip
+    title, buffers, taken = rows[row]
+    name = _row_name(row, title) + f"  ({row} of {len(rows) - 1})"
+    canvas = Canvas(f"{demo.what}, {name}")
+    y = 10 + 1.3 * TITLE
+    for line in _wrap(explain_round(demo, title), WIDTH - 16) if row else []:
+        canvas.text(WIDTH / 2, y + LINE / 2, line, TEXT, (0, y, WIDTH, y + LINE), ha="center",
+                    va="center")  # fmt: skip
+        y += LINE
+    width, height = layout.cell
+    if layout.chunks is not None:
+        _chunk_names(canvas, layout, width)
     for rank in range(demo.ranks):
-        y = -2.0 - rank * 1.9
-        canvas.text(label - 0.4, y - 0.5, f"rank {rank}", 0.5, (0, y - 1, label - 0.2, y),
-                    ha="right", va="center")  # fmt: skip
-        draw_buffer(canvas, demo, label, y, buffers[rank], None, n)
+        y = layout.top + rank * layout.pitch
+        canvas.text(layout.names - 8, y + height / 2, f"rank {rank}", TEXT,
+                    (0, y, layout.names, y + layout.pitch), ha="right", va="center")  # fmt: skip
+        draw_buffer(canvas, demo, layout.names, y, layout.cell, buffers[rank], layout.numbers,
+                    taken[rank])  # fmt: skip
         snapshot = taken[rank]
         if snapshot is not None:
-            _frame_received(canvas, label, y, snapshot)
-            text = "; ".join(exchange_labels(demo, snapshot))
-            size = min(0.45, 13.5 / (0.6 * max(len(text), 1)))
-            canvas.text(label + demo.length + 0.5, y - 0.5, text, size,
-                        (label + demo.length + 0.3, y - 1, width, y), ha="left",
-                        va="center")  # fmt: skip
+            x = layout.names + width * demo.length + 12
+            canvas.text(x, y + height / 2, "; ".join(exchange_labels(demo, snapshot)), TEXT,
+                        (x - 4, y, WIDTH, y + layout.pitch), ha="left", va="center")  # fmt: skip
+    draw_legend(canvas, demo, layout.numbers)
     return canvas
 
 
-def _frame_received(canvas: Canvas, x0: float, y: float, snapshot: Snapshot) -> None:
-    """The black frame around the range a rank just received."""
-    from matplotlib.patches import Rectangle
-
-    lo, hi = snapshot.event.recv_range
-    if hi > lo:
-        style = "solid" if snapshot.added else (0, (2, 1.5))
-        canvas.axes.add_patch(Rectangle((x0 + lo, y - 1), hi - lo, 1, fill=False, linewidth=3,
-                                        edgecolor=FRAME, linestyle=style))  # fmt: skip
+def _chunk_names(canvas: Canvas, layout: FrameLayout, width: float) -> None:
+    """'c0', 'c1', ... over the chunks wide enough for their name."""
+    assert layout.chunks is not None
+    y = layout.top - LINE
+    for chunk, (lo, hi) in enumerate(zip(layout.chunks, layout.chunks[1:], strict=False)):
+        name = f"c{chunk}"
+        if (hi - lo) * width >= text_width(name, TEXT) + 2:
+            x = layout.names + (lo + hi) / 2 * width
+            canvas.text(x, y + LINE / 2, name, TEXT,
+                        (layout.names + lo * width - 1, y, layout.names + hi * width + 1, y + LINE),
+                        ha="center", va="center")  # fmt: skip
 
 
 def draw_png(demo: Demo, path: str) -> None:
-    """Draw every round of `demo` as a grid of rounds x ranks into the PNG file `path`."""
+    """Draw every round of `demo` on one slide into `path` (.png, .svg or .pdf)."""
     grid_canvas(demo).save(path)
 
 
 def write_frames(demo: Demo, directory: str) -> list[str]:
-    """One PNG per round (and the start) in `directory`: step-000.png, step-001.png, ..."""
+    """One PNG slide per round (and the start) in `directory`: step-000.png, step-001.png, ..."""
     os.makedirs(directory, exist_ok=True)
-    paths = []
-    for row in range(len(demo.steps) + 1):
-        path = os.path.join(directory, f"step-{row:03d}.png")
-        frame_canvas(demo, row).save(path)
-        paths.append(path)
+    paths = [os.path.join(directory, f"step-{row:03d}.png") for row in range(len(demo.steps) + 1)]
+    workers = min(len(os.sched_getaffinity(0)), len(paths))
+    if workers > 1 and not _under_mpi():  # the slides are independent: one process per core
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")
+        with context.Pool(workers, _start_worker, (demo,)) as pool:
+            pool.map(_write_frame, list(enumerate(paths)), chunksize=1)
+    else:
+        _start_worker(demo)
+        for job in enumerate(paths):
+            _write_frame(job)
     return paths
+
+
+_WORKER: dict[str, Any] = {}  # a frame-writing process's demo and layout
+
+
+def _start_worker(demo: Demo) -> None:
+    """Keep the demo and its layout for `_write_frame`."""
+    _WORKER.update(demo=demo, layout=FrameLayout(demo))
+
+
+def _write_frame(job: tuple[int, str]) -> None:
+    """Write the slide of round `row` (0: the start) to `path`."""
+    row, path = job
+    frame_canvas(_WORKER["demo"], row, _WORKER["layout"]).save(path)
+
+
+def _under_mpi() -> bool:
+    """Whether an MPI launcher started this process (no forking there)."""
+    from syncsgd.comm.world import launched_by_mpi
+
+    return launched_by_mpi()

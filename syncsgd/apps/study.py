@@ -54,6 +54,7 @@ from syncsgd.util.argtypes import (
     nonnegative_int,
     positive_int,
 )
+from syncsgd.util.figures import figure_path
 from syncsgd.util.files import check_writable
 from syncsgd.util.options import JSON, RANKS
 
@@ -552,7 +553,7 @@ def draw_png(rows: Sequence[Row], knee: Knee | None, path: str, title: str) -> N
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from syncsgd.util.files import atomic_path
+    from syncsgd.util import figures
 
     figure = Figure(figsize=(7, 4.5), layout="constrained")
     FigureCanvasAgg(figure)
@@ -580,8 +581,7 @@ def draw_png(rows: Sequence[Row], knee: Knee | None, path: str, title: str) -> N
     axes.set_title(title, fontsize="medium")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize="small")
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=120)
+    figures.save(figure, path)
 
 
 def study_json(rows: Sequence[Row], knee: Knee | None, base: Any, settings: StudySettings,
@@ -658,7 +658,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_time_model_arguments(parser.add_argument_group("the time model (a prediction)"))
     out = parser.add_argument_group("output")
     JSON.add(out, help="write rows, trials, knee and time model")
-    out.add_argument("--png", metavar="PATH", help="log-log plot of steps against batch size")
+    out.add_argument("--png", metavar="PATH", type=figure_path,
+                     help="log-log plot of steps against batch size (.png, .svg or .pdf)")
 
 
 def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:

@@ -11,6 +11,7 @@ one JSON file.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from typing import Any
@@ -84,12 +85,13 @@ def write(comm: Any, timeline: Timeline, path: str) -> None:
 
 # -- a Gantt chart of the same spans, for slides -------------------------------------------------
 
-COLOURS = {  # by category, then by the phase of an allreduce step
-    "compute": "#4c72b0", "update": "#55a868", "reduce-scatter": "#dd8452", "allgather": "#8172b3",
-    "exchange": "#c44e52", "reduce": "#ccb974", "broadcast": "#64b5cd", "fold": "#937860",
-    "unfold": "#937860",
+COLOURS = {  # by category, then by the phase of an allreduce step: Okabe & Ito's palette
+    "compute": "#0072B2", "update": "#009E73", "reduce-scatter": "#E69F00", "allgather": "#56B4E9",
+    "exchange": "#D55E00", "reduce": "#CC79A7", "broadcast": "#F0E442", "fold": "#999999",
+    "unfold": "#999999",
 }  # fmt: skip
-OTHER = "#8c8c8c"
+OTHER = "#000000"
+TEXT = 14  # points, on a 16:9 slide (syncsgd.util.figures)
 
 
 def _kind(event: dict) -> str:
@@ -100,50 +102,101 @@ def _kind(event: dict) -> str:
 
 
 def draw_gantt(events: list[dict], path: str, title: str = "timeline") -> None:
-    """Chrome trace events as one bar row per rank, coloured by what the rank did, as a PNG."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-    except ImportError:
-        raise RuntimeError("--timeline-png needs matplotlib: pip install 'syncsgd[plot]'") from None
-    from syncsgd.util.files import atomic_path
+    """Chrome trace events as a bar row per rank, on a slide: .png, .svg or .pdf by extension."""
+    from syncsgd.util import figures
+
+    figures.save(gantt_figure(events, title), path)
+
+
+def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
+    """The slide: a row per rank, a bar per span coloured by what it is, the steps marked."""
+    from syncsgd.util import figures
 
     spans = [e for e in events if e.get("ph") == "X"]
     rows = _rows(events)
-    figure = Figure(figsize=(12, 1.2 + 0.45 * max(len(rows), 1)), layout="constrained")
-    FigureCanvasAgg(figure)
+    figure = figures.new_figure(layout="constrained")
     axes = figure.add_subplot()
-    unit, scale = ("ms", 1e-3) if not spans or max(e["ts"] + e["dur"] for e in spans) < 2e6 else (
-        "s", 1e-6)  # fmt: skip
-    kinds: dict[str, str] = {}
+    steps = _step_starts(spans)
+    origin = _steady_start(spans)
+    if origin is None:
+        origin = min((e["ts"] for e in spans), default=0.0)
+    else:  # the first step loads the kernels: it would squeeze the rest to a line
+        first = origin - min(e["ts"] for e in spans)
+        title += f"\nfrom step {min(s for s in steps if steps[s] >= origin)}, the first timed " \
+                 f"(the first, start-up included, took {first / 1e6:.2f} s)"
+    end = max((e["ts"] + e["dur"] for e in spans), default=origin + 1.0)
+    unit, scale = ("ms", 1e-3) if end - origin < 2e6 else ("s", 1e-6)
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (row, kind): the spans
     for event in spans:
-        kind = _kind(event)
-        colour = COLOURS.get(kind, OTHER)
-        if event.get("cat") == "call":  # a whole traced call (bench): an outline around its steps
-            axes.broken_barh([(event["ts"] * scale, event["dur"] * scale)],
-                             (rows[event["tid"]] - 0.45, 0.9), facecolors="none",
-                             edgecolors="black", linewidth=0.6)  # fmt: skip
+        if event["ts"] + event["dur"] >= origin:
+            bars.setdefault((rows[event["tid"]], _kind(event)), []).append(
+                ((event["ts"] - origin) * scale, max(event["dur"] * scale, 0)))  # fmt: skip
+    kinds: dict[str, str] = {}
+    calls = False
+    for (row, kind), xranges in bars.items():
+        if kind == "call":  # a whole traced call (bench): an outline around its steps
+            axes.broken_barh(xranges, (row - 0.45, 0.9), facecolors="none", edgecolors="black",
+                             linewidth=1.0)  # fmt: skip
+            calls = True
             continue
-        kinds.setdefault(kind, colour)
-        axes.broken_barh([(event["ts"] * scale, max(event["dur"] * scale, 0))],
-                         (rows[event["tid"]] - 0.35, 0.7), facecolors=colour)  # fmt: skip
-    start = _steady_start(spans)
-    if start is not None:  # the first step loads the kernels: it would squeeze the rest to a line
-        first = start - min(e["ts"] for e in spans)
-        end = max(e["ts"] + e["dur"] for e in spans)
-        axes.set_xlim(start * scale, (end + 0.02 * (end - start)) * scale)
-        title += f" (from the second step; the first, start-up included, took {first / 1e6:.2f} s)"
-    axes.set_yticks(list(rows.values()), [_row_label(tid) for tid in rows])
+        kinds.setdefault(kind, COLOURS.get(kind, OTHER))
+        axes.broken_barh(xranges, (row - 0.35, 0.7), facecolors=kinds[kind])
+    marked = _mark_steps(axes, steps, origin, scale)
+    axes.set_xlim(0, (end - origin) * 1.02 * scale)
+    _rank_ticks(axes, rows)
     axes.invert_yaxis()
-    axes.set_xlabel(f"time ({unit}) from the common start")
-    axes.set_title(title)
+    axes.set_xlabel(f"time ({unit}) from the start of the first step shown", fontsize=TEXT)
+    axes.tick_params(labelsize=TEXT)
+    axes.set_title(title, fontsize=TEXT)
     axes.grid(True, axis="x", alpha=0.3)
-    handles = [Patch(facecolor=colour, label=kind) for kind, colour in kinds.items()]
+    _legend(figure, kinds, marked, calls)
+    return figure
+
+
+def _mark_steps(axes: Any, steps: dict[int, float], origin: float, scale: float) -> bool:
+    """A dashed line where each step shown starts, its number on top; False if there are none."""
+    boundaries = sorted((t, step) for step, t in steps.items() if t >= origin)
+    for start, _ in boundaries:
+        axes.axvline((start - origin) * scale, color="black", linestyle="--", linewidth=1.0)
+    if boundaries:  # the steps' numbers along the top, at most 10 of them
+        every = -(-len(boundaries) // 10)
+        top = axes.secondary_xaxis("top")
+        top.set_xticks([(t - origin) * scale for t, _ in boundaries[::every]],
+                       [f"step {step}" for _, step in boundaries[::every]])  # fmt: skip
+        top.tick_params(labelsize=TEXT)
+    return bool(boundaries)
+
+
+def _legend(figure: Any, kinds: dict[str, str], steps: bool, calls: bool) -> None:
+    """A legend entry for every mark the chart uses: the colours, the steps' lines, the calls."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles: list[Any] = [Patch(facecolor=colour, label=kind) for kind, colour in kinds.items()]
+    if steps:
+        handles.append(Line2D([], [], color="black", linestyle="--",
+                              label="a step starts\n(on its first rank)"))  # fmt: skip
+    if calls:
+        handles.append(Patch(facecolor="none", edgecolor="black", label="one traced call"))
     if handles:
-        axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=120)
+        figure.legend(handles=handles, loc="outside right upper", fontsize=TEXT, frameon=False)
+
+
+def _rank_ticks(axes: Any, rows: dict[int, int]) -> None:
+    """A label per row, or per few rows where 14-point labels would touch."""
+    every = max(1, -(-len(rows) // 18))  # at most 18 labels down the slide
+    shown = [(row, _row_label(tid)) for tid, row in rows.items() if row % every == 0]
+    axes.set_yticks([row for row, _ in shown], [label for _, label in shown])
+
+
+def _step_starts(spans: list[dict]) -> dict[int, float]:
+    """When each training step started on its first rank (µs), by step number."""
+    starts: dict[int, float] = {}
+    for e in spans:
+        if e.get("cat") == "compute" and "step" in e.get("args", {}):
+            step = int(e["args"]["step"])
+            starts[step] = min(starts.get(step, math.inf), float(e["ts"]))
+    return starts
 
 
 def _rows(events: list[dict]) -> dict[int, int]:
@@ -169,7 +222,7 @@ def _steady_start(spans: list[dict]) -> float | None:
 
 
 def draw_gantt_file(trace_path: str, path: str, title: str = "timeline") -> None:
-    """Draw the Chrome trace written to `trace_path` as a Gantt chart PNG at `path`."""
+    """Draw the Chrome trace written to `trace_path` as a Gantt chart at `path`."""
     with open(trace_path, encoding="utf-8") as handle:
         events = json.load(handle)["traceEvents"]
     draw_gantt(events, path, title)

@@ -43,6 +43,7 @@ from syncsgd.training.timeline import Timeline, draw_gantt_file
 from syncsgd.training.timeline import write as write_timeline
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import positive_float, positive_int
+from syncsgd.util.figures import figure_path
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.machine import check_memory
 from syncsgd.util.options import BACKEND, JSON, RANKS
@@ -359,7 +360,7 @@ def draw_png(rows: list[dict], path: str, title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from syncsgd.util.files import atomic_path
+    from syncsgd.util import figures
 
     figure = Figure(figsize=(10, 4), layout="constrained")
     FigureCanvasAgg(figure)
@@ -375,8 +376,7 @@ def draw_png(rows: list[dict], path: str, title: str) -> None:
         axes.grid(True, which="both", alpha=0.3)
         axes.legend()
     figure.suptitle(title)
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=100)
+    figures.save(figure, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -411,7 +411,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     JSON.add(parser, help="write the results as JSON")
     parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
-    parser.add_argument("--png", metavar="PATH", help="plot time and busbw against size")
+    parser.add_argument("--png", metavar="PATH", type=figure_path,
+                        help="plot time and busbw against size (.png, .svg or .pdf)")
     parser.add_argument(
         "--algorithms",
         type=algorithm_list,
@@ -422,8 +423,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", metavar="PATH",
                         help="after the sweep, one traced call per algorithm and size as a "
                         "Chrome trace (one row per rank, a span per step)")  # fmt: skip
-    parser.add_argument("--timeline-png", metavar="PATH",
-                        help="the same traced calls as a Gantt chart per rank (PNG)")  # fmt: skip
+    parser.add_argument("--timeline-png", metavar="PATH", type=figure_path,
+                        help="the same traced calls as a Gantt chart per rank: .png, .svg or "
+                        ".pdf")  # fmt: skip
     parser.add_argument(
         "--check",
         action="store_true",

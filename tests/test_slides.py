@@ -1,0 +1,177 @@
+"""Every figure is a slide: 14-point text at 1920x1080, 4.5:1 contrast, one stated encoding."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from syncsgd.apps import costmodel, demo, demo_png  # noqa: E402
+from syncsgd.apps.demo_core import ranks_summed  # noqa: E402
+from syncsgd.training import timeline  # noqa: E402
+from syncsgd.util import figures  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+RANKS = (3, 8, 16)
+
+
+def span(name: str, category: str, tid: int, start: float, length: float, **args) -> dict:
+    return {"name": name, "cat": category, "ph": "X", "pid": 0, "tid": tid, "ts": start,
+            "dur": length, "args": args}  # fmt: skip
+
+
+def train_trace(ranks: int, steps: int = 3) -> list[dict]:
+    """A trace like train's: a slow first step, then compute, the ring's steps, the update."""
+    events = []
+    for rank in range(ranks):
+        clock = 0.0
+        for step in range(steps):
+            compute = 400_000.0 if step == 0 else 900.0
+            events.append(span("compute", "compute", rank, clock, compute, step=step))
+            clock += compute
+            for phase in ("reduce-scatter", "allgather"):
+                for s in range(ranks - 1):
+                    events.append(span(f"{phase} {s}", "allreduce", rank, clock, 40.0))
+                    clock += 40.0
+            events.append(span("update", "update", rank, clock, 100.0, step=step))
+            clock += 100.0
+    return events
+
+
+def calls_trace(ranks: int) -> list[dict]:
+    """A trace like bench's: each call outlined around its steps."""
+    events = []
+    for rank in range(ranks):
+        events.append(span("ring 64 B", "call", rank, 0.0, 500.0, bytes=64))
+        events += [span(f"reduce-scatter {s}", "allreduce", rank, 10.0 + 30 * s, 25.0)
+                   for s in range(ranks - 1)]  # fmt: skip
+    return events
+
+
+def demo_figures(ranks: int) -> dict[str, object]:
+    """ring-demo's slides at P = `ranks`: the whole run, its first and last round."""
+    run = demo.run_demo(ranks, 8, "ring")
+    layout = demo_png.FrameLayout(run)
+    return {
+        "grid": demo_png.grid_canvas(run).finish(),
+        "first round": demo_png.frame_canvas(run, 1, layout).finish(),
+        "last round": demo_png.frame_canvas(run, len(run.steps), layout).finish(),
+    }
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_every_figure_is_legible_on_a_slide(ranks):
+    drawn = {**demo_figures(ranks),
+             "timeline": timeline.gantt_figure(train_trace(ranks), "train"),
+             "calls": timeline.gantt_figure(calls_trace(ranks), "bench")}  # fmt: skip
+    if ranks == RANKS[-1]:  # one model figure has a panel per P
+        params = costmodel.Params(costmodel.DEFAULT_ALPHA, costmodel.DEFAULT_BETA,
+                                  costmodel.DEFAULT_GAMMA)  # fmt: skip
+        drawn["model"] = costmodel.model_figure(RANKS, [1024], costmodel.ALGORITHMS, params)
+    for name, figure in drawn.items():
+        assert figures.slide_scale(figure) == pytest.approx(1.0, abs=1e-3), name
+        assert figures.legibility(figure) == [], name
+
+
+def test_the_check_finds_small_and_faint_text():
+    figure = figures.new_figure()
+    axes = figure.add_axes((0, 0, 1, 1))
+    axes.axis("off")
+    axes.text(0.1, 0.8, "small", fontsize=10)
+    axes.text(0.1, 0.5, "faint", fontsize=20, color="#E69F00")  # orange on white: 2.1:1
+    axes.text(0.1, 0.2, "fine", fontsize=20, color="black")
+    problems = figures.legibility(figure)
+    assert [p.split(":")[0] for p in problems] == ["'small'", "'faint'"]
+    big = figures.new_figure((2 * figures.SLIDE[0], 2 * figures.SLIDE[1]))
+    big.text(0.5, 0.5, "halved on a slide", fontsize=20)
+    assert "10.0 points on a slide" in figures.legibility(big)[0]
+
+
+def test_contrast_is_wcag():
+    assert figures.contrast((0, 0, 0), (1, 1, 1)) == pytest.approx(21.0)
+    assert figures.contrast((1, 1, 1), (1, 1, 1)) == pytest.approx(1.0)
+    grey = (0x77 / 255,) * 3  # WCAG's own example: #777 on white is just below 4.5:1
+    assert figures.contrast(grey, (1, 1, 1)) == pytest.approx(4.48, abs=0.01)
+
+
+def test_cell_colours_keep_black_text_readable_and_differ():
+    for ranks in RANKS:
+        colours = [demo_png.count_colour(c, ranks) for c in range(1, ranks + 1)]
+        assert len(set(colours)) == ranks
+        assert min(figures.contrast(c, (0, 0, 0)) for c in colours) >= figures.MIN_CONTRAST
+
+
+def cell_numbers(canvas) -> list[list[int]]:
+    """The numbers written in the cells, one list per buffer."""
+    return [[int(v) for v in artist.get_text().split()] for artist, _ in canvas.boxes
+            if artist.get_fontfamily()[0] == demo_png.MONO
+            and len(artist.get_text()) > 6]  # fmt: skip
+
+
+@pytest.mark.parametrize(("ranks", "kind"), [(3, "value"), (8, "count")])
+def test_one_kind_of_number_per_figure_and_the_legend_names_it(ranks, kind):
+    run = demo.run_demo(ranks, 8, "ring")
+    layout = demo_png.FrameLayout(run)
+    assert layout.numbers == kind
+    canvas = demo_png.frame_canvas(run, 1, layout)
+    shown = cell_numbers(canvas)
+    group = {s.event.rank: s for s in run.steps[0][1]}
+    buffers = [group[r].buffer if r in group else run.start[r] for r in range(ranks)]
+    expected = [b.tolist() if kind == "value" else
+                ranks_summed(b, ranks).tolist() for b in buffers]  # fmt: skip
+    assert shown == expected
+    legend = " ".join(artist.get_text() for artist, _ in canvas.boxes)
+    assert ("10**r" in legend) == (kind == "value")
+    assert ("how many ranks the element holds the sum of" in legend) == (kind == "count")
+
+
+def test_p16_numbers_are_counts_of_binary_digits():
+    run = demo.run_demo(16, 4, "ring")
+    assert run.start[5].tolist() == [32] * 4 and run.final[0].tolist() == [65535] * 4
+    counts = ranks_summed(np.array([0, 1, 6, 65535]), 16)
+    assert counts.tolist() == [0, 1, 2, 16]
+
+
+def test_a_large_demo_is_the_compact_grid_of_ranks_by_rounds():
+    run = demo.run_demo(8, 16, "ring")
+    canvas = demo_png.grid_canvas(run)
+    texts = [artist.get_text() for artist, _ in canvas.boxes]
+    assert "each rank's buffer after each round" in texts[0]
+    assert [str(k) for k in range(2 * 7 + 1)] == [t for t in texts if t.isdigit()][:15]
+    assert "round 0: start; 1-7: reduce-scatter; 8-14: allgather" in texts
+    assert cell_numbers(canvas) == []  # colour alone, and the legend says so
+    assert any("no numbers: the colour alone" in t for t in texts)
+
+
+@pytest.mark.parametrize("extension", ["svg", "pdf"])
+def test_the_format_follows_the_extension(tmp_path, extension):
+    path = tmp_path / f"ring.{extension}"
+    assert demo.main(demo_parse("--ranks", "3", "--length", "4", "--png", str(path))) == 0
+    head = path.read_bytes()[:200]
+    assert head.startswith(b"%PDF") if extension == "pdf" else b"<svg" in head
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def demo_parse(*argv: str):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="syncsgd ring-demo")
+    demo.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv", [["ring-demo", "--png", "x.jpg"], ["model", "--png", "m.gif"],
+                                  ["train", "--timeline-png", "t.png.bak"]])  # fmt: skip
+def test_other_extensions_are_refused_in_one_line(tmp_path, argv):
+    done = subprocess.run([sys.executable, "-m", "syncsgd.cli", *argv], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert re.fullmatch(r"syncsgd \S+: error: argument [-a-z]+: .*\.png, \.svg or \.pdf.*\n",
+                        done.stderr)  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
