@@ -29,7 +29,7 @@ from syncsgd.nn.presets import expand, preset_help
 LAYERS_DIR = Path(__file__).resolve().parent / "layers"
 _TOKEN = re.compile(r"\s*([^\s(]+)(\(([^()]*)\))?")
 _NAME = re.compile(r"[a-z][a-z0-9_-]*")
-_PARAM_NAME = re.compile(r"\d+\.[A-Za-z_.]+")
+_PARAM_NAME = re.compile(r"\d+\.[A-Za-z_][A-Za-z0-9_.]*")
 
 
 @dataclass(frozen=True)
