@@ -59,7 +59,8 @@ class Embed(Layer):
         one_hot = self.workspaces(nx).get("one_hot", (m * positions, self.vocabulary), dy.dtype)
         one_hot_(x.reshape(-1), one_hot)
         nx.outer_sum_(self.position, one_hot, dy.reshape(-1, self.d), g["tok.weight"], positions)
-        nx.column_sum_(self.position, dy.reshape(m, -1), g["pos.weight"].reshape(-1))
+        per_sample = dy.reshape(m, positions * self.d)  # one row a sample: (t, j) its columns
+        nx.column_sum_(self.position, per_sample, g["pos.weight"].reshape(-1))
 
     def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
                         dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
