@@ -318,8 +318,8 @@ def network_loss_and_grad(spec: str, params: Mapping[str, np.ndarray], X: np.nda
                                          outputs[position], outputs[position + 1], delta,
                                          arguments[position])  # fmt: skip
         grads.update({f"{position}.{name}": value / batch for name, value in sums.items()})
-    mean_loss = float(per_sample_losses(logits.reshape(batch, -1), np.reshape(y, batch), loss)
-                      .sum()) / batch  # fmt: skip
+    targets = np.reshape(y, batch) if loss == "xent" else y
+    mean_loss = float(per_sample_losses(logits.reshape(batch, -1), targets, loss).sum()) / batch
     return mean_loss, {name: grads[name] for name in params if name in grads}
 
 

@@ -128,6 +128,18 @@ def test_token_data_and_an_embedding_go_together(options, message):
         TrainConfig(**options)
 
 
+def test_the_command_line_reads_token_data_and_its_context(tmp_path, capsys):
+    from syncsgd.cli import build_parser, config_from_options, main
+
+    argv = ["train", "--data", "numbers-to-words", "--context", "8", "--model",
+            "gpt(layers=1, d=4, heads=2)"]  # fmt: skip
+    config = config_from_options(build_parser().parse_args(argv))
+    assert (config.data, config.context, config.model) == (argv[2], 8, argv[6])
+    assert main(["train", "--model", "gpt(layers=1,d=4)", "--data", "numbers-to-words"]) != 0
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("syncsgd: ") and "needs heads" in error and "\n" not in error
+
+
 def test_a_text_shorter_than_a_window_is_one_line(tmp_path):
     path = tmp_path / "short.txt"
     path.write_text("abc", encoding="utf-8")

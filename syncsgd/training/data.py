@@ -95,8 +95,7 @@ def load_dataset(
     which `xent` accepts only if every value is a non-negative integer. A `.csv` target column is
     read as floats, so with mse it is one regression output. An IDX image file (`is_idx`) needs
     its IDX label file as `labels`; no other source takes one. X is C-contiguous.
-    Token data (`is_text`): X the (N, T) token ids of windows of `context` characters (as floats
-    of `dtype`), y the (N, T) ids that follow each; `samples` windows of generated text.
+    Token data (`is_text`): X the ids of windows of `context` characters, y their next ids.
     """
     dtype = float_dtype(dtype)
     choice("loss", loss, LOSSES)
@@ -104,12 +103,7 @@ def load_dataset(
         raise ValueError(f"data source must be a name or a path, not {source!r}")
     source = os.fspath(source)
     if is_text(source):
-        if loss != "xent":
-            raise ValueError(f"--data {source} is token data, a language model: --loss xent")
-        text = _generated_text(source, samples, context, seed) if source in TEXT_SOURCES else (
-            _read_text(source))  # fmt: skip
-        X, y = token_windows(source, text, _check_positive_int("context", context))
-        return Dataset(np.ascontiguousarray(X, dtype=dtype), y, None)
+        return _token_data(source, samples, context, loss, seed, dtype)
     if labels is not None and not is_idx(source):
         raise ValueError(f"--labels {labels}: only IDX images (a --data path ending in -ubyte or "
                          f".idx, maybe .gz) take a separate label file, not {source}")  # fmt: skip
@@ -148,6 +142,17 @@ _IDX_NAME = re.compile(r"(ubyte|\.idx\d?)(\.gz)?$")
 def is_text(source: str) -> bool:
     """Whether `source` is token data: a generated text or a path ending in .txt."""
     return source in TEXT_SOURCES or os.fspath(source).lower().endswith(".txt")
+
+
+def _token_data(source: str, samples: int, context: int, loss: str, seed: int,
+                dtype: np.dtype) -> Dataset:  # fmt: skip
+    """The windows of a text file or of generated text: ids as floats of `dtype`, labels."""
+    if loss != "xent":
+        raise ValueError(f"--data {source} is token data, a language model: --loss xent")
+    text = _generated_text(source, samples, context, seed) if source in TEXT_SOURCES else (
+        _read_text(source))  # fmt: skip
+    X, y = token_windows(source, text, _check_positive_int("context", context))
+    return Dataset(np.ascontiguousarray(X, dtype=dtype), y, None)
 
 
 def token_windows(source: str, text: str, context: int) -> tuple[np.ndarray, np.ndarray]:
