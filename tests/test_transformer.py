@@ -6,6 +6,7 @@ import hashlib
 
 import numpy as np
 import pytest
+from conftest import requires_mpi, run_mpiexec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import layer_forward, network_loss_and_grad, serial_sgd
@@ -198,6 +199,30 @@ def test_a_narrow_transformer_is_bitwise_alike_in_exact_mode_and_near_fp32(preci
     assert digest(narrow.params) == digest(train(config, ranks=1, precision=precision).params)
     wide = train(config, ranks=1)
     assert 0 < float(np.abs(narrow.params - wide.params).max()) < 0.05
+
+
+@pytest.mark.parametrize("exact, precision", [(False, "fp32"), (True, "bf16")])
+def test_overlap_gives_a_transformer_the_same_bits(exact, precision):
+    config = TrainConfig(model="gpt(layers=1,d=4,heads=2)", context=4, batch_size=6, exact=exact,
+                         precision=precision, bucket_bytes=0, optimizer="adam", **SMALL)
+    plain = train(config, ranks=3)
+    assert digest(train(config, ranks=3, overlap=True).params) == digest(plain.params)
+
+
+@requires_mpi
+def test_under_mpiexec_exact_mode_is_the_serial_runs_bits(tmp_path):
+    args = ["--model", "gpt(layers=1,d=4,heads=2)", "--data", "numbers-to-words", "--samples",
+            "12", "--context", "4", "--batch-size", "5", "--steps", "3", "--lr", "0.01",
+            "--optimizer", "adamw", "--exact"]  # fmt: skip
+    saved = tmp_path / "mpi.npz"
+    done = run_mpiexec(3, ["-m", "syncsgd.cli", "train", *args, "--save", str(saved),
+                           "--quiet"], timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config = TrainConfig(model=args[1], context=4, batch_size=5, exact=True, optimizer="adamw",
+                         **SMALL)  # fmt: skip
+    serial = train(config, ranks=1)
+    with np.load(saved, allow_pickle=False) as got:
+        assert all(got[k].tobytes() == v.tobytes() for k, v in serial.arrays().items())
 
 
 # -- PyTorch: the same GPT from the same saved parameters, the same steps --------------------------
