@@ -165,7 +165,7 @@ def transformers(draw):
 
 @settings(max_examples=6)
 @given(spec=transformers(), ranks=st.integers(1, 5), batch_size=st.integers(1, 6),
-       optimizer=st.sampled_from(["adam", "adamw", "sgd"]))  # fmt: skip
+       optimizer=st.sampled_from(["adam", "adamw", "sgd", "lamb", "lars"]))  # fmt: skip
 def test_a_transformer_trains_as_the_oracle_on_any_number_of_ranks(spec, ranks, batch_size,
                                                                    optimizer):  # fmt: skip
     spec, context = spec
