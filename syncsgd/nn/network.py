@@ -313,8 +313,8 @@ class Network:
     # -- sizes -----------------------------------------------------------------------------------
 
     def activation_size(self) -> int:
-        """Values per sample of every layer's output."""
-        return sum(shape_size(layer.out_shape) for layer in self.layers)
+        """Values per sample of every layer's output and workspaces."""
+        return sum(shape_size(layer.out_shape) + layer.inner_size() for layer in self.layers)
 
     def largest_weight(self) -> int:
         """Elements of the largest parameter array."""

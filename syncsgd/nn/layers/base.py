@@ -90,6 +90,10 @@ class Layer:
         """How the spec would write this layer."""
         return self.kind
 
+    def inner_size(self) -> int:
+        """Values per sample it keeps beside its output during a pass (its workspaces)."""
+        return 0
+
     def workspaces(self, nx: Any) -> Workspaces:
         """Its arrays for the passes of one numerics (one rank's threads share the layers)."""
         return nx.group.stats((self.position, self.name), Workspaces, 0)

@@ -37,6 +37,10 @@ NAMES = {"ln1": ("ln1.weight", "ln1.bias"),
          "fc1": ("fc1.weight", "fc1.bias"),
          "fc2": ("fc2.weight", "fc2.bias")}  # fmt: skip
 
+# the block's inner activations (each with its gradient), their widths in multiples of d: ln1's
+# output, [q | k | v], the heads' outputs, out_proj's, the residual sum, ln2's, fc1's, gelu's, fc2's
+INNER_WIDTHS = {"h1": 1, "qkv": 3, "att": 1, "a": 1, "r1": 1, "h2": 1, "f1": 4, "f1g": 4, "f2": 1}
+
 
 class Block(Layer):
     """A pre-LayerNorm transformer block: causal multi-head self-attention, then a GELU MLP."""
@@ -94,12 +98,10 @@ class Block(Layer):
     def _spaces(self, nx: Any, like: np.ndarray) -> dict[str, np.ndarray]:
         """The inner activations and their gradients for m sequences, in the pass's dtype."""
         spaces, (m, positions, d) = self.workspaces(nx), like.shape
-        widths = {"h1": d, "qkv": 3 * d, "att": d, "a": d, "r1": d, "h2": d, "f1": 4 * d,
-                  "f1g": 4 * d, "f2": d}  # fmt: skip
         made = {}
-        for name, width in widths.items():
-            made[name] = spaces.get(name, (m, positions, width), like.dtype)
-            made["d_" + name] = spaces.get("d_" + name, (m, positions, width), like.dtype)
+        for name, times in INNER_WIDTHS.items():
+            made[name] = spaces.get(name, (m, positions, times * d), like.dtype)
+            made["d_" + name] = spaces.get("d_" + name, (m, positions, times * d), like.dtype)
         made["probs"] = spaces.get("probs", (m, self.heads, positions, positions), like.dtype)
         made["d_probs"] = spaces.get("d_probs", (m, self.heads, positions, positions),
                                      like.dtype)  # fmt: skip
@@ -153,6 +155,12 @@ class Block(Layer):
         self.ln1.backward_input_(nx, self._views(p, "ln1"), x, s["h1"], s["d_h1"], dx)
         dx += s["d_r1"]
         nx.round_(dx)
+
+    def inner_size(self) -> int:
+        """Its inner activations and their gradients, the attention's weights, its layers'."""
+        positions, d = self.in_shape
+        inner = 2 * positions * d * sum(INNER_WIDTHS.values()) + 2 * self.heads * positions**2
+        return inner + self.ln1.inner_size() + self.ln2.inner_size()
 
     def describe(self) -> str:
         """block(d, heads)."""

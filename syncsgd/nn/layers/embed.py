@@ -67,6 +67,10 @@ class Embed(Layer):
         """Token ids have no gradient (the first layer: never called)."""
         dx[...] = 0
 
+    def inner_size(self) -> int:
+        """The one-hot rows of its T tokens."""
+        return self.in_shape[0] * self.vocabulary
+
     def describe(self) -> str:
         """embed(d)."""
         return f"embed({self.d})"

@@ -57,6 +57,10 @@ class LayerNorm(Layer):
         nx.column_sum_(self.position, product, g["weight"], positions)
         nx.column_sum_(self.position, d, g["bias"], positions)
 
+    def inner_size(self) -> int:
+        """xhat, dy xhat and a statistic per position."""
+        return 2 * shape_size(self.in_shape) + shape_size(self.in_shape[:-1])
+
     def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
                         dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = round((gh - mean(gh) - xhat mean(gh xhat)) / sqrt(var + eps)), gh = weight dy."""
