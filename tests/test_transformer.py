@@ -98,6 +98,18 @@ def test_a_future_token_moves_no_earlier_output():
     assert np.abs(oracle_logits - before).max() < 1e-12
 
 
+def test_a_narrow_format_does_not_round_token_ids():
+    network = build("embed(4) dense", (3,), 400, "xent", "float64")  # bf16 holds integers to 256
+    params = network.init_params(0)
+    ids, labels = np.array([[257.0, 301.0, 399.0]]), np.zeros((1, 3), np.int64)
+    outputs = []
+    for precision in ("fp32", "bf16"):
+        passes = Gradient(network, 1, precision=precision).passes
+        passes.forward_loss_(params, ids, labels)
+        outputs.append(passes._plan[0][1].copy())
+    assert np.abs(outputs[1] - outputs[0]).max() < 0.01 * np.abs(outputs[0]).max()
+
+
 # -- token data: windows of a text, the B x T division ---------------------------------------------
 
 
