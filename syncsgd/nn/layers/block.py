@@ -199,22 +199,26 @@ def attention_backward_(nx: Any, heads: int, qkv: np.ndarray, probs: np.ndarray,
 
 @njit(nogil=True, cache=True)
 def scores_(qkv, heads, scale, probs):
-    """probs[i, h, t, u] = (q_t . k_u) scale for u <= t, else 0 (head h's features)."""
+    """probs[i, h, t, u] = (q_t . k_u) scale for u <= t, else 0 (head h's features); each dot
+    product summed over the features in index order (the loop over u innermost: SIMD-friendly)."""
     m, positions, width = qkv.shape
     d = width // 3
     e = d // heads
-    zero = probs.dtype.type(0)
+    keys = np.empty((e, positions), probs.dtype)  # one head's keys, a feature per row
     for i in range(m):
         for h in range(heads):
+            for u in range(positions):
+                for f in range(e):
+                    keys[f, u] = qkv[i, u, d + h * e + f]
             for t in range(positions):
-                for u in range(positions):
-                    if u > t:
-                        probs[i, h, t, u] = zero
-                        continue
-                    total = zero
-                    for f in range(h * e, (h + 1) * e):
-                        total += qkv[i, t, f] * qkv[i, u, d + f]
-                    probs[i, h, t, u] = total * scale
+                row = probs[i, h, t]
+                row[:] = 0
+                for f in range(e):
+                    query = qkv[i, t, h * e + f]
+                    for u in range(t + 1):
+                        row[u] += query * keys[f, u]
+                for u in range(t + 1):
+                    row[u] *= scale
 
 
 @njit(nogil=True, cache=True)
@@ -243,38 +247,44 @@ def attend_(probs, qkv, heads, out):
     out[:] = 0
     for i in range(m):
         for h in range(heads):
+            values = slice(2 * d + h * e, 2 * d + (h + 1) * e)
             for t in range(positions):
+                o = out[i, t, h * e : (h + 1) * e]
                 for u in range(t + 1):
                     weight = probs[i, h, t, u]
-                    for f in range(h * e, (h + 1) * e):
-                        out[i, t, f] += weight * qkv[i, u, 2 * d + f]
+                    v = qkv[i, u, values]
+                    for f in range(e):
+                        o[f] += weight * v[f]
 
 
 @njit(nogil=True, cache=True)
 def attend_backward_(probs, qkv, d_out, heads, d_probs, d_qkv):
-    """d_probs = do_t . v_u (u <= t, else 0); the v part of d_qkv = sum over t >= u of
-    P_tu do_t, t ascending."""
+    """d_probs = do_t . v_u (u <= t, else 0; over the features in index order); the v part of
+    d_qkv = sum over t >= u of P_tu do_t, t ascending."""
     m, positions, width = qkv.shape
     d = width // 3
     e = d // heads
-    zero = d_probs.dtype.type(0)
+    values = np.empty((e, positions), d_probs.dtype)  # one head's values, a feature per row
     d_qkv[:] = 0
     for i in range(m):
         for h in range(heads):
-            for t in range(positions):
-                for u in range(positions):
-                    if u > t:
-                        d_probs[i, h, t, u] = zero
-                        continue
-                    total = zero
-                    for f in range(h * e, (h + 1) * e):
-                        total += d_out[i, t, f] * qkv[i, u, 2 * d + f]
-                    d_probs[i, h, t, u] = total
             for u in range(positions):
+                for f in range(e):
+                    values[f, u] = qkv[i, u, 2 * d + h * e + f]
+            for t in range(positions):
+                row = d_probs[i, h, t]
+                row[:] = 0
+                for f in range(e):
+                    grad = d_out[i, t, h * e + f]
+                    for u in range(t + 1):
+                        row[u] += grad * values[f, u]
+            for u in range(positions):
+                dv = d_qkv[i, u, 2 * d + h * e : 2 * d + (h + 1) * e]
                 for t in range(u, positions):
                     weight = probs[i, h, t, u]
-                    for f in range(h * e, (h + 1) * e):
-                        d_qkv[i, u, 2 * d + f] += weight * d_out[i, t, f]
+                    do = d_out[i, t, h * e : (h + 1) * e]
+                    for f in range(e):
+                        dv[f] += weight * do[f]
 
 
 @njit(nogil=True, cache=True)
@@ -301,15 +311,24 @@ def scores_backward_(d_scores, qkv, heads, scale, d_qkv):
     e = d // heads
     for i in range(m):
         for h in range(heads):
+            queries, keys = slice(h * e, (h + 1) * e), slice(d + h * e, d + (h + 1) * e)
             for t in range(positions):
-                for f in range(h * e, (h + 1) * e):
-                    total = d_qkv.dtype.type(0)
-                    for u in range(t + 1):
-                        total += d_scores[i, h, t, u] * qkv[i, u, d + f]
-                    d_qkv[i, t, f] = total * scale
+                dq = d_qkv[i, t, queries]
+                dq[:] = 0
+                for u in range(t + 1):
+                    weight = d_scores[i, h, t, u]
+                    k = qkv[i, u, keys]
+                    for f in range(e):
+                        dq[f] += weight * k[f]
+                for f in range(e):
+                    dq[f] *= scale
             for u in range(positions):
-                for f in range(h * e, (h + 1) * e):
-                    total = d_qkv.dtype.type(0)
-                    for t in range(u, positions):
-                        total += d_scores[i, h, t, u] * qkv[i, t, f]
-                    d_qkv[i, u, d + f] = total * scale
+                dk = d_qkv[i, u, keys]
+                dk[:] = 0
+                for t in range(u, positions):
+                    weight = d_scores[i, h, t, u]
+                    q = qkv[i, t, queries]
+                    for f in range(e):
+                        dk[f] += weight * q[f]
+                for f in range(e):
+                    dk[f] *= scale
