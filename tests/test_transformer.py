@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 from conftest import requires_mpi, run_mpiexec
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from oracle import layer_forward, network_loss_and_grad, serial_sgd
 
@@ -178,6 +178,8 @@ def transformers(draw):
 @settings(max_examples=6)
 @given(spec=transformers(), ranks=st.integers(1, 5), batch_size=st.integers(1, 6),
        optimizer=st.sampled_from(["adam", "adamw", "sgd", "lamb", "lars"]))  # fmt: skip
+@example(spec=("embed(4) block(4,4) layernorm dense", 3), ranks=5, batch_size=2,
+         optimizer="adamw")  # more ranks than sequences, an odd P, d = heads  # fmt: skip
 def test_a_transformer_trains_as_the_oracle_on_any_number_of_ranks(spec, ranks, batch_size,
                                                                    optimizer):  # fmt: skip
     spec, context = spec
@@ -195,6 +197,8 @@ def test_a_transformer_trains_as_the_oracle_on_any_number_of_ranks(spec, ranks, 
 @settings(max_examples=5)
 @given(spec=transformers(), ranks=st.integers(2, 7), batch_size=st.integers(1, 6),
        dtype=st.sampled_from(["float64", "float32"]))  # fmt: skip
+@example(spec=("embed(4) block(4,1) block(4,1) layernorm dense", 1), ranks=3, batch_size=2,
+         dtype="float32")  # T = 1, heads = 1, P > B  # fmt: skip
 def test_exact_mode_trains_a_transformer_bitwise_alike_on_any_number_of_ranks(spec, ranks,
                                                                               batch_size, dtype):
     spec, context = spec
