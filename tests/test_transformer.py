@@ -135,6 +135,7 @@ def test_numbers_to_words_is_seeded_lines_of_a_number_and_its_digits(tmp_path):
     (dict(data="numbers-to-words"), "starts with embed"),
     (dict(model="embed(4) block(4,2) dense"), "give token data"),
     (dict(context=8), "--context is the window of token data"),
+    (dict(data="numbers-to-words", model="embed(4) dense", noise_scale=True), "not on token"),
 ])  # fmt: skip
 def test_token_data_and_an_embedding_go_together(options, message):
     with pytest.raises(ValueError, match=message):

@@ -340,6 +340,8 @@ def _check_tokens(config: TrainConfig) -> None:
         return
     _require(embeds, f"--data {config.data} is token data: give a --model that starts with "
              "embed, e.g. \"gpt(layers=2,d=32,heads=4)\"")  # fmt: skip
+    _require(not config.noise_scale, "--noise-scale estimates from per-sample gradient means: "
+             "not on token data, whose mean is over tokens")  # fmt: skip
 
 
 def _check_labels(config: TrainConfig) -> None:
