@@ -128,25 +128,26 @@ class Block(Layer):
         """Every inner layer's sums, top down; the gradient inside the block on the way (the
         gradient at x itself waits for backward_input_)."""
         s = self._spaces(nx, x)
-        pairs = [(name, self._views(p, name), self._views(g, name)) for name in NAMES]
-        (_, ln1, g_ln1), (_, in_proj, g_in), (_, out_proj, g_out) = pairs[:3]
-        (_, ln2, g_ln2), (_, fc1, g_fc1), (_, fc2, g_fc2) = pairs[3:]
-        self.fc2.backward_sums_(nx, fc2, g_fc2, s["f1g"], s["f2"], dy)
-        self.fc2.backward_input_(nx, fc2, s["f1g"], s["f2"], dy, s["d_f1g"])
+        w = {name: self._views(p, name) for name in NAMES}  # each inner layer's weight, bias
+        sums = {name: self._views(g, name) for name in NAMES}  # and their gradients' sums
+        self.fc2.backward_sums_(nx, w["fc2"], sums["fc2"], s["f1g"], s["f2"], dy)
+        self.fc2.backward_input_(nx, w["fc2"], s["f1g"], s["f2"], dy, s["d_f1g"])
         self.gelu.backward_input_(nx, {}, s["f1"], s["f1g"], s["d_f1g"], s["d_f1"])
-        self.fc1.backward_sums_(nx, fc1, g_fc1, s["h2"], s["f1"], s["d_f1"])
-        self.fc1.backward_input_(nx, fc1, s["h2"], s["f1"], s["d_f1"], s["d_h2"])
-        self.ln2.backward_sums_(nx, ln2, g_ln2, s["r1"], s["h2"], s["d_h2"])
-        self.ln2.backward_input_(nx, ln2, s["r1"], s["h2"], s["d_h2"], s["d_r1"])
+        self.fc1.backward_sums_(nx, w["fc1"], sums["fc1"], s["h2"], s["f1"], s["d_f1"])
+        self.fc1.backward_input_(nx, w["fc1"], s["h2"], s["f1"], s["d_f1"], s["d_h2"])
+        self.ln2.backward_sums_(nx, w["ln2"], sums["ln2"], s["r1"], s["h2"], s["d_h2"])
+        self.ln2.backward_input_(nx, w["ln2"], s["r1"], s["h2"], s["d_h2"], s["d_r1"])
         s["d_r1"] += dy  # the residual path: r reaches y directly and through the MLP
         nx.round_(s["d_r1"])
-        self.out_proj.backward_sums_(nx, out_proj, g_out, s["att"], s["a"], s["d_r1"])
-        self.out_proj.backward_input_(nx, out_proj, s["att"], s["a"], s["d_r1"], s["d_att"])
+        self.out_proj.backward_sums_(nx, w["out_proj"], sums["out_proj"], s["att"], s["a"],
+                                     s["d_r1"])  # fmt: skip
+        self.out_proj.backward_input_(nx, w["out_proj"], s["att"], s["a"], s["d_r1"], s["d_att"])
         attention_backward_(nx, self.heads, s["qkv"], s["probs"], s["d_att"], s["d_probs"],
                             s["d_qkv"])  # fmt: skip
-        self.in_proj.backward_sums_(nx, in_proj, g_in, s["h1"], s["qkv"], s["d_qkv"])
-        self.in_proj.backward_input_(nx, in_proj, s["h1"], s["qkv"], s["d_qkv"], s["d_h1"])
-        self.ln1.backward_sums_(nx, ln1, g_ln1, x, s["h1"], s["d_h1"])
+        self.in_proj.backward_sums_(nx, w["in_proj"], sums["in_proj"], s["h1"], s["qkv"],
+                                    s["d_qkv"])  # fmt: skip
+        self.in_proj.backward_input_(nx, w["in_proj"], s["h1"], s["qkv"], s["d_qkv"], s["d_h1"])
+        self.ln1.backward_sums_(nx, w["ln1"], sums["ln1"], x, s["h1"], s["d_h1"])
 
     def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
                         dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
