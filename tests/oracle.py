@@ -144,7 +144,8 @@ def read_spec(spec: str, with_args: bool = False) -> list:
 # the arguments of the convolutional layers, by name, with their defaults (None: the kernel's)
 SIGNATURES = {"conv": (("out_channels", None), ("kernel", None), ("stride", 1), ("pad", 0)),
               "maxpool": (("k", None), ("stride", None)),
-              "avgpool": (("k", None), ("stride", None))}  # fmt: skip
+              "avgpool": (("k", None), ("stride", None)),
+              "block": (("d", None), ("heads", None))}  # fmt: skip
 
 
 def named_args(kind: str, args: tuple = (), kwargs: Mapping | None = None) -> dict:
@@ -195,8 +196,16 @@ def layer_forward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray,
         return y
     if kind == "flatten":
         return x.reshape(len(x), -1)
-    if kind == "dense":
+    if kind == "dense":  # on the last axis: per position of a sequence
         return x @ p["weight"].T + p["bias"]
+    if kind == "embed":
+        return p["tok.weight"][x.astype(np.int64)] + p["pos.weight"][None]
+    if kind == "layernorm":
+        return layer_norm(x, p["weight"], p["bias"])[0]
+    if kind == "gelu":
+        return x * normal_cdf(x)
+    if kind == "block":
+        return block_forward(p, x, a["heads"])[0]
     if kind == "relu":
         return np.maximum(x, 0)
     if kind == "tanh":
@@ -234,8 +243,21 @@ def layer_backward(kind: str, p: Mapping[str, np.ndarray], x: np.ndarray, y: np.
         return {}, dx
     if kind == "flatten":
         return {}, dy.reshape(x.shape)
-    if kind == "dense":
-        return {"weight": dy.T @ x, "bias": dy.sum(axis=0)}, dy @ p["weight"]
+    if kind == "dense":  # every position of every sample a row
+        dy_rows, x_rows = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        return {"weight": dy_rows.T @ x_rows, "bias": dy_rows.sum(axis=0)}, dy @ p["weight"]
+    if kind == "embed":  # scatter-add by token id
+        dtok = np.zeros(p["tok.weight"].shape)
+        np.add.at(dtok, x.astype(np.int64).reshape(-1), dy.reshape(-1, dy.shape[-1]))
+        return {"tok.weight": dtok, "pos.weight": dy.sum(axis=0)}, np.zeros(x.shape)
+    if kind == "layernorm":
+        _, saved = layer_norm(x, p["weight"], p["bias"])
+        dx, dweight, dbias = layer_norm_backward(dy, p["weight"], saved)
+        return {"weight": dweight, "bias": dbias}, dx
+    if kind == "gelu":
+        return {}, dy * (normal_cdf(x) + x * np.exp(-x * x / 2) / math.sqrt(2 * math.pi))
+    if kind == "block":
+        return block_backward(p, x, dy, a["heads"])
     if kind == "relu":
         return {}, dy * (y > 0)
     if kind == "tanh":
@@ -273,11 +295,14 @@ def network_loss_and_grad(spec: str, params: Mapping[str, np.ndarray], X: np.nda
         else:
             outputs.append(layer_forward(kind, p, outputs[-1], arguments[position]))
     logits = outputs[-1]
-    batch = len(X)
+    # one loss term per position (a sequence's: its T tokens), the mean over all B x T of them
+    batch = logits.size // logits.shape[-1]
     if loss == "xent":
-        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        rows = logits.reshape(batch, -1)
+        shifted = np.exp(rows - rows.max(axis=1, keepdims=True))
         delta = shifted / shifted.sum(axis=1, keepdims=True)
-        delta[np.arange(batch), y] -= 1
+        delta[np.arange(batch), np.reshape(y, -1)] -= 1
+        delta = delta.reshape(logits.shape)
     else:
         delta = 2 * (logits - y) / logits.shape[1]
     grads = {}
@@ -293,8 +318,112 @@ def network_loss_and_grad(spec: str, params: Mapping[str, np.ndarray], X: np.nda
                                          outputs[position], outputs[position + 1], delta,
                                          arguments[position])  # fmt: skip
         grads.update({f"{position}.{name}": value / batch for name, value in sums.items()})
-    mean_loss = float(per_sample_losses(logits, y, loss).sum()) / batch
+    targets = np.reshape(y, batch) if loss == "xent" else y
+    mean_loss = float(per_sample_losses(logits.reshape(batch, -1), targets, loss).sum()) / batch
     return mean_loss, {name: grads[name] for name in params if name in grads}
+
+
+# --- the transformer's layers: LayerNorm, GELU, causal multi-head self-attention, the block ----
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-5) -> tuple:
+    """LayerNorm over the last axis: (output, what the backward pass needs)."""
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    xhat = (x - mean) / np.sqrt(var + eps)
+    return weight * xhat + bias, (x, mean, var, xhat, eps)
+
+
+def layer_norm_backward(dout: np.ndarray, weight: np.ndarray, saved: tuple) -> tuple:
+    """(dx, dweight, dbias) by the chain rule through mean, variance and xhat, per row."""
+    x, mean, var, xhat, eps = saved
+    width = x.shape[-1]
+    dxhat = dout * weight
+    dvar = (dxhat * (x - mean)).sum(axis=-1, keepdims=True) * -0.5 * (var + eps) ** -1.5
+    dmean = -(dxhat / np.sqrt(var + eps)).sum(axis=-1, keepdims=True) + dvar * (
+        -2.0 * (x - mean)).mean(axis=-1, keepdims=True)  # fmt: skip
+    dx = dxhat / np.sqrt(var + eps) + dvar * 2.0 * (x - mean) / width + dmean / width
+    every_row = tuple(range(x.ndim - 1))
+    return dx, (dout * xhat).sum(axis=every_row), dout.sum(axis=every_row)
+
+
+def normal_cdf(x: np.ndarray) -> np.ndarray:
+    """Phi(x) = (1 + erf(x / sqrt 2)) / 2, element by element."""
+    return 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+def heads_of(values: np.ndarray, heads: int) -> np.ndarray:
+    """(B, T, d) -> (B, heads, T, d / heads)."""
+    b, t, d = values.shape
+    return values.reshape(b, t, heads, d // heads).transpose(0, 2, 1, 3)
+
+
+def causal_attention(qkv: np.ndarray, heads: int) -> tuple:
+    """Scaled dot-product attention of every head, later positions masked: (output, saved)."""
+    q, k, v = (heads_of(part, heads) for part in np.split(qkv, 3, axis=-1))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(0, 1, 3, 2) * scale
+    future = np.triu(np.ones(scores.shape[-2:], bool), 1)
+    scores = np.where(future, -np.inf, scores)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    out = weights @ v
+    return out.transpose(0, 2, 1, 3).reshape(qkv.shape[0], qkv.shape[1], -1), (q, k, v, weights)
+
+
+def causal_attention_backward(dout: np.ndarray, saved: tuple, heads: int) -> np.ndarray:
+    """The gradient at [q | k | v] from the gradient at the attention's output."""
+    q, k, v, weights = saved
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    do = heads_of(dout, heads)
+    dweights = do @ v.transpose(0, 1, 3, 2)
+    dv = weights.transpose(0, 1, 3, 2) @ do
+    dscores = weights * (dweights - (weights * dweights).sum(axis=-1, keepdims=True))
+    dq, dk = dscores @ k * scale, dscores.transpose(0, 1, 3, 2) @ q * scale
+    merged = [part.transpose(0, 2, 1, 3).reshape(dout.shape) for part in (dq, dk, dv)]
+    return np.concatenate(merged, axis=-1)
+
+
+def sub(p: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The arrays of a block's part: "ln1." -> weight, bias."""
+    return {name[len(prefix):]: value for name, value in p.items() if name.startswith(prefix)}
+
+
+def block_forward(p: Mapping[str, np.ndarray], x: np.ndarray, heads: int) -> tuple:
+    """x + attn(ln1(x)), then + fc2(gelu(fc1(ln2(.)))): (output, every intermediate)."""
+    h1, ln1 = layer_norm(x, p["ln1.weight"], p["ln1.bias"])
+    qkv = h1 @ p["attn.in_proj_weight"].T + p["attn.in_proj_bias"]
+    att, saved = causal_attention(qkv, heads)
+    r = x + att @ p["attn.out_proj.weight"].T + p["attn.out_proj.bias"]
+    h2, ln2 = layer_norm(r, p["ln2.weight"], p["ln2.bias"])
+    f1 = h2 @ p["fc1.weight"].T + p["fc1.bias"]
+    g = f1 * normal_cdf(f1)
+    y = r + g @ p["fc2.weight"].T + p["fc2.bias"]
+    return y, dict(h1=h1, ln1=ln1, qkv=qkv, att=att, attention=saved, r=r, h2=h2, ln2=ln2,
+                   f1=f1, g=g)  # fmt: skip
+
+
+def block_backward(p: Mapping[str, np.ndarray], x: np.ndarray, dy: np.ndarray,
+                   heads: int) -> tuple[dict[str, np.ndarray], np.ndarray]:  # fmt: skip
+    """(sums of the block's parameter gradients by name, gradient at x), step by step."""
+    _, s = block_forward(p, x, heads)
+    sums: dict[str, np.ndarray] = {}
+
+    def linear(inputs: np.ndarray, dout: np.ndarray, weight: str, bias: str):
+        grads, dinputs = layer_backward("dense", {"weight": p[weight]}, inputs, None, dout)
+        sums[weight], sums[bias] = grads["weight"], grads["bias"]
+        return dinputs
+
+    dg = linear(s["g"], dy, "fc2.weight", "fc2.bias")
+    df1 = dg * (normal_cdf(s["f1"]) + s["f1"] * np.exp(-s["f1"] ** 2 / 2) / math.sqrt(2 * math.pi))
+    dh2 = linear(s["h2"], df1, "fc1.weight", "fc1.bias")
+    dr, sums["ln2.weight"], sums["ln2.bias"] = layer_norm_backward(dh2, p["ln2.weight"], s["ln2"])
+    dr = dr + dy
+    datt = linear(s["att"], dr, "attn.out_proj.weight", "attn.out_proj.bias")
+    dqkv = causal_attention_backward(datt, s["attention"], heads)
+    dh1 = linear(s["h1"], dqkv, "attn.in_proj_weight", "attn.in_proj_bias")
+    dx, sums["ln1.weight"], sums["ln1.bias"] = layer_norm_backward(dh1, p["ln1.weight"], s["ln1"])
+    return sums, dx + dr
 
 
 def channel_rows(values: np.ndarray) -> np.ndarray:

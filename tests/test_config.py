@@ -121,9 +121,10 @@ def test_every_flag_is_read_into_its_field():
     changed |= {"betas", "eps", "trust_coefficient"}  # not sgd's: read in tests/test_adam.py
     # --target-accuracy: xent only; --epochs instead of --steps; --allreduce-dtype: not with
     # --exact; --optimizer: sgd is the only one yet; --model, --input-shape: not with --hidden;
-    # --labels: with IDX --data only (tests/test_image_data.py)
+    # --labels: with IDX --data only (tests/test_image_data.py); --context: with token data only
+    # (tests/test_transformer.py)
     assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype", "optimizer",
-                                     "model", "input_shape", "labels"}  # fmt: skip
+                                     "model", "input_shape", "labels", "context"}  # fmt: skip
 
 
 def test_the_model_flags_are_read_into_their_fields():

@@ -210,7 +210,7 @@ def test_bad_arguments_raise_one_clear_line(tmp_path):
     path = write_npz(tmp_path, X=np.ones((3, 1)), y=np.array([0, 3, 1]))
     cases = [
         (lambda: load_data("mnist"), "unknown data source 'mnist'.*npz or .csv"),
-        (lambda: load_data("data.txt"), "unknown data source"),
+        (lambda: load_data("data.json"), "unknown data source"),
         (lambda: load_data(path, classes=3), "label 3 of sample 1 is out of range for 3 classes"),
         (lambda: load_data(path, loss="mse", classes=2), "out of range for 2 classes"),
         (lambda: load_data(path, loss="hinge"), "unknown loss 'hinge'"),

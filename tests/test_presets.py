@@ -51,3 +51,11 @@ def test_lenet5_trains_bitwise_alike_on_one_and_three_ranks_in_exact_mode():
 )
 def test_the_noam_schedules_d_is_the_model_width(spec, in_shape, width):
     assert widest(build(spec, in_shape, 10, "xent", "float64")) == width
+
+
+def test_a_gpts_noam_d_is_its_blocks_width_and_its_products_are_counted():
+    network = build("gpt(layers=2,d=8,heads=2)", (4,), 11, "xent", "float64")
+    assert widest(network) == 8
+    # per block: in_proj 3d², out_proj d², fc1 and fc2 4d² each, at T positions; QKᵀ and AV
+    t, d = 4, 8
+    assert network.multiply_adds()[1] == t * 12 * d * d + 2 * t * t * d

@@ -67,7 +67,7 @@ class Backprop:
         weights = self.nx.weights(params)
         self._weights, self._running = weights, running
         views = self.views(weights, running)
-        self._plan = plan = self._plan_for(m, self.nx.inputs_(X, self._inputs))
+        self._plan = plan = self._plan_for(m, self.inputs_(X))
         for layer, (x, out, _) in zip(self.network.layers, plan, strict=True):
             if first_load.armed is None:
                 layer.forward_(self.nx, views[layer.position], x, out)
@@ -78,6 +78,15 @@ class Backprop:
         _, logits, delta = plan[-1]
         correct = self.loss.forward_delta_(self.nx, logits, y, delta, losses)
         return self.nx.loss_sum(losses, self.positions), correct
+
+    def inputs_(self, X: np.ndarray) -> np.ndarray:
+        """The shard's inputs as the passes read them; token ids copied as they are (a format
+        would round ids above its integers)."""
+        if not self.network.layers[0].reads_tokens:
+            return self.nx.inputs_(X, self._inputs)
+        tokens = self._inputs[: X.size].reshape(X.shape)
+        tokens[...] = X
+        return tokens
 
     def backward_(self, grads: np.ndarray, top: int, bottom: int) -> None:
         """Layers top down to bottom: each takes the gradient at its output from the layer above,

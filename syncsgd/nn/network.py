@@ -29,7 +29,7 @@ from syncsgd.nn.presets import expand, preset_help
 LAYERS_DIR = Path(__file__).resolve().parent / "layers"
 _TOKEN = re.compile(r"\s*([^\s(]+)(\(([^()]*)\))?")
 _NAME = re.compile(r"[a-z][a-z0-9_-]*")
-_PARAM_NAME = re.compile(r"\d+\.[A-Za-z_.]+")
+_PARAM_NAME = re.compile(r"\d+\.[A-Za-z_][A-Za-z0-9_.]*")
 
 
 @dataclass(frozen=True)
@@ -313,8 +313,8 @@ class Network:
     # -- sizes -----------------------------------------------------------------------------------
 
     def activation_size(self) -> int:
-        """Values per sample of every layer's output."""
-        return sum(shape_size(layer.out_shape) for layer in self.layers)
+        """Values per sample of every layer's output and workspaces."""
+        return sum(shape_size(layer.out_shape) + layer.inner_size() for layer in self.layers)
 
     def largest_weight(self) -> int:
         """Elements of the largest parameter array."""

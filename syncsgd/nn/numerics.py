@@ -16,6 +16,7 @@ and their bits do not depend on how the batch is split. docs/exact-mode.md has t
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,9 +145,9 @@ class LocalGroup:
 
     def __init__(self, training: bool = True, eps: float = 1e-5, momentum: float = 0.1) -> None:
         self.training, self.eps, self.momentum = training, eps, momentum
-        self._stats: dict[int, Any] = {}
+        self._stats: dict[Hashable, Any] = {}
 
-    def stats(self, position: int, kind: Any, width: int) -> Any:
+    def stats(self, position: Hashable, kind: Any, width: int) -> Any:
         """The statistics of the layer at `position`, made on first use."""
         if position not in self._stats:
             self._stats[position] = kind(width)

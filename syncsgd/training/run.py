@@ -95,6 +95,7 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     X, y, sample_shape = data.load_dataset(
         config.data, labels=config.labels, samples=config.samples, features=config.features,
         classes=config.classes, loss=config.loss, seed=config.seed, dtype=config.dtype,
+        context=config.context,
     )  # fmt: skip
     X, y, X_eval, y_eval = split_holdout(X, y, config.holdout, config.seed)
     n_samples = X.shape[0]
@@ -105,7 +106,8 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
         steps = config.epochs * per_epoch
     else:
         steps = 100
-    outputs = data.n_outputs(y, config.loss)  # xent: max label + 1, which --classes may raise
+    # xent: max label + 1, which --classes may raise; token data: the vocabulary's size
+    outputs = data.n_outputs(y, config.loss, X)
     if config.loss == "xent" and config.classes is not None:
         outputs = max(outputs, config.classes)
     model = make_model(config, X, outputs, ranks, sample_shape)
@@ -193,7 +195,7 @@ def check_outputs(config: TrainConfig, **outputs: str | None) -> None:
     for path in outputs.values():
         if path is not None:
             check_writable(path)
-    data = config.data if is_data_file(config.data) else None
+    data = config.data if is_data_file(config.data) or config.data.endswith(".txt") else None
     flags = {"--" + name.replace("_", "-"): path for name, path in outputs.items()}
     check_distinct({"--data": data, "--labels": config.labels, "--init": config.init}, flags)
 

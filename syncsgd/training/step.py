@@ -196,11 +196,13 @@ class DataParallelStep:
         """The one place where the sum becomes the mean: (mean loss, loss and gradient finite)."""
         # After the allreduce, once: averaging per-rank means instead would weigh uneven shards
         # wrongly. Every rank holds the same sums, so every rank decides alike on finiteness.
-        loss = float(self.comm_buffer[self.loss_slot]) / batch_size
-        # B in the sums' dtype, as NumPy would; times the loss scale S when the sums are scaled
-        # (B * S: one division unscales and averages; exact for S a power of two).
+        # The loss's terms: B, or B x T for sequences (a loss term per position).
+        terms = batch_size * self.local_gradient.passes.positions
+        loss = float(self.comm_buffer[self.loss_slot]) / terms
+        # The terms in the sums' dtype, as NumPy would; times the loss scale S when the sums are
+        # scaled (terms * S: one division unscales and averages; exact for S a power of two).
         scale = self.local_gradient.scale
-        divisor = self.grad_sum.dtype.type(batch_size if scale == 1.0 else batch_size * scale)
+        divisor = self.grad_sum.dtype.type(terms if scale == 1.0 else terms * scale)
         gradient_finite = self.divide_finite_(self.grad_sum, divisor, self.grad_mean)
         return loss, math.isfinite(loss) and gradient_finite
 

@@ -179,8 +179,10 @@ class LocalTrustRatio(Variant):
 
         def fill_(slots: np.ndarray, grad_sum: np.ndarray, shard_size: int) -> None:
             slots[...] = 0.0
-            if shard_size:  # the shard's mean gradient, unscaled
-                np.divide(grad_sum, shard_size * stepper.local_gradient.scale, out=local_mean)
+            if shard_size:  # the shard's mean gradient, unscaled: per token on token data
+                local = stepper.local_gradient
+                terms = shard_size * local.passes.positions * local.scale
+                np.divide(grad_sum, terms, out=local_mean)
                 slots += np.array(optimizer.trust_ratios(params, local_mean)) * self.weight
 
         def read_(slots: np.ndarray, grad_mean: np.ndarray, batch_size: int, finite: bool) -> None:

@@ -11,6 +11,7 @@ Numba is not imported here: the command line reads the layers' catalogue to buil
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,13 +26,15 @@ class Param:
 
     name: str
     shape: Shape
-    init: str  # "uniform" (±bound), "zeros" or "ones"
+    init: str  # "uniform" (±bound), "normal" (standard deviation bound), "zeros" or "ones"
     bound: float = 0.0
 
     def draw(self, rng: np.random.Generator) -> np.ndarray:
         """Its first values, drawn in float64 (the same draws for every dtype)."""
         if self.init == "uniform":
             return rng.uniform(-self.bound, self.bound, size=self.shape)
+        if self.init == "normal":
+            return rng.normal(0.0, self.bound, size=self.shape)
         return np.full(self.shape, 1.0 if self.init == "ones" else 0.0)
 
 
@@ -44,9 +47,11 @@ class Layer:
     # over the gradient at its output, unless the layer before it reads its own output backward.
     in_place: ClassVar[bool] = False
     reads_output: ClassVar[bool] = False  # backward_input_ reads y
+    reads_tokens: ClassVar[bool] = False  # its input is token ids: never rounded to a format
 
     def __init__(self) -> None:
         self.position = 0  # in the network: the first part of its parameters' names
+        self.name = ""  # inside another layer (a block's "ln1"): the prefix of its names
         self.in_shape: Shape = ()
         self.out_shape: Shape = ()
 
@@ -92,6 +97,29 @@ class Layer:
     def describe(self) -> str:
         """How the spec would write this layer."""
         return self.kind
+
+    def inner_size(self) -> int:
+        """Values per sample it keeps beside its output during a pass (its workspaces)."""
+        return 0
+
+    def workspaces(self, nx: Any) -> Workspaces:
+        """Its arrays for the passes of one numerics (one rank's threads share the layers)."""
+        return nx.group.stats((self.position, self.name), Workspaces, 0)
+
+
+class Workspaces:
+    """A layer's arrays for one numerics (one rank's passes), each grown once to the largest."""
+
+    def __init__(self, width: int = 0) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: Shape, dtype: Any) -> np.ndarray:
+        """The first prod(shape) values of workspace `name`, shaped so; grown if too small."""
+        size = math.prod(shape)
+        array = self._arrays.get(name)
+        if array is None or array.size < size or array.dtype != np.dtype(dtype):
+            array = self._arrays[name] = np.zeros(size, dtype)
+        return array[:size].reshape(shape)
 
 
 def rows(values: np.ndarray, width: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Param, Shape
+from syncsgd.nn.layers.base import Layer, Param, Shape, Workspaces
 
 
 class Conv(Layer):
@@ -109,21 +109,6 @@ class Conv(Layer):
         extra = (f", stride={self.stride}" if self.stride != 1 else "") + (
             f", pad={self.pad}" if self.pad else "")  # fmt: skip
         return f"conv({self.out_channels}, {self.kernel}{extra})"
-
-
-class Workspaces:
-    """A layer's arrays for one numerics (one rank's passes), each grown once to the largest."""
-
-    def __init__(self, width: int = 0) -> None:
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def get(self, name: str, shape: Shape, dtype: Any) -> np.ndarray:
-        """The first prod(shape) values of workspace `name`, shaped so; grown if too small."""
-        size = math.prod(shape)
-        array = self._arrays.get(name)
-        if array is None or array.size < size or array.dtype != np.dtype(dtype):
-            array = self._arrays[name] = np.zeros(size, dtype)
-        return array[:size].reshape(shape)
 
 
 def window_positions(what: str, in_shape: Shape, kernel: int, stride: int,

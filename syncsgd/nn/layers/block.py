@@ -1,0 +1,345 @@
+"""block(d, heads): a pre-LayerNorm transformer block with causal multi-head self-attention.
+
+On a sequence x of T positions of width d:
+  r = x + attn(ln1(x)),  y = r + fc2(gelu(fc1(ln2(r))))      (fc1: d -> 4d, fc2: 4d -> d)
+attn is torch.nn.MultiheadAttention(d, heads, batch_first=True) with a causal mask: per head h
+of width e = d / heads, [q | k | v] = ln1(x) in_proj_weight^T + in_proj_bias, scores
+s_tu = q_t . k_u / sqrt(e) for u <= t (later positions masked), P = softmax over u, o_t = sum_u
+P_tu v_u, and the heads' outputs side by side through out_proj. The parameters are named as
+PyTorch names a module with attributes ln1, attn, ln2, fc1, fc2.
+
+The block is its layers (layernorm, dense, gelu), run in order forward and in reverse backward,
+and the attention core between the two dense layers of attn. The core is per sample, in a fixed
+order (its products loop over positions and a head's features in index order): a sequence's
+output and gradient do not depend on the sequences beside it. Its backward pass, from do:
+  dP_tu = do_t . v_u,  dv_u = sum_t P_tu do_t,  ds_tu = P_tu (dP_tu - sum_u' P_tu' dP_tu'),
+  dq_t = sum_u ds_tu k_u / sqrt(e),  dk_u = sum_t ds_tu q_t / sqrt(e)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from syncsgd.nn.layers.base import Layer, Param, Shape
+from syncsgd.nn.layers.dense import Dense
+from syncsgd.nn.layers.gelu import GELU
+from syncsgd.nn.layers.layernorm import LayerNorm
+
+# each inner layer with its parameters' names in the block (weight, bias), in PyTorch's order
+NAMES = {"ln1": ("ln1.weight", "ln1.bias"),
+         "in_proj": ("attn.in_proj_weight", "attn.in_proj_bias"),
+         "out_proj": ("attn.out_proj.weight", "attn.out_proj.bias"),
+         "ln2": ("ln2.weight", "ln2.bias"),
+         "fc1": ("fc1.weight", "fc1.bias"),
+         "fc2": ("fc2.weight", "fc2.bias")}  # fmt: skip
+
+# the block's inner activations (each with its gradient), their widths in multiples of d: ln1's
+# output, [q | k | v], the heads' outputs, out_proj's, the residual sum, ln2's, fc1's, gelu's, fc2's
+INNER_WIDTHS = {"h1": 1, "qkv": 3, "att": 1, "a": 1, "r1": 1, "h2": 1, "f1": 4, "f1g": 4, "f2": 1}
+
+
+class Block(Layer):
+    """A pre-LayerNorm transformer block: causal multi-head self-attention, then a GELU MLP."""
+
+    kind = "block"
+    signature = "block(d, heads)"
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        if d < 1 or heads < 1 or d % heads:
+            raise ValueError(f"block({d}, {heads}): d and heads must be >= 1, d a multiple of "
+                             "heads")  # fmt: skip
+        self.d, self.heads = d, heads
+        self.ln1, self.ln2, self.gelu = LayerNorm(), LayerNorm(), GELU()
+        self.in_proj, self.out_proj = Dense(3 * d), Dense(d)
+        self.fc1, self.fc2 = Dense(4 * d), Dense(d)
+
+    def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
+        """(T, d): the input's shape; builds the inner layers."""
+        if len(in_shape) != 2 or in_shape[1] != self.d:
+            raise ValueError(f"{self.describe()} needs sequences of width {self.d} (T, {self.d}), "
+                             f"got shape {in_shape}")  # fmt: skip
+        positions, d = in_shape
+        shapes = {"ln1": (positions, d), "in_proj": (positions, d),
+                  "out_proj": (positions, d), "ln2": (positions, d),
+                  "fc1": (positions, d), "gelu": (positions, 4 * d),
+                  "fc2": (positions, 4 * d)}  # fmt: skip
+        for name, shape in shapes.items():
+            inner: Layer = getattr(self, name)
+            inner.name = name
+            inner.build(self.position, shape, 0, False)
+        return in_shape
+
+    def params(self) -> list[Param]:
+        """The inner layers' parameters under PyTorch's names; attn's as MultiheadAttention
+        starts them (in_proj_weight Xavier-uniform, both biases 0)."""
+        d = self.d
+        xavier = math.sqrt(6.0 / (d + 3 * d))
+        found = []
+        for name, (weight, bias) in NAMES.items():
+            own = getattr(self, name).params()
+            if name in ("in_proj", "out_proj"):
+                first = Param(weight, own[0].shape, "uniform",
+                              xavier if name == "in_proj" else own[0].bound)  # fmt: skip
+                found += [first, Param(bias, own[1].shape, "zeros")]
+            else:
+                found += [Param(weight, *_rest(own[0])), Param(bias, *_rest(own[1]))]
+        return found
+
+    def _views(self, arrays: dict[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+        """An inner layer's arrays by its own names (weight, bias)."""
+        weight, bias = NAMES[name]
+        return {"weight": arrays[weight], "bias": arrays[bias]}
+
+    def _spaces(self, nx: Any, like: np.ndarray) -> dict[str, np.ndarray]:
+        """The inner activations and their gradients for m sequences, in the pass's dtype."""
+        spaces, (m, positions, d) = self.workspaces(nx), like.shape
+        made = {}
+        for name, times in INNER_WIDTHS.items():
+            made[name] = spaces.get(name, (m, positions, times * d), like.dtype)
+            made["d_" + name] = spaces.get("d_" + name, (m, positions, times * d), like.dtype)
+        made["probs"] = spaces.get("probs", (m, self.heads, positions, positions), like.dtype)
+        made["d_probs"] = spaces.get("d_probs", (m, self.heads, positions, positions),
+                                     like.dtype)  # fmt: skip
+        return made
+
+    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+        """r = round(x + attn(ln1(x))), y = round(r + fc2(gelu(fc1(ln2(r)))))."""
+        s = self._spaces(nx, x)
+        self.ln1.forward_(nx, self._views(p, "ln1"), x, s["h1"])
+        self.in_proj.forward_(nx, self._views(p, "in_proj"), s["h1"], s["qkv"])
+        attention_(nx, self.heads, s["qkv"], s["probs"], s["att"])
+        self.out_proj.forward_(nx, self._views(p, "out_proj"), s["att"], s["a"])
+        np.add(x, s["a"], out=s["r1"])
+        nx.round_(s["r1"])
+        self.ln2.forward_(nx, self._views(p, "ln2"), s["r1"], s["h2"])
+        self.fc1.forward_(nx, self._views(p, "fc1"), s["h2"], s["f1"])
+        self.gelu.forward_(nx, {}, s["f1"], s["f1g"])
+        self.fc2.forward_(nx, self._views(p, "fc2"), s["f1g"], s["f2"])
+        np.add(s["r1"], s["f2"], out=y)
+        nx.round_(y)
+
+    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+                       x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
+        """Every inner layer's sums, top down; the gradient inside the block on the way (the
+        gradient at x itself waits for backward_input_)."""
+        s = self._spaces(nx, x)
+        w = {name: self._views(p, name) for name in NAMES}  # each inner layer's weight, bias
+        sums = {name: self._views(g, name) for name in NAMES}  # and their gradients' sums
+        self.fc2.backward_sums_(nx, w["fc2"], sums["fc2"], s["f1g"], s["f2"], dy)
+        self.fc2.backward_input_(nx, w["fc2"], s["f1g"], s["f2"], dy, s["d_f1g"])
+        self.gelu.backward_input_(nx, {}, s["f1"], s["f1g"], s["d_f1g"], s["d_f1"])
+        self.fc1.backward_sums_(nx, w["fc1"], sums["fc1"], s["h2"], s["f1"], s["d_f1"])
+        self.fc1.backward_input_(nx, w["fc1"], s["h2"], s["f1"], s["d_f1"], s["d_h2"])
+        self.ln2.backward_sums_(nx, w["ln2"], sums["ln2"], s["r1"], s["h2"], s["d_h2"])
+        self.ln2.backward_input_(nx, w["ln2"], s["r1"], s["h2"], s["d_h2"], s["d_r1"])
+        s["d_r1"] += dy  # the residual path: r reaches y directly and through the MLP
+        nx.round_(s["d_r1"])
+        self.out_proj.backward_sums_(nx, w["out_proj"], sums["out_proj"], s["att"], s["a"],
+                                     s["d_r1"])  # fmt: skip
+        self.out_proj.backward_input_(nx, w["out_proj"], s["att"], s["a"], s["d_r1"], s["d_att"])
+        attention_backward_(nx, self.heads, s["qkv"], s["probs"], s["d_att"], s["d_probs"],
+                            s["d_qkv"])  # fmt: skip
+        self.in_proj.backward_sums_(nx, w["in_proj"], sums["in_proj"], s["h1"], s["qkv"],
+                                    s["d_qkv"])  # fmt: skip
+        self.in_proj.backward_input_(nx, w["in_proj"], s["h1"], s["qkv"], s["d_qkv"], s["d_h1"])
+        self.ln1.backward_sums_(nx, w["ln1"], sums["ln1"], x, s["h1"], s["d_h1"])
+
+    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+        """dx = round(d_r + ln1's gradient at x): the residual path and the attention's."""
+        s = self._spaces(nx, x)
+        self.ln1.backward_input_(nx, self._views(p, "ln1"), x, s["h1"], s["d_h1"], dx)
+        dx += s["d_r1"]
+        nx.round_(dx)
+
+    def inner_size(self) -> int:
+        """Its inner activations and their gradients, the attention's weights, its layers'."""
+        positions, d = self.in_shape
+        inner = 2 * positions * d * sum(INNER_WIDTHS.values()) + 2 * self.heads * positions**2
+        return inner + self.ln1.inner_size() + self.ln2.inner_size()
+
+    def model_width(self) -> int:
+        """d."""
+        return self.d
+
+    def multiply_adds(self) -> int:
+        """Its four dense products, and attention's two T x T x d ones (scores, then values)."""
+        positions = self.in_shape[0]
+        dense = (self.in_proj, self.out_proj, self.fc1, self.fc2)
+        return sum(layer.multiply_adds() for layer in dense) + 2 * positions * positions * self.d
+
+    def describe(self) -> str:
+        """block(d, heads)."""
+        return f"block({self.d}, {self.heads})"
+
+
+def _rest(param: Param) -> tuple[Any, ...]:
+    """A parameter's shape, init and bound (its name given anew)."""
+    return param.shape, param.init, param.bound
+
+
+def attention_(nx: Any, heads: int, qkv: np.ndarray, probs: np.ndarray,
+               out: np.ndarray) -> None:  # fmt: skip
+    """out = the heads' causal attention of [q | k | v], side by side; probs: P per head."""
+    scale = 1.0 / math.sqrt(qkv.shape[2] // 3 // heads)
+    scores_(qkv, heads, scale, probs)
+    nx.round_(probs)
+    causal_softmax_(probs)
+    nx.round_(probs)
+    attend_(probs, qkv, heads, out)
+    nx.round_(out)
+
+
+def attention_backward_(nx: Any, heads: int, qkv: np.ndarray, probs: np.ndarray,
+                        d_out: np.ndarray, d_probs: np.ndarray,
+                        d_qkv: np.ndarray) -> None:  # fmt: skip
+    """d_qkv = the gradient at [q | k | v] from d_out (d_probs: a workspace)."""
+    scale = 1.0 / math.sqrt(qkv.shape[2] // 3 // heads)
+    attend_backward_(probs, qkv, d_out, heads, d_probs, d_qkv)
+    nx.round_(d_probs)
+    causal_softmax_backward_(probs, d_probs)
+    nx.round_(d_probs)
+    scores_backward_(d_probs, qkv, heads, scale, d_qkv)
+    nx.round_(d_qkv)
+
+
+@njit(nogil=True, cache=True)
+def scores_(qkv, heads, scale, probs):
+    """probs[i, h, t, u] = (q_t . k_u) scale for u <= t, else 0 (head h's features); each dot
+    product summed over the features in index order (the loop over u innermost: SIMD-friendly)."""
+    m, positions, width = qkv.shape
+    d = width // 3
+    e = d // heads
+    keys = np.empty((e, positions), probs.dtype)  # one head's keys, a feature per row
+    for i in range(m):
+        for h in range(heads):
+            for u in range(positions):
+                for f in range(e):
+                    keys[f, u] = qkv[i, u, d + h * e + f]
+            for t in range(positions):
+                row = probs[i, h, t]
+                row[:] = 0
+                for f in range(e):
+                    query = qkv[i, t, h * e + f]
+                    for u in range(t + 1):
+                        row[u] += query * keys[f, u]
+                for u in range(t + 1):
+                    row[u] *= scale
+
+
+@njit(nogil=True, cache=True)
+def causal_softmax_(probs):
+    """Each row t over u <= t: softmax in float64 (shifted by its maximum); masked stay 0."""
+    m, heads, positions, _ = probs.shape
+    for i in range(m):
+        for h in range(heads):
+            for t in range(positions):
+                top = np.float64(probs[i, h, t, 0])
+                for u in range(1, t + 1):
+                    top = max(top, np.float64(probs[i, h, t, u]))
+                total = 0.0
+                for u in range(t + 1):
+                    total += np.exp(np.float64(probs[i, h, t, u]) - top)
+                for u in range(t + 1):
+                    probs[i, h, t, u] = np.exp(np.float64(probs[i, h, t, u]) - top) / total
+
+
+@njit(nogil=True, cache=True)
+def attend_(probs, qkv, heads, out):
+    """out[i, t, head h's features] = sum over u <= t of P_tu v_u, u ascending."""
+    m, positions, width = qkv.shape
+    d = width // 3
+    e = d // heads
+    out[:] = 0
+    for i in range(m):
+        for h in range(heads):
+            values = slice(2 * d + h * e, 2 * d + (h + 1) * e)
+            for t in range(positions):
+                o = out[i, t, h * e : (h + 1) * e]
+                for u in range(t + 1):
+                    weight = probs[i, h, t, u]
+                    v = qkv[i, u, values]
+                    for f in range(e):
+                        o[f] += weight * v[f]
+
+
+@njit(nogil=True, cache=True)
+def attend_backward_(probs, qkv, d_out, heads, d_probs, d_qkv):
+    """d_probs = do_t . v_u (u <= t, else 0; over the features in index order); the v part of
+    d_qkv = sum over t >= u of P_tu do_t, t ascending."""
+    m, positions, width = qkv.shape
+    d = width // 3
+    e = d // heads
+    values = np.empty((e, positions), d_probs.dtype)  # one head's values, a feature per row
+    d_qkv[:] = 0
+    for i in range(m):
+        for h in range(heads):
+            for u in range(positions):
+                for f in range(e):
+                    values[f, u] = qkv[i, u, 2 * d + h * e + f]
+            for t in range(positions):
+                row = d_probs[i, h, t]
+                row[:] = 0
+                for f in range(e):
+                    grad = d_out[i, t, h * e + f]
+                    for u in range(t + 1):
+                        row[u] += grad * values[f, u]
+            for u in range(positions):
+                dv = d_qkv[i, u, 2 * d + h * e : 2 * d + (h + 1) * e]
+                for t in range(u, positions):
+                    weight = probs[i, h, t, u]
+                    do = d_out[i, t, h * e : (h + 1) * e]
+                    for f in range(e):
+                        dv[f] += weight * do[f]
+
+
+@njit(nogil=True, cache=True)
+def causal_softmax_backward_(probs, d_probs):
+    """d_probs = the gradient at the scores: P_tu (dP_tu - sum_u' P_tu' dP_tu'), in place."""
+    m, heads, positions, _ = probs.shape
+    for i in range(m):
+        for h in range(heads):
+            for t in range(positions):
+                inner = 0.0
+                for u in range(t + 1):
+                    inner += np.float64(probs[i, h, t, u]) * np.float64(d_probs[i, h, t, u])
+                for u in range(t + 1):
+                    d_probs[i, h, t, u] = np.float64(probs[i, h, t, u]) * (
+                        np.float64(d_probs[i, h, t, u]) - inner)  # fmt: skip
+
+
+@njit(nogil=True, cache=True)
+def scores_backward_(d_scores, qkv, heads, scale, d_qkv):
+    """The q and k parts of d_qkv: dq_t = scale sum over u <= t of ds_tu k_u (u ascending),
+    dk_u = scale sum over t >= u of ds_tu q_t (t ascending)."""
+    m, positions, width = qkv.shape
+    d = width // 3
+    e = d // heads
+    for i in range(m):
+        for h in range(heads):
+            queries, keys = slice(h * e, (h + 1) * e), slice(d + h * e, d + (h + 1) * e)
+            for t in range(positions):
+                dq = d_qkv[i, t, queries]
+                dq[:] = 0
+                for u in range(t + 1):
+                    weight = d_scores[i, h, t, u]
+                    k = qkv[i, u, keys]
+                    for f in range(e):
+                        dq[f] += weight * k[f]
+                for f in range(e):
+                    dq[f] *= scale
+            for u in range(positions):
+                dk = d_qkv[i, u, keys]
+                dk[:] = 0
+                for t in range(u, positions):
+                    weight = d_scores[i, h, t, u]
+                    q = qkv[i, t, queries]
+                    for f in range(e):
+                        dk[f] += weight * q[f]
+                for f in range(e):
+                    dk[f] *= scale
