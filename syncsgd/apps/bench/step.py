@@ -61,6 +61,7 @@ from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS
 
 DEFAULT_RANKS = (1, 2, 3, 4)
+SYNTHETIC = "synthetic-classification"
 SCALINGS = ("weak", "strong")
 OVERHEAD_BAR = 0.05  # the distributed machinery may add at most 5% at P = 1
 # --overlap: at most 0.8x the plain step where communication waits on a network, and at most
@@ -81,14 +82,14 @@ def scaling_list(text: str) -> list[str]:
 
 
 def train_config(options: argparse.Namespace, batch_size: int) -> TrainConfig:
-    """The benchmark's training run (synthetic data, constant-lr SGD) at one global batch size."""
+    """The benchmark's training run (--data, constant-lr SGD) at one global batch size."""
     network: dict[str, Any] = (
         {"model": options.model, "input_shape": options.input_shape} if options.model else
         {"hidden": parse_hidden(options.hidden), "activation": options.activation}
     )  # fmt: skip
     return TrainConfig(
-        samples=options.samples, features=options.features, classes=options.classes,
-        loss="xent", batch_size=batch_size, steps=options.steps, lr=options.lr, seed=options.seed,
+        data=options.data, context=options.context, samples=options.samples,
+        features=options.features, classes=options.classes, loss="xent", batch_size=batch_size, steps=options.steps, lr=options.lr, seed=options.seed,
         dtype=options.dtype, batchnorm=options.batchnorm, **network,
     )  # fmt: skip
 
@@ -158,9 +159,13 @@ def step_kernels() -> list[Any]:
     from syncsgd.nn.layers import (
         avgpool,
         batchnorm,
+        block,
         conv,
         dense,
+        embed,
         flatten,
+        gelu,
+        layernorm,
         maxpool,
         mse,
         relu,
@@ -169,7 +174,7 @@ def step_kernels() -> list[Any]:
     )
 
     modules = (kernels, numerics, dense, relu, tanh, batchnorm, xent, mse, conv, maxpool,
-               avgpool, flatten)  # fmt: skip
+               avgpool, flatten, embed, layernorm, gelu, block)  # fmt: skip
     return [value for module in modules for value in vars(module).values()
             if isinstance(value, Dispatcher)]  # fmt: skip
 
@@ -238,6 +243,7 @@ def bare_loop(run: Run) -> tuple[np.ndarray, list[float]]:
     batch, n_samples, lr = config.batch_size, X.shape[0], config.lr
     per_epoch = n_samples // batch
     gradient = Gradient(model, batch)
+    terms = batch * gradient.passes.positions  # B, or B x T for sequences: as the step divides
     X_batch = np.empty((batch, X.shape[1]), X.dtype)
     y_batch = np.empty((batch, *y.shape[1:]), y.dtype)
     grad = np.zeros(model.n_params, model.dtype)
@@ -260,8 +266,8 @@ def bare_loop(run: Run) -> tuple[np.ndarray, list[float]]:
         np.take(y, indices, axis=0, out=y_batch)
         loss_sum, _ = gradient(params, X_batch, y_batch, grad)
         t1 = time.perf_counter()
-        _loss = loss_sum / batch
-        grad /= batch
+        _loss = loss_sum / terms
+        grad /= terms
         np.multiply(grad, lr, out=scratch)  # lr * grad rounded first, as the SGD step does
         params -= scratch
         t2 = time.perf_counter()
@@ -507,7 +513,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weak scaling: samples per rank (64)")  # fmt: skip
     add("--global-batch", type=positive_int, default=256,
         help="strong scaling: the global batch (256)")  # fmt: skip
-    add("--samples", type=positive_int, default=2048, help="synthetic samples (2048)")
+    add("--data", metavar="NAME|PATH", default=SYNTHETIC,
+        help="the samples, as `syncsgd train --data` takes them; token data (numbers-to-words, "
+        f"PATH.txt) for a --model that starts with embed, e.g. gpt(...) ({SYNTHETIC})")
+    add("--context", type=positive_int, default=32,
+        help="token data: the characters T of each sample's window (32)")
+    add("--samples", type=positive_int, default=2048,
+        help="synthetic samples; numbers-to-words: windows (2048)")
     add("--features", type=positive_int, default=784, help="input size (784)")
     add("--hidden", default="256,256", help="hidden sizes (256,256)")
     add("--model", metavar="SPEC", type=model_spec,
@@ -555,9 +567,15 @@ def main(options: argparse.Namespace) -> int:
     model = network_name(options)
     shown = (f"{model} on {','.join(map(str, options.input_shape or (options.features,)))}"
              if options.model else f"MLP {model} {options.activation}")  # fmt: skip
+    samples = f"{options.samples} synthetic samples"
+    if data.is_text(options.data):
+        shown = f"{model} on {options.context} tokens"
+        samples = f"windows of {options.context} characters of {options.data}"
+    elif options.data != SYNTHETIC:
+        samples = f"samples of {options.data}"
     say(
         f"# training step: {shown} xent {options.dtype}, {backend} "
-        f"backend, {options.samples} synthetic samples; {options.steps} steps x {options.repeats} "
+        f"backend, {samples}; {options.steps} steps x {options.repeats} "
         f"runs after {options.warmup} burn-in steps; medians, slowest rank; "
         f"cores {os.cpu_count()}, load average {load_average()}",
         flush=True,
@@ -572,7 +590,8 @@ def main(options: argparse.Namespace) -> int:
         write_outputs(options, {
             "benchmark": "step", "backend": backend, "model": model,
             "activation": None if options.model else options.activation, "loss": "xent",
-            "dtype": options.dtype, "input_shape": options.input_shape,
+            "dtype": options.dtype, "input_shape": options.input_shape, "data": options.data,
+            "context": options.context if data.is_text(options.data) else None,
             "samples": options.samples, "cores": os.cpu_count(),
             "load_average": {"start": load_before, "end": load_average()},
             "command": sys.argv, "first_step": jit, "scaling": rows, "overhead": overhead_rows,
@@ -605,14 +624,16 @@ def phase_runner(options: argparse.Namespace, backend: str) -> tuple[Callable, l
 
 def check_batch_sizes(options: argparse.Namespace, rank_counts: list[int]) -> None:
     """Fail before any work if the network is malformed or a global batch exceeds the samples."""
-    prepare(train_config(options, 1))
+    samples = len(prepare(train_config(options, 1)).X)  # a text file decides its own windows
     largest = max(
         [global_batch_size(options, s, p) for s in options.scaling for p in rank_counts]
         + (options.overhead_batch if options.overhead else [])
     )
-    if largest > options.samples:
+    if largest > samples:
+        given = (f"--data {options.data} holds {samples} windows of --context {options.context}"
+                 if data.is_text(options.data) else f"--samples {options.samples} is")  # fmt: skip
         raise ValueError(
-            f"--samples {options.samples} is smaller than the largest global batch {largest}: "
+            f"{given} smaller than the largest global batch {largest}: "
             f"raise --samples or lower the batch sizes"
         )
 
