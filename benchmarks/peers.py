@@ -4,6 +4,7 @@
     python benchmarks/peers.py                # P = 1, 2; float32, float64; 5 rounds of 20 steps
     python benchmarks/peers.py --ranks 2 --dtypes float32 --rounds 9 --json peers.json
     python benchmarks/peers.py --model simple-cnn --steps 3 --warmup 2   # the CNN, 1x28x28 inputs
+    python benchmarks/peers.py --model "gpt(layers=2,d=128,heads=4)" --batch 32 --context 64
 
 What is timed: one synchronous data-parallel SGD step of an MLP 784-256-256-10 (relu, softmax
 cross-entropy, plain SGD at lr 0.01) on a global batch of 256 samples drawn from 2048 synthetic
@@ -17,6 +18,11 @@ ones, split over P ranks, each rank on its own core:
 `--model SPEC` times any syncsgd --model network instead (conv, pooling, flatten, dense, relu,
 tanh, batchnorm; `--input-shape`, default 1,28,28): the same synthetic samples read as images,
 PyTorch's nn.Sequential of the same layers under DDP; JAX's contender is the MLP's only.
+A --model that starts with embed (`gpt(...)`) reads token data instead: windows of `--context`
+characters of numbers-to-words (2048 of them, syncsgd's token data), the loss the mean over the
+B x T tokens; PyTorch's contender is `benchmarks/transformer.py`'s module (nn.Embedding,
+nn.MultiheadAttention with a causal mask, nn.LayerNorm, nn.Linear, GELU) under DDP. `--batch`
+sets the global batch (256; the issue's transformer figures take 32).
 Every contender gathers its shard from the sample array each step, and each runs in its own
 process, pinned to the first P cores, kept alive across rounds. A round asks every contender in
 turn for `--steps` steps (interleaved, so a noisy neighbour slows all alike); the median over
@@ -31,9 +37,9 @@ the other contenders run.
 The GEMM floor (P = 1): the step's floating-point operations (2 x its layers' multiply-adds,
 forward and backward, `Network.step_multiply_adds`) divided by the best single-core GEMM rate
 measured in the same run: the better of the step's largest product (a 256 x 784 x 256 for the
-MLP; a conv's im2col product, its rows capped at 8192) and a 512^3 product, through the kernels'
-BLAS (SciPy's OpenBLAS, from Numba, one thread); the share is floor / syncsgd's step. Nothing is
-asserted.
+MLP; a conv's im2col product, its rows capped at 8192; a block's fc1) and a 512^3 product,
+through the kernels' BLAS (SciPy's OpenBLAS, from Numba, one thread); the share is floor /
+syncsgd's step. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -46,9 +52,11 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.*
 
 SIZES = (784, 256, 256, 10)
 BATCH, SAMPLES, LR, SEED = 256, 2048, 0.01, 0
@@ -58,13 +66,36 @@ SQUARE = (512, 512, 512)  # the other product the floor's GEMM rate is measured 
 MAX_ROWS = 8192  # a product's rows beyond these do not change its rate
 
 
-def network(model: str | None, shape: tuple[int, ...], dtype: str = "float64") -> Any:
-    """syncsgd's Network of the run: the --model spec on `shape`, or the MLP."""
+class Workload(NamedTuple):
+    """What every contender trains: the --model spec (None: the MLP), its input shape, the
+    global batch, and token data's window."""
+
+    model: str | None
+    shape: tuple[int, ...]
+    batch: int
+    context: int
+
+
+def reads_tokens(model: str | None) -> bool:
+    """Whether the --model spec starts with embed: it trains on token data."""
+    from syncsgd.nn.network import parse_spec
+
+    return model is not None and parse_spec(model)[0].kind == "embed"
+
+
+def network(model: str | None, shape: tuple[int, ...], dtype: str = "float64",
+            context: int = 0) -> Any:  # fmt: skip
+    """syncsgd's Network of the run: the --model spec on `shape` (token data: on `context`
+    positions, as many outputs as the text's characters), or the MLP."""
     from syncsgd.nn.mlp import MLP
     from syncsgd.nn.network import build
 
     if model is None:
         return MLP(SIZES, "relu", "xent", np.dtype(dtype)).network()
+    if reads_tokens(model):
+        from syncsgd.training.run import prepare
+
+        return prepare(syncsgd_config(dtype, 1, model, (), 1, context)).model
     return build(model, shape, SIZES[-1], "xent", dtype)
 
 
@@ -80,6 +111,8 @@ def largest_product(net: Any, batch: int = BATCH) -> tuple[int, int, int]:
     for layer in net.layers:
         if layer.kind == "dense":
             shapes.append((batch * layer.positions, layer.in_shape[-1], layer.out_shape[-1]))
+        elif layer.kind == "block":  # its widest product: fc1, d to 4d at every position
+            shapes.append((batch * layer.in_shape[0], layer.d, 4 * layer.d))
         elif layer.kind == "conv":
             positions = layer.out_shape[1] * layer.out_shape[2]
             shapes.append((batch * positions, layer.in_shape[0] * layer.kernel ** 2,
@@ -94,30 +127,44 @@ def pin(ranks: int) -> None:
         os.sched_setaffinity(0, cores[:ranks])
 
 
-def shared_data(dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """The samples and labels every contender trains on (syncsgd's synthetic data)."""
+def shared_data(dtype: str, model: str | None = None,
+                context: int = 0) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The samples and labels every contender trains on (syncsgd's synthetic or token data)."""
     from syncsgd.training.run import prepare
 
-    run = prepare(syncsgd_config(dtype, steps=1))
+    run = prepare(syncsgd_config(dtype, 1, model if reads_tokens(model) else None, (), 1,
+                                 context))  # fmt: skip
     return np.ascontiguousarray(run.X), np.ascontiguousarray(run.y, dtype=np.int64)
 
 
 def syncsgd_config(dtype: str, steps: int, model: str | None = None,
-                   shape: tuple[int, ...] = ()) -> Any:  # fmt: skip
-    """The TrainConfig of the benchmark's run: the MLP, or the --model spec on `shape`."""
+                   shape: tuple[int, ...] = (), batch: int = BATCH, context: int = 0) -> Any:
+    """The TrainConfig of the benchmark's run: the MLP, or the --model spec on `shape`, or on
+    windows of `context` characters of numbers-to-words for a spec that starts with embed."""
     from syncsgd.training.config import TrainConfig
 
     layers: dict[str, Any] = {"hidden": SIZES[1:-1], "activation": "relu"}
-    if model is not None:
+    if reads_tokens(model):
+        layers = {"model": model, "data": "numbers-to-words", "context": context}
+    elif model is not None:
         layers = {"model": model, "input_shape": shape}
-    return TrainConfig(samples=SAMPLES, features=SIZES[0], classes=SIZES[-1], batch_size=BATCH,
+    return TrainConfig(samples=SAMPLES, features=SIZES[0], classes=SIZES[-1], batch_size=batch,
                        steps=steps, lr=LR, seed=SEED, dtype=dtype, loss="xent",
                        **layers)  # fmt: skip
 
 
 def torch_sequential(net: Any) -> Any:
     """PyTorch's nn.Sequential of the same layers as a syncsgd Network (PyTorch's own init)."""
+    import torch
     from torch import nn
+
+    if net.layers[0].kind == "embed":  # the gpt preset: embed, blocks, layernorm, dense
+        from benchmarks.transformer import torch_gpt
+
+        blocks = [layer for layer in net.layers if layer.kind == "block"]
+        positions, d = net.layers[0].out_shape
+        heads = blocks[0].heads if blocks else 1
+        return torch_gpt(torch, net.layers[-1].out_shape[-1], positions, d, heads, len(blocks))
 
     modules: list[nn.Module] = []
     for layer in net.layers:
@@ -138,10 +185,10 @@ def torch_sequential(net: Any) -> Any:
     return nn.Sequential(*modules)
 
 
-def batches(seed: int, steps: int) -> list[np.ndarray]:
+def batches(seed: int, steps: int, batch: int = BATCH) -> list[np.ndarray]:
     """The global batches of `steps` steps: sample indices, the same on every rank."""
     rng = np.random.default_rng(seed)
-    return [rng.choice(SAMPLES, BATCH, replace=False) for _ in range(steps)]
+    return [rng.choice(SAMPLES, batch, replace=False) for _ in range(steps)]
 
 
 # --- contenders: each serves "N" on stdin with seconds per step on stdout ----------------------
@@ -154,7 +201,7 @@ def serve(measure: Any) -> None:
         print(repr(measure(int(line))), flush=True)
 
 
-def serve_syncsgd(ranks: int, dtype: str, model: str | None, shape: tuple[int, ...]) -> None:
+def serve_syncsgd(ranks: int, dtype: str, work: Workload) -> None:
     """syncsgd's training loop on `ranks` thread ranks; the steady state of each run."""
     from dataclasses import replace
 
@@ -162,7 +209,7 @@ def serve_syncsgd(ranks: int, dtype: str, model: str | None, shape: tuple[int, .
     from syncsgd.training.loop import train_rank
     from syncsgd.training.run import prepare
 
-    run = prepare(syncsgd_config(dtype, steps=2, model=model, shape=shape))
+    run = prepare(syncsgd_config(dtype, 2, *work))
 
     def measure(steps: int) -> float:
         results = run_threads(ranks, train_rank, replace(run, steps=steps + 1), quiet=True)
@@ -171,7 +218,7 @@ def serve_syncsgd(ranks: int, dtype: str, model: str | None, shape: tuple[int, .
     serve(measure)
 
 
-def serve_gemm(dtype: str, model: str | None, shape: tuple[int, ...]) -> None:
+def serve_gemm(dtype: str, work: Workload) -> None:
     """Seconds per step's worth of GEMM at the best rate of two products, one thread."""
     from numba import njit
 
@@ -182,9 +229,9 @@ def serve_gemm(dtype: str, model: str | None, shape: tuple[int, ...]) -> None:
         for _ in range(times):
             np.dot(a, b, out)
 
-    net = network(model, shape, dtype)
-    flops = step_flops(net)
-    m, k, n = largest_product(net)
+    net = network(work.model, work.shape, dtype, work.context)
+    flops = step_flops(net, work.batch)
+    m, k, n = largest_product(net, work.batch)
     rng = np.random.default_rng(SEED)
     operands = []
     for rows, inner, cols in ((min(m, MAX_ROWS), k, n), SQUARE):
@@ -205,8 +252,8 @@ def serve_gemm(dtype: str, model: str | None, shape: tuple[int, ...]) -> None:
     serve(measure)
 
 
-def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any, model: str | None,
-             shape: tuple[int, ...]) -> None:  # fmt: skip
+def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any,
+             work: Workload) -> None:  # fmt: skip
     """One PyTorch DDP rank: N from rank 0 by broadcast, N steps, the slowest rank's seconds."""
     import torch
     import torch.distributed as dist
@@ -217,25 +264,34 @@ def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any, model:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=ranks)  # fmt: skip
     torch_dtype = getattr(torch, dtype)
-    X, y = (torch.from_numpy(array) for array in shared_data(dtype))
-    if model is not None:
-        X = X.reshape(len(X), *shape)
+    tokens = reads_tokens(work.model)
+    X, y = (torch.from_numpy(array) for array in shared_data(dtype, work.model, work.context))
+    if tokens:  # token ids: syncsgd holds them as floats
+        X = X.long()
+    elif work.model is not None:
+        X = X.reshape(len(X), *work.shape)
     torch.manual_seed(SEED)
-    layers = torch_sequential(network(model, shape)).to(torch_dtype)
-    ddp = nn.parallel.DistributedDataParallel(layers)
+    layers = torch_sequential(network(work.model, work.shape, context=work.context))
+    ddp = nn.parallel.DistributedDataParallel(layers.to(torch_dtype))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
-    shard = slice(rank * BATCH // ranks, (rank + 1) * BATCH // ranks)
+    shard = slice(rank * work.batch // ranks, (rank + 1) * work.batch // ranks)
     request, elapsed = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.float64)
     for round_ in range(1 << 30):
         request[0] = int(commands.get()) if rank == 0 else 0
         dist.broadcast(request, 0)
         if request[0] == 0:
             break
-        indices = [torch.from_numpy(b[shard]) for b in batches(round_, int(request[0]))]
+        indices = [torch.from_numpy(b[shard])
+                   for b in batches(round_, int(request[0]), work.batch)]  # fmt: skip
         dist.barrier()
         started = time.perf_counter()
         for index in indices:
-            loss = F.cross_entropy(ddp(X[index]), y[index])
+            logits = ddp(X[index])
+            if tokens:  # the mean over the shard's tokens: a sequence's T positions, each a term
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       y[index].reshape(-1))  # fmt: skip
+            else:
+                loss = F.cross_entropy(logits, y[index])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -246,7 +302,7 @@ def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any, model:
     dist.destroy_process_group()
 
 
-def serve_ddp(ranks: int, dtype: str, model: str | None, shape: tuple[int, ...]) -> None:
+def serve_ddp(ranks: int, dtype: str, work: Workload) -> None:
     """PyTorch DDP: this process is rank 0, the others are spawned processes."""
     import queue
     import socket
@@ -258,13 +314,13 @@ def serve_ddp(ranks: int, dtype: str, model: str | None, shape: tuple[int, ...])
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     context = mp.get_context("spawn")
-    others = [context.Process(target=ddp_rank, args=(r, ranks, dtype, port, None, model, shape))
+    others = [context.Process(target=ddp_rank, args=(r, ranks, dtype, port, None, work))
               for r in range(1, ranks)]  # fmt: skip
     for process in others:
         process.start()
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=relay_stdin, args=(commands,), daemon=True).start()
-    ddp_rank(0, ranks, dtype, port, commands, model, shape)
+    ddp_rank(0, ranks, dtype, port, commands, work)
     for process in others:
         process.join()
 
@@ -277,7 +333,7 @@ def relay_stdin(commands: Any) -> None:
     commands.put(0)
 
 
-def serve_jax(ranks: int, dtype: str) -> None:
+def serve_jax(ranks: int, dtype: str, batch: int = BATCH) -> None:
     """JAX pmap over `ranks` forced host devices; every step awaited."""
     import jax
 
@@ -305,11 +361,11 @@ def serve_jax(ranks: int, dtype: str) -> None:
         return jax.tree.map(lambda p, g: p - LR * g, params, grads)
 
     pmapped = jax.pmap(step, axis_name="ranks")
-    state = {"params": pmapped(params, X[:BATCH].reshape(ranks, -1, SIZES[0]),
-                               y[:BATCH].reshape(ranks, -1))}  # fmt: skip
+    state = {"params": pmapped(params, X[:batch].reshape(ranks, -1, SIZES[0]),
+                               y[:batch].reshape(ranks, -1))}  # fmt: skip
 
     def measure(steps: int) -> float:
-        indices = batches(steps, steps)
+        indices = batches(steps, steps, batch)
         started = time.perf_counter()
         for index in indices:
             x, labels = X[index].reshape(ranks, -1, SIZES[0]), y[index].reshape(ranks, -1)
@@ -365,7 +421,8 @@ def contenders_to_run(options: argparse.Namespace) -> list[tuple[str, int, str]]
         if importlib.util.find_spec(module) is None:
             print(f"# {kind} skipped: {module} is not installed (pip install -e '.[peers]')")
         elif kind == "jax" and options.model is not None:
-            print("# jax skipped: its contender is the MLP's only (no pmapped CNN written)")
+            print("# jax skipped: its contender is the MLP's only (no pmapped CNN or transformer "
+                  "written)")  # fmt: skip
         else:
             kinds.append(kind)
     keys = [(kind, p, d) for d in options.dtypes for p in options.ranks for kind in kinds]
@@ -376,8 +433,10 @@ def contenders_to_run(options: argparse.Namespace) -> list[tuple[str, int, str]]
 
 def measure_all(options: argparse.Namespace, keys: list[tuple[str, int, str]]) -> dict:
     """Median seconds per step of every contender over interleaved rounds."""
-    workload = [] if options.model is None else [
-        "--model", options.model, "--input-shape", ",".join(map(str, options.input_shape))]
+    workload = ["--batch", str(options.batch), "--context", str(options.context)]
+    if options.model is not None:
+        workload += ["--model", options.model,
+                     "--input-shape", ",".join(map(str, options.input_shape))]  # fmt: skip
     contenders = {key: Contender(*key, workload) for key in keys}
     try:
         for contender in contenders.values():
@@ -428,7 +487,7 @@ def report(options: argparse.Namespace, samples: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """Coordinate the contenders, or (--serve) be one."""
-    from syncsgd.util.argtypes import dimensions, dtype_list, rank_list
+    from syncsgd.util.argtypes import dimensions, dtype_list, positive_int, rank_list
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=rank_list, default=[1, 2], help="rank counts (1,2)")
@@ -441,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
                         "MLP")  # fmt: skip
     parser.add_argument("--input-shape", type=dimensions, default=(1, 28, 28),
                         help="--model: one sample's shape (1,28,28); it must hold 784 values")
+    parser.add_argument("--batch", type=positive_int, default=BATCH,
+                        help=f"the global batch ({BATCH})")  # fmt: skip
+    parser.add_argument("--context", type=positive_int, default=64,
+                        help="a --model that starts with embed: T, the window's tokens (64)")
     parser.add_argument("--json", metavar="PATH", help="write the rows and samples as JSON")
     parser.add_argument(
         "--serve", choices=("syncsgd", "gemm", "ddp", "jax"), help=argparse.SUPPRESS
@@ -451,16 +514,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from syncsgd.nn.blas import describe
 
-    net = network(options.model, options.input_shape)
+    net = network(options.model, options.input_shape, context=options.context)
     shown = (f"MLP {'-'.join(map(str, SIZES))} relu" if options.model is None else
              f"{net.summary()} on {','.join(map(str, options.input_shape))}")  # fmt: skip
+    if reads_tokens(options.model):
+        shown = (f"{options.model} = {net.summary()} on windows of {options.context} characters "
+                 f"of numbers-to-words")  # fmt: skip
     print(
-        f"# {shown} xent, global batch {BATCH}, SGD lr {LR}; "
+        f"# {shown} xent, global batch {options.batch}, SGD lr {LR}; "
         f"{options.steps} steps x {options.rounds} rounds after {options.warmup}; "
         f"each rank pinned to a core; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}"
     )
-    m, k, n = largest_product(net)
-    print(f"# GEMM floor (P = 1): {step_flops(net) / 1e6:.1f} MFLOP per step at the best rate of "
+    m, k, n = largest_product(net, options.batch)
+    flops = step_flops(net, options.batch)
+    print(f"# GEMM floor (P = 1): {flops / 1e6:.1f} MFLOP per step at the best rate of "
           f"a {min(m, MAX_ROWS)}x{k}x{n} and a {'x'.join(map(str, SQUARE))} product; share = "
           "floor / syncsgd")  # fmt: skip
     samples = measure_all(options, contenders_to_run(options))
@@ -482,15 +549,15 @@ def main_worker(options: argparse.Namespace) -> None:
     pin(options.ranks[0])
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     dtype, ranks = options.dtypes[0], options.ranks[0]
-    shape = tuple(options.input_shape)
+    work = Workload(options.model, tuple(options.input_shape), options.batch, options.context)
     if options.serve == "syncsgd":
-        serve_syncsgd(ranks, dtype, options.model, shape)
+        serve_syncsgd(ranks, dtype, work)
     elif options.serve == "gemm":
-        serve_gemm(dtype, options.model, shape)
+        serve_gemm(dtype, work)
     elif options.serve == "ddp":
-        serve_ddp(ranks, dtype, options.model, shape)
+        serve_ddp(ranks, dtype, work)
     else:
-        serve_jax(ranks, dtype)
+        serve_jax(ranks, dtype, options.batch)
 
 
 if __name__ == "__main__":

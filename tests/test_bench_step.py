@@ -185,3 +185,27 @@ def test_a_model_that_does_not_fit_its_input_fails_first():
             "--input-shape", "1,2,3"]  # fmt: skip
     with pytest.raises(ValueError, match=re.escape("a 3x3 window does not fit an input of 2x3")):
         step.main(parse(argv))
+
+
+def test_a_transformer_step_is_timed_on_token_data(tmp_path, capsys):
+    json_path = tmp_path / "step.json"
+    argv = ["--backend", "threads", "--ranks", "1,2", "--model", "gpt(layers=1,d=4,heads=2)",
+            "--data", "numbers-to-words", "--context", "3", "--samples", "16", "--scaling",
+            "strong", "--global-batch", "4", "--steps", "2", "--repeats", "1", "--warmup", "1",
+            "--overhead-batch", "3", "--overhead-repeats", "2", "--cli-runs", "0",
+            "--json", str(json_path)]  # fmt: skip
+    assert step.main(parse(argv)) == 0
+    result = json.loads(json_path.read_text())
+    assert (result["data"], result["context"]) == ("numbers-to-words", 3)
+    assert [row["ranks"] for row in result["scaling"]] == [1, 2]
+    assert result["overhead"][0]["bitwise_equal"] is True  # the bare loop divides by B x T too
+    assert "gpt(layers=1,d=4,heads=2) on 3 tokens" in capsys.readouterr().out
+
+
+def test_a_text_too_short_for_the_batch_is_one_clear_error(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("abcdefghij")  # (10 - 1) // 3 = 3 windows
+    argv = ["--backend", "threads", *TINY, "--model", "gpt(layers=1,d=4,heads=2)", "--data",
+            str(text), "--context", "3"]  # fmt: skip
+    with pytest.raises(ValueError, match="holds 3 windows of --context 3"):
+        step.main(parse(argv))

@@ -390,3 +390,13 @@ def test_a_conv_model_on_mnist_5k(tmp_path, capsys):
     assert [row["steps_to_target"] is not None for row in document["rows"]] == [True, True]
     # the gradient's bytes: conv 2x1x5x5 + 2, dense 2·8·8 x 10 + 10, in float64
     assert document["time_model"]["gradient_bytes"] == 8 * (52 + 1290)
+
+
+def test_a_gpt_on_numbers_to_words(capsys):
+    argv = ["--model", "gpt(layers=1,d=4,heads=2)", "--data", "numbers-to-words", "--context",
+            "4", "--samples", "40", "--holdout", "0.2", "--target-loss", "3.2", "--batch-sizes",
+            "4,8", "--lrs", "0.4", "--max-steps", "20", "--model-ranks", "1,2"]  # fmt: skip
+    assert study.main(parse(argv)) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "embed(4) block(4, 2) layernorm dense(" in first and "on numbers-to-words" in first
+    assert "(32 training, 8 held-out samples)" in first and "no noise-scale runs (token" in first

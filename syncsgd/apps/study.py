@@ -45,6 +45,7 @@ import numpy as np
 
 from syncsgd.apps import costmodel
 from syncsgd.training import noise
+from syncsgd.training.data import is_text
 from syncsgd.training.result import NonFiniteError
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import (
@@ -698,6 +699,8 @@ def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:
 def add_workload_arguments(work: argparse._ArgumentGroup) -> None:
     """The model and data, as `syncsgd train` takes them."""
     work.add_argument("--data", metavar="NAME|PATH", help=f"({preset_help('data')})")
+    work.add_argument("--context", type=positive_int, default=32, metavar="T",
+                      help="token data: the characters T of each sample's window (default 32)")
     work.add_argument("--samples", type=positive_int, help=f"({preset_help('samples')})")
     work.add_argument("--features", type=positive_int, help=f"({preset_help('features')})")
     work.add_argument("--classes", type=positive_int, help="(default: from the data)")
@@ -774,6 +777,7 @@ def workload(options: argparse.Namespace) -> Any:
         network["hidden"] = parse_hidden(options.hidden)
     return TrainConfig(
         data=options.data,
+        context=options.context,
         samples=options.samples,
         features=options.features,
         classes=options.classes,
@@ -833,6 +837,8 @@ def describe_workload(base: Any, problem: Any, settings: StudySettings) -> str:
         if settings.noise_ranks >= 2
         else "no noise-scale runs"
     )
+    if is_text(base.data):  # the estimate takes per-sample means; token data's mean is per token
+        noise_runs += " (token data: train --noise-scale does not estimate it)"
     network = (
         problem.model.summary()
         if base.model is not None
@@ -871,14 +877,14 @@ def check_outputs(options: argparse.Namespace) -> None:
 
 
 def study_settings(options: argparse.Namespace) -> StudySettings:
-    """The grid and budget of the resolved options."""
+    """The grid and budget of the resolved options (no noise-scale runs on token data)."""
     return StudySettings(
         tuple(options.batch_sizes),
         tuple(options.lrs),
         tuple(options.momentums),
         options.max_steps,
         options.ranks,
-        options.noise_ranks,
+        0 if is_text(options.data) else options.noise_ranks,
     )
 
 

@@ -89,8 +89,9 @@ def train_config(options: argparse.Namespace, batch_size: int) -> TrainConfig:
     )  # fmt: skip
     return TrainConfig(
         data=options.data, context=options.context, samples=options.samples,
-        features=options.features, classes=options.classes, loss="xent", batch_size=batch_size, steps=options.steps, lr=options.lr, seed=options.seed,
-        dtype=options.dtype, batchnorm=options.batchnorm, **network,
+        features=options.features, classes=options.classes, loss="xent", batch_size=batch_size,
+        steps=options.steps, lr=options.lr, seed=options.seed, dtype=options.dtype,
+        batchnorm=options.batchnorm, **network,
     )  # fmt: skip
 
 
