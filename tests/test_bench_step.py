@@ -12,6 +12,7 @@ import csv
 import json
 import pathlib
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -209,3 +210,14 @@ def test_a_text_too_short_for_the_batch_is_one_clear_error(tmp_path):
             str(text), "--context", "3"]  # fmt: skip
     with pytest.raises(ValueError, match="holds 3 windows of --context 3"):
         step.main(parse(argv))
+
+
+def test_a_gpt_without_token_data_is_one_line_from_the_command_line():
+    done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "bench", "step", "--model",
+                           "gpt(layers=1,d=4,heads=2)", "--ranks", "1"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "syncsgd: error: --model 'gpt(layers=1,d=4,heads=2)' starts with embed, which reads "
+        "token ids: give token data (--data PATH.txt or numbers-to-words)"
+    ]
