@@ -174,7 +174,7 @@ def test_json_over_another_output_or_an_input_is_refused(tmp_path, capsys, other
     code = main(["train", *TINY, "--steps", "1", other, str(target), "--json", str(target)])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1, err
-    assert f"--json {target} is the same file as {other} {target}" in err
+    assert "is the same file as" in err and f"--json {target}" in err and f"{other} {target}" in err
     assert target.read_bytes() == before and os.stat(target).st_mtime_ns == stamp
     assert sorted(os.listdir(tmp_path)) == ["taken.npz"]
 

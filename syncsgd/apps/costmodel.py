@@ -53,7 +53,7 @@ import numpy as np
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import comma_list, comma_separated, hidden_sizes, positive_int
 from syncsgd.util.files import check_writable
-from syncsgd.util.options import JSON, RANK_COUNTS
+from syncsgd.util.options import JSON, RANK_COUNTS, reads, writes
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
 DEFAULT_ALPHA = 2e-6  # seconds per message
@@ -522,12 +522,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"seconds per byte reduced (default {DEFAULT_GAMMA:g}: summing at 10 GB/s)",
     )
-    parser.add_argument(
+    reads(parser.add_argument(
         "--fit",
         metavar="BENCH_JSON",
         help="fit alpha, beta, gamma to a `syncsgd bench allreduce --json` sweep; "
         "the ones given on the command line are held fixed",
-    )
+    ))  # fmt: skip
     parser.add_argument(
         "--fit-algorithms",
         type=algorithm_list,
@@ -561,10 +561,10 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--itemsize", type=positive_int, default=8,
                         help="--overlap: bytes per parameter (8: float64, 4: float32)")
     JSON.add(parser, help="write the predictions as JSON")
-    parser.add_argument("--png", metavar="PATH",
-                        help="draw time against size per algorithm (log-log), the fastest "
-                        "shaded and where it changes marked; with --fit, the measurements and "
-                        "their residuals")  # fmt: skip
+    writes(parser.add_argument("--png", metavar="PATH",
+                               help="draw time against size per algorithm (log-log), the "
+                               "fastest shaded and where it changes marked; with --fit, the "
+                               "measurements and their residuals"))  # fmt: skip
 
 
 def main(options: argparse.Namespace) -> int:

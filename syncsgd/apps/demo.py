@@ -29,7 +29,7 @@ from syncsgd.apps.demo_html import write_html
 from syncsgd.apps.demo_png import draw_png, write_frames
 from syncsgd.comm.world import launched_by_mpi
 from syncsgd.util.argtypes import nonnegative_int
-from syncsgd.util.options import RANKS
+from syncsgd.util.options import RANKS, writes, writes_into
 
 # -- the command line -----------------------------------------------------------------------------
 
@@ -48,12 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="ring",
         help="the allreduce to show (default ring; others from syncsgd.collectives)",
     )
-    parser.add_argument("--png", metavar="PATH", help="also draw every round into this PNG file")
-    parser.add_argument("--frames", metavar="DIR",
-                        help="also write one slide-ready PNG per round into DIR")  # fmt: skip
-    parser.add_argument("--html", metavar="PATH",
-                        help="also write a self-contained HTML page that steps through the "
-                        "rounds (arrow keys, buttons, or PATH#step=k)")  # fmt: skip
+    writes(parser.add_argument("--png", metavar="PATH",
+                               help="also draw every round into this PNG file"))  # fmt: skip
+    writes_into(parser.add_argument("--frames", metavar="DIR",
+                                    help="also write one slide-ready PNG per round into DIR"))
+    writes(parser.add_argument("--html", metavar="PATH",
+                               help="also write a self-contained HTML page that steps through "
+                               "the rounds (arrow keys, buttons, or PATH#step=k)"))  # fmt: skip
     parser.add_argument(
         "--color",
         choices=("auto", "always", "never"),

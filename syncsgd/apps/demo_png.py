@@ -249,7 +249,8 @@ def draw_png(demo: Demo, path: str) -> None:
 
 def write_frames(demo: Demo, directory: str) -> list[str]:
     """One PNG per round (and the start) in `directory`: step-000.png, step-001.png, ..."""
-    os.makedirs(directory, exist_ok=True)
+    if not os.path.isdir(directory):
+        os.mkdir(directory)  # its parent must exist, as a file's must: no tree of directories
     paths = []
     for row in range(len(demo.steps) + 1):
         path = os.path.join(directory, f"step-{row:03d}.png")

@@ -19,7 +19,7 @@ from syncsgd.training.checkpoint import Checkpoint
 from syncsgd.training.config import TrainConfig, _require, fingerprint
 from syncsgd.training.data import check_npz, is_data_file
 from syncsgd.training.variants import variant
-from syncsgd.util.files import check_distinct, check_writable
+from syncsgd.util.files import check_paths
 from syncsgd.util.machine import check_memory
 
 
@@ -188,12 +188,11 @@ def model_bytes(sizes: tuple[int, ...], batch_size: int, itemsize: int, ranks: i
 
 def check_outputs(config: TrainConfig, **outputs: str | None) -> None:
     """Before any work: each output (save=..., log=...) can be written, and none is an input."""
-    for path in outputs.values():
-        if path is not None:
-            check_writable(path)
     data = config.data if is_data_file(config.data) else None
-    flags = {"--" + name.replace("_", "-"): path for name, path in outputs.items()}
-    check_distinct({"--data": data, "--labels": config.labels, "--init": config.init}, flags)
+    reads = {"--data": data, "--labels": config.labels, "--init": config.init,
+             "--resume": config.resume}  # fmt: skip
+    writes = {"--" + name.replace("_", "-"): path for name, path in outputs.items()}
+    check_paths(reads, writes, checkpoints={"--checkpoint": config.checkpoint})
 
 
 def split_holdout(X: np.ndarray, y: np.ndarray, fraction: float, seed: int):

@@ -45,7 +45,7 @@ from syncsgd.util import jsonout
 from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.machine import check_memory
-from syncsgd.util.options import BACKEND, JSON, RANKS
+from syncsgd.util.options import BACKEND, JSON, RANKS, writes
 
 BASELINE = "mpi"  # the role: the communicator's own Allreduce
 THREADS_BASELINE = "numpy-sum"  # what that is on the threads backend
@@ -410,8 +410,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-iters", type=positive_int, default=2000, help="most calls in one batch (2000)"
     )
     JSON.add(parser, help="write the results as JSON")
-    parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
-    parser.add_argument("--png", metavar="PATH", help="plot time and busbw against size")
+    writes(parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV"))
+    writes(parser.add_argument("--png", metavar="PATH", help="plot time and busbw against size"))
     parser.add_argument(
         "--algorithms",
         type=algorithm_list,
@@ -419,11 +419,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hand-written algorithms to time against the library's, e.g. "
         "ring,recursive-doubling,rabenseifner,tree,naive,auto (default ring)",
     )
-    parser.add_argument("--timeline", metavar="PATH",
-                        help="after the sweep, one traced call per algorithm and size as a "
-                        "Chrome trace (one row per rank, a span per step)")  # fmt: skip
-    parser.add_argument("--timeline-png", metavar="PATH",
-                        help="the same traced calls as a Gantt chart per rank (PNG)")  # fmt: skip
+    writes(parser.add_argument("--timeline", metavar="PATH",
+                               help="after the sweep, one traced call per algorithm and size as "
+                               "a Chrome trace (one row per rank, a span per step)"))  # fmt: skip
+    writes(parser.add_argument("--timeline-png", metavar="PATH",
+                               help="the same traced calls as a Gantt chart per rank (PNG)"))
     parser.add_argument(
         "--check",
         action="store_true",

@@ -56,7 +56,7 @@ from syncsgd.util.argtypes import (
     rank_list,
 )
 from syncsgd.util.files import check_writable, write_text
-from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS
+from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, writes
 
 DEFAULT_RANKS = (1, 2, 3, 4)
 SCALINGS = ("weak", "strong")
@@ -504,7 +504,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cli-runs", type=nonnegative_int, default=5,
         help="runs of each command-line timing; 0 skips them (5)")  # fmt: skip
     JSON.add(parser, help="write all results as JSON")
-    add("--csv", metavar="PATH", help="write the scaling rows as CSV")
+    writes(add("--csv", metavar="PATH", help="write the scaling rows as CSV"))
 
 
 def main(options: argparse.Namespace) -> int:
