@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import os
 import signal
 import sys
-import threading
-import time
-import traceback
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-from syncsgd.util.argtypes import positive_float
-from syncsgd.util.lines import print_line
-from syncsgd.util.options import (
+_RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def _exit_at_once(signum: int, frame: object) -> None:
+    """A signal while the command is still importing: one line (once per job), its status."""
+    if all(os.environ.get(name, "0") in ("", "0") for name in _RANK_VARIABLES):
+        os.write(2, b"syncsgd: interrupted\n")
+    os._exit(128 + signum)  # nothing is written yet: nothing to undo
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "syncsgd":  # the command itself
+    for _signum in (signal.SIGINT, signal.SIGTERM):  # before the imports below take their time
+        signal.signal(_signum, _exit_at_once)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from syncsgd.util.argtypes import positive_float  # noqa: E402
+from syncsgd.util.lines import print_line  # noqa: E402
+from syncsgd.util.options import (  # noqa: E402
     BACKEND,
     DEBUG,
     GROUPS,
@@ -30,7 +45,7 @@ from syncsgd.util.options import (
     from_options,
     option,
 )
-from syncsgd.util.signals import handling
+from syncsgd.util.signals import handling  # noqa: E402
 
 OUTPUT = "output"
 
@@ -127,6 +142,7 @@ def _add_apps(commands: argparse._SubParsersAction) -> None:
     ):
         module.add_arguments(_command(commands, name, module.main, summary, _first_line(module)))
     studies = commands.add_parser("study", help="studies of the workload (batch size)")
+    DEBUG.add(studies, default=argparse.SUPPRESS)  # `syncsgd study --debug batch-size` too
     batch_size = _command(
         _subcommands(studies, "study", "STUDY"), "batch-size", study.main,
         "steps to a target against the batch size; gradient noise scale",
@@ -134,6 +150,7 @@ def _add_apps(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     study.add_arguments(batch_size)
     bench = commands.add_parser("bench", help="benchmarks (OSU / nccl-tests style)")
+    DEBUG.add(bench, default=argparse.SUPPRESS)
     benchmarks = _subcommands(bench, "benchmark", "BENCHMARK")
     for module, name, summary in (
         (allreduce, "allreduce", "ring vs the library's Allreduce, 8 B to 64 MiB"),

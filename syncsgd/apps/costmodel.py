@@ -398,8 +398,8 @@ def load_sweep(path: str, algorithms: Iterable[str] = ("ring",)) -> tuple[int, l
     if not isinstance(document, dict) or not isinstance(document.get("rows"), list):
         raise ValueError(f"{path} is not the output of `syncsgd bench allreduce --json` (no rows)")
     ranks = document.get("ranks")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"{path}: 'ranks' must be a positive integer, got {ranks!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 2**31:
+        raise ValueError(f"{path}: 'ranks' must be an integer from 1 to 2**31, got {ranks!r}")
     wanted = tuple(algorithms)
     samples = [
         _row_sample(path, number, row)
@@ -463,6 +463,14 @@ def parse_quantity(text: str) -> float:
         ) from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def positive_quantity(text: str) -> float:
+    """A number > 0 as `parse_quantity` reads it (a rate that divides)."""
+    value = parse_quantity(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value
 
 
@@ -555,7 +563,7 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--shard", type=positive_int, default=64,
                         help="--overlap: samples per rank (default 64)")  # fmt: skip
-    parser.add_argument("--flops", type=parse_quantity, default=DEFAULT_FLOPS,
+    parser.add_argument("--flops", type=positive_quantity, default=DEFAULT_FLOPS,
                         help="--overlap: multiply-adds per second of one rank's kernels "
                         f"(default {DEFAULT_FLOPS:g})")  # fmt: skip
     parser.add_argument("--itemsize", type=positive_int, default=8,

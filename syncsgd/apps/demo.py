@@ -22,6 +22,7 @@ from syncsgd.apps.demo_core import (  # noqa: F401  (the names tests and users r
     Demo,
     Snapshot,
     render_text,
+    resolve_allreduce,
     run_demo,
     schedule_rounds,
 )
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--algorithm",
+        type=shown_algorithm,
         default="ring",
         help="the allreduce to show (default ring; others from syncsgd.collectives)",
     )
@@ -62,6 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="highlight in colour: auto = on a terminal, not under mpiexec, unless NO_COLOR is "
         "set (default auto)",
     )
+
+
+def shown_algorithm(text: str) -> str:
+    """--algorithm: an allreduce with steps to show (a wrong one is a usage error, status 2)."""
+    try:
+        resolve_allreduce(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def use_color(choice: str, stream: Any = None) -> bool:

@@ -144,7 +144,11 @@ def plan_for(algorithm: str, length: int, dtype: np.dtype, size: int, rank: int,
 
 def execute(algorithm: str, buf: np.ndarray, comm: Any, trace: Trace | None = None) -> np.ndarray:
     """Sum `buf` over all ranks of `comm` in place by `algorithm`'s schedule and return it."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        rank, size = comm.Get_rank(), comm.Get_size()
+    except AttributeError:
+        raise TypeError(f"{FUNCTION_NAMES[algorithm]}: comm must be a communicator (mpi4py's, or "
+                        f"a ThreadComm of run_threads), not {comm!r}") from None  # fmt: skip
     if type(buf) is np.ndarray and buf.flags.carray and buf.dtype in DTYPE_CODE:
         defect, flat = None, buf.ravel()  # the usual case, checked quickly; ravel: a flat view
     else:

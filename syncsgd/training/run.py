@@ -84,6 +84,7 @@ class Run:
     init_running: np.ndarray | None = None  # BatchNorm's running statistics from --init
     X_eval: np.ndarray | None = None  # the held-out samples (--holdout)
     y_eval: np.ndarray | None = None
+    read: str = ""  # what was read: samples, features or input shape, classes or outputs, loss
 
 
 def prepare(config: TrainConfig, ranks: int = 1) -> Run:
@@ -95,6 +96,9 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
         config.data, labels=config.labels, samples=config.samples, features=config.features,
         classes=config.classes, loss=config.loss, seed=config.seed, dtype=config.dtype,
     )  # fmt: skip
+    if config.loss == "xent" and config.classes is None:
+        data.check_class_labels(y, config.data)
+    read = describe_data(config, X, y, sample_shape)
     X, y, X_eval, y_eval = split_holdout(X, y, config.holdout, config.seed)
     n_samples = X.shape[0]
     per_epoch = data.steps_per_epoch(n_samples, config.batch_size)
@@ -118,7 +122,7 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     )  # fmt: skip
     run = Run(config, model, X, y, steps, optim,
               fingerprint(config, X, y, steps, sample_shape),
-              X_eval=X_eval, y_eval=y_eval)  # fmt: skip
+              X_eval=X_eval, y_eval=y_eval, read=f"{read}, {model_outputs(outputs, config)}")
     if config.init is not None:
         arrays = load_npz(config.init)
         run.init, run.init_running = model.from_arrays(arrays), model.running_from_arrays(arrays)
@@ -130,6 +134,23 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
             f"--resume {config.resume} is at step {run.start.step}, beyond --steps {steps}",
         )
     return run
+
+
+def describe_data(config: TrainConfig, X: np.ndarray, y: np.ndarray,
+                  sample_shape: tuple[int, ...] | None) -> str:  # fmt: skip
+    """'data digits: 1797 samples of 64 features' (or 'of shape 1x28x28'), with the held out."""
+    of = ("of shape " + "x".join(map(str, sample_shape)) if sample_shape
+          else f"of {X.shape[1]} feature{'s' * (X.shape[1] != 1)}")  # fmt: skip
+    held = round(len(X) * config.holdout)
+    kept = f" ({held} held out)" if held else ""
+    return f"data {config.data}: {len(X)} samples{kept} {of}"
+
+
+def model_outputs(outputs: int, config: TrainConfig) -> str:
+    """'10 classes, loss xent' or '1 output, loss mse'."""
+    noun = "class" if config.loss == "xent" else "output"
+    plural = ("es" if noun == "class" else "s") * (outputs != 1)
+    return f"{outputs} {noun}{plural}, loss {config.loss}"
 
 
 def make_model(

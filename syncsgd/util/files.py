@@ -67,17 +67,17 @@ def check_paths(
         for flag, path in paths.items()
         if path is not None and os.fspath(path) != ""
     ]  # fmt: skip
-    for role, _, path in given:
-        if role == "writes":
-            check_writable(path)
-        elif role == "writes_into":
-            check_directory_writable(path)
     seen: list[tuple[str, str, str]] = []
     for role, flag, path in given:
         for other_role, other_flag, other in seen:
             if role != "reads" or other_role != "reads":
                 _check_apart((other_role, other_flag, other), (role, flag, path))
         seen.append((role, flag, path))
+    for role, _, path in given:
+        if role == "writes":
+            check_writable(path)
+        elif role == "writes_into":
+            check_directory_writable(path)
 
 
 def _check_apart(first: tuple[str, str, str], second: tuple[str, str, str]) -> None:
