@@ -435,6 +435,7 @@ def _main(argv: Sequence[str] | None) -> int:
 # -- before any work: the paths each subcommand declares, and one agreement per MPI job ---------
 
 UNAGREED = ("debug", "quiet")  # settings that change nothing the ranks compute or exchange
+STARTUP_TIMEOUT = 600.0  # seconds the ranks wait for each other at start-up, without --timeout
 
 
 def start_up(options: argparse.Namespace) -> None:
@@ -447,7 +448,7 @@ def start_up(options: argparse.Namespace) -> None:
         except (ValueError, OSError) as exc:
             error = one_line(exc)
     if job_size() > 1:
-        agree_on_job(settings_of(options), error)
+        agree_on_job(settings_of(options), error, getattr(options, "timeout", None))
     elif error is not None:
         raise UniformError(error)
 
@@ -474,9 +475,11 @@ def shown(value: Any) -> str:
     return "not given" if value is None else str(value)
 
 
-def agree_on_job(settings: dict[str, str], error: str | None) -> None:
+def agree_on_job(settings: dict[str, str], error: str | None,
+                 timeout: float | None = None) -> None:  # fmt: skip
     """Under MPI: raise the same AgreedError on every rank if any rank has an `error`, or if
-    the ranks' `settings` differ (naming the first setting that differs and the ranks)."""
+    the ranks' `settings` differ (naming the first setting that differs and the ranks).
+    A rank that never arrives ends the job after `timeout` seconds (None: the default 600)."""
     try:
         from syncsgd.comm.world import mpi_world
 
@@ -485,10 +488,14 @@ def agree_on_job(settings: dict[str, str], error: str | None) -> None:
         if error is not None:
             raise UniformError(error) from None
         return
+    from syncsgd.comm.watchdog import collective_timeout, watching
     from syncsgd.training.run import AgreedError, agree
 
-    agree(world, error)
-    mismatch = settings_mismatch(world.allgather(settings))
+    with collective_timeout(world, STARTUP_TIMEOUT if timeout is None else timeout):
+        agree(world, error)
+        with watching("the start-up agreement (allgather)"):
+            everyone = world.allgather(settings)
+    mismatch = settings_mismatch(everyone)
     if mismatch is not None:
         raise AgreedError(mismatch)
 

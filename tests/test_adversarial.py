@@ -5,6 +5,7 @@ stderr; every input and earlier output intact. A new subcommand or option joins 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -243,3 +244,27 @@ def test_ranks_started_differently_end_the_job_with_one_line(first, second, line
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert [text for text in done.stderr.splitlines() if "error" in text] == [line], done.stderr
+
+
+@requires_mpi
+def test_a_stopped_rank_ends_bench_allreduce_after_its_timeout():
+    from test_reliability import rank_processes, start
+
+    marker = "1999"  # --max-iters: finds this job's ranks
+    job = start(["bench", "allreduce", "--timeout", "2", "--max-bytes", "64", "--batches",
+                 "100000", "--max-iters", marker], mpi_ranks=2)  # fmt: skip
+    victims: list[int] = []
+    try:
+        while not job.stdout.readline().startswith("# time:"):  # rank 0 is into the sweep
+            assert job.poll() is None, job.stderr.read()
+        victims = [pid for pid in rank_processes(marker) if pid != job.pid]
+        os.kill(victims[-1], signal.SIGSTOP)
+        _, err = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail("a stopped rank hung bench allreduce despite --timeout 2")
+    finally:
+        for pid in victims:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert job.returncode != 0 and "no progress for 2 s (--timeout) in " in err, err

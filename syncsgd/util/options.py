@@ -9,7 +9,7 @@ import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
-from syncsgd.util.argtypes import positive_int, rank_list
+from syncsgd.util.argtypes import nonnegative_float, positive_int, rank_list
 from syncsgd.util.files import check_paths
 
 Check = Callable[[str, Any], "str | None"]  # (flag, value) -> what is wrong, or None if fine
@@ -257,4 +257,9 @@ BACKEND = Option(
 )
 JSON = Option("--json", "write the results as JSON (default: none)", {"metavar": "PATH"},
               role="writes")  # fmt: skip
+TIMEOUT = Option(
+    "--timeout",
+    "end the job when a collective makes no progress for SECONDS; 0: never (default 600)",
+    {"type": nonnegative_float, "default": 600.0, "metavar": "SECONDS"},
+)
 DEBUG = Option("--debug", "show tracebacks of errors (default off)", {"action": "store_true"})

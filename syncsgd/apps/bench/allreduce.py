@@ -38,6 +38,7 @@ import numpy as np
 
 from syncsgd.collectives import ALGORITHMS, Trace, allreducer, ring_allreduce
 from syncsgd.comm.threads import ThreadComm
+from syncsgd.comm.watchdog import watching, within_timeout
 from syncsgd.comm.world import constants, launch, resolve_backend
 from syncsgd.training.timeline import Timeline, draw_gantt_file
 from syncsgd.training.timeline import write as write_timeline
@@ -45,7 +46,7 @@ from syncsgd.util import jsonout
 from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.machine import check_memory
-from syncsgd.util.options import BACKEND, JSON, RANKS, writes
+from syncsgd.util.options import BACKEND, JSON, RANKS, TIMEOUT, writes
 
 BASELINE = "mpi"  # the role: the communicator's own Allreduce
 THREADS_BASELINE = "numpy-sum"  # what that is on the threads backend
@@ -133,12 +134,13 @@ def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iter
     after another algorithm's pays for bringing this one's buffers back into the caches (at 8 MiB,
     with a few calls per batch, that alone moved the ratio of two identical library calls by 10%).
     """
-    op(buf)
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
+    with watching("a timed batch of allreduces"):  # what --timeout names if the library's hangs
         op(buf)
-    return slowest(comm, (time.perf_counter() - start) / iters)
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            op(buf)
+        return slowest(comm, (time.perf_counter() - start) / iters)
 
 
 def check_agreement(comm: Any, ops: dict[str, Callable], count: int, dtype: np.dtype) -> None:
@@ -388,6 +390,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     RANKS.add(parser, help="thread ranks (threads backend; default 2); under mpiexec, -n decides")
     BACKEND.add(parser)
+    TIMEOUT.add(parser)
     parser.add_argument("--dtype", choices=("float64", "float32", "int64"), default="float64")
     parser.add_argument("--min-bytes", type=parse_bytes, default=8, help="smallest size (8)")
     parser.add_argument(
@@ -451,7 +454,8 @@ def main(options: argparse.Namespace) -> int:
     # Each rank in this process holds the buffer, scratch of about its size and, on threads, the
     # baseline's sum: refuse now rather than fail at the largest size after the smaller ones.
     check_memory(3 * options.max_bytes * (ranks or 1), f"messages of {options.max_bytes} bytes")
-    result = launch(run, options, backend=options.backend, ranks=ranks)[0]
+    result = launch(within_timeout(run, options.timeout), options, backend=options.backend,
+                    ranks=ranks)[0]  # fmt: skip
     bar = result and result["bar"]
     if options.check and bar and not bar_met(bar):
         print("syncsgd: the performance bar was missed (see the '# bar' line)", file=sys.stderr)

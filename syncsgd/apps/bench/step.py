@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from syncsgd.comm.threads import run_threads
+from syncsgd.comm.watchdog import within_timeout
 from syncsgd.comm.world import constants, launched_by_mpi, mpi_world, resolve_backend
 from syncsgd.nn.mlp import parse_hidden
 from syncsgd.training import data
@@ -56,7 +57,7 @@ from syncsgd.util.argtypes import (
     rank_list,
 )
 from syncsgd.util.files import check_writable, write_text
-from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, writes
+from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, TIMEOUT, writes
 
 DEFAULT_RANKS = (1, 2, 3, 4)
 SCALINGS = ("weak", "strong")
@@ -469,6 +470,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench step`."""
     RANK_COUNTS.add(parser, help="thread rank counts to run (default 1,2,3,4); under mpiexec, -n")
     BACKEND.add(parser)
+    TIMEOUT.add(parser)
     add = parser.add_argument
     add("--scaling", type=scaling_list, default=list(SCALINGS),
         help="weak, strong or weak,strong (default both)")  # fmt: skip
@@ -547,7 +549,7 @@ def phase_runner(options: argparse.Namespace, backend: str) -> tuple[Callable, l
     if backend == "threads":
 
         def call_threads(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
-            return run_threads(ranks, phase, options, *args)[0]
+            return run_threads(ranks, within_timeout(phase, options.timeout), options, *args)[0]
 
         return call_threads, list(options.ranks or DEFAULT_RANKS), True
     comm = mpi_world()
@@ -559,7 +561,7 @@ def phase_runner(options: argparse.Namespace, backend: str) -> tuple[Callable, l
         )
 
     def call_mpi(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
-        return phase(comm, options, *args)
+        return within_timeout(phase, options.timeout)(comm, options, *args)
 
     return call_mpi, [world], comm.Get_rank() == 0
 
