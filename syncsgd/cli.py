@@ -454,13 +454,17 @@ def start_up(options: argparse.Namespace) -> None:
 
 
 def settings_of(options: argparse.Namespace) -> dict[str, str]:
-    """The subcommand and the value of each of its options, as text the ranks compare."""
+    """The subcommand and the value of each of its options, as text the ranks compare.
+
+    Not the inputs' paths: a file is compared by its contents where it matters (train's
+    fingerprint), and a rank that cannot read its copy reports that itself, naming its rank.
+    """
     parser: argparse.ArgumentParser = options.command_parser
     settings = {"command": parser.prog}
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
             continue
-        if action.dest not in UNAGREED:
+        if action.dest not in UNAGREED and getattr(action, "path_role", None) != "reads":
             name = action.option_strings[0] if action.option_strings else action.dest
             settings[name] = shown(getattr(options, action.dest, None))
     return settings

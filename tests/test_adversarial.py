@@ -268,3 +268,18 @@ def test_a_stopped_rank_ends_bench_allreduce_after_its_timeout():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     assert job.returncode != 0 and "no progress for 2 s (--timeout) in " in err, err
+
+
+def test_a_full_disk_names_the_file_and_leaves_none(tmp_path):
+    import errno
+
+    from syncsgd.util.files import atomic_file, create_new
+
+    target = tmp_path / "out.json"
+    with pytest.raises(OSError) as failed, atomic_file(target, "w"):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write on a full disk
+    assert failed.value.filename == str(target) and os.listdir(tmp_path) == []
+    create_new(tmp_path / "lock", "me\n")
+    with pytest.raises(FileExistsError):
+        create_new(tmp_path / "lock", "another\n")
+    assert (tmp_path / "lock").read_text() == "me\n" and os.listdir(tmp_path) == ["lock"]

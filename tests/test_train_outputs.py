@@ -129,7 +129,9 @@ def test_log_carries_the_evaluation_of_its_step_and_a_target_still_stops(tmp_pat
 def test_steps_0_saves_the_seeded_initial_parameters(tmp_path, capsys):
     saved, path = tmp_path / "init.npz", tmp_path / "run.json"
     out = run_cli(capsys, "--steps", "0", "--seed", "3", "--save", str(saved), "--json", str(path))
-    assert out.count("\n") == 1 and out.startswith("trained 0 steps on 2 ranks (threads)")
+    read, line = out.splitlines()  # what was read, then the summary
+    assert read == "data synthetic-classification: 64 samples of 4 features, 4 classes, loss xent"
+    assert line.startswith("trained 0 steps on 2 ranks (threads)")
     assert f"wrote the initial parameters to {saved}" in out and "nan" not in out
     expected = TINY_MODEL.init_params(3)
     assert TINY_MODEL.from_arrays(load_arrays(saved)).tobytes() == expected.tobytes()

@@ -172,6 +172,17 @@ def _temporary(directory: str, suffix: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def naming(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Within: an OSError that names no file (a full disk while writing) names `path`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, os.fspath(path)) from None
+
+
+@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
     """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.
 
@@ -181,7 +192,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
     check_writable(path)
     target = target_of(path)
     directory = os.path.dirname(os.path.abspath(target))
-    with _temporary(directory, os.path.splitext(target)[1]) as tmp:
+    with naming(path), _temporary(directory, os.path.splitext(target)[1]) as tmp:
         yield tmp
         os.replace(tmp, target)
 
@@ -204,7 +215,7 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb", **kwargs: Any) -
         with atomic_path(path) as tmp, open(tmp, mode, **kwargs) as handle:
             yield handle
         return
-    with open(fd, mode, **kwargs) as handle:
+    with naming(path), open(fd, mode, **kwargs) as handle:
         yield handle
         handle.flush()
         _name(fd, directory, target)
@@ -278,7 +289,7 @@ def create_new(path: str | os.PathLike[str], text: str) -> None:
     """
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
-    with _temporary(directory, "") as tmp:
+    with naming(target), _temporary(directory, "") as tmp:
         with open(tmp, "w", encoding="utf-8") as handle:
             handle.write(text)
         try:
