@@ -283,3 +283,15 @@ def test_a_full_disk_names_the_file_and_leaves_none(tmp_path):
     with pytest.raises(FileExistsError):
         create_new(tmp_path / "lock", "another\n")
     assert (tmp_path / "lock").read_text() == "me\n" and os.listdir(tmp_path) == ["lock"]
+
+
+def test_the_log_of_a_diverging_run_is_strict_json(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    assert main(["train", *TINY, "--steps", "6", "--lr", "1e6", "--loss", "mse", "--data",
+                 "synthetic-regression", "--skip-nonfinite", "--log", str(log)]) == 0  # fmt: skip
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"not strict JSON: {token}")
+
+    records = [json.loads(line, parse_constant=refuse) for line in log.read_text().splitlines()]
+    assert any(record["grad_norm"] is None for record in records)  # not NaN
