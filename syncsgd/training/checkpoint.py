@@ -106,6 +106,16 @@ def load_latest(directory: str, fingerprint: str, n_params: int, dtype: np.dtype
     return load(paths[0], fingerprint, n_params, dtype, n_running)  # none is ours: say why
 
 
+def check_scaler(path: str, scaler: dict[str, np.ndarray]) -> None:
+    """The loss scaler's state must be numbers: a scale >= 0 and a count of good steps."""
+    for name, kinds in (("scale", "fiu"), ("good_steps", "iu")):
+        value = scaler.get(name)
+        if value is not None and (value.shape != () or value.dtype.kind not in kinds
+                                  or not np.isfinite(value) or value < 0):  # fmt: skip
+            raise ValueError(f"checkpoint {path} is not a syncsgd checkpoint: its loss scaler's "
+                             f"{name} is {value!r}")  # fmt: skip
+
+
 def _newest_valid(paths: list[str], fingerprint: str, n_params: int, dtype: np.dtype,
                   n_running: int) -> str | None:  # fmt: skip
     """The first of `paths` that loads as a checkpoint of this run, or None."""
@@ -220,12 +230,7 @@ def load(path: str, fingerprint: str, n_params: int, dtype: np.dtype,
     optimizer = {k.removeprefix("optimizer."): v for k, v in arrays.items()
                  if k.startswith("optimizer.")}  # fmt: skip
     scaler = {k.removeprefix("scaler."): v for k, v in arrays.items() if k.startswith("scaler.")}
-    for name, kinds in (("scale", "fiu"), ("good_steps", "iu")):
-        value = scaler.get(name)
-        if value is not None and (value.shape != () or value.dtype.kind not in kinds
-                                  or not np.isfinite(value) or value < 0):  # fmt: skip
-            raise ValueError(f"checkpoint {path} is not a syncsgd checkpoint: its loss scaler's "
-                             f"{name} is {value!r}")  # fmt: skip
+    check_scaler(path, scaler)
     running = arrays.get("running")
     if n_running and (running is None or running.shape != (n_running,) or running.dtype != dtype):
         raise ValueError(f"checkpoint {path} holds no {n_running} {dtype} BatchNorm running "
