@@ -451,7 +451,8 @@ def draw_png(demo: Demo, path: str) -> None:
 
 def write_frames(demo: Demo, directory: str) -> list[str]:
     """One PNG slide per round (and the start) in `directory`: step-000.png, step-001.png, ..."""
-    os.makedirs(directory, exist_ok=True)
+    if not os.path.isdir(directory):
+        os.mkdir(directory)  # its parent must exist, as a file's must: no tree of directories
     paths = [os.path.join(directory, f"step-{row:03d}.png") for row in range(len(demo.steps) + 1)]
     workers = min(len(os.sched_getaffinity(0)), len(paths))
     if workers > 1 and not _under_mpi():  # the slides are independent: one process per core

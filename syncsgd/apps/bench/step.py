@@ -42,6 +42,7 @@ import numpy as np
 
 from syncsgd.apps.costmodel import model_spec
 from syncsgd.comm.threads import run_threads
+from syncsgd.comm.watchdog import within_timeout
 from syncsgd.comm.world import constants, launched_by_mpi, mpi_world, resolve_backend
 from syncsgd.nn.mlp import parse_hidden
 from syncsgd.training import data
@@ -58,7 +59,7 @@ from syncsgd.util.argtypes import (
     rank_list,
 )
 from syncsgd.util.files import check_writable, write_text
-from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS
+from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, TIMEOUT, writes
 
 DEFAULT_RANKS = (1, 2, 3, 4)
 SCALINGS = ("weak", "strong")
@@ -500,6 +501,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench step`."""
     RANK_COUNTS.add(parser, help="thread rank counts to run (default 1,2,3,4); under mpiexec, -n")
     BACKEND.add(parser)
+    TIMEOUT.add(parser)
     add = parser.add_argument
     add("--scaling", type=scaling_list, default=list(SCALINGS),
         help="weak, strong or weak,strong (default both)")  # fmt: skip
@@ -540,7 +542,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cli-runs", type=nonnegative_int, default=5,
         help="runs of each command-line timing; 0 skips them (5)")  # fmt: skip
     JSON.add(parser, help="write all results as JSON")
-    add("--csv", metavar="PATH", help="write the scaling rows as CSV")
+    writes(add("--csv", metavar="PATH", help="write the scaling rows as CSV"))
 
 
 def main(options: argparse.Namespace) -> int:
@@ -586,7 +588,7 @@ def phase_runner(options: argparse.Namespace, backend: str) -> tuple[Callable, l
     if backend == "threads":
 
         def call_threads(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
-            return run_threads(ranks, phase, options, *args)[0]
+            return run_threads(ranks, within_timeout(phase, options.timeout), options, *args)[0]
 
         return call_threads, list(options.ranks or DEFAULT_RANKS), True
     comm = mpi_world()
@@ -598,7 +600,7 @@ def phase_runner(options: argparse.Namespace, backend: str) -> tuple[Callable, l
         )
 
     def call_mpi(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
-        return phase(comm, options, *args)
+        return within_timeout(phase, options.timeout)(comm, options, *args)
 
     return call_mpi, [world], comm.Get_rank() == 0
 
