@@ -2,23 +2,39 @@
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import os
 import signal
 import sys
-import time
-import traceback
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-from syncsgd.util.argtypes import positive_float
-from syncsgd.util.figures import figure_path
-from syncsgd.util.lines import print_line
-from syncsgd.util.options import (
+_RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def _exit_at_once(signum: int, frame: object) -> None:
+    """A signal while the command is still importing: one line (once per job), its status."""
+    if all(os.environ.get(name, "0") in ("", "0") for name in _RANK_VARIABLES):
+        os.write(2, b"syncsgd: interrupted\n")
+    os._exit(128 + signum)  # nothing is written yet: nothing to undo
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "syncsgd":  # the command itself
+    for _signum in (signal.SIGINT, signal.SIGTERM):  # before the imports below take their time
+        signal.signal(_signum, _exit_at_once)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from syncsgd.util.argtypes import positive_float  # noqa: E402
+from syncsgd.util.figures import figure_path  # noqa: E402
+from syncsgd.util.lines import print_line  # noqa: E402
+from syncsgd.util.options import (  # noqa: E402
     BACKEND,
     DEBUG,
     GROUPS,
@@ -26,10 +42,11 @@ from syncsgd.util.options import (
     RANK_COUNTS,
     RANKS,
     add_options,
+    check_declared_paths,
     from_options,
     option,
 )
-from syncsgd.util.signals import handling
+from syncsgd.util.signals import handling  # noqa: E402
 
 OUTPUT = "output"
 
@@ -126,6 +143,7 @@ def _add_apps(commands: argparse._SubParsersAction) -> None:
     ):
         module.add_arguments(_command(commands, name, module.main, summary, _first_line(module)))
     studies = commands.add_parser("study", help="studies of the workload (batch size)")
+    DEBUG.add(studies, default=argparse.SUPPRESS)  # `syncsgd study --debug batch-size` too
     batch_size = _command(
         _subcommands(studies, "study", "STUDY"), "batch-size", study.main,
         "steps to a target against the batch size; gradient noise scale",
@@ -133,6 +151,7 @@ def _add_apps(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     study.add_arguments(batch_size)
     bench = commands.add_parser("bench", help="benchmarks (OSU / nccl-tests style)")
+    DEBUG.add(bench, default=argparse.SUPPRESS)
     benchmarks = _subcommands(bench, "benchmark", "BENCHMARK")
     for module, name, summary in (
         (allreduce, "allreduce", "ring vs the library's Allreduce, 8 B to 64 MiB"),
@@ -162,15 +181,16 @@ def _command(
     """A subcommand that runs `run`; it takes --debug too (after its name)."""
     sub: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=about)
     DEBUG.add(sub, default=argparse.SUPPRESS)  # unset unless given: `syncsgd --debug` still counts
-    sub.set_defaults(run=run)
+    sub.set_defaults(run=run, command_parser=sub)  # its declared paths and settings: start_up
     return sub
 
 
 def output(default: Any, help: str, **declared: Any) -> Any:
-    """An output of train: not part of the fingerprint, not taken by verify."""
+    """An output of train: not part of the fingerprint, not taken by verify; a path is written."""
     shown = "none" if default is None else None
+    role = "writes" if default is None else None
     return option(default, help, group=OUTPUT, shown=shown, fingerprint=False, verify=False,
-                  **declared)  # fmt: skip
+                  role=role, **declared)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -256,8 +276,9 @@ def run_train(options: argparse.Namespace) -> int:
         ranks_here = job_size() if backend == "mpi" else options.ranks or 2
         if config.noise_scale and ranks_here < 2:  # the API returns None; a command says why
             raise ValueError("--noise-scale needs 2 or more ranks (it compares their gradients)")
-        if launcher_rank() == 0:  # rank 0 writes the outputs: its node must have their directory
-            check_outputs(options, config)
+        if backend == "mpi" and options.ranks not in (None, ranks_here):
+            raise ValueError(f"--ranks {options.ranks} disagrees with the MPI world size "
+                             f"{ranks_here} (mpiexec -n decides; leave --ranks out)")  # fmt: skip
         problem = prepare(config, ranks_here if backend == "threads" else 1)
     except (ValueError, OSError, MemoryError) as exc:
         error = one_line(exc)
@@ -284,14 +305,6 @@ def run_train(options: argparse.Namespace) -> int:
             print(f"syncsgd: interrupted after step {result.stopped_after}{where}", file=sys.stderr)
         return 130
     return 0
-
-
-def check_outputs(options: argparse.Namespace, config: Any) -> None:
-    """Every output can be written, and none is an input or another output."""
-    from syncsgd.training.run import check_outputs as check
-
-    check(config, save=options.save, log=options.log, timeline=options.timeline,
-          timeline_png=options.timeline_png, json=options.json)  # fmt: skip
 
 
 def one_line(exc: BaseException) -> str:
@@ -366,32 +379,165 @@ def launcher_rank() -> int:
     return 0
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM before a command installs its own handlers: stop at once."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_at_once(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def stopping_at_once() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted inside the block (in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with handling((signal.SIGINT, signal.SIGTERM), _stop_at_once):
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `syncsgd` console script."""
+    try:
+        with stopping_at_once():  # from the first line on: a signal is one line, not a traceback
+            return _main(argv)
+    except KeyboardInterrupt as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        if launcher_rank() == 0:  # every rank was signalled: one line per job
+            print_line("syncsgd: interrupted")
+        _abort_mpi_job()
+        return 128 + signum
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    """Parse, agree on the job, check its paths, run the subcommand; errors as one line."""
     quiet = launcher_rank() != 0 and job_size() > 1  # --help and --version: once per job
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        options = build_parser().parse_args(argv)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            options = build_parser().parse_args(argv)
+    except SystemExit as done:
+        if done.code == 0 and job_size() > 1:  # --help or --version: no rank may wait for this one
+            try:
+                agree_on_job({"command": "syncsgd --help or --version"}, None)
+            except ValueError as exc:
+                report(exc, False)
+                return 2
+        raise
     options.argv = list(sys.argv[1:] if argv is None else argv)  # the command, for reports
-    if launcher_rank() != 0 and not getattr(options, "mpi", False):
-        return 0  # a command on thread ranks, started by mpiexec: rank 0 runs it, once per job
     if not options.debug:  # an overflow is reported by the run, in one line, with its step
         warnings.simplefilter("ignore", RuntimeWarning)
-    if options.debug and launcher_rank() == 0:  # before the run: a wrong core type would crash it
-        from syncsgd.nn.blas import describe
-
-        print(f"syncsgd: debug: kernels' BLAS: {describe()}", file=sys.stderr, flush=True)
     try:
+        start_up(options)
+        if launcher_rank() != 0 and not getattr(options, "mpi", False):
+            return 0  # a command on thread ranks, started by mpiexec: rank 0 runs it, once per job
+        if options.debug and launcher_rank() == 0:  # before the run: a wrong core type crashes it
+            from syncsgd.nn.blas import describe
+
+            print(f"syncsgd: debug: kernels' BLAS: {describe()}", file=sys.stderr, flush=True)
         return options.run(options)
     except BrokenPipeError:  # `syncsgd ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
-        print("syncsgd: interrupted", file=sys.stderr)
-        _abort_mpi_job()
-        return 130
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         report(exc, options.debug)
         return 1
+
+
+# -- before any work: the paths each subcommand declares, and one agreement per MPI job ---------
+
+UNAGREED = ("debug", "quiet")  # settings that change nothing the ranks compute or exchange
+STARTUP_TIMEOUT = 600.0  # seconds the ranks wait for each other at start-up, without --timeout
+
+
+def start_up(options: argparse.Namespace) -> None:
+    """Before any work: rank 0 (which writes the outputs) checks every declared path; under
+    mpiexec, every rank runs the same subcommand with the same settings, or none runs it."""
+    error = None
+    if launcher_rank() == 0:
+        try:
+            check_declared_paths(options.command_parser, options)
+        except (ValueError, OSError) as exc:
+            error = one_line(exc)
+    if job_size() > 1:
+        agree_on_job(settings_of(options), error, getattr(options, "timeout", None))
+    elif error is not None:
+        raise UniformError(error)
+
+
+def settings_of(options: argparse.Namespace) -> dict[str, str]:
+    """The subcommand and the value of each of its options, as text the ranks compare.
+
+    Not the inputs' paths: a file is compared by its contents where it matters (train's
+    fingerprint), and a rank that cannot read its copy reports that itself, naming its rank.
+    """
+    parser: argparse.ArgumentParser = options.command_parser
+    settings = {"command": parser.prog}
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        if action.dest not in UNAGREED and getattr(action, "path_role", None) != "reads":
+            name = action.option_strings[0] if action.option_strings else action.dest
+            settings[name] = shown(getattr(options, action.dest, None))
+    return settings
+
+
+def shown(value: Any) -> str:
+    """A parsed option's value as an error message shows it."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return "not given" if value is None else str(value)
+
+
+def agree_on_job(settings: dict[str, str], error: str | None,
+                 timeout: float | None = None) -> None:  # fmt: skip
+    """Under MPI: raise the same AgreedError on every rank if any rank has an `error`, or if
+    the ranks' `settings` differ (naming the first setting that differs and the ranks).
+    A rank that never arrives ends the job after `timeout` seconds (None: the default 600)."""
+    try:
+        from syncsgd.comm.world import mpi_world
+
+        world = mpi_world()
+    except RuntimeError:  # no mpi4py: this process is its own job
+        if error is not None:
+            raise UniformError(error) from None
+        return
+    from syncsgd.comm.watchdog import collective_timeout, watching
+    from syncsgd.training.run import AgreedError, agree
+
+    with collective_timeout(world, STARTUP_TIMEOUT if timeout is None else timeout):
+        agree(world, error)
+        with watching("the start-up agreement (allgather)"):
+            everyone = world.allgather(settings)
+    mismatch = settings_mismatch(everyone)
+    if mismatch is not None:
+        raise AgreedError(mismatch)
+
+
+def settings_mismatch(everyone: list[dict[str, str]]) -> str | None:
+    """The first setting the ranks differ in, as one line; None if they all agree."""
+    names = list(dict.fromkeys(name for settings in everyone for name in settings))
+    for name in names:
+        values = [settings.get(name, "not taken") for settings in everyone]
+        if len(set(values)) == 1:
+            continue
+        ranks: dict[str, list[str]] = {}
+        for rank, value in enumerate(values):
+            ranks.setdefault(value, []).append(str(rank))
+        where = ", ".join(
+            f"{value} on rank{'s' * (len(on) > 1)} {','.join(on)}" for value, on in ranks.items()
+        )
+        if name == "command":
+            return f"the ranks run different commands: {where}; start every rank with the same one"
+        return (f"the ranks were started with different options: {name} {where}; start every "
+                f"rank with the same command")  # fmt: skip
+    return None
 
 
 def report(exc: BaseException, debug: bool) -> None:

@@ -453,7 +453,7 @@ def test_quantities():
         ("{not json", "is not JSON"),
         ("[1, 2]", "no rows"),
         ('{"ranks": 2, "rows": []}', "no rows of ring"),
-        ('{"ranks": 0, "rows": []}', "'ranks' must be a positive integer"),
+        ('{"ranks": 0, "rows": []}', "'ranks' must be an integer from 1 to 2**31"),
         ('{"ranks": 2, "rows": [{"algorithm": "ring"}]}', "row 0 lacks"),
         ('{"ranks": 2, "rows": [{"algorithm": "ring", "size_bytes": 8, "time_us": -1}]}',
          "row 0 has time_us -1"),

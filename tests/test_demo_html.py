@@ -138,7 +138,9 @@ class Browser:
             self.buffer += chunk
         raise TimeoutError(method)
 
-    def open(self, url: str, width: int = 1024, height: int = 768) -> None:
+    def open(self, url: str, width: int = 1024, height: int = 768,
+             ready: str = "document.readyState === 'complete' && document.body.dataset.step",
+             ) -> None:  # fmt: skip
         if self.session is None:  # one tab: a second one would run in the background, throttled
             target = self.call("Target.createTarget", session=False, url="about:blank")
             self.session = self.call("Target.attachToTarget", session=False, flatten=True,
@@ -146,7 +148,7 @@ class Browser:
         self.call("Emulation.setDeviceMetricsOverride", width=width, height=height,
                   deviceScaleFactor=1, mobile=False)  # fmt: skip
         self.call("Page.navigate", url=url)
-        self.wait_for("document.readyState === 'complete' && document.body.dataset.step")
+        self.wait_for(ready)
 
     def value(self, expression: str):
         return self.call("Runtime.evaluate", expression=expression,

@@ -119,7 +119,8 @@ def test_writing_a_new_file_never_gives_any_other_name_in_its_directory(tmp_path
         ("d.csv", ["--data", "d.csv", "--log", "d.csv"], "--log d.csv is the same file as --data"),
         (None, ["--save", "x.npz", "--log", "x.npz"], "--log x.npz is the same file as --save"),
         ("i.npz", ["--init", "i.npz", "--timeline", "./i.npz"], "same file as --init i.npz"),
-        (None, ["--timeline", "t", "--timeline-png", "t"], "--timeline-png t is the same file as"),
+        (None, ["--timeline", "t.png", "--timeline-png", "t.png"],
+         "--timeline-png t.png is the same file as"),
     ],
 )  # fmt: skip
 def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, capsys, monkeypatch,

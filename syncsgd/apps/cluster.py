@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from syncsgd.apps import cluster_launch, cluster_net
 from syncsgd.util.argtypes import positive_float, positive_int
+from syncsgd.util.options import reads
 from syncsgd.util.signals import handling
 
 GRACE = 5.0  # seconds between asking the launcher to stop and killing it
@@ -34,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", type=link_rate, default="1gbit",
                         help="each node's link rate, both ways, e.g. 100mbit, 10gbit, or "
                         "'none' for unshaped veths (1gbit)")  # fmt: skip
-    parser.add_argument("--mpiexec", metavar="PATH",
-                        help="the launcher: MPICH's hydra or Open MPI's mpirun (default: the "
-                        "mpiexec next to this Python, else the first on PATH)")  # fmt: skip
+    reads(parser.add_argument("--mpiexec", metavar="PATH",
+                              help="the launcher: MPICH's hydra or Open MPI's mpirun (default: "
+                              "the mpiexec next to this Python, else the first on PATH)"))
     parser.add_argument("--timeout", type=positive_float, metavar="SECONDS",
                         help="end the job after this long: exit status 124 (default none)")
     parser.add_argument("--cleanup", action="store_true",

@@ -61,7 +61,7 @@ from syncsgd.util.argtypes import (
 )
 from syncsgd.util.figures import figure_path
 from syncsgd.util.files import check_writable
-from syncsgd.util.options import JSON, RANK_COUNTS
+from syncsgd.util.options import JSON, RANK_COUNTS, reads, writes
 
 if TYPE_CHECKING:
     from syncsgd.nn.network import Network
@@ -409,8 +409,8 @@ def load_sweep(path: str, algorithms: Iterable[str] = ("ring",)) -> tuple[int, l
     if not isinstance(document, dict) or not isinstance(document.get("rows"), list):
         raise ValueError(f"{path} is not the output of `syncsgd bench allreduce --json` (no rows)")
     ranks = document.get("ranks")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"{path}: 'ranks' must be a positive integer, got {ranks!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 2**31:
+        raise ValueError(f"{path}: 'ranks' must be an integer from 1 to 2**31, got {ranks!r}")
     wanted = tuple(algorithms)
     samples = [
         _row_sample(path, number, row)
@@ -477,6 +477,14 @@ def parse_quantity(text: str) -> float:
     return value
 
 
+def positive_quantity(text: str) -> float:
+    """A number > 0 as `parse_quantity` reads it (a rate that divides)."""
+    value = parse_quantity(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
 def size_list(text: str) -> list[int]:
     """Comma-separated byte sizes such as 8,1K,1M,64M."""
     from syncsgd.apps.bench.allreduce import parse_bytes
@@ -533,12 +541,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"seconds per byte reduced (default {DEFAULT_GAMMA:g}: summing at 10 GB/s)",
     )
-    parser.add_argument(
+    reads(parser.add_argument(
         "--fit",
         metavar="BENCH_JSON",
         help="fit alpha, beta, gamma to a `syncsgd bench allreduce --json` sweep; "
         "the ones given on the command line are held fixed",
-    )
+    ))  # fmt: skip
     parser.add_argument(
         "--fit-algorithms",
         type=algorithm_list,
@@ -574,16 +582,17 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--model: the outputs of its last dense layer (default 10)")
     parser.add_argument("--shard", type=positive_int, default=64,
                         help="--overlap, --model: samples per rank (default 64)")  # fmt: skip
-    parser.add_argument("--flops", type=parse_quantity, default=DEFAULT_FLOPS,
+    parser.add_argument("--flops", type=positive_quantity, default=DEFAULT_FLOPS,
                         help="--overlap, --model: multiply-adds per second of one rank's "
                         f"kernels (default {DEFAULT_FLOPS:g})")  # fmt: skip
     parser.add_argument("--itemsize", type=positive_int, default=8,
                         help="--overlap, --model: bytes per parameter (8: float64, 4: float32)")
     JSON.add(parser, help="write the predictions as JSON")
-    parser.add_argument("--png", metavar="PATH", type=figure_path,
-                        help="draw time against size per algorithm (log-log), the fastest "
-                        "shaded and where it changes marked; with --fit, the measurements and "
-                        "their residuals: a slide, .png, .svg or .pdf")  # fmt: skip
+    writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
+                               help="draw time against size per algorithm (log-log), the "
+                               "fastest shaded and where it changes marked; with --fit, the "
+                               "measurements and their residuals: a slide, .png, .svg or "
+                               ".pdf"))  # fmt: skip
 
 
 Extra = Callable[[argparse.Namespace, Params, dict[str, Any]], list[str]]

@@ -43,6 +43,7 @@ from syncsgd.apps.costmodel import (
 from syncsgd.util.argtypes import positive_int
 from syncsgd.util.figures import SLIDE_DPI, figure_path, new_figure, save
 from syncsgd.util.files import check_writable
+from syncsgd.util.options import writes
 
 PARTS = (
     ("broadcast", "ring"), ("broadcast", "binomial"), ("reduce", "ring"), ("reduce", "binomial"),
@@ -158,9 +159,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collectives", action="store_true",
                         help="also give broadcast, reduce, allgather, reduce-scatter and alltoall "
                         "on their own: formulas and times")  # fmt: skip
-    parser.add_argument("--scaling", metavar="PATH", type=figure_path,
-                        help="draw the allreduces' time against P at --scaling-size and against "
-                        "the size at --scaling-ranks, for a 1920x1080 slide (.png, .svg, .pdf)")
+    writes(parser.add_argument("--scaling", metavar="PATH", type=figure_path,
+                               help="draw the allreduces' time against P at --scaling-size and "
+                               "against the size at --scaling-ranks, for a 1920x1080 slide "
+                               "(.png, .svg, .pdf)"))  # fmt: skip
     parser.add_argument("--scaling-size", type=parse_quantity, default=float(64 << 20),
                         help="--scaling: bytes for time against P (default 64M)")  # fmt: skip
     parser.add_argument("--scaling-ranks", type=positive_int, default=64,

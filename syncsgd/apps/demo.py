@@ -22,6 +22,7 @@ from syncsgd.apps.demo_core import (  # noqa: F401  (the names tests and users r
     Demo,
     Snapshot,
     render_text,
+    resolve_allreduce,
     run_demo,
     schedule_rounds,
 )
@@ -30,7 +31,7 @@ from syncsgd.apps.demo_png import draw_png, write_frames
 from syncsgd.comm.world import launched_by_mpi
 from syncsgd.util.argtypes import nonnegative_int
 from syncsgd.util.figures import figure_path
-from syncsgd.util.options import RANKS
+from syncsgd.util.options import RANKS, writes, writes_into
 
 # -- the command line -----------------------------------------------------------------------------
 
@@ -46,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--algorithm",
+        type=shown_algorithm,
         default="ring",
         help="the allreduce to show (default ring; others from syncsgd.collectives)",
     )
@@ -56,14 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "recursive-doubling (allgather), recursive-halving (reduce-scatter)")
     parser.add_argument("--root", type=nonnegative_int, default=0,
                         help="broadcast and reduce: the root rank (default 0)")
-    parser.add_argument("--png", metavar="PATH", type=figure_path,
-                        help="also draw every round on one slide: .png, .svg or .pdf")
-    parser.add_argument("--frames", metavar="DIR",
-                        help="also write one 1920x1080 PNG slide per round into DIR")  # fmt: skip
-    parser.add_argument("--html", metavar="PATH",
-                        help="also write a self-contained HTML page that steps through the "
-                        "rounds (arrow keys, PageUp/PageDown, space, buttons, auto-play, or "
-                        "PATH#step=k)")  # fmt: skip
+    writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
+                               help="also draw every round on one slide: .png, .svg or .pdf"))
+    writes_into(parser.add_argument("--frames", metavar="DIR",
+                                    help="also write one 1920x1080 PNG slide per round into DIR"))
+    writes(parser.add_argument("--html", metavar="PATH",
+                               help="also write a self-contained HTML page that steps through "
+                               "the rounds (arrow keys, PageUp/PageDown, space, buttons, "
+                               "auto-play, or PATH#step=k)"))  # fmt: skip
     parser.add_argument(
         "--color",
         choices=("auto", "always", "never"),
@@ -71,6 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="highlight in colour: auto = on a terminal, not under mpiexec, unless NO_COLOR is "
         "set (default auto)",
     )
+
+
+def shown_algorithm(text: str) -> str:
+    """--algorithm: an allreduce with steps to show (a wrong one is a usage error, status 2)."""
+    try:
+        resolve_allreduce(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def use_color(choice: str, stream: Any = None) -> bool:

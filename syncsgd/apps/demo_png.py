@@ -170,19 +170,26 @@ def draw_buffer(canvas: Canvas, demo: Demo, x: float, y: float, cell: tuple[floa
         canvas.cell(x + i * width, y, width - gap, height, count_colour(count, demo.ranks))
     if numbers is not None and len(values):
         shown = values.tolist() if numbers == "value" else counts.tolist()
-        chars = max(len(str(v)) for v in shown) + 1
-        largest = max(TEXT, min(TEXT + 4, 0.75 * height))
-        per_cell = max(chars, min(math.ceil(width / (MONO_EM * largest)),
-                                  math.floor(width / (MONO_EM * TEXT))))  # fmt: skip
-        size = width / (per_cell * MONO_EM)  # >= 14 points: numbers_for saw to that
-        line = "".join(f"{v:^{per_cell}}" for v in shown)
-        room = (x, y, x + width * len(values) + size, y + height)  # + a trailing space's bearing
-        canvas.text(x, y + height / 2, line, size, room, ha="left", va="center",
-                    family=MONO)  # fmt: skip
+        number_row(canvas, x, y, cell, shown)
     if snapshot is not None:
         lo, hi = snapshot.event.recv_range
         if hi > lo and snapshot.recv_from >= 0:
             canvas.outline(x + lo * width, y, (hi - lo) * width - gap, height, not snapshot.added)
+
+
+def number_row(canvas: Canvas, x: float, y: float, cell: tuple[float, float],
+               shown: Sequence[int]) -> None:  # fmt: skip
+    """Numbers centred in a row of cells, as one text in a font whose every character is as wide."""
+    # One text, not one per cell: a slide with hundreds of texts takes seconds to draw.
+    width, height = cell
+    chars = max(len(str(v)) for v in shown) + 1
+    largest = max(TEXT, min(TEXT + 4, 0.75 * height))
+    per_cell = max(chars, min(math.ceil(width / (MONO_EM * largest)),
+                              math.floor(width / (MONO_EM * TEXT))))  # fmt: skip
+    size = width / (per_cell * MONO_EM)  # >= 14 points where the caller checked the room
+    line = "".join(f"{v:^{per_cell}}" for v in shown)
+    room = (x, y, x + width * len(shown) + size, y + height)  # + a trailing space's bearing
+    canvas.text(x, y + height / 2, line, size, room, ha="left", va="center", family=MONO)
 
 
 def draw_legend(canvas: Canvas, demo: Demo, numbers: str | None) -> None:
@@ -194,10 +201,8 @@ def draw_legend(canvas: Canvas, demo: Demo, numbers: str | None) -> None:
     swatch = min(30.0, (WIDTH - x - 8) / max(demo.ranks, 1))
     for count in range(1, demo.ranks + 1):
         canvas.cell(x + (count - 1) * swatch, y, swatch - 1, LINE, count_colour(count, demo.ranks))
-        if swatch >= (len(str(count)) + 0.4) * MONO_EM * TEXT:
-            canvas.text(x + (count - 0.5) * swatch, y + LINE / 2, str(count), TEXT,
-                        (x + (count - 1) * swatch, y, x + count * swatch, y + LINE),
-                        ha="center", va="center", family=MONO)  # fmt: skip
+    if swatch >= (len(str(demo.ranks)) + 1) * MONO_EM * TEXT:
+        number_row(canvas, x, y, (swatch, LINE), list(range(1, demo.ranks + 1)))
     meaning = {
         "value": "number: the sum (rank r starts with 10**r: digit r is 1 if rank r is in it)",
         "count": "number: how many ranks the element holds the sum of",
@@ -451,7 +456,8 @@ def draw_png(demo: Demo, path: str) -> None:
 
 def write_frames(demo: Demo, directory: str) -> list[str]:
     """One PNG slide per round (and the start) in `directory`: step-000.png, step-001.png, ..."""
-    os.makedirs(directory, exist_ok=True)
+    if not os.path.isdir(directory):
+        os.mkdir(directory)  # its parent must exist, as a file's must: no tree of directories
     paths = [os.path.join(directory, f"step-{row:03d}.png") for row in range(len(demo.steps) + 1)]
     workers = min(len(os.sched_getaffinity(0)), len(paths))
     if workers > 1 and not _under_mpi():  # the slides are independent: one process per core

@@ -57,7 +57,7 @@ from syncsgd.util.argtypes import (
 )
 from syncsgd.util.figures import figure_path
 from syncsgd.util.files import check_writable
-from syncsgd.util.options import JSON, RANKS
+from syncsgd.util.options import JSON, RANKS, reads, writes
 
 STOPS_PAYING = 0.10  # adding ranks stops paying when a doubling gains less than 10%
 QUICK: dict[str, Any] = {
@@ -659,8 +659,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_time_model_arguments(parser.add_argument_group("the time model (a prediction)"))
     out = parser.add_argument_group("output")
     JSON.add(out, help="write rows, trials, knee and time model")
-    out.add_argument("--png", metavar="PATH", type=figure_path,
-                     help="log-log plot of steps against batch size (.png, .svg or .pdf)")
+    writes(out.add_argument("--png", metavar="PATH", type=figure_path,
+                            help="log-log plot of steps against batch size (.png, .svg or "
+                            ".pdf)"))  # fmt: skip
 
 
 def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:
@@ -698,7 +699,7 @@ def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:
 
 def add_workload_arguments(work: argparse._ArgumentGroup) -> None:
     """The model and data, as `syncsgd train` takes them."""
-    work.add_argument("--data", metavar="NAME|PATH", help=f"({preset_help('data')})")
+    reads(work.add_argument("--data", metavar="NAME|PATH", help=f"({preset_help('data')})"))
     work.add_argument("--context", type=positive_int, default=32, metavar="T",
                       help="token data: the characters T of each sample's window (default 32)")
     work.add_argument("--samples", type=positive_int, help=f"({preset_help('samples')})")
@@ -732,11 +733,11 @@ def add_time_model_arguments(model: argparse._ArgumentGroup) -> None:
         default="ring",
         help="the cost model's allreduce algorithm (default ring)",
     )
-    model.add_argument(
+    reads(model.add_argument(
         "--fit",
         metavar="BENCH_JSON",
         help="fit alpha, beta, gamma to a `syncsgd bench allreduce --json` sweep",
-    )
+    ))  # fmt: skip
     for name, default in (("alpha", "2e-6 s"), ("beta", "1/12.5e9 s/B"), ("gamma", "1e-10 s/B")):
         model.add_argument(f"--{name}", type=costmodel.parse_quantity, help=f"(default {default})")
     model.add_argument(

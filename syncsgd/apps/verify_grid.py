@@ -25,6 +25,7 @@ from syncsgd.collectives import ALGORITHMS
 from syncsgd.nn.optim import OPTIMIZERS
 from syncsgd.training.config import PRECISIONS, TrainConfig
 from syncsgd.util.argtypes import comma_list, positive_int
+from syncsgd.util.options import writes
 
 MODES = ("float", "exact")
 # The grid's lists: (flag, the TrainConfig field each entry sets, its choices or None, metavar)
@@ -64,13 +65,14 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
         single = "--exact" if field == "exact" else f"--{field}"
         grid.add_argument(f"--{flag}", type=kind, default=None, metavar=example.upper(),
                           help=f"comma list, e.g. {example} (default: {single}'s)")  # fmt: skip
-    grid.add_argument("--report", metavar="PATH.html", default=None,
-                      help="a self-contained page: the heatmap, where each run first left "
-                      "serial SGD, the command, the versions and the machine "
-                      "(default: none)")  # fmt: skip
+    writes(grid.add_argument("--report", metavar="PATH.html", default=None,
+                             help="a self-contained page: the heatmap, where each run first "
+                             "left serial SGD, the command, the versions and the machine "
+                             "(default: none)"))  # fmt: skip
     for kind in FIGURES:
-        grid.add_argument(f"--{kind}", metavar=f"PATH.{kind}", default=None,
-                          help=f"the heatmap alone, as {kind.upper()} (default: none)")  # fmt: skip
+        writes(grid.add_argument(f"--{kind}", metavar=f"PATH.{kind}", default=None,
+                                 help=f"the heatmap alone, as {kind.upper()} (default: "
+                                 "none)"))  # fmt: skip
 
 
 def wants_grid(options: argparse.Namespace) -> bool:
@@ -177,11 +179,7 @@ def command_line(options: argparse.Namespace) -> str:
 
 def check_outputs(options: argparse.Namespace) -> None:
     """Every output writable and distinct, before any run (ValueError otherwise)."""
-    from syncsgd.util.files import check_distinct, check_writable
+    from syncsgd.util.files import check_paths
 
-    outputs = {f"--{name}": getattr(options, name, None)
-               for name in ("json", "report", *FIGURES)}  # fmt: skip
-    check_distinct({}, outputs)
-    for path in outputs.values():
-        if path:
-            check_writable(path)
+    check_paths(writes={f"--{name}": getattr(options, name, None)
+                        for name in ("json", "report", *FIGURES)})  # fmt: skip

@@ -163,7 +163,11 @@ def execute(
 ) -> np.ndarray:
     """Sum `buf` over all ranks of `comm` in place by `algorithm`'s schedule and return it (or
     run another collective's schedule on it: `Collective`)."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        rank, size = comm.Get_rank(), comm.Get_size()
+    except AttributeError:
+        raise TypeError(f"{function_name(algorithm)}: comm must be a communicator (mpi4py's, "
+                        f"or a ThreadComm of run_threads), not {comm!r}") from None  # fmt: skip
     if type(buf) is np.ndarray and buf.flags.carray and buf.dtype in DTYPE_CODE:
         defect, flat = None, buf.ravel()  # the usual case, checked quickly; ravel: a flat view
     else:

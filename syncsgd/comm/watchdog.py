@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -208,6 +208,16 @@ class Watched:
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
         with watching(f"{self.what} (Allreduce)"):  # op None: the communicator's default, SUM
             self.unwatched.Allreduce(sendbuf, recvbuf, *(() if op is None else (op,)))
+
+
+def within_timeout(fn: Callable[..., Any], seconds: float | None) -> Callable[..., Any]:
+    """`fn(comm, ...)` run within `collective_timeout(comm, seconds)` (for launch, run_threads)."""
+
+    def timed(comm: Any, *args: Any, **kwargs: Any) -> Any:
+        with collective_timeout(comm, seconds):
+            return fn(comm, *args, **kwargs)
+
+    return timed
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from syncsgd.util.files import atomic_file, check_regular_file
+from syncsgd.util.files import atomic_file, check_regular_file, create_new
 
 _NAME = re.compile(r"ckpt-(\d{8,})\.npz$")
 FORMAT = "syncsgd-checkpoint-1"
@@ -92,12 +92,40 @@ def load_latest(directory: str, fingerprint: str, n_params: int, dtype: np.dtype
                 n_running: int = 0) -> Checkpoint:  # fmt: skip
     """The newest checkpoint in `directory` that belongs to this run (others' are passed over)."""
     paths = candidates(directory)
-    for path in paths:
+    for index, path in enumerate(paths):
         try:
             return load(path, fingerprint, n_params, dtype, n_running)
         except OtherRunError:
             continue
+        except ValueError as exc:  # a broken newest one: never resume silently from an older
+            older = _newest_valid(paths[index + 1 :], fingerprint, n_params, dtype, n_running)
+            hint = (f"; the newest valid checkpoint of this run is {older}: move {path} away "
+                    f"to resume from it" if older else "; no older checkpoint of this run is "
+                    "valid")  # fmt: skip
+            raise ValueError(f"{exc}{hint}") from None
     return load(paths[0], fingerprint, n_params, dtype, n_running)  # none is ours: say why
+
+
+def check_scaler(path: str, scaler: dict[str, np.ndarray]) -> None:
+    """The loss scaler's state must be numbers: a scale >= 0 and a count of good steps."""
+    for name, kinds in (("scale", "fiu"), ("good_steps", "iu")):
+        value = scaler.get(name)
+        if value is not None and (value.shape != () or value.dtype.kind not in kinds
+                                  or not np.isfinite(value) or value < 0):  # fmt: skip
+            raise ValueError(f"checkpoint {path} is not a syncsgd checkpoint: its loss scaler's "
+                             f"{name} is {value!r}")  # fmt: skip
+
+
+def _newest_valid(paths: list[str], fingerprint: str, n_params: int, dtype: np.dtype,
+                  n_running: int) -> str | None:  # fmt: skip
+    """The first of `paths` that loads as a checkpoint of this run, or None."""
+    for path in paths:
+        try:
+            load(path, fingerprint, n_params, dtype, n_running)
+        except ValueError:
+            continue
+        return path
+    return None
 
 
 class OtherRunError(ValueError):
@@ -118,12 +146,10 @@ def locked(directory: str, fingerprint: str) -> Iterator[None]:
     me = f"{socket.gethostname()} {os.getpid()} {fingerprint}\n"
     for _ in range(2):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            create_new(path, me)  # whole or not at all: a full disk leaves no empty lock
         except FileExistsError:
             _take_over_if_stale(path, directory)
             continue
-        with os.fdopen(fd, "w") as handle:
-            handle.write(me)
         break
     else:
         raise ValueError(f"cannot take {path}")
@@ -140,10 +166,19 @@ def locked(directory: str, fingerprint: str) -> Iterator[None]:
 def _take_over_if_stale(path: str, directory: str) -> None:
     """Remove the lock at `path` if its owner is a dead process of this host; else refuse."""
     try:
-        with open(path) as handle:
-            host, pid, *_ = handle.read().split() + ["", ""]
+        with open(path, encoding="utf-8") as handle:
+            owner = handle.read()
     except FileNotFoundError:  # released meanwhile
         return
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not text"
+        raise ValueError(f"checkpoint directory {directory} has a lock file {path} that cannot "
+                         f"be read ({reason}); remove it if no run uses the directory") from None
+    host, pid, *_ = owner.split() + ["", ""]
+    if not pid.isdigit():
+        what = "an empty" if not owner.strip() else "a malformed"
+        raise ValueError(f"checkpoint directory {directory} has {what} lock file {path} (not "
+                         f"written by a syncsgd run); remove it if no run uses the directory")
     if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -195,6 +230,7 @@ def load(path: str, fingerprint: str, n_params: int, dtype: np.dtype,
     optimizer = {k.removeprefix("optimizer."): v for k, v in arrays.items()
                  if k.startswith("optimizer.")}  # fmt: skip
     scaler = {k.removeprefix("scaler."): v for k, v in arrays.items() if k.startswith("scaler.")}
+    check_scaler(path, scaler)
     running = arrays.get("running")
     if n_running and (running is None or running.shape != (n_running,) or running.dtype != dtype):
         raise ValueError(f"checkpoint {path} holds no {n_running} {dtype} BatchNorm running "

@@ -106,11 +106,11 @@ class TrainConfig:
         "MNIST's IDX images, *-idx3-ubyte[.gz], with --labels | numbers-to-words | file.txt "
         "(token data, a character-level language model on UTF-8 text or on generated lines "
         "such as \"307 three zero seven\", for a --model that starts with embed: gpt(...))",
-        group=DATA, metavar="NAME|PATH", check=_data_source,
+        group=DATA, metavar="NAME|PATH", check=_data_source, role="reads",
     )  # fmt: skip
     labels: str | None = option(
         None, "the IDX labels (*-idx1-ubyte[.gz]) of IDX --data images", group=DATA,
-        metavar="PATH", shown="none",
+        metavar="PATH", shown="none", role="reads",
     )  # fmt: skip
     samples: int = option(4096, "synthetic samples (numbers-to-words: windows)", group=DATA,
                           type=positive_int, check=at_least(1))  # fmt: skip
@@ -215,7 +215,7 @@ class TrainConfig:
     )  # fmt: skip
     init: str | None = option(
         None, "start from W0, b0, ... in this .npz", group=DATA, metavar="PATH",
-        shown="the seeded draw", fingerprint=False,
+        shown="the seeded draw", fingerprint=False, role="reads",
     )  # fmt: skip
     bucket_bytes: int | None = option(
         None, "allreduce buckets of about this many bytes; 0: one per layer", group=RANKS,
@@ -244,7 +244,7 @@ class TrainConfig:
     )  # fmt: skip
     checkpoint: str | None = option(
         None, "write checkpoints to DIR", group=REPRODUCIBILITY, metavar="DIR", shown="none",
-        fingerprint=False, verify=False,
+        fingerprint=False, verify=False, role="checkpoints",
     )  # fmt: skip
     checkpoint_every: int | None = option(
         None, "a checkpoint every K steps", group=REPRODUCIBILITY, type=positive_int,
@@ -253,7 +253,7 @@ class TrainConfig:
     )  # fmt: skip
     resume: str | None = option(
         None, "resume from DIR's latest checkpoint", group=REPRODUCIBILITY, metavar="DIR",
-        shown="none", fingerprint=False, verify=False,
+        shown="none", fingerprint=False, verify=False, role="reads",
     )  # fmt: skip
     skip_nonfinite: bool = option(
         False, "skip a step whose loss or gradient is not finite instead of stopping",

@@ -224,6 +224,38 @@ def n_outputs(y: np.ndarray, loss: str, X: np.ndarray | None = None) -> int:
     return int(y.shape[1])
 
 
+FEW_CLASSES = 10  # this many classes are plausible labels for a data set of any size
+
+
+def check_class_labels(y: np.ndarray, source: str) -> None:
+    """Refuse integer targets that cannot be the labels 0..K-1 of a sensible classifier.
+
+    Three rules, in this order (--classes K, given, accepts the labels 0..K-1 as they are):
+    more than FEW_CLASSES classes and more than a tenth of the samples (regression targets);
+    labels 1..K (one-based); labels that skip a value of 0..K-1. The rules are in the README.
+    """
+    if y.ndim != 1 or y.size == 0:
+        return
+    present = np.unique(y)
+    classes, lowest = int(present[-1]) + 1, int(present[0])
+    if classes > FEW_CLASSES and classes * 10 > y.size:
+        raise ValueError(
+            f"{source}: integer targets {lowest}..{classes - 1} make {classes} classes for "
+            f"{y.size} samples (more than a tenth of them): for regression targets pass --loss "
+            f"mse; to train a classifier anyway pass --classes {classes}"
+        )
+    if lowest == 1 and len(present) == classes - 1:
+        raise ValueError(f"{source}: labels start at 1 (1..{classes - 1}): subtract 1 or pass "
+                         f"--classes {classes}")  # fmt: skip
+    if len(present) < classes:
+        missing = np.setdiff1d(np.arange(classes), present)
+        shown = ",".join(map(str, missing[:5])) + (",..." if len(missing) > 5 else "")
+        raise ValueError(
+            f"{source}: labels are not 0..{classes - 1}: {len(missing)} of those never occur "
+            f"({shown}); relabel them 0..K-1, or pass --classes {classes} to keep unused classes"
+        )
+
+
 def steps_per_epoch(n_samples: int, batch_size: int) -> int:
     """Number of full global batches in one epoch, N // B (the tail is dropped)."""
     n = _check_positive_int("number of samples", n_samples)

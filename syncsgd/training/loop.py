@@ -79,6 +79,8 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
     # One BLAS thread per rank, as torchrun does: ranks share the cores (see docs/measurements.md).
     limit_blas_threads(1)
     master_process = comm.Get_rank() == 0
+    if master_process and not quiet:  # before the first step: what the run was given
+        print(run.read, flush=True)
     if master_process and not quiet:  # armed before the first step's collectives reach any rank
         first_load.arm(sys.stderr)
     check_agreement(comm, run)

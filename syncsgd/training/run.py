@@ -20,7 +20,7 @@ from syncsgd.training.checkpoint import Checkpoint
 from syncsgd.training.config import TrainConfig, _require, fingerprint
 from syncsgd.training.data import check_npz, is_data_file
 from syncsgd.training.variants import variant
-from syncsgd.util.files import check_distinct, check_writable
+from syncsgd.util.files import check_paths
 from syncsgd.util.machine import check_memory
 
 
@@ -85,6 +85,7 @@ class Run:
     init_running: np.ndarray | None = None  # BatchNorm's running statistics from --init
     X_eval: np.ndarray | None = None  # the held-out samples (--holdout)
     y_eval: np.ndarray | None = None
+    read: str = ""  # what was read: samples, features or input shape, classes or outputs, loss
 
 
 def prepare(config: TrainConfig, ranks: int = 1) -> Run:
@@ -97,6 +98,9 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
         classes=config.classes, loss=config.loss, seed=config.seed, dtype=config.dtype,
         context=config.context,
     )  # fmt: skip
+    if config.loss == "xent" and config.classes is None:
+        data.check_class_labels(y, config.data)
+    read = describe_data(config, X, y, sample_shape)
     X, y, X_eval, y_eval = split_holdout(X, y, config.holdout, config.seed)
     n_samples = X.shape[0]
     per_epoch = data.steps_per_epoch(n_samples, config.batch_size)
@@ -121,7 +125,7 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     )  # fmt: skip
     run = Run(config, model, X, y, steps, optim,
               fingerprint(config, X, y, steps, sample_shape),
-              X_eval=X_eval, y_eval=y_eval)  # fmt: skip
+              X_eval=X_eval, y_eval=y_eval, read=f"{read}, {model_outputs(outputs, config)}")
     if config.init is not None:
         arrays = load_npz(config.init)
         run.init, run.init_running = model.from_arrays(arrays), model.running_from_arrays(arrays)
@@ -133,6 +137,23 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
             f"--resume {config.resume} is at step {run.start.step}, beyond --steps {steps}",
         )
     return run
+
+
+def describe_data(config: TrainConfig, X: np.ndarray, y: np.ndarray,
+                  sample_shape: tuple[int, ...] | None) -> str:  # fmt: skip
+    """'data digits: 1797 samples of 64 features' (or 'of shape 1x28x28'), with the held out."""
+    of = ("of shape " + "x".join(map(str, sample_shape)) if sample_shape
+          else f"of {X.shape[1]} feature{'s' * (X.shape[1] != 1)}")  # fmt: skip
+    held = round(len(X) * config.holdout)
+    kept = f" ({held} held out)" if held else ""
+    return f"data {config.data}: {len(X)} samples{kept} {of}"
+
+
+def model_outputs(outputs: int, config: TrainConfig) -> str:
+    """'10 classes, loss xent' or '1 output, loss mse'."""
+    noun = "class" if config.loss == "xent" else "output"
+    plural = ("es" if noun == "class" else "s") * (outputs != 1)
+    return f"{outputs} {noun}{plural}, loss {config.loss}"
 
 
 def make_model(
@@ -192,12 +213,11 @@ def model_bytes(sizes: tuple[int, ...], batch_size: int, itemsize: int, ranks: i
 
 def check_outputs(config: TrainConfig, **outputs: str | None) -> None:
     """Before any work: each output (save=..., log=...) can be written, and none is an input."""
-    for path in outputs.values():
-        if path is not None:
-            check_writable(path)
     data = config.data if is_data_file(config.data) or config.data.endswith(".txt") else None
-    flags = {"--" + name.replace("_", "-"): path for name, path in outputs.items()}
-    check_distinct({"--data": data, "--labels": config.labels, "--init": config.init}, flags)
+    reads = {"--data": data, "--labels": config.labels, "--init": config.init,
+             "--resume": config.resume}  # fmt: skip
+    writes = {"--" + name.replace("_", "-"): path for name, path in outputs.items()}
+    check_paths(reads, writes, checkpoints={"--checkpoint": config.checkpoint})
 
 
 def split_holdout(X: np.ndarray, y: np.ndarray, fraction: float, seed: int):

@@ -164,14 +164,19 @@ def _fills(figure: Any, renderer: Any) -> tuple[Any, Any, Any]:
                 orders.append(artist.get_zorder())
                 colours.append(_over_white(face))
             continue
-        faces = artist.get_facecolors()
-        if len(faces) == 0:
+        faces, paths = artist.get_facecolors(), artist.get_paths()
+        if len(faces) == 0 or not paths:
             continue
-        transform = artist.get_transform()
-        for index, path in enumerate(artist.get_paths()):
+        # every path's corners at once: a collection can hold thousands of cells
+        lengths = [len(path.vertices) for path in paths]
+        corners = artist.get_transform().transform(np.concatenate([p.vertices for p in paths]))
+        starts = np.cumsum([0, *lengths[:-1]])
+        extents = np.column_stack([np.minimum.reduceat(corners, starts),
+                                   np.maximum.reduceat(corners, starts)])  # fmt: skip
+        for index, extent in enumerate(extents):
             colour = faces[index % len(faces)]
             if colour[3] > 0:
-                boxes.append(path.get_extents(transform).extents)
+                boxes.append(extent)
                 orders.append(artist.get_zorder())
                 colours.append(_over_white(colour))
     return (np.array(boxes).reshape(-1, 4), np.array(orders, dtype=float),

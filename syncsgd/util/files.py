@@ -8,7 +8,7 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
 _MODE = 0o666  # the umask takes its bits away, as for any file a program creates with open()
@@ -46,19 +46,88 @@ def check_writable(path: str | os.PathLike[str]) -> None:
         raise ValueError(f"cannot write {shown}: {exc.strerror} ({directory})") from None
 
 
-def check_distinct(inputs: dict[str, str | None], outputs: dict[str, str | None]) -> None:
-    """Refuse an output that is one of the inputs or another output (by what the path names)."""
-    seen: dict[str, str] = {}
-    for role, path in inputs.items():
-        if path:
-            seen.setdefault(os.path.realpath(path), f"{role} {path}")
-    for role, path in outputs.items():
-        if path:
-            key = os.path.realpath(path)
-            if key in seen:
-                raise ValueError(f"{role} {path} is the same file as {seen[key]}: refusing to "
-                                 f"overwrite it")  # fmt: skip
-            seen[key] = f"{role} {path}"
+def check_paths(
+    reads: Mapping[str, str | None] = {},  # noqa: B006 (read only)
+    writes: Mapping[str, str | None] = {},  # noqa: B006
+    writes_into: Mapping[str, str | None] = {},  # noqa: B006
+    checkpoints: Mapping[str, str | None] = {},  # noqa: B006
+) -> None:
+    """Before any work: every output can be written, and none lands on an input, on another
+    output, or inside a directory that another option writes into or checkpoints into.
+
+    Each mapping goes from an option's flag to its path (None: not given). `writes`: files
+    replaced atomically; `writes_into`: directories whose files are written (their parent must
+    exist, as a file's must); `checkpoints`: directories read and written, with their lock.
+    Paths are compared after resolving symlinks and `..`, and by inode where both exist.
+    """
+    given = [
+        (role, flag, os.fspath(path))
+        for role, paths in (("reads", reads), ("writes", writes), ("writes_into", writes_into),
+                            ("checkpoints", checkpoints))
+        for flag, path in paths.items()
+        if path is not None and os.fspath(path) != ""
+    ]  # fmt: skip
+    seen: list[tuple[str, str, str]] = []
+    for role, flag, path in given:
+        for other_role, other_flag, other in seen:
+            if role != "reads" or other_role != "reads":
+                _check_apart((other_role, other_flag, other), (role, flag, path))
+        seen.append((role, flag, path))
+    for role, _, path in given:
+        if role == "writes":
+            check_writable(path)
+        elif role == "writes_into":
+            check_directory_writable(path)
+
+
+def _check_apart(first: tuple[str, str, str], second: tuple[str, str, str]) -> None:
+    """Refuse two declared paths of which one would write over, or into, the other."""
+    if {first[0], second[0]} == {"reads", "checkpoints"}:
+        return  # reading a checkpoint (--resume) is what a checkpoint directory is for
+    for (role, flag, path), (other_role, other_flag, other) in ((first, second), (second, first)):
+        if _same(path, other):
+            raise ValueError(f"{other_flag} {other} is the same file as {flag} {path}: "
+                                 f"refusing to overwrite it")  # fmt: skip
+        if role in ("writes", "writes_into", "checkpoints") and other_role in (
+            "writes_into", "checkpoints"
+        ) and _inside(path, other):
+            what = "checkpoint directory" if other_role == "checkpoints" else "directory"
+            raise ValueError(f"{flag} {path} lies inside the {what} of {other_flag} {other}: "
+                             f"write it elsewhere")  # fmt: skip
+
+
+def _same(first: str, second: str) -> bool:
+    """Whether two paths name the same file: the same resolved path, or the same inode."""
+    if os.path.realpath(first) == os.path.realpath(second):
+        return True
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one does not exist (yet): the resolved paths decided
+        return False
+
+
+def _inside(path: str, directory: str) -> bool:
+    """Whether `path` resolves to a place strictly below `directory`."""
+    below, above = os.path.realpath(path), os.path.realpath(directory)
+    return below != above and os.path.commonpath([below, above]) == above
+
+
+def check_directory_writable(path: str | os.PathLike[str]) -> None:
+    """A directory whose files will be written: an existing writable one, or a new one whose
+    parent exists and is writable (a missing parent is refused, as for a file)."""
+    shown = os.fspath(path)
+    if shown == "":
+        raise ValueError("cannot write into '': not a directory name")
+    real = os.path.realpath(shown)
+    if os.path.exists(real) and not os.path.isdir(real):
+        raise ValueError(f"cannot write into {shown}: it is not a directory")
+    directory = real if os.path.isdir(real) else os.path.dirname(real)
+    if not os.path.isdir(directory):
+        raise ValueError(f"cannot write into {shown}: directory {directory} does not exist")
+    try:
+        _probe(directory)
+    except OSError as exc:
+        raise ValueError(f"cannot write into {shown}: {exc.strerror} ({directory})") from None
 
 
 def check_regular_file(path: str, what: str = "file") -> None:
@@ -103,6 +172,17 @@ def _temporary(directory: str, suffix: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def naming(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Within: an OSError that names no file (a full disk while writing) names `path`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, os.fspath(path)) from None
+
+
+@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
     """Yield a temporary path next to `path`; rename it onto `path` only if the block succeeds.
 
@@ -112,7 +192,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
     check_writable(path)
     target = target_of(path)
     directory = os.path.dirname(os.path.abspath(target))
-    with _temporary(directory, os.path.splitext(target)[1]) as tmp:
+    with naming(path), _temporary(directory, os.path.splitext(target)[1]) as tmp:
         yield tmp
         os.replace(tmp, target)
 
@@ -135,7 +215,7 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb", **kwargs: Any) -
         with atomic_path(path) as tmp, open(tmp, mode, **kwargs) as handle:
             yield handle
         return
-    with open(fd, mode, **kwargs) as handle:
+    with naming(path), open(fd, mode, **kwargs) as handle:
         yield handle
         handle.flush()
         _name(fd, directory, target)
@@ -199,3 +279,22 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write `text` to `path` atomically."""
     with atomic_file(path, "w", encoding="utf-8") as handle:
         handle.write(text)
+
+
+def create_new(path: str | os.PathLike[str], text: str) -> None:
+    """Create the file `path` holding `text`, whole or not at all; FileExistsError if it exists.
+
+    The text is written to a hidden file first, then linked to `path` (a link never replaces a
+    file): no process ever sees `path` empty or half-written, even on a full disk.
+    """
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    with naming(target), _temporary(directory, "") as tmp:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, target) from None

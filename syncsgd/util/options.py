@@ -9,7 +9,8 @@ import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
-from syncsgd.util.argtypes import positive_int, rank_list
+from syncsgd.util.argtypes import nonnegative_float, positive_int, rank_list
+from syncsgd.util.files import check_paths
 
 Check = Callable[[str, Any], "str | None"]  # (flag, value) -> what is wrong, or None if fine
 
@@ -27,11 +28,13 @@ class Option:
     fingerprint: bool = True  # whether it determines the trajectory (part of the fingerprint)
     verify: bool = True  # whether `syncsgd verify` takes it too
     check: Check | None = None  # the check of a value given in Python, not on the command line
+    role: str | None = None  # for a path: one of ROLES (what the command does with it)
 
     def add(self, parser: Any, **overrides: Any) -> argparse.Action:
         """Declare this option to a parser or argument group; `overrides` replace its arguments."""
         arguments: dict[str, Any] = {"help": self.help, **self.kwargs, **overrides}
-        return parser.add_argument(self.flag, **arguments)
+        action = parser.add_argument(self.flag, **arguments)
+        return action if self.role is None else path_role(action, self.role)
 
     def error(self, value: Any) -> str | None:
         """Why `value` is not a valid value of this option, or None if it is."""
@@ -51,6 +54,7 @@ def option(
     shown: str | None = None,
     fingerprint: bool = True,
     verify: bool = True,
+    role: str | None = None,
 ) -> Any:
     """A dataclass field that is also a command-line option; `shown`: how help shows the default."""
     assert group in GROUPS, group
@@ -65,7 +69,7 @@ def option(
         check = one_of(choices, listed=list_choices, optional=default is None)
     told = f"default: {shown}" if shown is not None else f"default {show(default)}"
     declared = Option("", f"{help} ({told})", kwargs, group,
-                      fingerprint, verify, check)  # fmt: skip
+                      fingerprint, verify, check, role)  # fmt: skip
     return dataclasses.field(default=default, metadata={"option": declared})
 
 
@@ -193,6 +197,51 @@ def one_of(choices: Sequence[str], *, listed: bool = False, optional: bool = Fal
     return check
 
 
+# -- paths: what each subcommand reads and writes, declared with its option --------------------
+
+# What a command does with the path an option names; `check_paths` checks them all before any
+# work, so every option that names a file or directory declares one of these.
+ROLES = ("reads", "writes", "writes_into", "checkpoints")
+
+
+def path_role(action: argparse.Action, role: str) -> argparse.Action:
+    """Declare that the option of `action` names a path the command uses as `role`."""
+    assert role in ROLES, role
+    action.path_role = role  # type: ignore[attr-defined]
+    return action
+
+
+def reads(action: argparse.Action) -> argparse.Action:
+    """Declare an option that names a file (or directory) the command reads."""
+    return path_role(action, "reads")
+
+
+def writes(action: argparse.Action) -> argparse.Action:
+    """Declare an option that names a file the command writes (atomically, replacing it)."""
+    return path_role(action, "writes")
+
+
+def writes_into(action: argparse.Action) -> argparse.Action:
+    """Declare an option that names a directory the command writes files into."""
+    return path_role(action, "writes_into")
+
+
+def declared_paths(parser: argparse.ArgumentParser,
+                   options: argparse.Namespace) -> dict[str, dict[str, str | None]]:  # fmt: skip
+    """{role: {flag: path}} for every path option `parser` declares, as `options` give them."""
+    found: dict[str, dict[str, str | None]] = {role: {} for role in ROLES}
+    for action in parser._actions:
+        role = getattr(action, "path_role", None)
+        if role is not None:
+            found[role][action.option_strings[0]] = getattr(options, action.dest, None)
+    return found
+
+
+def check_declared_paths(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
+    """Before any work: the paths of every declared option are safe to use (files.check_paths)."""
+    check_paths(**declared_paths(parser, options))
+
+
 # -- options that several subcommands take, declared once ---------------------------------------
 
 RANKS = Option(
@@ -206,5 +255,11 @@ BACKEND = Option(
     "auto: MPI under mpiexec/srun, threads otherwise (default auto)",
     {"choices": ("auto", "threads", "mpi"), "default": "auto"},
 )
-JSON = Option("--json", "write the results as JSON (default: none)", {"metavar": "PATH"})
+JSON = Option("--json", "write the results as JSON (default: none)", {"metavar": "PATH"},
+              role="writes")  # fmt: skip
+TIMEOUT = Option(
+    "--timeout",
+    "end the job when a collective makes no progress for SECONDS; 0: never (default 600)",
+    {"type": nonnegative_float, "default": 600.0, "metavar": "SECONDS"},
+)
 DEBUG = Option("--debug", "show tracebacks of errors (default off)", {"action": "store_true"})

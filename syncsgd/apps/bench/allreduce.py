@@ -38,6 +38,7 @@ import numpy as np
 
 from syncsgd.collectives import ALGORITHMS, Trace, allreducer, ring_allreduce
 from syncsgd.comm.threads import ThreadComm
+from syncsgd.comm.watchdog import watching, within_timeout
 from syncsgd.comm.world import constants, launch, resolve_backend
 from syncsgd.training.timeline import Timeline, draw_gantt_file
 from syncsgd.training.timeline import write as write_timeline
@@ -46,7 +47,7 @@ from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.figures import figure_path
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.machine import check_memory
-from syncsgd.util.options import BACKEND, JSON, RANKS
+from syncsgd.util.options import BACKEND, JSON, RANKS, TIMEOUT, writes
 
 BASELINE = "mpi"  # the role: the communicator's own Allreduce
 THREADS_BASELINE = "numpy-sum"  # what that is on the threads backend
@@ -134,12 +135,13 @@ def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iter
     after another algorithm's pays for bringing this one's buffers back into the caches (at 8 MiB,
     with a few calls per batch, that alone moved the ratio of two identical library calls by 10%).
     """
-    op(buf)
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
+    with watching("a timed batch of allreduces"):  # what --timeout names if the library's hangs
         op(buf)
-    return slowest(comm, (time.perf_counter() - start) / iters)
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            op(buf)
+        return slowest(comm, (time.perf_counter() - start) / iters)
 
 
 def check_agreement(comm: Any, ops: dict[str, Callable], count: int, dtype: np.dtype) -> None:
@@ -388,6 +390,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     RANKS.add(parser, help="thread ranks (threads backend; default 2); under mpiexec, -n decides")
     BACKEND.add(parser)
+    TIMEOUT.add(parser)
     parser.add_argument("--dtype", choices=("float64", "float32", "int64"), default="float64")
     parser.add_argument("--min-bytes", type=parse_bytes, default=8, help="smallest size (8)")
     parser.add_argument(
@@ -410,9 +413,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-iters", type=positive_int, default=2000, help="most calls in one batch (2000)"
     )
     JSON.add(parser, help="write the results as JSON")
-    parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
-    parser.add_argument("--png", metavar="PATH", type=figure_path,
-                        help="plot time and busbw against size (.png, .svg or .pdf)")
+    writes(parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV"))
+    writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
+                               help="plot time and busbw against size (.png, .svg or .pdf)"))
     parser.add_argument(
         "--algorithms",
         type=algorithm_list,
@@ -420,12 +423,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hand-written algorithms to time against the library's, e.g. "
         "ring,recursive-doubling,rabenseifner,tree,naive,auto (default ring)",
     )
-    parser.add_argument("--timeline", metavar="PATH",
-                        help="after the sweep, one traced call per algorithm and size as a "
-                        "Chrome trace (one row per rank, a span per step)")  # fmt: skip
-    parser.add_argument("--timeline-png", metavar="PATH", type=figure_path,
-                        help="the same traced calls as a Gantt chart per rank: .png, .svg or "
-                        ".pdf")  # fmt: skip
+    writes(parser.add_argument("--timeline", metavar="PATH",
+                               help="after the sweep, one traced call per algorithm and size as "
+                               "a Chrome trace (one row per rank, a span per step)"))  # fmt: skip
+    writes(parser.add_argument("--timeline-png", metavar="PATH", type=figure_path,
+                               help="the same traced calls as a Gantt chart per rank: .png, "
+                               ".svg or .pdf"))  # fmt: skip
     parser.add_argument(
         "--check",
         action="store_true",
@@ -453,7 +456,8 @@ def main(options: argparse.Namespace) -> int:
     # Each rank in this process holds the buffer, scratch of about its size and, on threads, the
     # baseline's sum: refuse now rather than fail at the largest size after the smaller ones.
     check_memory(3 * options.max_bytes * (ranks or 1), f"messages of {options.max_bytes} bytes")
-    result = launch(run, options, backend=options.backend, ranks=ranks)[0]
+    result = launch(within_timeout(run, options.timeout), options, backend=options.backend,
+                    ranks=ranks)[0]  # fmt: skip
     bar = result and result["bar"]
     if options.check and bar and not bar_met(bar):
         print("syncsgd: the performance bar was missed (see the '# bar' line)", file=sys.stderr)

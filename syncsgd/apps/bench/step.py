@@ -42,6 +42,7 @@ import numpy as np
 
 from syncsgd.apps.costmodel import model_spec
 from syncsgd.comm.threads import run_threads
+from syncsgd.comm.watchdog import within_timeout
 from syncsgd.comm.world import constants, launched_by_mpi, mpi_world, resolve_backend
 from syncsgd.nn.mlp import parse_hidden
 from syncsgd.training import data
@@ -58,7 +59,7 @@ from syncsgd.util.argtypes import (
     rank_list,
 )
 from syncsgd.util.files import check_writable, write_text
-from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS
+from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, TIMEOUT, reads, writes
 
 DEFAULT_RANKS = (1, 2, 3, 4)
 SYNTHETIC = "synthetic-classification"
@@ -507,6 +508,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench step`."""
     RANK_COUNTS.add(parser, help="thread rank counts to run (default 1,2,3,4); under mpiexec, -n")
     BACKEND.add(parser)
+    TIMEOUT.add(parser)
     add = parser.add_argument
     add("--scaling", type=scaling_list, default=list(SCALINGS),
         help="weak, strong or weak,strong (default both)")  # fmt: skip
@@ -514,9 +516,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weak scaling: samples per rank (64)")  # fmt: skip
     add("--global-batch", type=positive_int, default=256,
         help="strong scaling: the global batch (256)")  # fmt: skip
-    add("--data", metavar="NAME|PATH", default=SYNTHETIC,
-        help="the samples, as `syncsgd train --data` takes them; token data (numbers-to-words, "
-        f"PATH.txt) for a --model that starts with embed, e.g. gpt(...) ({SYNTHETIC})")
+    reads(add("--data", metavar="NAME|PATH", default=SYNTHETIC,
+              help="the samples, as `syncsgd train --data` takes them; token data "
+              "(numbers-to-words, PATH.txt) for a --model that starts with embed, e.g. gpt(...) "
+              f"({SYNTHETIC})"))
     add("--context", type=positive_int, default=32,
         help="token data: the characters T of each sample's window (32)")
     add("--samples", type=positive_int, default=2048,
@@ -553,7 +556,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cli-runs", type=nonnegative_int, default=5,
         help="runs of each command-line timing; 0 skips them (5)")  # fmt: skip
     JSON.add(parser, help="write all results as JSON")
-    add("--csv", metavar="PATH", help="write the scaling rows as CSV")
+    writes(add("--csv", metavar="PATH", help="write the scaling rows as CSV"))
 
 
 def main(options: argparse.Namespace) -> int:
@@ -606,7 +609,7 @@ def phase_runner(options: argparse.Namespace, backend: str) -> tuple[Callable, l
     if backend == "threads":
 
         def call_threads(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
-            return run_threads(ranks, phase, options, *args)[0]
+            return run_threads(ranks, within_timeout(phase, options.timeout), options, *args)[0]
 
         return call_threads, list(options.ranks or DEFAULT_RANKS), True
     comm = mpi_world()
@@ -618,7 +621,7 @@ def phase_runner(options: argparse.Namespace, backend: str) -> tuple[Callable, l
         )
 
     def call_mpi(phase: Callable[..., Any], ranks: int, *args: Any) -> Any:
-        return phase(comm, options, *args)
+        return within_timeout(phase, options.timeout)(comm, options, *args)
 
     return call_mpi, [world], comm.Get_rank() == 0
 

@@ -1,0 +1,301 @@
+"""The adversarial cases of every subcommand, as a table: command, exit status, the one line on
+stderr; every input and earlier output intact. A new subcommand or option joins the table, and
+`test_every_declared_output_is_guarded` walks every subcommand's declared paths by itself."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import mpiexec_command, requires_mpi
+
+from syncsgd.cli import build_parser, main
+from syncsgd.training import checkpoint
+from syncsgd.util.options import ROLES, declared_paths
+
+TINY = ["--samples", "64", "--features", "4", "--hidden", "8", "--batch-size", "16", "--quiet"]
+
+# (command, exit status, what the one line on stderr holds). Run in a directory holding
+# data.npz (64 x 4, labels 0..3), p.npz (parameters of that model), ck/ (checkpoints of
+# `train TINY` at steps 2 and 4), sweep.json (a bench sweep claiming 10**30 ranks), and the
+# data sets regression.csv (whole-number targets 20..79), one-based.npz, gaps.npz.
+CASES = [
+    # outputs over inputs, over each other, into checkpoint directories, into missing ones
+    ("verify --json data.npz --data data.npz", 1, "is the same file as"),
+    ("verify --init p.npz --json p.npz", 1, "--json p.npz is the same file as --init p.npz"),
+    ("study batch-size --data data.npz --json data.npz", 1, "is the same file as"),
+    ("bench allreduce --json x --csv x", 1, "--csv x is the same file as --json x"),
+    ("bench allreduce --png w.png --timeline-png ./w.png", 1,
+     "--timeline-png ./w.png is the same file as"),
+    ("bench step --json s --csv s", 1, "--csv s is the same file as --json s"),
+    ("ring-demo --png y.png --html y.png", 1, "--html y.png is the same file as --png y.png"),
+    ("ring-demo --png f.png --frames f.png", 1, "is the same file as"),
+    ("ring-demo --frames missing/dir", 1, "cannot write into missing/dir: directory"),
+    ("model --json z.png --png z.png", 1, "--png z.png is the same file as --json z.png"),
+    ("train --save ck/ckpt-00000003.npz --checkpoint ck", 1, "--save ck/ckpt-00000003.npz lies "
+     "inside the checkpoint directory of --checkpoint ck"),
+    ("train --save ck/lock --checkpoint ck", 1, "inside the checkpoint directory"),
+    ("train --log ck/log.jsonl --checkpoint ck", 1, "inside the checkpoint directory"),
+    ("train --json data.npz --data data.npz", 1, "is the same file as"),
+    # malformed options: status 2, as everywhere
+    ("model --overlap 784,256,10 --flops 0", 2, "argument --flops: must be > 0, got '0'"),
+    ("ring-demo --algorithm foo", 2, "argument --algorithm: unknown algorithm 'foo'"),
+    ("ring-demo --png y.jpg", 2, "a figure is written as .png, .svg or .pdf"),
+    ("verify --report r.html --png r.html", 1, "is the same file as"),
+    ("study --debug batch-size --bogus", 2, "unrecognized arguments: --bogus"),
+    ("bench --debug allreduce --bogus", 2, "unrecognized arguments: --bogus"),
+    # inputs that are not what they claim
+    ("model --fit sweep.json", 1, "'ranks' must be an integer from 1 to 2**31"),
+    ("train --data regression.csv", 1, "regression.csv: integer targets 20..79 make 80 classes "
+     "for 60 samples (more than a tenth of them): for regression targets pass --loss mse"),
+    ("train --data one-based.npz", 1, "labels start at 1 (1..4): subtract 1 or pass --classes 5"),
+    ("train --data gaps.npz", 1, "labels are not 0..4: 2 of those never occur (1,3)"),
+    ("train --resume broken", 1, "the newest valid checkpoint of this run is "
+     "broken/ckpt-00000002.npz: move broken/ckpt-00000004.npz away"),
+    ("train --resume forged", 1, "forged/ckpt-00000004.npz is not a syncsgd checkpoint: its loss "
+     "scaler's scale"),
+    ("train --checkpoint empty-lock", 1, "has an empty lock file empty-lock/lock"),
+    ("train --checkpoint garbled-lock", 1, "lock file garbled-lock/lock that cannot be read"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The directory every case starts from (copied afresh for each)."""
+    root = tmp_path_factory.mktemp("adversarial")
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        rng = np.random.default_rng(0)
+        X = rng.normal(size=(64, 4))
+        np.savez("data.npz", X=X, y=np.arange(64) % 4)
+        np.savez("one-based.npz", X=X, y=np.arange(64) % 4 + 1)
+        np.savez("gaps.npz", X=X, y=(np.arange(64) % 3) * 2)
+        np.savetxt("regression.csv", np.c_[rng.normal(size=(60, 3)), np.arange(20, 80)],
+                   delimiter=",")  # fmt: skip
+        json.dump({"ranks": 10**30, "rows": [{"size_bytes": 8, "algorithm": "ring",
+                   "time_us": 1.0}]}, open("sweep.json", "w"))  # fmt: skip
+        assert main(["train", *TINY, "--steps", "0", "--save", "p.npz"]) == 0
+        assert main(["train", *TINY, "--steps", "4", "--checkpoint", "ck",
+                     "--checkpoint-every", "2"]) == 0  # fmt: skip
+        shutil.copytree("ck", "broken")
+        with open("broken/ckpt-00000004.npz", "r+b") as handle:
+            handle.truncate(100)
+        shutil.copytree("ck", "forged")
+        forge_loss_scale("forged/ckpt-00000004.npz")
+        for name, content in (("empty-lock", b""), ("garbled-lock", b"\xc2\xff")):
+            os.mkdir(name)
+            open(f"{name}/lock", "wb").write(content)
+    finally:
+        os.chdir(here)
+    return root
+
+
+def forge_loss_scale(path: str) -> None:
+    """Rewrite a checkpoint with the loss scale 'big' and a checksum that matches it."""
+    with np.load(path) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    del arrays["checksum"]
+    arrays["scaler.scale"], arrays["scaler.good_steps"] = np.array("big"), np.array(0)
+    arrays["checksum"] = np.array(checkpoint.checksum(arrays))
+    np.savez(path, **arrays)
+
+
+def snapshot(root) -> dict[str, bytes]:
+    """Every file below `root` and its bytes."""
+    found = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as handle:
+                found[os.path.relpath(path, root)] = handle.read()
+    return found
+
+
+@pytest.mark.parametrize("command, status, line", CASES, ids=[case[0] for case in CASES])
+def test_adversarial_case(prepared, tmp_path, monkeypatch, capsys, command, status, line):
+    work = tmp_path / "work"
+    shutil.copytree(prepared, work)
+    monkeypatch.chdir(work)
+    before = snapshot(work)
+    args = command.split()
+    if args[0] == "train":
+        args[1:1] = TINY
+    code = run(args)
+    err = capsys.readouterr().err
+    assert code == status, err
+    assert err.count("\n") == 1 and line in err and "Traceback" not in err, err
+    assert snapshot(work) == before  # nothing written, nothing replaced, no directory made
+
+
+def run(args: list[str]) -> int | str | None:
+    """main's exit status, also when argparse exits (status 2)."""
+    try:
+        return main(args)
+    except SystemExit as done:
+        return done.code
+
+
+def subcommands(parser: argparse.ArgumentParser, path=()):
+    """(words, parser) of every subcommand that runs something."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from subcommands(sub, (*path, name))
+    if parser.get_default("run") is not None:
+        yield path, parser
+
+
+def test_every_path_option_declares_its_role():
+    """An option that names a file or a directory says what the command does with it."""
+    for words, parser in subcommands(build_parser()):
+        for action in parser._actions:
+            metavar = str(action.metavar or "")
+            if any(word in metavar for word in ("PATH", "DIR", "FILE", "JSON")):
+                assert getattr(action, "path_role", None) in ROLES, (words, action.dest)
+
+
+def test_every_declared_output_is_guarded(tmp_path, monkeypatch, capsys):
+    """Each output of each subcommand is refused over another output, an input or a
+    checkpoint directory, before any work, leaving the file as it was."""
+    monkeypatch.chdir(tmp_path)
+    taken = "taken.png"  # a name every output takes, figures included (they go by extension)
+    open(taken, "w").write("kept")
+    tried = 0
+    for words, parser in subcommands(build_parser()):
+        paths = declared_paths(parser, argparse.Namespace())
+        outputs = [*paths["writes"], *paths["writes_into"]]
+        for flag in outputs:
+            others = [other for other in [*outputs, *paths["reads"]] if other != flag]
+            for other in others[:2]:
+                code = main([*words, flag, taken, other, taken])
+                err = capsys.readouterr().err
+                assert code == 1 and "is the same file as" in err, (words, flag, other, err)
+                tried += 1
+            for folder in paths["checkpoints"]:
+                code = main([*words, flag, f"ck/{taken}", folder, "ck"])
+                err = capsys.readouterr().err
+                assert code == 1 and "inside the checkpoint directory" in err, (words, flag)
+                tried += 1
+    assert open(taken).read() == "kept" and sorted(os.listdir()) == [taken]
+    assert tried > 30
+
+
+def test_the_summary_says_what_was_read(capsys):
+    assert main(["train", *TINY[:-1], "--steps", "1", "--holdout", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("data synthetic-classification: 64 samples (16 held out) of 4 "
+                          "features, 4 classes, loss xent\n")  # fmt: skip
+
+
+def test_the_api_refuses_a_missing_communicator():
+    from syncsgd import ring_allreduce
+
+    with pytest.raises(TypeError, match="ring_allreduce: comm must be a communicator"):
+        ring_allreduce(np.zeros(4), None)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_start_up_is_one_line(tmp_path, signum):
+    script = tmp_path / "syncsgd"  # what the console script runs
+    script.write_text("import sys\nfrom syncsgd.cli import main\nsys.exit(main())\n")
+    job = subprocess.Popen([sys.executable, str(script), "train", *TINY, "--steps", "1000000"],
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_until_caught(job.pid, signal.SIGTERM)  # the command's first lines ran: from then on
+    job.send_signal(signum)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + signum and err == "syncsgd: interrupted\n", err
+
+
+def wait_until_caught(pid: int, signum: int, timeout: float = 30) -> None:
+    """Wait until process `pid` has a handler for `signum` (Linux: SigCgt in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(line for line in status if line.startswith("SigCgt:"))
+        if int(caught.split()[1], 16) >> (signum - 1) & 1:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"process {pid} did not handle signal {signum} within {timeout} s")
+
+
+MPI_CASES = [
+    (["train", "--steps", "3"], ["train", "--steps", "4"],
+     "syncsgd: error: the ranks were started with different options: --steps 3 on rank 0, 4 on "
+     "rank 1; start every rank with the same command"),
+    (["train"], ["bench", "allreduce"],
+     "syncsgd: error: the ranks run different commands: syncsgd train on rank 0, syncsgd bench "
+     "allreduce on rank 1; start every rank with the same one"),
+]  # fmt: skip
+
+
+@requires_mpi
+@pytest.mark.parametrize("first, second, line", MPI_CASES)
+def test_ranks_started_differently_end_the_job_with_one_line(first, second, line):
+    cli = [sys.executable, "-m", "syncsgd.cli"]
+    command = [*mpiexec_command(1), *cli, *first, *TINY, ":", "-n", "1", *cli, *second, *TINY]
+    if second[0] == "bench":
+        command = command[: -len(TINY)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert [text for text in done.stderr.splitlines() if "error" in text] == [line], done.stderr
+
+
+@requires_mpi
+def test_a_stopped_rank_ends_bench_allreduce_after_its_timeout():
+    from test_reliability import rank_processes, start
+
+    marker = "1999"  # --max-iters: finds this job's ranks
+    job = start(["bench", "allreduce", "--timeout", "2", "--max-bytes", "64", "--batches",
+                 "100000", "--max-iters", marker], mpi_ranks=2)  # fmt: skip
+    victims: list[int] = []
+    try:
+        while not job.stdout.readline().startswith("# time:"):  # rank 0 is into the sweep
+            assert job.poll() is None, job.stderr.read()
+        victims = [pid for pid in rank_processes(marker) if pid != job.pid]
+        os.kill(victims[-1], signal.SIGSTOP)
+        _, err = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail("a stopped rank hung bench allreduce despite --timeout 2")
+    finally:
+        for pid in victims:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert job.returncode != 0 and "no progress for 2 s (--timeout) in " in err, err
+
+
+def test_a_full_disk_names_the_file_and_leaves_none(tmp_path):
+    import errno
+
+    from syncsgd.util.files import atomic_file, create_new
+
+    target = tmp_path / "out.json"
+    with pytest.raises(OSError) as failed, atomic_file(target, "w"):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write on a full disk
+    assert failed.value.filename == str(target) and os.listdir(tmp_path) == []
+    create_new(tmp_path / "lock", "me\n")
+    with pytest.raises(FileExistsError):
+        create_new(tmp_path / "lock", "another\n")
+    assert (tmp_path / "lock").read_text() == "me\n" and os.listdir(tmp_path) == ["lock"]
+
+
+def test_the_log_of_a_diverging_run_is_strict_json(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    assert main(["train", *TINY, "--steps", "6", "--lr", "1e6", "--loss", "mse", "--data",
+                 "synthetic-regression", "--skip-nonfinite", "--log", str(log)]) == 0  # fmt: skip
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"not strict JSON: {token}")
+
+    records = [json.loads(line, parse_constant=refuse) for line in log.read_text().splitlines()]
+    assert any(record["grad_norm"] is None for record in records)  # not NaN
