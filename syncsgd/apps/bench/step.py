@@ -634,10 +634,11 @@ def check_batch_sizes(options: argparse.Namespace, rank_counts: list[int]) -> No
         + (options.overhead_batch if options.overhead else [])
     )
     if largest > samples:
-        given = (f"--data {options.data} holds {samples} windows of --context {options.context}"
-                 if data.is_text(options.data) else f"--samples {options.samples} is")  # fmt: skip
+        given = (f"--data {options.data} holds {samples} windows of --context {options.context}, "
+                 "fewer" if data.is_text(options.data) else f"--samples {options.samples} is "
+                 "smaller")  # fmt: skip
         raise ValueError(
-            f"{given} smaller than the largest global batch {largest}: "
+            f"{given} than the largest global batch {largest}: "
             f"raise --samples or lower the batch sizes"
         )
 
