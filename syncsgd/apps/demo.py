@@ -76,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def shown_algorithm(text: str) -> str:
-    """--algorithm: an allreduce with steps to show (a wrong one is a usage error, status 2)."""
+    """--algorithm: an allreduce with steps to show, or an algorithm of another collective
+    (which --collective then checks); a wrong one is a usage error, status 2."""
+    from syncsgd.collectives.parts import COLLECTIVES
+
+    if any(text in algorithms for algorithms in COLLECTIVES.values()):
+        return text
     try:
         resolve_allreduce(text)
     except ValueError as exc:

@@ -464,8 +464,13 @@ def write_frames(demo: Demo, directory: str) -> list[str]:
         import multiprocessing
 
         context = multiprocessing.get_context("fork")
-        with context.Pool(workers, _start_worker, (demo,)) as pool:
+        pool = context.Pool(workers, _start_worker, (demo,))
+        try:
             pool.map(_write_frame, list(enumerate(paths)), chunksize=1)
+            pool.close()  # the workers end on their own: no SIGTERM to them after success
+        finally:
+            pool.terminate()
+            pool.join()
     else:
         _start_worker(demo)
         for job in enumerate(paths):
@@ -477,7 +482,12 @@ _WORKER: dict[str, Any] = {}  # a frame-writing process's demo and layout
 
 
 def _start_worker(demo: Demo) -> None:
-    """Keep the demo and its layout for `_write_frame`."""
+    """Keep the demo and its layout for `_write_frame`; a signal ends the worker quietly (the
+    command's process reports it)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER.update(demo=demo, layout=FrameLayout(demo))
 
 

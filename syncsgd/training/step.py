@@ -97,7 +97,7 @@ class DataParallelStep:
         buffer = CommBuffer(model.n_params, np.dtype(np.float64 if config.exact else model.dtype))
         self.local_gradient = local_gradient(config, model, largest_shard, buffer, trace)
         self.local_gradient.micro_batch_weight = variant.micro_batch_weight
-        riders = [*riders, *variant.riders(self)]  # a pitfall's values, if any
+        riders = [*riders, *(Rider(*fields) for fields in variant.riders(self))]  # a pitfall's
         spans = [buffer.register(rider.name, rider.count) for rider in riders]
         self.comm_buffer = buffer.build()
         self.grad_sum = self.comm_buffer[: model.n_params]

@@ -50,8 +50,8 @@ class Variant:
         """The allreduce this run sums with."""
         return allreduce
 
-    def riders(self, stepper: Any) -> list[Any]:
-        """Values this run sends along with the gradient (a `step.Rider` each)."""
+    def riders(self, stepper: Any) -> list[tuple[Any, ...]]:
+        """Values this run sends along with the gradient: the fields of a `step.Rider` each."""
         return []
 
     def global_clip_norm(self) -> float | None:
@@ -171,9 +171,7 @@ class LocalTrustRatio(Variant):
                       size: int) -> None:  # fmt: skip
         self.weight = shard_size / batch_size  # this rank's share of the batch, for its ratios
 
-    def riders(self, stepper: Any) -> list[Any]:
-        from syncsgd.training.step import Rider
-
+    def riders(self, stepper: Any) -> list[tuple[Any, ...]]:
         optimizer, params = stepper.optimizer, stepper.params
         local_mean = np.empty(len(params), params.dtype)
 
@@ -188,7 +186,7 @@ class LocalTrustRatio(Variant):
         def read_(slots: np.ndarray, grad_mean: np.ndarray, batch_size: int, finite: bool) -> None:
             optimizer.agreed_trust = [float(ratio) for ratio in slots]
 
-        return [Rider("local trust ratios", len(optimizer.slices), fill_, read_)]
+        return [("local trust ratios", len(optimizer.slices), fill_, read_)]
 
 
 VARIANTS: dict[str, type[Variant]] = {
