@@ -245,35 +245,6 @@ def test_under_mpiexec_exact_mode_is_the_serial_runs_bits(tmp_path):
 # -- PyTorch: the same GPT from the same saved parameters, the same steps --------------------------
 
 
-def torch_gpt(torch, vocabulary: int, positions: int, d: int, heads: int, layers: int):
-    """embed(d), layers x block(d, heads), layernorm, dense as a torch.nn.Sequential."""
-    nn = torch.nn
-
-    class Embed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(vocabulary, d), nn.Embedding(positions, d)
-
-        def forward(self, ids):
-            return self.tok(ids) + self.pos.weight[None]
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1 = nn.LayerNorm(d)
-            self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-            self.ln2, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            future = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
-            h = self.ln1(x)
-            x = x + self.attn(h, h, h, attn_mask=future, need_weights=False)[0]
-            return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
-
-    return nn.Sequential(Embed(), *[Block() for _ in range(layers)], nn.LayerNorm(d),
-                         nn.Linear(d, vocabulary)).double()  # fmt: skip
-
-
 @pytest.mark.parametrize("optimizer, clip_norm", [("adamw", None), ("adam", 0.05)])
 def test_a_gpt_trained_on_3_ranks_is_pytorchs_serial_training(tmp_path, optimizer, clip_norm):
     torch = pytest.importorskip("torch", reason="PyTorch (the peers extra) is not installed")
@@ -284,7 +255,9 @@ def test_a_gpt_trained_on_3_ranks_is_pytorchs_serial_training(tmp_path, optimize
     train(config, ranks=1, steps=0, save=str(start))
     result = train(config, ranks=3, init=str(start))
     run = prepare(config)
-    module = torch_gpt(torch, run.model.outputs, 4, 8, 2, 2)
+    from benchmarks.transformer import torch_gpt  # the benchmark's: one PyTorch twin
+
+    module = torch_gpt(torch, run.model.outputs, 4, 8, 2, 2).double()
     with np.load(start) as arrays:
         assert list(module.state_dict()) == list(arrays.files)
         module.load_state_dict({name: torch.from_numpy(arrays[name]) for name in arrays.files})
