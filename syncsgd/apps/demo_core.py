@@ -120,11 +120,6 @@ def ranks_summed(values: np.ndarray, ranks: int) -> np.ndarray:
     return np.count_nonzero(digits, axis=1)
 
 
-def contributors(values: np.ndarray, ranks: int) -> np.ndarray:
-    """The share of the final sum in each element: the ranks summed in / P."""
-    return ranks_summed(values, ranks) / ranks
-
-
 def resolve_allreduce(algorithm: str) -> Callable[..., Any]:
     """The function `f(buf, comm, *, trace)` that runs `algorithm`."""
     if algorithm == "ring":

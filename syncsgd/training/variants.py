@@ -26,8 +26,8 @@ class Variant:
     shows_at: ClassVar[int] = 2
 
     def __init__(self, clip_norm: float | None = None, optimizer: str = "sgd") -> None:
+        """`optimizer`: the run's --optimizer, for a pitfall that needs a particular one."""
         self.clip_norm = clip_norm
-        self.optimizer = optimizer
 
     def order_seed(self, seed: int, rank: int) -> int:
         """The seed this rank draws the sample order from."""
