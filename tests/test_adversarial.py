@@ -262,7 +262,7 @@ def test_a_stopped_rank_ends_bench_allreduce_after_its_timeout():
         while not job.stdout.readline().startswith("# time:"):  # rank 0 is into the sweep
             assert job.poll() is None, job.stderr.read()
         victims = [pid for pid in rank_processes(marker) if pid != job.pid]
-        os.kill(victims[-1], signal.SIGSTOP)
+        os.kill(max(victims, key=launcher_rank_of), signal.SIGSTOP)  # not rank 0, who reports
         _, err = job.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)
@@ -272,6 +272,16 @@ def test_a_stopped_rank_ends_bench_allreduce_after_its_timeout():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     assert job.returncode != 0 and "no progress for 2 s (--timeout) in " in err, err
+
+
+def launcher_rank_of(pid: int) -> int:
+    """The rank the MPI launcher gave process `pid` (from its environment; 0 if none)."""
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        variables = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+    for name in (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"PMIX_RANK"):
+        if name in variables:
+            return int(variables[name])
+    return 0
 
 
 def test_a_full_disk_names_the_file_and_leaves_none(tmp_path):
