@@ -115,11 +115,11 @@ def test_bare_loop_is_serial_sgd(batch, steps, hidden, dtype):
 
 
 def test_step_kernels_are_the_passes_numba_kernels():
-    from syncsgd.nn.layers import dense, relu, xent
-    from syncsgd.nn.numerics import float_matmul_
+    from syncsgd.nn.layers import relu, xent
+    from syncsgd.nn.numerics import first_affine_sums_, float_affine_
 
     kernels = step.step_kernels()
-    for kernel in (float_matmul_, dense.add_bias_, relu.relu_, relu.relu_backward_,
+    for kernel in (float_affine_, first_affine_sums_, relu.relu_, relu.relu_backward_,
                    xent.xent_losses_):  # fmt: skip
         assert any(found is kernel for found in kernels)
     hits, misses = step.cache_counts(kernels)

@@ -70,6 +70,53 @@ def test_gradient_sums_are_the_oracles(loss, mode):
     assert relative(ours, expected) < 1e-13
 
 
+def local_sums(network, mode: str, precision: str, micro_batches: int) -> tuple[float, bytes]:
+    """The loss sum and the bytes of the gradient sums of 9 samples, in `micro_batches` passes."""
+    from syncsgd.nn.backprop import Backprop
+    from syncsgd.nn.numerics import numerics
+
+    params = network.init_params(3)
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((9, 4)), rng.integers(0, 3, 9)
+    X[0] = 0.0  # a sample whose first pre-activations are the bias alone
+    nx = numerics(mode == "exact", precision, network.dtype, network.largest_weight(),
+                  9 * network.largest_block(), network.n_params)  # fmt: skip
+    passes, sums = Backprop(network, 9, nx), np.zeros(network.n_params, network.dtype)
+    loss_sum = 0.0
+    if nx.exact:
+        nx.begin_()
+    for index, part in enumerate(np.array_split(np.arange(9), micro_batches)):
+        nx.first_sums = not nx.exact and index == 0
+        loss_sum += passes.forward_loss_(params, X[part], y[part])[0]
+        passes.backward_(sums, network.n_layers - 1, 0)
+        if nx.exact and index < micro_batches - 1:
+            nx.next_micro_batch_()
+    if nx.exact:
+        bounds = np.zeros(len(nx.peaks))
+        nx.bounds(bounds)
+        scales = nx.scales(bounds, 9)
+        loss_sum = nx.extract_loss(scales)
+        nx.accumulate_(scales, network.n_layers - 1, 0)
+    return loss_sum, sums.tobytes()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["float", "exact"])
+def test_a_relu_absorbed_by_its_dense_layer_gives_the_relus_own_bits(mode, precision,
+                                                                     micro_batches):  # fmt: skip
+    spec = "dense(6) relu dense(5) tanh dense(4) relu relu dense"
+    absorbing = build(spec, (4,), 3, "xent", "float32")
+    assert absorbing.absorbed == {1, 5}  # after a dense; never after tanh or another relu
+    apart = build(spec, (4,), 3, "xent", "float32")
+    apart.absorbed = frozenset()
+    for layer in apart.layers:
+        layer.activation = 0
+    ours = local_sums(absorbing, mode, precision, micro_batches)
+    theirs = local_sums(apart, mode, precision, micro_batches)
+    assert ours == theirs
+
+
 # -- the headline: distributed == serial for any P, exact mode bitwise for any P -------------------
 
 

@@ -68,7 +68,10 @@ class Backprop:
         self._weights, self._running = weights, running
         views = self.views(weights, running)
         self._plan = plan = self._plan_for(m, self.inputs_(X))
+        absorbed = self.network.absorbed
         for layer, (x, out, _) in zip(self.network.layers, plan, strict=True):
+            if layer.position in absorbed:  # the layer before it applied it
+                continue
             if first_load.armed is None:
                 layer.forward_(self.nx, views[layer.position], x, out)
                 continue
@@ -94,9 +97,11 @@ class Backprop:
         assert self._weights is not None, "backward_ follows forward_loss_"
         views, grad_views = self.views(self._weights, self._running), self.views(grads)
         layers, plan, nx = self.network.layers, self._plan, self.nx
+        absorbed = self.network.absorbed
         for position in range(top, bottom - 1, -1):
-            if position < len(layers) - 1:  # the loss gave the last layer's
-                above = position + 1
+            above = position + 1
+            # the loss gave the last layer's; an absorbed layer's is its absorber's to take
+            if above < len(layers) and above not in absorbed:
                 layers[above].backward_input_(nx, views[above], *plan[above], plan[position][2])
             layers[position].backward_sums_(nx, views[position], grad_views[position],
                                             *plan[position])  # fmt: skip

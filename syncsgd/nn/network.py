@@ -174,6 +174,7 @@ class Network:
     loss: str = "xent"
     dtype: np.dtype = field(default=np.dtype(np.float64))
     layers: list[Layer] = field(default_factory=list)  # built from the spec when not given
+    absorbed: frozenset[int] = field(init=False, default=frozenset())  # positions the passes skip
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -189,6 +190,13 @@ class Network:
         if shape[-1:] != (self.outputs,):
             raise ValueError(f"--model {self.spec!r} ends in shape {shape}: its last layer must "
                              f"give the {self.outputs} outputs of the loss")  # fmt: skip
+        # A layer may take over the element-wise layer after it when the two share a buffer (it
+        # writes over its own output, which its own backward pass does not read): those skipped.
+        self.absorbed = frozenset(
+            position + 1 for position, (layer, following) in
+            enumerate(zip(self.layers[:-1], self.layers[1:], strict=True))
+            if following.in_place and not layer.reads_output
+            and layer.absorb(following))  # fmt: skip
         self._layout = self._make_layout("params")
         self._running = self._make_layout("buffers")
         self.n_params = sum(shape_size(shape) for _, shape, _ in self._layout)

@@ -77,6 +77,11 @@ class Layer:
         """The state it keeps beside the parameters (BatchNorm's running statistics), if any."""
         return []
 
+    def absorb(self, following: Layer) -> bool:
+        """Whether it applies the element-wise layer after it in its own passes (in place, on
+        its output and the gradient at it): then the passes skip that layer. None by default."""
+        return False
+
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
         """y = the layer applied to x, sample by sample."""
         raise NotImplementedError

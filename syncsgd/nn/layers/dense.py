@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from syncsgd.nn.arrays import shape_size
 from syncsgd.nn.layers.base import Layer, Param, Shape, rows
@@ -26,6 +25,7 @@ class Dense(Layer):
             raise ValueError(f"dense({width}): the width must be >= 1")
         self.width, self.in_out = width, in_out
         self.positions = 1  # rows per sample (output_shape sets it)
+        self.activation = 0  # the relu after it, when its passes apply it (absorb), or none: 0
 
     def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
         """The input's leading axes, then the width."""
@@ -42,23 +42,28 @@ class Dense(Layer):
         return [Param("weight", shape, "uniform", bound),
                 Param("bias", (fan_out,), "uniform", bound)]  # fmt: skip
 
+    def absorb(self, following: Layer) -> bool:
+        """A relu right after it is applied in its own passes (one pass fewer each way)."""
+        if following.kind != "relu":
+            return False
+        self.activation = 1  # numerics.RELU (numerics imports Numba: not at parse time)
+        return True
+
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
-        """y = round(x W^T + b): the bias after the product, one rounding (a fused addmm)."""
-        out = rows(y, self.out_shape[-1])
-        nx.matmul_(rows(x, self.in_shape[-1]), p["weight"], out, not self.in_out)
-        add_bias_(out, p["bias"])
-        nx.round_(out)
+        """y = round(x W^T + b): the bias after the product, one rounding (a fused addmm); then
+        the absorbed relu."""
+        nx.affine_(rows(x, self.in_shape[-1]), p["weight"], p["bias"], rows(y, self.out_shape[-1]),
+                   not self.in_out, self.activation)  # fmt: skip
 
     def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
-        """g.weight += dy^T x, g.bias += column sums of dy."""
-        d, x_rows = rows(dy, self.out_shape[-1]), rows(x, self.in_shape[-1])
-        positions = self.positions  # rows per sample: each element's sum has B x positions terms
-        if self.in_out:
-            nx.outer_sum_(self.position, x_rows, d, g["weight"], positions)
-        else:
-            nx.outer_sum_(self.position, d, x_rows, g["weight"], positions)
-        nx.column_sum_(self.position, d, g["bias"], positions)
+        """g.weight += dy^T x, g.bias += column sums of dy (dy first through the absorbed relu,
+        in place)."""
+        # positions: rows per sample; each element's sum has B x positions terms
+        width = self.out_shape[-1]
+        nx.affine_sums_(self.position, rows(x, self.in_shape[-1]), rows(dy, width), g["weight"],
+                        g["bias"], self.in_out, self.positions, rows(y, width),
+                        self.activation)  # fmt: skip
 
     def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
                         dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
@@ -79,10 +84,3 @@ class Dense(Layer):
         """dense(width)."""
         return f"dense({self.out_shape[-1]})" if self.out_shape else "dense"
 
-
-@njit(nogil=True, cache=True)
-def add_bias_(out, b):
-    """out[i, j] += b[j]."""
-    for i in range(out.shape[0]):
-        for j in range(out.shape[1]):
-            out[i, j] += b[j]
