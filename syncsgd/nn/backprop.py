@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from syncsgd.nn.arrays import describe, shape_size
-from syncsgd.nn.kernels import check_count, first_load
+from syncsgd.nn.kernels import check_count, first_load, label_range
 from syncsgd.nn.layers.mse import MeanSquaredError
 from syncsgd.nn.layers.xent import CrossEntropy
 from syncsgd.nn.network import Network
@@ -161,9 +161,10 @@ class Backprop:
                 raise ValueError(f"labels must be an integer array of shape {shape}, got "
                                  f"{describe(y_array)}")  # fmt: skip
             y = np.ascontiguousarray(y_array, dtype=np.int64)
-            if m and (y.min() < 0 or y.max() >= network.outputs):
+            low, high = label_range(y.reshape(-1)) if m else (0, 0)
+            if low < 0 or high >= network.outputs:
                 raise ValueError(f"labels must lie in [0, {network.outputs}), got "
-                                 f"{y.min()}..{y.max()}")  # fmt: skip
+                                 f"{low}..{high}")  # fmt: skip
         else:
             y = np.ascontiguousarray(y, dtype=network.dtype)
             if y.size != shape_size(shape) * network.outputs:

@@ -104,6 +104,15 @@ def gather_rows_(X, rows, out):
         out[i, :] = X[rows[i], :]
 
 
+@njit(nogil=True, cache=True)
+def label_range(labels):
+    """(smallest, largest) of a non-empty integer array, in one pass."""
+    low = high = labels[0]
+    for label in labels:
+        low, high = min(low, label), max(high, label)
+    return low, high
+
+
 @njit(nogil=True, cache=True, fastmath={"reassoc"})  # reassoc only: lets the check vectorise
 def divide_finite_(total, divisor, out):
     """out = total / divisor, element by element; True if all of out is finite."""

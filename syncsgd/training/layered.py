@@ -150,6 +150,8 @@ class LayeredLocalGradient:
 def micro_batch_bounds(shard_size: int, count: int) -> list[int]:
     """Where each of `count` micro-batches of a shard starts, then its end: numpy.array_split's
     sizes (the first shard_size % count one larger; empty ones when count > shard_size)."""
+    if count == 1:
+        return [0, shard_size]
     size, larger = divmod(shard_size, count)
     return [index * size + min(index, larger) for index in range(count + 1)]
 
