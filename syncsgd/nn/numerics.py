@@ -10,9 +10,9 @@ A layer computes with these primitives only, so a mode written here works for ev
   affine_sums_(layer, a, d, g_weight, g_bias, a_first, positions, y, activation)   a dense
                                     layer's sums: d = act'(y) d first (in place), then
                                     g_weight += a^T d (d^T a unless a_first), g_bias += columns of d
-A dense layer followed by a relu applies it in these two (Network.absorbed): one pass fewer each
-way than the relu's own, and the same values.
   loss_sum(losses)          the sum of the per-sample losses
+A dense layer followed by a relu applies it in affine_ and affine_sums_ (Network.absorbed): in
+float mode one call each around BLAS, a pass fewer each way than the relu's own, the same values.
 Float mode calls BLAS and sums in sample order. Narrow mode (bf16/fp16, emulated as autocast runs
 them) computes on float32 values of the format and rounds every product's result. Exact mode runs
 per-sample products in a fixed order (batch-invariant) and does not sum at once: each sum is a
@@ -260,8 +260,8 @@ class Float:
 
     def affine_apart_(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray,
                       transpose_b: bool, activation: int = IDENTITY) -> None:  # fmt: skip
-        """out = act(round(a b + bias)): the product, the bias, one rounding, the activation (a
-        format's rounding keeps the relu's zeros and signs: act after round is act's own)."""
+        """out = act(round(a b + bias)): the product, the bias, one rounding, then the activation
+        (the order of the two layers apart: a relu of a rounded -0.0 keeps its sign)."""
         self.matmul_(a, b, out, transpose_b)
         add_bias_(out, bias)
         self.round_(out)
