@@ -5,7 +5,9 @@ library's allreduce) and of its training step. The hand-written allreduces recor
 hot loop must not slow down: the watchdog finds them in the thread's frames (`_take_steps`), and
 reads their plan and current step from that frame only when it reports.
 Thread ranks time out in their own waits (`ThreadComm.set_timeout`); an MPI process cannot leave
-a blocking call, so a watchdog thread reads the record and calls `Abort`: docs/thread-backend.md.
+a blocking call, so a watchdog thread reads the record, tells the other ranks on a communicator of
+its own (`ReportChannel`), and the lowest rank that timed out prints one line for the job and
+calls `Abort`: docs/thread-backend.md.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any
 
 from syncsgd.util.lines import print_line
 
-# After its line, a rank waits this long before it ends the job: the other ranks stuck by the
-# same hang (they time out within a sampling interval of each other) print theirs too.
+# A rank that timed out hears this long from the other ranks stuck by the same hang (they time
+# out within a sampling interval of each other) before the lowest of them ends the job.
 ABORT_GRACE = 2.0
 _LONGEST_POLL = 1.0  # the watchdog looks at least this often (and ten times per timeout)
 
@@ -134,17 +136,87 @@ def _awaited(doing: Doing, plan: Any, step: Any) -> str:
     return "every other rank" if doing.peer is None else f"rank {doing.peer}"
 
 
-def timeout_line(rank: int, seconds: float, doing: Doing) -> str:
-    """The one line a rank prints when its collective timed out."""
-    return (f"syncsgd: error: rank {rank}: no progress for {seconds:g} s (--timeout) in "
-            f"{describe(doing)}; ending the job")  # fmt: skip
+def timeout_line(seconds: float, waits: dict[int, str], silent: list[int]) -> str:
+    """The job's one line when its collective timed out: each waiting rank's `describe`, in rank
+    order (as the thread ranks' CollectiveTimeout), and the ranks no word came from."""
+    listed = "; ".join(f"rank {rank} in {where}" for rank, where in sorted(waits.items()))
+    unheard = f"; no report from {_ranks(silent)}" if silent else ""
+    return (f"syncsgd: error: collective timeout: no progress for {seconds:g} s (--timeout): "
+            f"{listed}{unheard}; ending the job")  # fmt: skip
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 1', 'ranks 1,4'."""
+    return f"rank{'s' * (len(ranks) > 1)} {','.join(map(str, ranks))}"
+
+
+_REPORT_TAG = 1  # the only tag on a report channel
+
+
+class ReportChannel:
+    """A communicator of the job's own (a nonblocking Dup of the watched one) on which the
+    watchdogs of ranks that timed out tell each other where they wait.
+
+    The Dup is started where every rank enters the timeout alike and never waits: a stopped
+    rank leaves it unfinished, and the ranks then report alone. It needs MPI_THREAD_MULTIPLE
+    (the watchdog calls MPI beside the blocked rank); with less there is no channel.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.request = comm.Idup()
+
+    def ready(self) -> Any:
+        """The channel's communicator once every rank has it, else None."""
+        try:
+            return self.comm if self.request.Test() else None
+        except Exception:  # noqa: BLE001 - a broken job: report alone
+            return None
+
+    def exchange(self, rank: int, where: str, until: float, stopped: threading.Event
+                 ) -> dict[int, str] | None:  # fmt: skip
+        """Send `where` to every other rank, and gather theirs until `until` (monotonic);
+        None if the collective finished meanwhile (`stopped`)."""
+        heard = {rank: where}
+        channel = self.ready()
+        if channel is not None:
+            for other in range(channel.Get_size()):
+                if other != rank:  # small and eager: complete even towards a stopped rank
+                    channel.isend((rank, where), dest=other, tag=_REPORT_TAG)
+        while not stopped.wait(_REPORT_POLL):
+            while channel is not None and channel.iprobe(tag=_REPORT_TAG):
+                sender, said = channel.recv(tag=_REPORT_TAG)
+                heard[sender] = said
+            if time.monotonic() >= until:
+                return heard
+        return None
+
+
+_REPORT_POLL = 0.05
+_CHANNELS: dict[Any, ReportChannel] = {}  # per watched communicator (its handle), made once
+
+
+def report_channel(comm: Any) -> ReportChannel | None:
+    """The report channel of MPI communicator `comm`, started on first use; None without
+    MPI_THREAD_MULTIPLE. Every rank must call this at the same point (it is a collective)."""
+    handle = getattr(comm, "handle", None)
+    if handle is None or not hasattr(comm, "Idup"):
+        return None
+    found = _CHANNELS.get(handle)
+    if found is None:
+        from mpi4py import MPI
+
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            return None
+        found = _CHANNELS[handle] = ReportChannel(comm)
+    return found
 
 
 class Watchdog:
     """A daemon thread that aborts this MPI process's job when `doing` makes no progress."""
 
-    def __init__(self, comm: Any, seconds: float, doing: Doing) -> None:
-        self.comm, self.seconds, self.doing = comm, seconds, doing
+    def __init__(self, comm: Any, seconds: float, doing: Doing,
+                 channel: ReportChannel | None = None) -> None:  # fmt: skip
+        self.comm, self.seconds, self.doing, self.channel = comm, seconds, doing, channel
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, name="syncsgd-watchdog", daemon=True)
 
@@ -163,11 +235,28 @@ class Watchdog:
                 return
 
     def abort(self, doing: Doing) -> None:
-        """Print this rank's line, give the others time to print theirs, end the job."""
-        print_line(timeout_line(self.comm.Get_rank(), self.seconds, doing))
-        if self.stopped.wait(ABORT_GRACE):  # the collective finished after all
+        """Hear from the other ranks stuck by the same hang (they time out within a sampling
+        interval of each other); the lowest of them prints the job's line and ends the job."""
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        until = time.monotonic() + ABORT_GRACE
+        if self.channel is None:
+            heard: dict[int, str] | None = {rank: describe(doing)}
+            if self.stopped.wait(ABORT_GRACE):
+                return
+        else:
+            heard = self.channel.exchange(rank, describe(doing), until, self.stopped)
+        if heard is None:  # the collective finished after all
             return
+        if rank != min(heard):  # a lower rank prints and aborts; if it cannot, this one does
+            if self.stopped.wait(ABORT_GRACE + _ABORT_LATENCY):
+                return
+        silent = [] if self.channel is None else sorted(set(range(size)) - set(heard))
+        print_line(timeout_line(self.seconds, heard, silent))
+        time.sleep(0.2)  # let the launcher forward the line before it kills the job
         self.comm.Abort(1)
+
+
+_ABORT_LATENCY = 3.0  # seconds within which another rank's Abort ends this process
 
 
 def bcast_peer(comm: Any, root: int) -> int | None:
@@ -225,7 +314,7 @@ def collective_timeout(comm: Any, seconds: float | None) -> Iterator[None]:
     """Within: a collective that makes no progress for `seconds` (0 or None: never) fails.
 
     Thread ranks: every rank raises `CollectiveTimeout`, naming each waiting rank's collective
-    and peer. MPI: each rank prints one line naming them and the job is aborted.
+    and peer. MPI: the lowest waiting rank prints one line naming them, and the job is aborted.
     """
     if not seconds:
         yield
@@ -238,7 +327,7 @@ def collective_timeout(comm: Any, seconds: float | None) -> Iterator[None]:
         finally:
             set_timeout(previous)
         return
-    dog = Watchdog(comm, seconds, current())
+    dog = Watchdog(comm, seconds, current(), report_channel(comm))
     dog.thread.start()
     try:
         yield
