@@ -204,6 +204,24 @@ def test_the_api_refuses_a_missing_communicator():
         ring_allreduce(np.zeros(4), None)
 
 
+@pytest.mark.parametrize("call", ["Barrier", "ring_allreduce"])
+def test_an_inner_rank_calling_its_outer_ranks_communicator_is_refused(call):
+    from syncsgd import ring_allreduce
+    from syncsgd.comm.threads import run_threads
+
+    def outer(comm):
+        comm.set_timeout(5)  # were it not refused: a timeout, not a hang
+
+        def inner(inner_comm):
+            return comm.Barrier() if call == "Barrier" else ring_allreduce(np.ones(4), comm)
+
+        return run_threads(2, inner)
+
+    with pytest.raises(ValueError, match=r"ThreadComm\(rank=., size=2\) was called from a rank "
+                       "of another run_threads"):  # fmt: skip
+        run_threads(2, outer)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_start_up_is_one_line(tmp_path, signum):
     script = tmp_path / "syncsgd"  # what the console script runs
