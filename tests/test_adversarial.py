@@ -197,6 +197,21 @@ def test_the_summary_says_what_was_read(capsys):
                           "features, 4 classes, loss xent\n")  # fmt: skip
 
 
+def test_an_npz_that_unpacks_beyond_memory_is_refused_before_unpacking(tmp_path, monkeypatch,
+                                                                       capsys):  # fmt: skip
+    from syncsgd.training import data
+    from syncsgd.util.machine import human_bytes
+
+    bomb = tmp_path / "bomb.npz"  # 20 MiB of uint8 zeros in about 20 KiB; as floats 160 MiB more
+    np.savez_compressed(bomb, X=np.zeros((1 << 22, 4), np.uint8), y=np.zeros(1 << 22, np.uint8))
+    monkeypatch.setattr(data, "available_memory", lambda: 64 << 20)  # the headers' 20 MiB fit
+    assert main(["train", "--data", str(bomb), "--steps", "3", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    on_disk = human_bytes(os.path.getsize(bomb))
+    assert err == (f"syncsgd: error: {bomb} unpacks to 20 MiB ({on_disk} on disk): with a float64 "
+                   "copy about 180 MiB of memory needed, 64 MiB available\n"), err
+
+
 def test_the_api_refuses_a_missing_communicator():
     from syncsgd import ring_allreduce
 
