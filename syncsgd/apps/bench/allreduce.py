@@ -45,7 +45,7 @@ from syncsgd.training.timeline import write as write_timeline
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.figures import figure_path
-from syncsgd.util.files import check_writable, write_text
+from syncsgd.util.files import write_text
 from syncsgd.util.machine import check_memory
 from syncsgd.util.options import BACKEND, JSON, RANKS, TIMEOUT, writes
 
@@ -442,9 +442,6 @@ def main(options: argparse.Namespace) -> int:
     """Run the sweep on the backend the options ask for."""
     if options.min_bytes > options.max_bytes:
         raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
-    for path in (options.json, options.csv, options.png, options.timeline, options.timeline_png):
-        if path:
-            check_writable(path)
     if options.png or options.timeline_png:
         try:
             import matplotlib  # noqa: F401

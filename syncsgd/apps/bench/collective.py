@@ -28,7 +28,6 @@ from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.world import constants, launch, resolve_backend
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import comma_separated, positive_float, positive_int
-from syncsgd.util.files import check_writable
 from syncsgd.util.machine import check_memory
 from syncsgd.util.options import BACKEND, JSON, RANKS
 
@@ -204,8 +203,6 @@ def main(options: argparse.Namespace) -> int:
     """Run the sweep on the backend the options ask for."""
     if options.min_bytes > options.max_bytes:
         raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
-    if options.json:
-        check_writable(options.json)
     ranks = options.ranks
     if ranks is None and options.backend != "mpi":
         ranks = 2 if resolve_backend(options.backend) == "threads" else None
