@@ -310,6 +310,75 @@ def test_a_stopped_rank_ends_bench_allreduce_after_its_timeout():
                                "(--timeout): rank 0 in ") and "no report from rank" in err, err
 
 
+KILLED_RANK = """
+import os, signal, sys
+from syncsgd.training.step import DataParallelStep
+original = DataParallelStep.take_
+def take_(self, step):
+    if self.rank == 1 and step == 1:
+        print(f"rank 1 is pid {os.getpid()}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(self, step)
+DataParallelStep.take_ = take_
+from syncsgd.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@requires_mpi
+def test_debug_maps_the_ranks_to_the_pids_a_launcher_names_a_dead_one_by(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_RANK)
+    done = subprocess.run([*mpiexec_command(2), sys.executable, str(script), "--debug", "train",
+                           *TINY, "--steps", "3"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    [mapped] = [line for line in done.stderr.splitlines() if "the ranks' processes" in line]
+    [dead] = [line.split()[-1] for line in done.stderr.splitlines() if "rank 1 is pid" in line]
+    assert mapped.startswith("syncsgd: debug: the ranks' processes: rank 0 pid ")
+    assert f"; rank 1 pid {dead} on " in mapped, done.stderr
+
+
+STOPPED_BEFORE_INIT = """
+import os, signal, sys
+if any(os.environ.get(name) == "1" for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+    os.kill(os.getpid(), signal.SIGSTOP)
+from syncsgd.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@requires_mpi
+def test_a_rank_stopped_before_mpi_init_ends_the_job_after_the_timeout(tmp_path):
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_BEFORE_INIT)
+    job = subprocess.Popen([*mpiexec_command(2), sys.executable, str(script), "train", *TINY,
+                            "--timeout", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)  # fmt: skip
+    try:
+        _, err = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        for pid in ranks_running(str(script)):  # hydra's proxy starts them in a session of theirs
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail("a rank stopped before MPI_Init hung the job despite --timeout 2")
+    errors = [line for line in err.splitlines() if line.startswith("syncsgd:")]
+    assert job.returncode != 0 and errors == [
+        "syncsgd: error: rank 0: MPI_Init did not finish in 2 s (--timeout): a rank did not "
+        "start, or stopped before it; ending the job"], err  # fmt: skip
+
+
+def ranks_running(script: str) -> list[int]:
+    """The processes whose command line runs `script`."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as handle:
+            if script.encode() in handle.read().split(b"\0")[1:2]:
+                found.append(int(entry))
+    return found
+
+
 def launcher_rank_of(pid: int) -> int:
     """The rank the MPI launcher gave process `pid` (from its environment; 0 if none)."""
     with open(f"/proc/{pid}/environ", "rb") as handle:

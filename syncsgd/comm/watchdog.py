@@ -12,6 +12,7 @@ calls `Abort`: docs/thread-backend.md.
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -207,8 +208,18 @@ def report_channel(comm: Any) -> ReportChannel | None:
 
         if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
             return None
+        if not _CHANNELS:
+            atexit.register(_free_channels)  # after mpi4py's: runs before MPI_Finalize
         found = _CHANNELS[handle] = ReportChannel(comm)
     return found
+
+
+def _free_channels() -> None:
+    """Free the report channels every rank has joined (MPI_Finalize warns of the others)."""
+    for channel in _CHANNELS.values():
+        if channel.ready() is not None:
+            channel.comm.Free()
+    _CHANNELS.clear()
 
 
 class Watchdog:
