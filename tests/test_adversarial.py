@@ -284,11 +284,12 @@ def test_ranks_started_differently_end_the_job_with_one_line(first, second, line
 
 
 @requires_mpi
-def test_a_stopped_rank_ends_bench_allreduce_after_its_timeout():
+@pytest.mark.parametrize("benchmark", ["allreduce", "collective"])
+def test_a_stopped_rank_ends_a_benchmark_after_its_timeout(benchmark):
     from test_reliability import rank_processes, start
 
     marker = "1999"  # --max-iters: finds this job's ranks
-    job = start(["bench", "allreduce", "--timeout", "2", "--max-bytes", "64", "--batches",
+    job = start(["bench", benchmark, "--timeout", "2", "--max-bytes", "64", "--batches",
                  "100000", "--max-iters", marker], mpi_ranks=2)  # fmt: skip
     victims: list[int] = []
     try:
@@ -299,7 +300,7 @@ def test_a_stopped_rank_ends_bench_allreduce_after_its_timeout():
         _, err = job.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)
-        pytest.fail("a stopped rank hung bench allreduce despite --timeout 2")
+        pytest.fail(f"a stopped rank hung bench {benchmark} despite --timeout 2")
     finally:
         for pid in victims:
             with contextlib.suppress(OSError):

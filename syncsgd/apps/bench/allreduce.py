@@ -128,14 +128,15 @@ def slowest(comm: Any, seconds: float) -> float:
     return float(value[0])
 
 
-def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iters: int) -> float:
+def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iters: int,
+               what: str = "a timed batch of allreduces") -> float:  # fmt: skip
     """Per-op seconds of `iters` back-to-back calls, as seen by the slowest rank.
 
     One untimed call first: the batches of different algorithms alternate, and the first call
     after another algorithm's pays for bringing this one's buffers back into the caches (at 8 MiB,
     with a few calls per batch, that alone moved the ratio of two identical library calls by 10%).
     """
-    with watching("a timed batch of allreduces"):  # what --timeout names if the library's hangs
+    with watching(what):  # what --timeout names if the library's call hangs
         op(buf)
         comm.Barrier()
         start = time.perf_counter()
