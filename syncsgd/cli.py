@@ -540,14 +540,14 @@ def mpi_world_within(seconds: float) -> Any:
     rank = launcher_rank()
     line = (f"syncsgd: error: rank {rank}: MPI_Init did not finish in {seconds:g} s (--timeout): "
             "a rank did not start, or stopped before it; ending the job\n").encode()
+    import select  # before the fork: the child imports nothing
+
     done, watched = os.pipe()
     with warnings.catch_warnings():  # 3.12+ warns of fork beside threads (BLAS's): see above
         warnings.simplefilter("ignore", DeprecationWarning)
         child = os.fork()
     if child == 0:  # the watcher: only system calls, no locks another thread may have held
         os.close(watched)
-        import select
-
         if not select.select([done], [], [], seconds + INIT_STAGGER * rank)[0]:
             os.write(2, line)
             os.kill(os.getppid(), signal.SIGKILL)  # the only signal it cannot be deaf to

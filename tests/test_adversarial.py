@@ -53,6 +53,7 @@ CASES = [
     ("verify --report r.html --png r.html", 1, "is the same file as"),
     ("study --debug batch-size --bogus", 2, "unrecognized arguments: --bogus"),
     ("bench --debug allreduce --bogus", 2, "unrecognized arguments: --bogus"),
+    ("bench collective --timeout -1", 2, "argument --timeout: must be >= 0, got -1"),
     # inputs that are not what they claim
     ("model --fit sweep.json", 1, "'ranks' must be an integer from 1 to 2**31"),
     ("train --data regression.csv", 1, "regression.csv: integer targets 20..79 make 80 classes "
