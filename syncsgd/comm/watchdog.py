@@ -193,24 +193,23 @@ class ReportChannel:
 
 
 _REPORT_POLL = 0.05
-_CHANNELS: dict[Any, ReportChannel] = {}  # per watched communicator (its handle), made once
+_CHANNELS: dict[str, ReportChannel] = {}  # COMM_WORLD's, made once
 
 
 def report_channel(comm: Any) -> ReportChannel | None:
-    """The report channel of MPI communicator `comm`, started on first use; None without
-    MPI_THREAD_MULTIPLE. Every rank must call this at the same point (it is a collective)."""
-    handle = getattr(comm, "handle", None)
-    if handle is None or not hasattr(comm, "Idup"):
+    """The report channel of MPI's COMM_WORLD, started on its first use; None for another
+    communicator (a freed one's handle can come back as a new one's, which not every rank
+    would know) or without MPI_THREAD_MULTIPLE. Every rank calls this at the same point (it
+    starts a collective)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or getattr(comm, "unwatched", comm) != mpi.COMM_WORLD:
         return None
-    found = _CHANNELS.get(handle)
+    found = _CHANNELS.get("world")
     if found is None:
-        from mpi4py import MPI
-
-        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        if mpi.Query_thread() != mpi.THREAD_MULTIPLE:
             return None
-        if not _CHANNELS:
-            atexit.register(_free_channels)  # after mpi4py's: runs before MPI_Finalize
-        found = _CHANNELS[handle] = ReportChannel(comm)
+        atexit.register(_free_channels)  # after mpi4py's: runs before MPI_Finalize
+        found = _CHANNELS["world"] = ReportChannel(comm)
     return found
 
 
