@@ -173,20 +173,30 @@ class ReportChannel:
         except Exception:  # noqa: BLE001 - a broken job: report alone
             return None
 
+    def _told(self, rank: int, where: str) -> Any:
+        """Send `where` to every other rank once the channel is ready; the channel, or None."""
+        channel = self.ready()
+        if channel is not None:
+            for other in range(channel.Get_size()):
+                if other != rank:  # small and eager: done even towards a stopped rank
+                    channel.isend((rank, where), dest=other, tag=_REPORT_TAG)
+        return channel
+
     def exchange(self, rank: int, where: str, until: float, stopped: threading.Event
                  ) -> dict[int, str] | None:  # fmt: skip
         """Send `where` to every other rank, and gather theirs until `until` (monotonic);
         None if the collective finished meanwhile (`stopped`)."""
-        heard = {rank: where}
-        channel = self.ready()
-        if channel is not None:
-            for other in range(channel.Get_size()):
-                if other != rank:  # small and eager: complete even towards a stopped rank
-                    channel.isend((rank, where), dest=other, tag=_REPORT_TAG)
+        heard: dict[int, str] = {rank: where}
+        channel = None
         while not stopped.wait(_REPORT_POLL):
-            while channel is not None and channel.iprobe(tag=_REPORT_TAG):
-                sender, said = channel.recv(tag=_REPORT_TAG)
-                heard[sender] = said
+            try:
+                if channel is None:  # the channel, once every rank has joined it: tell them
+                    channel = self._told(rank, where)
+                while channel is not None and channel.iprobe(tag=_REPORT_TAG):
+                    sender, said = channel.recv(tag=_REPORT_TAG)
+                    heard[sender] = said
+            except Exception:  # noqa: BLE001 - the channel broke: report what was heard
+                return heard
             if time.monotonic() >= until:
                 return heard
         return None
