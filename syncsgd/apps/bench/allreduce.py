@@ -166,7 +166,8 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
     rows = []
     for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
         count = nbytes // dtype.itemsize
-        check_agreement(comm, ops, count, dtype)
+        with watching("the check of the algorithms against the library"):  # for --timeout
+            check_agreement(comm, ops, count, dtype)
         buf = np.zeros(count, dtype)  # zeros: sums stay finite and free of denormals
         # Warm up, and size the batches so that one takes about --batch-seconds.
         warm = max(time_batch(comm, op, buf, options.warmup) for op in ops.values())
@@ -345,9 +346,10 @@ def traced_calls(comm: Any, options: argparse.Namespace) -> None:
     for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
         buf = np.zeros(nbytes // dtype.itemsize, dtype)
         for name, op in ops.items():
-            comm.Barrier()  # calls one after the other, not overlapping, on the timeline
-            start = time.perf_counter()
-            op(buf)
+            with watching(f"the traced call of {name}"):  # what --timeout names
+                comm.Barrier()  # calls one after the other, not overlapping, on the timeline
+                start = time.perf_counter()
+                op(buf)
             timeline.span(f"{name} {nbytes} B", "call", start, time.perf_counter(), bytes=nbytes)
     with tempfile.TemporaryDirectory(prefix="syncsgd-trace-") as scratch:
         path = options.timeline or os.path.join(scratch, "trace.json")
