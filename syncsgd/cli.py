@@ -72,10 +72,9 @@ class _Parser(argparse.ArgumentParser):
 def agreed_text(error: str | None) -> str:
     """Under MPI: the one line every rank agrees on (naming the rank if not every rank had it)."""
     try:
-        from syncsgd.comm.world import mpi_world
         from syncsgd.training.run import agree
 
-        agree(mpi_world(), error)
+        agree(mpi_world_within(STARTUP_TIMEOUT), error)
     except ValueError as exc:  # the agreed error
         return str(exc)
     except (ImportError, RuntimeError):  # no mpi4py: nothing to agree with
@@ -320,10 +319,6 @@ def one_line(exc: BaseException) -> str:
 @contextlib.contextmanager
 def _trace_path(options: argparse.Namespace) -> Iterator[str | None]:
     """Where train writes its Chrome trace: --timeline, or a scratch file for --timeline-png."""
-    if options.timeline_png and launcher_rank() == 0:  # rank 0 draws: its node must have the dir
-        from syncsgd.util.files import check_writable as writable
-
-        writable(options.timeline_png)
     if options.timeline or not options.timeline_png:
         yield options.timeline
         return
@@ -464,7 +459,10 @@ def start_up(options: argparse.Namespace) -> None:
         except (ValueError, OSError) as exc:
             error = one_line(exc)
     if job_size() > 1:
-        agree_on_job(settings_of(options), error, getattr(options, "timeout", None))
+        processes = agree_on_job(settings_of(options), error, getattr(options, "timeout", None))
+        if options.debug and launcher_rank() == 0 and processes:  # a launcher names a dead one
+            listed = "; ".join(f"rank {rank} {where}" for rank, where in enumerate(processes))
+            print_line(f"syncsgd: debug: the ranks' processes: {listed}")  # by its pid
     elif error is not None:
         raise UniformError(error)
 
@@ -496,28 +494,70 @@ def shown(value: Any) -> str:
 
 
 def agree_on_job(settings: dict[str, str], error: str | None,
-                 timeout: float | None = None) -> None:  # fmt: skip
+                 timeout: float | None = None) -> list[str]:  # fmt: skip
     """Under MPI: raise the same AgreedError on every rank if any rank has an `error`, or if
     the ranks' `settings` differ (naming the first setting that differs and the ranks).
-    A rank that never arrives ends the job after `timeout` seconds (None: the default 600)."""
+    A rank that never arrives ends the job after `timeout` seconds (None: the default 600).
+    Returns each rank's process, "pid 123 on node" (none without mpi4py)."""
+    seconds = STARTUP_TIMEOUT if timeout is None else timeout
     try:
-        from syncsgd.comm.world import mpi_world
-
-        world = mpi_world()
+        world = mpi_world_within(seconds)
     except RuntimeError:  # no mpi4py: this process is its own job
         if error is not None:
             raise UniformError(error) from None
-        return
+        return []
+    import socket
+
     from syncsgd.comm.watchdog import collective_timeout, watching
     from syncsgd.training.run import AgreedError, agree
 
-    with collective_timeout(world, STARTUP_TIMEOUT if timeout is None else timeout):
+    with collective_timeout(world, seconds):
         agree(world, error)
         with watching("the start-up agreement (allgather)"):
-            everyone = world.allgather(settings)
-    mismatch = settings_mismatch(everyone)
+            everyone = world.allgather((settings, f"pid {os.getpid()} on {socket.gethostname()}"))
+    mismatch = settings_mismatch([their_settings for their_settings, _ in everyone])
     if mismatch is not None:
         raise AgreedError(mismatch)
+    return [process for _, process in everyone]
+
+
+INIT_STAGGER = 1.0  # seconds each rank waits beyond the one below it when MPI_Init never ends
+
+
+def mpi_world_within(seconds: float) -> Any:
+    """COMM_WORLD, initialising MPI; if MPI_Init does not finish within `seconds` (a rank that
+    never started, or stopped before it: MPI_Init waits for every rank), end this process.
+
+    MPI_Init holds the GIL, so no thread of ours can act meanwhile: a forked child watches it.
+    The ranks cannot talk yet: rank r waits `INIT_STAGGER` s longer than rank r - 1, so the
+    lowest waiting rank prints the one line and ends, and the launcher ends the others.
+    """
+    from syncsgd.comm.world import mpi_world
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    if not seconds or (mpi is not None and mpi.Is_initialized()) or not hasattr(os, "fork"):
+        return mpi_world()
+    rank = launcher_rank()
+    line = (f"syncsgd: error: rank {rank}: MPI_Init did not finish in {seconds:g} s (--timeout): "
+            "a rank did not start, or stopped before it; ending the job\n").encode()
+    import select  # before the fork: the child imports nothing
+
+    done, watched = os.pipe()
+    with warnings.catch_warnings():  # 3.12+ warns of fork beside threads (BLAS's): see above
+        warnings.simplefilter("ignore", DeprecationWarning)
+        child = os.fork()
+    if child == 0:  # the watcher: only system calls, no locks another thread may have held
+        os.close(watched)
+        if not select.select([done], [], [], seconds + INIT_STAGGER * rank)[0]:
+            os.write(2, line)
+            os.kill(os.getppid(), signal.SIGKILL)  # the only signal it cannot be deaf to
+        os._exit(0)
+    os.close(done)
+    try:
+        return mpi_world()
+    finally:
+        os.close(watched)  # the watcher reads the end of the pipe: MPI_Init returned
+        os.waitpid(child, 0)
 
 
 def settings_mismatch(everyone: list[dict[str, str]]) -> str | None:

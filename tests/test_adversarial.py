@@ -53,6 +53,7 @@ CASES = [
     ("verify --report r.html --png r.html", 1, "is the same file as"),
     ("study --debug batch-size --bogus", 2, "unrecognized arguments: --bogus"),
     ("bench --debug allreduce --bogus", 2, "unrecognized arguments: --bogus"),
+    ("bench collective --timeout -1", 2, "argument --timeout: must be >= 0, got -1"),
     # inputs that are not what they claim
     ("model --fit sweep.json", 1, "'ranks' must be an integer from 1 to 2**31"),
     ("train --data regression.csv", 1, "regression.csv: integer targets 20..79 make 80 classes "
@@ -197,11 +198,44 @@ def test_the_summary_says_what_was_read(capsys):
                           "features, 4 classes, loss xent\n")  # fmt: skip
 
 
+def test_an_npz_that_unpacks_beyond_memory_is_refused_before_unpacking(tmp_path, monkeypatch,
+                                                                       capsys):  # fmt: skip
+    from syncsgd.training import data
+    from syncsgd.util.machine import human_bytes
+
+    bomb = tmp_path / "bomb.npz"  # 20 MiB of uint8 zeros in about 20 KiB; as floats 160 MiB more
+    np.savez_compressed(bomb, X=np.zeros((1 << 22, 4), np.uint8), y=np.zeros(1 << 22, np.uint8))
+    monkeypatch.setattr(data, "available_memory", lambda: 64 << 20)  # the headers' 20 MiB fit
+    assert main(["train", "--data", str(bomb), "--steps", "3", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    on_disk = human_bytes(os.path.getsize(bomb))
+    assert err == (f"syncsgd: error: {bomb} unpacks to 20 MiB ({on_disk} on disk): with a float64 "
+                   "copy about 180 MiB of memory needed, 64 MiB available\n"), err
+
+
 def test_the_api_refuses_a_missing_communicator():
     from syncsgd import ring_allreduce
 
     with pytest.raises(TypeError, match="ring_allreduce: comm must be a communicator"):
         ring_allreduce(np.zeros(4), None)
+
+
+@pytest.mark.parametrize("call", ["Barrier", "ring_allreduce"])
+def test_an_inner_rank_calling_its_outer_ranks_communicator_is_refused(call):
+    from syncsgd import ring_allreduce
+    from syncsgd.comm.threads import run_threads
+
+    def outer(comm):
+        comm.set_timeout(5)  # were it not refused: a timeout, not a hang
+
+        def inner(inner_comm):
+            return comm.Barrier() if call == "Barrier" else ring_allreduce(np.ones(4), comm)
+
+        return run_threads(2, inner)
+
+    with pytest.raises(ValueError, match=r"ThreadComm\(rank=., size=2\) was called from a rank "
+                       "of another run_threads"):  # fmt: skip
+        run_threads(2, outer)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -251,27 +285,118 @@ def test_ranks_started_differently_end_the_job_with_one_line(first, second, line
 
 
 @requires_mpi
-def test_a_stopped_rank_ends_bench_allreduce_after_its_timeout():
+@pytest.mark.parametrize("benchmark", ["allreduce", "collective"])
+def test_a_stopped_rank_ends_a_benchmark_after_its_timeout(benchmark):
     from test_reliability import rank_processes, start
 
     marker = "1999"  # --max-iters: finds this job's ranks
-    job = start(["bench", "allreduce", "--timeout", "2", "--max-bytes", "64", "--batches",
+    job = start(["bench", benchmark, "--timeout", "2", "--max-bytes", "64", "--batches",
                  "100000", "--max-iters", marker], mpi_ranks=2)  # fmt: skip
     victims: list[int] = []
     try:
         while not job.stdout.readline().startswith("# time:"):  # rank 0 is into the sweep
             assert job.poll() is None, job.stderr.read()
-        victims = [pid for pid in rank_processes(marker) if pid != job.pid]
+        # this job's ranks only: a suite running beside this one starts the same command
+        victims = [pid for pid in rank_processes(marker) if descends_from(pid, job.pid)]
         os.kill(max(victims, key=launcher_rank_of), signal.SIGSTOP)  # not rank 0, who reports
         _, err = job.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)
-        pytest.fail("a stopped rank hung bench allreduce despite --timeout 2")
+        for pid in victims:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _, err = job.communicate()
+        pytest.fail(f"a stopped rank hung bench {benchmark} despite --timeout 2: {err}")
     finally:
         for pid in victims:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-    assert job.returncode != 0 and "no progress for 2 s (--timeout) in " in err, err
+    lines = [line for line in err.splitlines() if "no progress" in line]
+    assert job.returncode != 0 and len(lines) == 1, err  # one line for the job
+    assert lines[0].startswith("syncsgd: error: collective timeout: no progress for 2 s "
+                               "(--timeout): rank 0 in ") and "no report from rank" in err, err
+
+
+KILLED_RANK = """
+import os, signal, sys
+from syncsgd.training.step import DataParallelStep
+original = DataParallelStep.take_
+def take_(self, step):
+    if self.rank == 1 and step == 1:
+        print(f"rank 1 is pid {os.getpid()}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(self, step)
+DataParallelStep.take_ = take_
+from syncsgd.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@requires_mpi
+def test_debug_maps_the_ranks_to_the_pids_a_launcher_names_a_dead_one_by(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_RANK)
+    done = subprocess.run([*mpiexec_command(2), sys.executable, str(script), "--debug", "train",
+                           *TINY, "--steps", "3"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    [mapped] = [line for line in done.stderr.splitlines() if "the ranks' processes" in line]
+    [dead] = [line.split()[-1] for line in done.stderr.splitlines() if "rank 1 is pid" in line]
+    assert mapped.startswith("syncsgd: debug: the ranks' processes: rank 0 pid ")
+    assert f"; rank 1 pid {dead} on " in mapped, done.stderr
+
+
+STOPPED_BEFORE_INIT = """
+import os, signal, sys
+if any(os.environ.get(name) == "1" for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+    os.kill(os.getpid(), signal.SIGSTOP)
+from syncsgd.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@requires_mpi
+def test_a_rank_stopped_before_mpi_init_ends_the_job_after_the_timeout(tmp_path):
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_BEFORE_INIT)
+    job = subprocess.Popen([*mpiexec_command(2), sys.executable, str(script), "train", *TINY,
+                            "--timeout", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)  # fmt: skip
+    try:
+        _, err = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        for pid in ranks_running(str(script)):  # hydra's proxy starts them in a session of theirs
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail("a rank stopped before MPI_Init hung the job despite --timeout 2")
+    errors = [line for line in err.splitlines() if line.startswith("syncsgd:")]
+    assert job.returncode != 0 and errors == [
+        "syncsgd: error: rank 0: MPI_Init did not finish in 2 s (--timeout): a rank did not "
+        "start, or stopped before it; ending the job"], err  # fmt: skip
+
+
+def ranks_running(script: str) -> list[int]:
+    """The processes whose command line runs `script`."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as handle:
+            if script.encode() in handle.read().split(b"\0")[1:2]:
+                found.append(int(entry))
+    return found
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is a descendant of process `ancestor` (Linux: /proc/PID/stat)."""
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                pid = int(handle.read().rsplit(")", 1)[1].split()[1])  # the parent's pid
+        except OSError:
+            return False
+        if pid == ancestor:
+            return True
+    return False
 
 
 def launcher_rank_of(pid: int) -> int:

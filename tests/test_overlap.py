@@ -382,9 +382,11 @@ def test_mpiexec_the_timeout_covers_the_communication_thread(tmp_path, extra):
     done = run_mpiexec(2, [str(script), *ARGS, *extra, "--timeout", "2"], timeout=120)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if "no progress" in line]
-    assert lines and lines[0].startswith(
-        "syncsgd: error: rank 0: no progress for 2 s (--timeout) in ring_allreduce "
-        "(reduce-scatter step 0) at training step 2, waiting for rank 1"), done.stderr
+    assert len(lines) == 1, done.stderr  # one line for the job
+    assert lines[0].startswith(
+        "syncsgd: error: collective timeout: no progress for 2 s (--timeout): rank 0 in "
+        "ring_allreduce (reduce-scatter step 0) at training step 2, waiting for rank 1"
+    ), done.stderr
 
 
 @requires_mpi

@@ -42,7 +42,6 @@ from syncsgd.apps.costmodel import (
 )
 from syncsgd.util.argtypes import positive_int
 from syncsgd.util.figures import SLIDE_DPI, figure_path, new_figure, save
-from syncsgd.util.files import check_writable
 from syncsgd.util.options import writes
 
 PARTS = (
@@ -171,8 +170,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(options: argparse.Namespace) -> int:
     """`syncsgd model`, with --collectives and --scaling."""
-    if options.scaling:
-        check_writable(options.scaling)
     drawn: list[Params] = []
 
     def collectives(options: argparse.Namespace, params: Params, result: dict[str, Any]

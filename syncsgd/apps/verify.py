@@ -25,7 +25,6 @@ from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, prepare, train_rank
 from syncsgd.training.result import sha256
 from syncsgd.util import jsonout
-from syncsgd.util.files import check_writable
 
 # Float mode: the relative distance from serial SGD that a correct run stays within (the tolerance
 # the README documents).
@@ -392,8 +391,6 @@ def run_options(options: Any, config_from_options: Any) -> int:
             raise ValueError("--pitfall all is a table of its own: leave out the grid's lists "
                              "and --report, --png, --svg, --pdf")  # fmt: skip
         return main_grid(config_from_options(options), options)
-    if options.json:
-        check_writable(options.json)  # before the runs, not after them
     if options.pitfall == ALL:
         options.pitfall = None
         return main_all(config_from_options(options), options.tolerance, options.json)

@@ -598,6 +598,15 @@ def _peers(requests: tuple[Request, ...]) -> str:
     return " and ".join(f"rank {p} to receive" for p in sorted({req.peer for req in requests}))
 
 
+class _RankThread(threading.local):
+    """The world whose rank this thread is (None: a thread run_threads did not start)."""
+
+    world: _World | None = None
+
+
+_rank_thread = _RankThread()
+
+
 class ThreadComm:
     """One rank's handle on a world of thread ranks, with mpi4py's upper-case buffer methods."""
 
@@ -639,14 +648,27 @@ class ThreadComm:
         """The same ranks in message contexts of their own (MPI's Dup): a collective call, so
         every rank's n-th Dup gets the same contexts. Its Allreduce and Barrier share the world's
         slots: a rank must not be in collectives on both communicators at once."""
+        self._check_caller()
         made = self._world.__dict__.setdefault("duplicates", [0] * self._world.size)
         made[self._rank] += 1
         return _Duplicate(self._world, self._rank, 2 * made[self._rank])
+
+    def _check_caller(self) -> None:
+        """Refuse a call from a rank of another world (an inner run_threads' rank calling its
+        outer rank's communicator): the ranks of this world would never match it."""
+        world = _rank_thread.world
+        if world is not None and world is not self._world:
+            raise ValueError(
+                f"{self!r} was called from a rank of another run_threads (an inner one?): a "
+                "thread communicator serves only the ranks of the run_threads that made it; "
+                "call the communicator your own rank function was given"
+            )
 
     # -- buffers of the hand-written collectives --------------------------------------------
     def claim(self, array: np.ndarray | None, buf: Any, name: str) -> str | None:
         """Record `array`, the flat view of the caller's `buf` (None: unusable), as this rank's
         buffer for its next collective; why not, if another rank's shares memory with it."""
+        self._check_caller()
         number = self._collectives = self._collectives + 1  # every rank counts calls alike
         if array is None or array.size == 0:
             return None  # the slot keeps an older call's number: never compared
@@ -693,6 +715,7 @@ class ThreadComm:
 
     def _request(self, kind: str, buf: Any, peer: int, tag: int, context: int) -> Request:
         """A checked request, not yet posted."""
+        self._check_caller()
         self._check_peer(peer, any_ok=kind == "recv")
         if kind == "send":
             _check_tag(tag)
@@ -741,6 +764,7 @@ class ThreadComm:
         status: Status | None = None,
     ) -> None:
         # Both checked before either is posted; posted under one lock, waited for in one sleep.
+        self._check_caller()
         into, out = _bytes_of(recvbuf, writable=True), _bytes_of(sendbuf, writable=False)
         self._check_peer(source, any_ok=True)
         self._check_peer(dest, any_ok=False)
@@ -787,6 +811,7 @@ class ThreadComm:
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = SUM) -> None:
         """Plain NumPy reduction of all ranks' buffers, in rank order, copied to every rank."""
+        self._check_caller()
         ufunc = _REDUCE[_op_name(op)]
         out = np.asarray(recvbuf[0] if isinstance(recvbuf, (list, tuple)) else recvbuf)
         source = out if _is_in_place(sendbuf) else np.asarray(sendbuf)
@@ -993,6 +1018,7 @@ def run_threads(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     def rank_main(rank: int) -> None:
         exc: BaseException | None = None
         bind(world.doing[rank])
+        _rank_thread.world = world
         try:
             results[rank] = fn(ThreadComm(world, rank), *args, **kwargs)
         except BaseException as caught:  # noqa: BLE001 - reported to the caller below

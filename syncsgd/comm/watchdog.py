@@ -5,11 +5,14 @@ library's allreduce) and of its training step. The hand-written allreduces recor
 hot loop must not slow down: the watchdog finds them in the thread's frames (`_take_steps`), and
 reads their plan and current step from that frame only when it reports.
 Thread ranks time out in their own waits (`ThreadComm.set_timeout`); an MPI process cannot leave
-a blocking call, so a watchdog thread reads the record and calls `Abort`: docs/thread-backend.md.
+a blocking call, so a watchdog thread reads the record, tells the other ranks on a communicator of
+its own (`ReportChannel`), and the lowest rank that timed out prints one line for the job and
+calls `Abort`: docs/thread-backend.md.
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -19,8 +22,8 @@ from typing import Any
 
 from syncsgd.util.lines import print_line
 
-# After its line, a rank waits this long before it ends the job: the other ranks stuck by the
-# same hang (they time out within a sampling interval of each other) print theirs too.
+# A rank that timed out hears this long from the other ranks stuck by the same hang (they time
+# out within a sampling interval of each other) before the lowest of them ends the job.
 ABORT_GRACE = 2.0
 _LONGEST_POLL = 1.0  # the watchdog looks at least this often (and ten times per timeout)
 
@@ -134,17 +137,106 @@ def _awaited(doing: Doing, plan: Any, step: Any) -> str:
     return "every other rank" if doing.peer is None else f"rank {doing.peer}"
 
 
-def timeout_line(rank: int, seconds: float, doing: Doing) -> str:
-    """The one line a rank prints when its collective timed out."""
-    return (f"syncsgd: error: rank {rank}: no progress for {seconds:g} s (--timeout) in "
-            f"{describe(doing)}; ending the job")  # fmt: skip
+def timeout_line(seconds: float, waits: dict[int, str], silent: list[int]) -> str:
+    """The job's one line when its collective timed out: each waiting rank's `describe`, in rank
+    order (as the thread ranks' CollectiveTimeout), and the ranks no word came from."""
+    listed = "; ".join(f"rank {rank} in {where}" for rank, where in sorted(waits.items()))
+    unheard = f"; no report from {_ranks(silent)}" if silent else ""
+    return (f"syncsgd: error: collective timeout: no progress for {seconds:g} s (--timeout): "
+            f"{listed}{unheard}; ending the job")  # fmt: skip
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 1', 'ranks 1,4'."""
+    return f"rank{'s' * (len(ranks) > 1)} {','.join(map(str, ranks))}"
+
+
+_REPORT_TAG = 1  # the only tag on a report channel
+
+
+class ReportChannel:
+    """A communicator of the job's own (a nonblocking Dup of the watched one) on which the
+    watchdogs of ranks that timed out tell each other where they wait.
+
+    The Dup is started where every rank enters the timeout alike and never waits: a stopped
+    rank leaves it unfinished, and the ranks then report alone. It needs MPI_THREAD_MULTIPLE
+    (the watchdog calls MPI beside the blocked rank); with less there is no channel.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm, self.request = comm.Idup()
+
+    def ready(self) -> Any:
+        """The channel's communicator once every rank has it, else None."""
+        try:
+            return self.comm if self.request.Test() else None
+        except Exception:  # noqa: BLE001 - a broken job: report alone
+            return None
+
+    def _told(self, rank: int, where: str) -> Any:
+        """Send `where` to every other rank once the channel is ready; the channel, or None."""
+        channel = self.ready()
+        if channel is not None:
+            for other in range(channel.Get_size()):
+                if other != rank:  # small and eager: done even towards a stopped rank
+                    channel.isend((rank, where), dest=other, tag=_REPORT_TAG)
+        return channel
+
+    def exchange(self, rank: int, where: str, until: float, stopped: threading.Event
+                 ) -> dict[int, str] | None:  # fmt: skip
+        """Send `where` to every other rank, and gather theirs until `until` (monotonic);
+        None if the collective finished meanwhile (`stopped`)."""
+        heard: dict[int, str] = {rank: where}
+        channel = None
+        while not stopped.wait(_REPORT_POLL):
+            try:
+                if channel is None:  # the channel, once every rank has joined it: tell them
+                    channel = self._told(rank, where)
+                while channel is not None and channel.iprobe(tag=_REPORT_TAG):
+                    sender, said = channel.recv(tag=_REPORT_TAG)
+                    heard[sender] = said
+            except Exception:  # noqa: BLE001 - the channel broke: report what was heard
+                return heard
+            if time.monotonic() >= until:
+                return heard
+        return None
+
+
+_REPORT_POLL = 0.05
+_CHANNELS: dict[str, ReportChannel] = {}  # COMM_WORLD's, made once
+
+
+def report_channel(comm: Any) -> ReportChannel | None:
+    """The report channel of MPI's COMM_WORLD, started on its first use; None for another
+    communicator (a freed one's handle can come back as a new one's, which not every rank
+    would know) or without MPI_THREAD_MULTIPLE. Every rank calls this at the same point (it
+    starts a collective)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or getattr(comm, "unwatched", comm) != mpi.COMM_WORLD:
+        return None
+    found = _CHANNELS.get("world")
+    if found is None:
+        if mpi.Query_thread() != mpi.THREAD_MULTIPLE:
+            return None
+        atexit.register(_free_channels)  # after mpi4py's: runs before MPI_Finalize
+        found = _CHANNELS["world"] = ReportChannel(comm)
+    return found
+
+
+def _free_channels() -> None:
+    """Free the report channels every rank has joined (MPI_Finalize warns of the others)."""
+    for channel in _CHANNELS.values():
+        if channel.ready() is not None:
+            channel.comm.Free()
+    _CHANNELS.clear()
 
 
 class Watchdog:
     """A daemon thread that aborts this MPI process's job when `doing` makes no progress."""
 
-    def __init__(self, comm: Any, seconds: float, doing: Doing) -> None:
-        self.comm, self.seconds, self.doing = comm, seconds, doing
+    def __init__(self, comm: Any, seconds: float, doing: Doing,
+                 channel: ReportChannel | None = None) -> None:  # fmt: skip
+        self.comm, self.seconds, self.doing, self.channel = comm, seconds, doing, channel
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.run, name="syncsgd-watchdog", daemon=True)
 
@@ -163,11 +255,28 @@ class Watchdog:
                 return
 
     def abort(self, doing: Doing) -> None:
-        """Print this rank's line, give the others time to print theirs, end the job."""
-        print_line(timeout_line(self.comm.Get_rank(), self.seconds, doing))
-        if self.stopped.wait(ABORT_GRACE):  # the collective finished after all
+        """Hear from the other ranks stuck by the same hang (they time out within a sampling
+        interval of each other); the lowest of them prints the job's line and ends the job."""
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        until = time.monotonic() + ABORT_GRACE
+        if self.channel is None:
+            heard: dict[int, str] | None = {rank: describe(doing)}
+            if self.stopped.wait(ABORT_GRACE):
+                return
+        else:
+            heard = self.channel.exchange(rank, describe(doing), until, self.stopped)
+        if heard is None:  # the collective finished after all
             return
+        if rank != min(heard):  # a lower rank prints and aborts; if it cannot, this one does
+            if self.stopped.wait(ABORT_GRACE + _ABORT_LATENCY):
+                return
+        silent = [] if self.channel is None else sorted(set(range(size)) - set(heard))
+        print_line(timeout_line(self.seconds, heard, silent))
+        time.sleep(0.2)  # let the launcher forward the line before it kills the job
         self.comm.Abort(1)
+
+
+_ABORT_LATENCY = 3.0  # seconds within which another rank's Abort ends this process
 
 
 def bcast_peer(comm: Any, root: int) -> int | None:
@@ -225,7 +334,7 @@ def collective_timeout(comm: Any, seconds: float | None) -> Iterator[None]:
     """Within: a collective that makes no progress for `seconds` (0 or None: never) fails.
 
     Thread ranks: every rank raises `CollectiveTimeout`, naming each waiting rank's collective
-    and peer. MPI: each rank prints one line naming them and the job is aborted.
+    and peer. MPI: the lowest waiting rank prints one line naming them, and the job is aborted.
     """
     if not seconds:
         yield
@@ -238,7 +347,7 @@ def collective_timeout(comm: Any, seconds: float | None) -> Iterator[None]:
         finally:
             set_timeout(previous)
         return
-    dog = Watchdog(comm, seconds, current())
+    dog = Watchdog(comm, seconds, current(), report_channel(comm))
     dog.thread.start()
     try:
         yield

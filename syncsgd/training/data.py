@@ -40,7 +40,7 @@ import numpy as np
 
 from syncsgd.nn.mlp import LOSSES
 from syncsgd.util.files import check_regular_file
-from syncsgd.util.machine import check_memory
+from syncsgd.util.machine import available_memory, check_memory, human_bytes
 from syncsgd.util.validate import choice, float_dtype, integer
 
 SOURCES = (
@@ -389,25 +389,35 @@ _SYNTHETIC = {
 
 
 def check_npz(path: str, what: str = "data file") -> None:
-    """ValueError unless `path` is an .npz file whose arrays fit in memory (read from headers)."""
+    """ValueError unless `path` is an .npz file whose arrays fit in memory, with a float64 copy
+    of each (the cast to the training dtype): from the zip members' declared sizes and the
+    arrays' headers, before anything is unpacked."""
     check_regular_file(path, what)
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # every .npz is a zip archive
         raise ValueError(f"{path} is not an .npz file (not a zip archive)")
-    total = 0
+    declared = headed = elements = 0  # bytes the members declare, bytes their headers describe
     try:
         with zipfile.ZipFile(path) as archive:
-            for name in archive.namelist():
-                with archive.open(name) as member:
-                    version = np.lib.format.read_magic(member)
+            for member in archive.infolist():
+                declared += member.file_size  # zipfile unpacks no more than a member declares
+                with archive.open(member) as opened:
+                    version = np.lib.format.read_magic(opened)
                     read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                             else np.lib.format.read_array_header_2_0)  # fmt: skip
-                    shape, _, dtype = read(member)
-                total += math.prod(shape) * dtype.itemsize
+                    shape, _, dtype = read(opened)
+                headed += math.prod(shape) * dtype.itemsize
+                elements += math.prod(shape)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise ValueError(f"{path} is not a readable .npz file: {exc}") from None
-    check_memory(total, f"the arrays of {path}")
+    stored = max(declared, headed)
+    needed, free = stored + 8 * elements, available_memory()
+    if needed > free:
+        on_disk = human_bytes(os.path.getsize(path))
+        raise ValueError(f"{path} unpacks to {human_bytes(stored)} ({on_disk} on disk): with a "
+                         f"float64 copy about {human_bytes(needed)} of memory needed, "
+                         f"{human_bytes(free)} available")  # fmt: skip
 
 
 def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray, bool]:

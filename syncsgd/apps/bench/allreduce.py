@@ -45,7 +45,7 @@ from syncsgd.training.timeline import write as write_timeline
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import positive_float, positive_int
 from syncsgd.util.figures import figure_path
-from syncsgd.util.files import check_writable, write_text
+from syncsgd.util.files import write_text
 from syncsgd.util.machine import check_memory
 from syncsgd.util.options import BACKEND, JSON, RANKS, TIMEOUT, writes
 
@@ -128,14 +128,15 @@ def slowest(comm: Any, seconds: float) -> float:
     return float(value[0])
 
 
-def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iters: int) -> float:
+def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iters: int,
+               what: str = "a timed batch of allreduces") -> float:  # fmt: skip
     """Per-op seconds of `iters` back-to-back calls, as seen by the slowest rank.
 
     One untimed call first: the batches of different algorithms alternate, and the first call
     after another algorithm's pays for bringing this one's buffers back into the caches (at 8 MiB,
     with a few calls per batch, that alone moved the ratio of two identical library calls by 10%).
     """
-    with watching("a timed batch of allreduces"):  # what --timeout names if the library's hangs
+    with watching(what):  # what --timeout names if the library's call hangs
         op(buf)
         comm.Barrier()
         start = time.perf_counter()
@@ -165,7 +166,8 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
     rows = []
     for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
         count = nbytes // dtype.itemsize
-        check_agreement(comm, ops, count, dtype)
+        with watching("the check of the algorithms against the library"):  # for --timeout
+            check_agreement(comm, ops, count, dtype)
         buf = np.zeros(count, dtype)  # zeros: sums stay finite and free of denormals
         # Warm up, and size the batches so that one takes about --batch-seconds.
         warm = max(time_batch(comm, op, buf, options.warmup) for op in ops.values())
@@ -344,9 +346,10 @@ def traced_calls(comm: Any, options: argparse.Namespace) -> None:
     for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
         buf = np.zeros(nbytes // dtype.itemsize, dtype)
         for name, op in ops.items():
-            comm.Barrier()  # calls one after the other, not overlapping, on the timeline
-            start = time.perf_counter()
-            op(buf)
+            with watching(f"the traced call of {name}"):  # what --timeout names
+                comm.Barrier()  # calls one after the other, not overlapping, on the timeline
+                start = time.perf_counter()
+                op(buf)
             timeline.span(f"{name} {nbytes} B", "call", start, time.perf_counter(), bytes=nbytes)
     with tempfile.TemporaryDirectory(prefix="syncsgd-trace-") as scratch:
         path = options.timeline or os.path.join(scratch, "trace.json")
@@ -442,9 +445,6 @@ def main(options: argparse.Namespace) -> int:
     """Run the sweep on the backend the options ask for."""
     if options.min_bytes > options.max_bytes:
         raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
-    for path in (options.json, options.csv, options.png, options.timeline, options.timeline_png):
-        if path:
-            check_writable(path)
     if options.png or options.timeline_png:
         try:
             import matplotlib  # noqa: F401

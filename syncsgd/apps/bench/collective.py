@@ -25,12 +25,12 @@ import numpy as np
 from syncsgd import collectives
 from syncsgd.apps.bench.allreduce import message_sizes, parse_bytes, slowest, time_batch
 from syncsgd.comm.threads import ThreadComm
+from syncsgd.comm.watchdog import watching, within_timeout
 from syncsgd.comm.world import constants, launch, resolve_backend
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import comma_separated, positive_float, positive_int
-from syncsgd.util.files import check_writable
 from syncsgd.util.machine import check_memory
-from syncsgd.util.options import BACKEND, JSON, RANKS
+from syncsgd.util.options import BACKEND, JSON, RANKS, TIMEOUT
 
 LIBRARY = "library"
 Op = Callable[[], Any]
@@ -106,7 +106,7 @@ def check_against_library(comm: Any, collective: str, count: int, dtype: np.dtyp
 
 def _timed(comm: Any, op: Op, iters: int) -> float:
     """Per-op seconds of `iters` calls of `op`, as the slowest rank saw them (after one more)."""
-    return time_batch(comm, lambda _: op(), _NO_BUFFER, iters)
+    return time_batch(comm, lambda _: op(), _NO_BUFFER, iters, "a timed batch of collectives")
 
 
 def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]) -> list[dict]:
@@ -117,7 +117,8 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
         sizes = message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize)
         counts = dict.fromkeys(max(n // dtype.itemsize // size, 1) * size for n in sizes)
         for count in counts:  # multiples of P elements
-            check_against_library(comm, collective, count, dtype)
+            with watching(f"the check of {collective} against the library"):
+                check_against_library(comm, collective, count, dtype)
             ops = operations(comm, collective, count, dtype)
             warm = max(_timed(comm, op, options.warmup) for op in ops.values())
             iters = int(min(max(options.batch_seconds / max(warm, 1e-9), 1), options.max_iters))
@@ -198,17 +199,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-iters", type=positive_int, default=1000,
                         help="most calls in one batch (1000)")  # fmt: skip
     JSON.add(parser, help="write the results as JSON")
+    TIMEOUT.add(parser)
 
 
 def main(options: argparse.Namespace) -> int:
     """Run the sweep on the backend the options ask for."""
     if options.min_bytes > options.max_bytes:
         raise ValueError(f"--min-bytes {options.min_bytes} exceeds --max-bytes {options.max_bytes}")
-    if options.json:
-        check_writable(options.json)
     ranks = options.ranks
     if ranks is None and options.backend != "mpi":
         ranks = 2 if resolve_backend(options.backend) == "threads" else None
     check_memory(6 * options.max_bytes * (ranks or 1), f"messages of {options.max_bytes} bytes")
-    launch(run, options, backend=options.backend, ranks=ranks)
+    launch(within_timeout(run, options.timeout), options, backend=options.backend, ranks=ranks)
     return 0
