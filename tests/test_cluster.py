@@ -121,7 +121,9 @@ def test_ctrl_c_tears_everything_down():
 @requires_cluster
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("nodes", "per_node"), SHAPES)
+# Training: 3 nodes (every ring step crosses a link) and 2 x 2 (links and shared memory mixed);
+# 2 nodes of 1 rank adds no path that these do not take.
+@pytest.mark.parametrize(("nodes", "per_node"), SHAPES[1:])
 def test_training_across_nodes_is_bitwise_the_single_host_run(tmp_path, nodes, per_node):
     ranks = nodes * per_node
     saved, exact = tmp_path / "float.npz", tmp_path / "exact.npz"
@@ -168,12 +170,13 @@ def test_a_node_whose_link_is_cut_ends_the_job_within_a_minute(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     before = network_state()
-    command = [sys.executable, "-m", "syncsgd.cli", "cluster", "--nodes", "2", "--timeout", "25",
+    command = [sys.executable, "-m", "syncsgd.cli", "cluster", "--nodes", "2", "--timeout", "10",
                "--mpiexec", str(mpiexec_path()), "--", sys.executable, str(script)]  # fmt: skip
     start = time.monotonic()
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     node = _wait_for_namespace("-n1", before)
     time.sleep(4.0)  # the ranks are in their loop
+    assert job.poll() is None  # the cut comes before the watchdog's 10 s
     subprocess.run(["ip", "netns", "exec", node, "ip", "link", "set", "eth0", "down"], check=True)
     _, err = job.communicate(timeout=90)
     assert job.returncode != 0, err
