@@ -17,7 +17,7 @@ from conftest import requires_mpi, run_mpiexec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from syncsgd import train
+from syncsgd import cli, train
 from syncsgd.comm.threads import run_threads
 from syncsgd.training import overlap
 
@@ -227,13 +227,31 @@ def mpi_params(tmp_path, ranks: int, *extra: str) -> bytes:
     done = run_mpiexec(ranks, ["-m", "syncsgd.cli", *args, "--quiet", *extra, "--save",
                                str(saved)], timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr
+    return saved_bytes(saved)
+
+
+def plain_params(tmp_path, ranks: int, *extra: str) -> bytes:
+    """The saved parameters of `syncsgd train` without --overlap: on `ranks` thread ranks for the
+    ring, which runs the MPI ranks' sums in their order (test_cli_train), under mpiexec for the
+    library's allreduce, whose order only the library knows."""
+    if "mpi" in extra:
+        return mpi_params(tmp_path, ranks, *extra)
+    saved = tmp_path / f"t{ranks}{len(extra)}.npz"
+    args = [a for a in ARGS if a not in ("--overlap", "--quiet")]
+    assert cli.main([*args, "--quiet", *extra, "--ranks", str(ranks), "--save", str(saved)]) == 0
+    return saved_bytes(saved)
+
+
+def saved_bytes(saved) -> bytes:
+    """Every array of a saved .npz, in name order, as one byte string."""
     with np.load(saved) as arrays:
         return b"".join(arrays[name].tobytes() for name in sorted(arrays.files))
 
 
-# Each case launches two jobs, one P for each mode (P = 2 with the library's allreduce). Under
-# the second MPI library CI runs the exact ring and the library's allreduce (mpi_once: the ring
-# in other dtypes adds nothing that depends on the library).
+# Each case launches one job with --overlap and compares it with the run without it, on thread
+# ranks (P = 2 with the library's allreduce: a second job). Under the second MPI library CI runs
+# the exact ring and the library's allreduce (mpi_once: the ring in other dtypes adds nothing
+# that depends on the library).
 ONCE = pytest.mark.mpi_once
 
 
@@ -243,7 +261,7 @@ ONCE = pytest.mark.mpi_once
                                                       marks=ONCE),
                                          (2, ["--algorithm", "mpi"])])  # fmt: skip
 def test_mpiexec_overlap_is_bitwise_the_step_without_it(tmp_path, ranks, mode):
-    assert mpi_params(tmp_path, ranks, *mode, "--overlap") == mpi_params(tmp_path, ranks, *mode)
+    assert mpi_params(tmp_path, ranks, *mode, "--overlap") == plain_params(tmp_path, ranks, *mode)
 
 
 @requires_mpi
@@ -255,7 +273,7 @@ def test_mpiexec_overlap_is_bitwise_the_step_without_it(tmp_path, ranks, mode):
 def test_mpiexec_overlap_with_batchnorm_is_bitwise_the_step_without_it(tmp_path, ranks, mode):
     # The saved arrays hold the running statistics too. Sync: BatchNorm's allreduces on the
     # rank's communicator while the buckets travel on the duplicate, from two threads.
-    assert mpi_params(tmp_path, ranks, *mode, "--overlap") == mpi_params(tmp_path, ranks, *mode)
+    assert mpi_params(tmp_path, ranks, *mode, "--overlap") == plain_params(tmp_path, ranks, *mode)
 
 
 @requires_mpi
