@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from syncsgd import cli, train
+from syncsgd.comm import threads as threads_module
 from syncsgd.comm.threads import run_threads
 from syncsgd.training import overlap
 
@@ -210,6 +211,8 @@ def test_a_stuck_communication_thread_times_out(monkeypatch, options):
         return original(self, index)
 
     monkeypatch.setattr(overlap.Overlap, "reduce_bucket_", stuck)
+    # Rank 1 is stuck through any grace: test_timeout bounds waiting out the 2 s of it.
+    monkeypatch.setattr(threads_module, "TIMEOUT_GRACE", 0.1)
     try:
         with pytest.raises(CollectiveTimeout, match="training step 0"):
             train(**SMALL, ranks=2, overlap=True, bucket_bytes=0, timeout=1, **options)
