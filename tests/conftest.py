@@ -33,6 +33,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """The markers of this suite."""
     config.addinivalue_line("markers", "cluster: runs MPI across emulated nodes (root; seconds)")
     config.addinivalue_line("markers", "mpi: runs a real mpiexec (`-m mpi`: the MPI tests alone)")
+    config.addinivalue_line(
+        "markers", "mpi_once: an MPI case whose siblings prove the same under each MPI library "
+        "(CI runs it under MPICH only: `-m \"mpi and not mpi_once\"` under Open MPI)"
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -125,6 +125,7 @@ def test_accumulate_means_differs_exactly_when_micro_batches_are_uneven(ranks, a
 
 
 @requires_mpi
+@pytest.mark.mpi_once  # micro-batches are each rank's own: the library sees the one allreduce
 def test_accumulation_under_mpiexec_is_bitwise_the_serial_run(tmp_path):
     config = small(SPECS[0], batch_size=10, exact=True)
     serial = train(config, ranks=1).arrays()

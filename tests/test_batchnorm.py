@@ -309,6 +309,7 @@ def test_sync_equals_torch_batchnorm1d_in_training_mode():
 
 
 @requires_mpi
+@pytest.mark.mpi_once  # under each library: test_overlap's mpiexec BatchNorm runs
 def test_under_mpiexec_sync_is_exact_and_local_differs(tmp_path):
     args = ["--samples", "97", "--features", "5", "--hidden", "6,4", "--batch-size", "20",
             "--steps", "6", "--seed", "3", "--lr", "0.05"]  # fmt: skip

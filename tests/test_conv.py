@@ -344,7 +344,7 @@ def thread_digests() -> dict[str, str]:
 
 
 @requires_mpi
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.mpi_once), 3])
 def test_mpiexec_exact_conv_training_has_one_sha256_for_every_p(tmp_path, ranks):
     path = tmp_path / "mpi.npz"
     done = run_mpiexec(ranks, ["-m", "syncsgd.cli", "train", *MPI_ARGS, "--save", str(path)],

@@ -192,7 +192,8 @@ def test_corrupt_and_foreign_checkpoints_are_clear_errors(tmp_path):
 
 
 @requires_mpi
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.mpi_once), 2, 3,
+                                   pytest.param(4, marks=pytest.mark.mpi_once)])  # fmt: skip
 def test_exact_mode_under_mpiexec_is_bitwise_the_serial_run(tmp_path, ranks):
     saved = tmp_path / "mpi.npz"
     done = run_mpiexec(ranks, ["-m", "syncsgd.cli", "train", "--exact", *SMALL_ARGS,

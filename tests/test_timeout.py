@@ -14,6 +14,7 @@ import pytest
 from conftest import mpiexec_flags, mpiexec_path, requires_mpi
 
 from syncsgd import train
+from syncsgd.comm import threads
 from syncsgd.comm.threads import CollectiveTimeout, run_threads
 from syncsgd.comm.watchdog import collective_timeout
 from syncsgd.training import hooks, loop, timeline
@@ -93,6 +94,9 @@ def test_the_training_loops_collectives_are_named(monkeypatch, tmp_path, where, 
                                                    options, named):  # fmt: skip
     module, name, is_stalled = where
     stall_on(monkeypatch, module, name, is_stalled, 30)
+    # The stalled rank sleeps through any grace: waiting out the 2 s of it (which the test above
+    # bounds) would not change the message these cases read.
+    monkeypatch.setattr(threads, "TIMEOUT_GRACE", 0.1)
     if "timeline" in options:
         options = {**options, "timeline": str(tmp_path / "trace.json")}
     message, took = timed_out(timeout=1, **options)

@@ -227,6 +227,7 @@ def test_overlap_gives_a_transformer_the_same_bits(exact, precision):
 
 
 @requires_mpi
+@pytest.mark.mpi_once  # under each library: test_reproducibility's and test_conv's exact runs
 def test_under_mpiexec_exact_mode_is_the_serial_runs_bits(tmp_path):
     args = ["--model", "gpt(layers=1,d=4,heads=2)", "--data", "numbers-to-words", "--samples",
             "12", "--context", "4", "--batch-size", "5", "--steps", "3", "--lr", "0.01",

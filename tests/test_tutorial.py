@@ -39,11 +39,19 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("tutorial")
 
 
+# What each command printed, by (workdir, command): a command the two documents (or the figures'
+# test) share runs once, and its files stay in the shared workdir for whoever reads them.
+_finished: dict[tuple[str, str], subprocess.CompletedProcess] = {}
+
+
 def run_command(workdir, command: str, status: int) -> subprocess.CompletedProcess:
-    """Run a documented command in `workdir` and check its exit status."""
-    argv = [sys.executable, "-m", "syncsgd.cli", *shlex.split(command)[1:]]
-    done = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "MPLBACKEND": "Agg"})  # fmt: skip
+    """Run a documented command in `workdir` (once) and check its exit status."""
+    key = (str(workdir), command)
+    if key not in _finished:
+        argv = [sys.executable, "-m", "syncsgd.cli", *shlex.split(command)[1:]]
+        _finished[key] = subprocess.run(argv, cwd=workdir, capture_output=True, text=True,
+                                        timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})
+    done = _finished[key]
     assert done.returncode == status, f"{command}\n{done.stdout}\n{done.stderr}"
     assert "Traceback" not in done.stderr
     return done
