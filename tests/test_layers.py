@@ -39,53 +39,20 @@ specs = hidden_layers.map(lambda hidden: f"{hidden} dense".strip())
 # -- one computation two ways: the layers' sums against the oracle's, per layer --------------------
 
 
-@pytest.mark.parametrize("loss", ["xent", "mse"])
-@pytest.mark.parametrize("mode", ["float", "exact"])
-def test_gradient_sums_are_the_oracles(loss, mode):
+def local_sums(network, X, y, mode: str, precision: str = "fp32",
+               micro_batches: int = 1) -> tuple[float, np.ndarray]:  # fmt: skip
+    """The loss sum and the gradient sums of the samples X, in `micro_batches` passes."""
     from syncsgd.nn.backprop import Backprop
     from syncsgd.nn.numerics import numerics
 
-    network = build("dense(6) relu dense(5) tanh dense", (4,), 3, loss, "float64")
-    params = network.init_params(3)
-    rng = np.random.default_rng(0)
-    X = rng.standard_normal((9, 4))
-    y = rng.integers(0, 3, 9) if loss == "xent" else rng.standard_normal((9, 3))
-    nx = numerics(mode == "exact", "fp32", network.dtype, network.largest_weight(),
-                  9 * network.largest_block(), network.n_params)  # fmt: skip
-    passes, sums = Backprop(network, 9, nx), np.zeros(network.n_params)
-    if nx.exact:
-        nx.begin_()
-    loss_sum, _ = passes.forward_loss_(params, X, y)
-    passes.backward_(sums, network.n_layers - 1, 0)
-    if nx.exact:
-        bounds = np.zeros(len(nx.peaks))
-        nx.bounds(bounds)
-        scales = nx.scales(bounds, 9)
-        loss_sum = nx.extract_loss(scales)
-        nx.accumulate_(scales, network.n_layers - 1, 0)
-    expected_loss, expected = network_loss_and_grad(network.spec, network.to_arrays(params),
-                                                    X, y, loss)  # fmt: skip
-    assert loss_sum / 9 == pytest.approx(expected_loss, rel=1e-13)
-    ours = {name: view / 9 for name, view in network.views(sums).items()}
-    assert relative(ours, expected) < 1e-13
-
-
-def local_sums(network, mode: str, precision: str, micro_batches: int) -> tuple[float, bytes]:
-    """The loss sum and the bytes of the gradient sums of 9 samples, in `micro_batches` passes."""
-    from syncsgd.nn.backprop import Backprop
-    from syncsgd.nn.numerics import numerics
-
-    params = network.init_params(3)
-    rng = np.random.default_rng(0)
-    X, y = rng.standard_normal((9, 4)), rng.integers(0, 3, 9)
-    X[0] = 0.0  # a sample whose first pre-activations are the bias alone
+    params, m = network.init_params(3), len(X)
     nx = numerics(mode == "exact", precision, network.dtype, network.largest_weight(),
-                  9 * network.largest_block(), network.n_params)  # fmt: skip
-    passes, sums = Backprop(network, 9, nx), np.zeros(network.n_params, network.dtype)
+                  m * network.largest_block(), network.n_params)  # fmt: skip
+    passes, sums = Backprop(network, m, nx), np.zeros(network.n_params, network.dtype)
     loss_sum = 0.0
     if nx.exact:
         nx.begin_()
-    for index, part in enumerate(np.array_split(np.arange(9), micro_batches)):
+    for index, part in enumerate(np.array_split(np.arange(m), micro_batches)):
         nx.first_sums = not nx.exact and index == 0
         loss_sum += passes.forward_loss_(params, X[part], y[part])[0]
         passes.backward_(sums, network.n_layers - 1, 0)
@@ -94,10 +61,26 @@ def local_sums(network, mode: str, precision: str, micro_batches: int) -> tuple[
     if nx.exact:
         bounds = np.zeros(len(nx.peaks))
         nx.bounds(bounds)
-        scales = nx.scales(bounds, 9)
+        scales = nx.scales(bounds, m)
         loss_sum = nx.extract_loss(scales)
         nx.accumulate_(scales, network.n_layers - 1, 0)
-    return loss_sum, sums.tobytes()
+    return loss_sum, sums
+
+
+@pytest.mark.parametrize("loss", ["xent", "mse"])
+@pytest.mark.parametrize("mode", ["float", "exact"])
+def test_gradient_sums_are_the_oracles(loss, mode):
+    network = build("dense(6) relu dense(5) tanh dense", (4,), 3, loss, "float64")
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((9, 4))
+    y = rng.integers(0, 3, 9) if loss == "xent" else rng.standard_normal((9, 3))
+    loss_sum, sums = local_sums(network, X, y, mode)
+    expected_loss, expected = network_loss_and_grad(network.spec,
+                                                    network.to_arrays(network.init_params(3)),
+                                                    X, y, loss)  # fmt: skip
+    assert loss_sum / 9 == pytest.approx(expected_loss, rel=1e-13)
+    ours = {name: view / 9 for name, view in network.views(sums).items()}
+    assert relative(ours, expected) < 1e-13
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -112,9 +95,12 @@ def test_a_relu_absorbed_by_its_dense_layer_gives_the_relus_own_bits(mode, preci
     apart.absorbed = frozenset()
     for layer in apart.layers:
         layer.activation = 0
-    ours = local_sums(absorbing, mode, precision, micro_batches)
-    theirs = local_sums(apart, mode, precision, micro_batches)
-    assert ours == theirs
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((9, 4)), rng.integers(0, 3, 9)
+    X[0] = 0.0  # a sample whose first pre-activations are the bias alone
+    ours = local_sums(absorbing, X, y, mode, precision, micro_batches)
+    theirs = local_sums(apart, X, y, mode, precision, micro_batches)
+    assert ours[0] == theirs[0] and ours[1].tobytes() == theirs[1].tobytes()
 
 
 # -- the headline: distributed == serial for any P, exact mode bitwise for any P -------------------
