@@ -339,14 +339,7 @@ def _phase_lines(rows: Sequence[tuple[str, Any, Any]], width: float) -> list[str
     parts = [f"{first}: {what}" if first == last else f"{first}-{last}: {what}"
              for first, last, what in spans]  # fmt: skip
     parts[0] = "round " + parts[0]
-    lines = [""]
-    for part in parts:
-        joined = f"{lines[-1]}; {part}" if lines[-1] else part
-        if text_width(joined, TEXT) <= width or not lines[-1]:
-            lines[-1] = joined
-        else:
-            lines.append(part)
-    return lines
+    return _fill(parts, "; ", width)
 
 
 # -- --frames: one slide per round ----------------------------------------------------------------
@@ -396,13 +389,19 @@ class FrameLayout:
 
 def _wrap(text: str, width: float) -> list[str]:
     """`text` in lines of at most `width` points at 14 points, broken at spaces."""
+    return _fill(text.split(" "), " ", width)
+
+
+def _fill(pieces: Sequence[str], separator: str, width: float) -> list[str]:
+    """The pieces joined by `separator` into lines of at most `width` points (a piece wider than
+    a line gets a line of its own)."""
     lines = [""]
-    for word in text.split(" "):
-        joined = f"{lines[-1]} {word}" if lines[-1] else word
+    for piece in pieces:
+        joined = f"{lines[-1]}{separator}{piece}" if lines[-1] else piece
         if text_width(joined, TEXT) <= width or not lines[-1]:
             lines[-1] = joined
         else:
-            lines.append(word)
+            lines.append(piece)
     return lines
 
 
