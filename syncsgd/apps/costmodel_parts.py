@@ -237,13 +237,8 @@ def _against_ranks(axes: Any, nbytes: float, params: Params, algorithms: Sequenc
     if ranks[0] <= turn <= ranks[-1]:
         axes.axvline(turn, color="#56B4E9", linestyle="--", linewidth=2.5,
                      label=f"P = nβ/α = {turn:.3g}")  # fmt: skip
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
-    axes.set_xlabel("ranks P", fontsize=FONT_POINTS)
-    axes.set_ylabel("predicted allreduce time (s)", fontsize=FONT_POINTS)
-    axes.set_title(f"n = {format_bytes(nbytes)}: bandwidth-bound left of nβ/α, "
-                   "latency-bound right", fontsize=FONT_POINTS)  # fmt: skip
-    _finish(axes)
+    _finish(axes, "ranks P", f"n = {format_bytes(nbytes)}: bandwidth-bound left of nβ/α, "
+                             "latency-bound right")  # fmt: skip
 
 
 def _against_size(axes: Any, ranks: int, params: Params, algorithms: Sequence[str]) -> None:
@@ -255,17 +250,18 @@ def _against_size(axes: Any, ranks: int, params: Params, algorithms: Sequence[st
     if n[0] <= turn <= n[-1]:
         axes.axvline(turn, color="#56B4E9", linestyle="--", linewidth=2.5,
                      label=f"n = Pα/β = {format_bytes(turn)}")  # fmt: skip
+    _finish(axes, "message size n (bytes)",
+            f"P = {ranks}: latency-bound left of Pα/β, bandwidth-bound right")  # fmt: skip
+
+
+def _finish(axes: Any, xlabel: str, title: str) -> None:
+    """Log-log axes of predicted time, their labels and title, slide-sized ticks, a grid and the
+    legend."""
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
-    axes.set_xlabel("message size n (bytes)", fontsize=FONT_POINTS)
+    axes.set_xlabel(xlabel, fontsize=FONT_POINTS)
     axes.set_ylabel("predicted allreduce time (s)", fontsize=FONT_POINTS)
-    axes.set_title(f"P = {ranks}: latency-bound left of Pα/β, bandwidth-bound right",
-                   fontsize=FONT_POINTS)  # fmt: skip
-    _finish(axes)
-
-
-def _finish(axes: Any) -> None:
-    """Slide-sized ticks, a grid and the legend."""
+    axes.set_title(title, fontsize=FONT_POINTS)
     axes.minorticks_off()  # hundreds of unlabelled ticks cost seconds of layout
     axes.tick_params(labelsize=FONT_POINTS)
     axes.grid(True, which="major", alpha=0.3)
