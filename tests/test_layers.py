@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from oracle import network_loss_and_grad, serial_sgd
 
 from syncsgd import TrainConfig, train
+from syncsgd.nn.layers.base import IDENTITY
 from syncsgd.nn.network import build, parse_spec
 from syncsgd.training.run import prepare
 
@@ -94,7 +95,7 @@ def test_a_relu_absorbed_by_its_dense_layer_gives_the_relus_own_bits(mode, preci
     apart = build(spec, (4,), 3, "xent", "float32")
     apart.absorbed = frozenset()
     for layer in apart.layers:
-        layer.activation = 0
+        layer.activation = IDENTITY
     rng = np.random.default_rng(0)
     X, y = rng.standard_normal((9, 4)), rng.integers(0, 3, 9)
     X[0] = 0.0  # a sample whose first pre-activations are the bias alone

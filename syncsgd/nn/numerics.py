@@ -32,9 +32,8 @@ from numba import njit
 
 from syncsgd.nn import exact as ex
 from syncsgd.nn import precision as pr
+from syncsgd.nn.layers.base import IDENTITY, RELU
 from syncsgd.nn.layers.relu import rectified, rectified_grad, relu_, relu_backward_
-
-IDENTITY, RELU = 0, 1  # the element-wise function a dense layer's passes apply
 
 
 @njit(nogil=True, cache=True)

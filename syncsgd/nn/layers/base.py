@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 Shape = tuple[int, ...]
+# The element-wise function a layer's own passes apply to its output (an absorbed layer's).
+IDENTITY, RELU = 0, 1
 
 
 @dataclass(frozen=True)

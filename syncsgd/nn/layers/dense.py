@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from syncsgd.nn.arrays import shape_size
-from syncsgd.nn.layers.base import Layer, Param, Shape, rows
+from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Shape, rows
 
 
 class Dense(Layer):
@@ -25,7 +25,7 @@ class Dense(Layer):
             raise ValueError(f"dense({width}): the width must be >= 1")
         self.width, self.in_out = width, in_out
         self.positions = 1  # rows per sample (output_shape sets it)
-        self.activation = 0  # the relu after it, when its passes apply it (absorb), or none: 0
+        self.activation = IDENTITY  # RELU: the relu after it, applied in its passes (absorb)
 
     def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
         """The input's leading axes, then the width."""
@@ -46,7 +46,7 @@ class Dense(Layer):
         """A relu right after it is applied in its own passes (one pass fewer each way)."""
         if following.kind != "relu":
             return False
-        self.activation = 1  # numerics.RELU (numerics imports Numba: not at parse time)
+        self.activation = RELU
         return True
 
     def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
