@@ -15,6 +15,8 @@ class MeanSquaredError:
     """The regression loss; it counts no hits."""
 
     kind = "mse"
+    labels = False  # float target rows
+    noun = "output"
 
     def forward_delta_(self, nx: Any, outputs: np.ndarray, targets: np.ndarray,
                        delta: np.ndarray, losses: np.ndarray) -> int:  # fmt: skip

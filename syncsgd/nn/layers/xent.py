@@ -15,6 +15,8 @@ class CrossEntropy:
     """The classification loss; accuracy counts the argmax hits."""
 
     kind = "xent"
+    labels = True  # integer class labels; accuracy counts the argmax hits
+    noun = "class"
 
     def forward_delta_(self, nx: Any, logits: np.ndarray, labels: np.ndarray, delta: np.ndarray,
                        losses: np.ndarray) -> int:  # fmt: skip
