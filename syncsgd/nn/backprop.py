@@ -15,21 +15,21 @@ import numpy as np
 
 from syncsgd.nn.arrays import describe, shape_size
 from syncsgd.nn.kernels import check_count, first_load, label_range
-from syncsgd.nn.layers.mse import MeanSquaredError
-from syncsgd.nn.layers.xent import CrossEntropy
+from syncsgd.nn.losses import loss_entry, make_loss
 from syncsgd.nn.network import Network
+from syncsgd.nn.numerics import Float, LocalGroup
 
-LOSSES: dict[str, Any] = {"xent": CrossEntropy, "mse": MeanSquaredError}
 EVALUATE_CHUNK = 1024  # samples per forward pass in `evaluate`
 
 
 class Backprop:
     """Loss and gradient sums of a network over a micro-batch of at most `max_batch` samples."""
 
-    def __init__(self, network: Network, max_batch: int, nx: Any) -> None:
+    def __init__(self, network: Network, max_batch: int, nx: Float) -> None:
         self.network, self.nx = network, nx
         self.max_batch = check_count("max_batch", max_batch, low=0)
-        self.loss = LOSSES[network.loss]()
+        self.loss = make_loss(network.loss)
+        self.labels = loss_entry(network.loss).labels  # integer labels, else target rows
         self._inputs = np.zeros(self.max_batch * shape_size(network.in_shape), nx.dtype)
         self._outputs, self._grads = self._workspaces(nx.dtype)
         self.positions = shape_size(network.layers[-1].out_shape[:-1])  # loss terms per sample
@@ -154,7 +154,7 @@ class Backprop:
             raise ValueError(f"micro-batch of {m} samples exceeds max_batch={self.max_batch}")
         # The losses read y flat, without bounds checks: one label (or target row) per position.
         shape = (m, *network.layers[-1].out_shape[:-1])
-        if network.loss == "xent":
+        if self.labels:
             y_array = np.asarray(y)
             integers = y_array.size == 0 or y_array.dtype.kind in "biu"
             if y_array.size != shape_size(shape) or not integers:
@@ -182,14 +182,11 @@ def evaluate(network: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,
              running: np.ndarray | None = None, eps: float = 1e-5) -> tuple[float, float]:
     """(mean loss, accuracy) over all samples in float mode, batchnorm with the running
     statistics; accuracy is nan for mse."""
-    from syncsgd.nn.numerics import Float, LocalGroup
-
     n_samples = len(X)
     if n_samples == 0:
         raise ValueError("evaluate needs at least one sample")
     chunk = min(n_samples, EVALUATE_CHUNK)
-    nx = Float(network.dtype, 0)
-    nx.group = LocalGroup(training=False, eps=eps)
+    nx = Float(network.dtype, 0, LocalGroup(training=False, eps=eps))
     passes = Backprop(network, chunk, nx)
     if running is None:
         running = network.init_running()
@@ -199,45 +196,5 @@ def evaluate(network: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,
         part_loss, part_correct = passes.forward_loss_(params, X[rows], y[rows], running)
         loss_sum, correct = loss_sum + part_loss, correct + part_correct
     terms = n_samples * passes.positions
-    accuracy = correct / terms if network.loss == "xent" else float("nan")
+    accuracy = correct / terms if passes.labels else float("nan")
     return loss_sum / terms, accuracy
-
-
-class Gradient:
-    """Loss and SUM of per-sample gradients of a micro-batch on one process, in any mode.
-
-    The training step's local gradient without the ranks: exact mode's peaks are this micro-batch's
-    own (one rank agreeing with itself), so its sums are those of a serial run of the same batch.
-    """
-
-    def __init__(self, model: Any, max_batch: int, *, exact: bool = False,
-                 precision: str = "fp32") -> None:  # fmt: skip
-        from syncsgd.nn.numerics import numerics
-
-        self.network = model if isinstance(model, Network) else model.network()
-        network = self.network
-        self.nx: Any = numerics(exact, precision, network.dtype, network.largest_weight(),
-                           max_batch * network.largest_block(), network.n_params)  # fmt: skip
-        self.passes = Backprop(network, max_batch, self.nx)
-
-    def __call__(self, params: np.ndarray, X: np.ndarray, y: np.ndarray, grad_out: np.ndarray,
-                 scale: float = 1.0, running: np.ndarray | None = None) -> tuple[float, int]:
-        """(sum of losses, argmax hits); grad_out = the sum of gradients of `scale` times the
-        loss (in exact mode float64)."""
-        nx, top = self.nx, self.network.n_layers - 1
-        if grad_out.shape != (self.network.n_params,) or not grad_out.flags.writeable:
-            raise ValueError(f"grad_out must be a writable array of shape "
-                             f"({self.network.n_params},), got {describe(grad_out)}")  # fmt: skip
-        if nx.exact:
-            grad_out[:] = 0  # the extracted sums are added in
-        nx.scale, nx.first_sums = scale, not nx.exact
-        if nx.exact:
-            nx.begin_()
-            nx.global_batch = max(len(X), 1)
-        loss_sum, hits = self.passes.forward_loss_(params, X, y, running)
-        self.passes.backward_(grad_out, top, 0)
-        if nx.exact:
-            scales = nx.scales(np.array(nx.peaks), nx.global_batch)
-            loss_sum = nx.extract_loss(scales)
-            nx.accumulate_(scales, top, 0)
-        return loss_sum, hits

@@ -23,9 +23,9 @@ and their bits do not depend on how the batch is split. docs/exact-mode.md has t
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numba import njit
@@ -203,8 +203,25 @@ def magics(peaks: np.ndarray, count: int) -> np.ndarray:
     return result
 
 
+class Group(Protocol):
+    """Whose values a sum or a peak is over: BatchNorm's statistics, exact mode's peaks."""
+
+    training: bool
+    eps: float
+    momentum: float
+    alone: bool  # True: this process's values are the group's (nothing crosses the ranks)
+
+    def stats(self, position: Hashable, kind: Any, width: int) -> Any: ...
+
+    def sum_(self, values: np.ndarray) -> None: ...
+
+    def max_(self, values: np.ndarray) -> None: ...
+
+
 class LocalGroup:
     """Whose samples BatchNorm's statistics are over: this rank's shard alone (or evaluation)."""
+
+    alone = True
 
     def __init__(self, training: bool = True, eps: float = 1e-5, momentum: float = 0.1) -> None:
         self.training, self.eps, self.momentum = training, eps, momentum
@@ -228,16 +245,45 @@ class Float:
 
     exact = False
 
-    def __init__(self, dtype: np.dtype, max_weights: int) -> None:
+    def __init__(self, dtype: np.dtype, max_weights: int, group: Group | None = None) -> None:
         self.dtype = np.dtype(dtype)  # of the activations and deltas
-        self.scale = 1.0  # the loss scale: deltas are of `scale` times the loss
-        self.group: LocalGroup = LocalGroup()  # BatchNorm's statistics group
+        self.scale = 1.0  # the loss scale of the micro-batch under way: deltas are of it times
+        self.group: Group = group or LocalGroup()  # BatchNorm's statistics group
         self.global_batch = 1  # B, which bounds how many terms a sum has (exact mode)
-        # Set by the caller when this pass's sums are the first into their slots (one micro-batch,
-        # float mode): each is written, not added, so the buffer needs no zeroing first and a
-        # weight sum is its one BLAS call (the same bits as adding to zero, two passes fewer).
+        # True while a micro-batch's sums are the first into their slots (the first, float mode):
+        # each is written, not added, so the buffer needs no zeroing first and a weight sum is
+        # its one BLAS call (the same bits as adding to zero, two passes fewer).
         self.first_sums = False
         self._product = np.zeros(max_weights, self.dtype)  # one weight gradient before it is added
+
+    # -- a step's lifecycle, in the order nn/local.py calls it --------------------------------
+
+    def begin_step_(self, grads: np.ndarray, global_batch: int) -> None:
+        """A step over a shard of `global_batch` samples: the sums will be written into grads."""
+        self.global_batch = global_batch
+
+    def begin_micro_batch_(self, index: int, scale: float) -> None:
+        """Micro-batch `index`'s passes, of `scale` times its loss: the first writes its sums,
+        the others add to them."""
+        self.first_sums, self.scale = index == 0, scale
+
+    def end_forward_(self, backward_: Callable[[], None], last: bool) -> None:
+        """After a micro-batch's forward pass: its whole backward pass, but for the last, whose
+        layers the caller runs in pieces (`layers_`)."""
+        if not last:
+            backward_()
+
+    def agree_(self, grads: np.ndarray, loss: np.ndarray) -> None:
+        """Nothing to agree on: the loss sum is final and the sums are written as they come."""
+
+    def layers_(self, backward_: Callable[[int, int], None], top: int, bottom: int) -> None:
+        """The last micro-batch's backward pass through layers top down to bottom."""
+        backward_(top, bottom)
+
+    @property
+    def sums_in_layers(self) -> bool:
+        """Whether `layers_` sums values over the group (BatchNorm's statistics over the ranks)."""
+        return not self.group.alone
 
     def weights(self, params: np.ndarray) -> np.ndarray:
         """The weights the passes read: the parameters themselves."""
@@ -332,8 +378,9 @@ class Float:
 class Narrow(Float):
     """bf16/fp16 as autocast: products of format values in float32, their results rounded."""
 
-    def __init__(self, dtype: np.dtype, max_weights: int, fmt: int, n_params: int) -> None:
-        super().__init__(np.dtype(np.float32), max_weights)
+    def __init__(self, dtype: np.dtype, max_weights: int, fmt: int, n_params: int,
+                 group: Group | None = None) -> None:  # fmt: skip
+        super().__init__(np.dtype(np.float32), max_weights, group)
         self.fmt = fmt
         self._weights = np.zeros(n_params, np.float32)
 
@@ -389,8 +436,12 @@ class Exact(Float):
 
     exact = True
 
-    def __init__(self, dtype: np.dtype, max_weights: int, max_block: int) -> None:
-        super().__init__(dtype, max_weights)
+    def __init__(self, dtype: np.dtype, max_weights: int, max_block: int,
+                 group: Group | None = None, ranks: Group | None = None) -> None:  # fmt: skip
+        super().__init__(dtype, max_weights, group)
+        self.ranks: Group = ranks or LocalGroup()  # whose peaks the extraction must cover
+        self.agreed: list[tuple[float, float]] | None = None  # (M, ulp(M)) per term; None: inf
+        self._bounds = np.zeros(0)
         self.terms: list[Term] = []
         self.peaks: list[float] = []
         # A later micro-batch's terms share the first micro-batch's peak slots: the next slot to
@@ -424,11 +475,51 @@ class Exact(Float):
         out[...] = X
         return out
 
-    def begin_(self) -> None:
-        """Forget the last pass's terms."""
+    # -- a step's lifecycle: every term registered, the peaks agreed, then the extraction -----
+
+    def begin_step_(self, grads: np.ndarray, global_batch: int) -> None:
+        """Forget the last step's terms; the extracted sums are added into grads, zeroed."""
+        grads[...] = 0
+        self.global_batch = global_batch
         self.terms.clear()
         self.peaks.clear()
         self._shared = None
+        self.agreed = None
+
+    def begin_micro_batch_(self, index: int, scale: float) -> None:
+        """Micro-batch `index`'s passes, of `scale` times its loss; after the first, their terms
+        add to the first's."""
+        self.scale = scale
+        if index > 0:
+            self.next_micro_batch_()
+
+    def end_forward_(self, backward_: Callable[[], None], last: bool) -> None:
+        """The whole backward pass now: the peaks are agreed on over every term."""
+        backward_()
+
+    def agree_(self, grads: np.ndarray, loss: np.ndarray) -> None:
+        """The peaks of every term, MAX over the ranks, then the loss sum extracted into loss[0];
+        NaN in grads and loss if a peak is not finite (every rank alike)."""
+        if self._bounds.size != len(self.peaks):
+            self._bounds = np.zeros(len(self.peaks))
+        self.bounds(self._bounds)
+        self.ranks.max_(self._bounds)
+        if not np.isfinite(self._bounds).all():
+            grads[...] = np.nan
+            loss[...] = np.nan
+            return
+        self.agreed = self.scales(self._bounds, self.global_batch)
+        loss[0] = self.extract_loss(self.agreed)
+
+    def layers_(self, backward_: Callable[[int, int], None], top: int, bottom: int) -> None:
+        """Extract the sums of layers top down to bottom (their passes ran in the forward)."""
+        if self.agreed is not None:
+            self.accumulate_(self.agreed, top, bottom)
+
+    @property
+    def sums_in_layers(self) -> bool:
+        """Nothing: `layers_` only extracts."""
+        return False
 
     def next_micro_batch_(self) -> None:
         """The next pass adds to this one's sums: keep the factors of the terms registered so
@@ -584,8 +675,9 @@ class ExactNarrow(Exact):
     """Exact mode with the passes in bf16/fp16: per-sample products of format values, rounded."""
 
     def __init__(self, dtype: np.dtype, max_weights: int, max_block: int, fmt: int,
-                 n_params: int) -> None:  # fmt: skip
-        super().__init__(dtype, max_weights, max_block)
+                 n_params: int, group: Group | None = None,
+                 ranks: Group | None = None) -> None:  # fmt: skip
+        super().__init__(dtype, max_weights, max_block, group, ranks)
         self.fmt = fmt
         self._weights = np.zeros(n_params, self.dtype)
 
@@ -596,14 +688,19 @@ class ExactNarrow(Exact):
 
 
 def numerics(exact: bool, precision: str, dtype: np.dtype, max_weights: int, max_block: int,
-             n_params: int) -> Float:  # fmt: skip
-    """The numerics of a mode and precision, with workspaces for the largest weight matrix."""
+             n_params: int, group: Group | None = None,
+             ranks: Group | None = None) -> Float:  # fmt: skip
+    """The numerics of a mode and precision, with workspaces for the largest weight matrix;
+    `group`: BatchNorm's statistics' (default: this process alone), `ranks`: the group exact
+    mode's peaks are agreed over (default: this process alone)."""
     fmt = pr.PRECISION_CODES[precision]
     if exact:
         if fmt:
-            return ExactNarrow(dtype, max_weights, max_block, fmt, n_params)
-        return Exact(dtype, max_weights, max_block)
-    return Narrow(dtype, max_weights, fmt, n_params) if fmt else Float(dtype, max_weights)
+            return ExactNarrow(dtype, max_weights, max_block, fmt, n_params, group, ranks)
+        return Exact(dtype, max_weights, max_block, group, ranks)
+    if fmt:
+        return Narrow(dtype, max_weights, fmt, n_params, group)
+    return Float(dtype, max_weights, group)
 
 
-__all__ = ["Exact", "ExactNarrow", "Float", "Narrow", "numerics"]
+__all__ = ["Exact", "ExactNarrow", "Float", "Group", "LocalGroup", "Narrow", "numerics"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from syncsgd.comm.watchdog import Doing, records, watching
 from syncsgd.nn.network import Network
-from syncsgd.training.layered import LayeredLocalGradient
+from syncsgd.training.layered import RankGradient
 from syncsgd.training.run import agree
 from syncsgd.training.variants import Variant
 
@@ -178,10 +178,9 @@ class WholePhases:
         self.local, self.variant, self.batch_size, self.size = local, variant, batch_size, size
         self.n_params = local.n_params
 
-    def begin_(self, comm: Any, params: np.ndarray, X: np.ndarray, y: np.ndarray,
-               sums: np.ndarray) -> None:  # fmt: skip
+    def begin_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray, sums: np.ndarray) -> None:
         """The whole local sum, then the variant's change of it."""
-        self.local(comm, params, X, y, sums)
+        self.local(params, X, y, sums)
         shard_size, batch_size = self.batch_size()
         self.variant.contribution_(sums[: self.n_params], shard_size, batch_size, self.size)
 
@@ -190,7 +189,7 @@ class WholePhases:
         """Nothing left to compute."""
 
 
-def phases_for(local: LayeredLocalGradient, variant: Variant,
+def phases_for(local: RankGradient, variant: Variant,
                batch_size: Callable[[], tuple[int, int]], size: int) -> Any:  # fmt: skip
     """The local gradient in the pieces the overlap interleaves with its buckets: its own
     begin_ and layers_, or the whole of it first when a pitfall changes the whole gradient."""
@@ -236,7 +235,7 @@ class Overlap:
         stepper, phases = self.stepper, self.phases
         params, sums = stepper.params, stepper.comm_buffer
         self.shard = (shard_size, batch_size)
-        phases.begin_(self.comm, params, X, y, sums)
+        phases.begin_(params, X, y, sums)
         self.backward_started = time.perf_counter()  # the forward pass (exact: and the bounds)
         for rider in self.early:  # the stop flag: it needs no gradient
             rider.fill_(rider.slots, stepper.grad_sum, shard_size)

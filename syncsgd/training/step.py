@@ -21,7 +21,7 @@ from syncsgd.training.run import Run
 from syncsgd.training.variants import Variant
 
 if TYPE_CHECKING:
-    from syncsgd.training.layered import LayeredLocalGradient
+    from syncsgd.training.layered import RankGradient
 
 # The ring's chunk boundaries depend on the buffer's length, and with them the order in which a
 # gradient element's float sum is taken: the buffer keeps at least as many slots for the values
@@ -95,7 +95,7 @@ class DataParallelStep:
                                       variant.order_seed(config.seed, self.rank), config.shuffle)
         largest_shard = -(-config.batch_size // self.size)
         buffer = CommBuffer(model.n_params, np.dtype(np.float64 if config.exact else model.dtype))
-        self.local_gradient = local_gradient(config, model, largest_shard, buffer, trace)
+        self.local_gradient = local_gradient(config, model, comm, largest_shard, buffer, trace)
         self.local_gradient.micro_batch_weight = variant.micro_batch_weight
         riders = [*riders, *(Rider(*fields) for fields in variant.riders(self))]  # a pitfall's
         spans = [buffer.register(rider.name, rider.count) for rider in riders]
@@ -183,7 +183,7 @@ class DataParallelStep:
     def local_sum_(self, shard: np.ndarray) -> None:
         """This shard's gradient sum and loss sum, into the communication buffer."""
         X, y = self.gather_(shard)
-        self.local_gradient(self.comm, self.params, X, y, self.comm_buffer)
+        self.local_gradient(self.params, X, y, self.comm_buffer)
 
     def gather_(self, shard: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The shard's samples and targets, gathered into buffers allocated once."""
@@ -215,13 +215,13 @@ class DataParallelStep:
         return info["lr"], info["grad_norm"]
 
 
-def local_gradient(config: Any, model: MLP | Network, largest_shard: int, buffer: CommBuffer,
-                   trace: Any = None) -> LayeredLocalGradient:  # fmt: skip
+def local_gradient(config: Any, model: MLP | Network, comm: Any, largest_shard: int,
+                   buffer: CommBuffer, trace: Any = None) -> RankGradient:  # fmt: skip
     """The passes that fill the buffer with this rank's sums, in the run's mode and precision."""
-    from syncsgd.training.layered import LayeredLocalGradient  # imports Numba: when training
+    from syncsgd.training.layered import RankGradient  # imports Numba: when training
 
     network = model if isinstance(model, Network) else model.network()
-    return LayeredLocalGradient(config, network, largest_shard, buffer, trace)
+    return RankGradient(config, network, comm, largest_shard, buffer, trace)
 
 
 def bucket_slices(model: MLP | Network, buffer: np.ndarray,
