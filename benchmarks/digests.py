@@ -1,7 +1,7 @@
 """Digests of a set of tiny runs over every kind of network, checked against a record.
 
-    python benchmarks/digests.py             # check the current code against the record
-    python benchmarks/digests.py --record    # write the record (only from the code to pin)
+    python -m benchmarks.digests             # check the current code against the record
+    python -m benchmarks.digests --record    # write the record (only from the code to pin)
 
 Purpose: a refactor of the passes around the layers must not change a bit of what training
 computes, in float mode or exact mode. Where benchmarks/pinned.py pins the MLP against the code
@@ -21,9 +21,9 @@ import time
 from typing import Any
 
 import numpy as np
-from pinned import HERE, machine, sha256, source_commit
 
 import syncsgd
+from benchmarks.pinned import HERE, machine, sha256, source_commit
 
 RECORD = HERE / "digests.json"
 

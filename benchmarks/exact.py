@@ -1,4 +1,4 @@
-"""Exact-mode gradient benchmark: the exact numerics' two phases against float mode's Gradient.
+"""Exact-mode gradient benchmark: the exact numerics' two phases against float mode's gradient.
 
     python benchmarks/exact.py                  # MLP 784-256-256-10 relu xent, micro-batch 128,
                                                 # then whole steps at P = 2 (target: <= 4x)
@@ -12,7 +12,7 @@ mode is `passes` (Backprop with the Exact numerics: the batch-invariant forward 
 passes, every sum registered with its peaks) then `extract` (`Exact.scales` and the extraction of
 every registered sum at its agreed fixed point); the MAX-allreduce between the two is a
 collective, timed by the step benchmark, not here (the peaks of this rank stand in for the agreed
-ones: the cost does not depend on their values). Float mode is one `backprop.Gradient` call (BLAS).
+ones: the cost does not depend on their values). Float mode is one `local_gradient` call (BLAS).
 
 Method: both modes are first checked against each other (exact mean within the stated bound plus
 float rounding of float mode), their first calls timed apart (JIT compile or cache load), then
@@ -87,7 +87,7 @@ class ExactPhases:
 
     def pass_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> None:
         """The per-sample passes: every sum registered with its peaks, the peaks in `bounds`."""
-        self.nx.begin_()
+        self.nx.begin_step_(self.grads, max(len(X), 1))
         self.passes.forward_loss_(params, X, y)
         self.passes.backward_(self.grads, self.top, 0)
         if self.bounds.size != len(self.nx.peaks):
@@ -105,10 +105,10 @@ class ExactPhases:
 
 def rank_calls(model: Network, options: argparse.Namespace, rank: int) -> dict[str, Callable]:
     """One rank's calls of every mode, after checking that exact and float mode agree."""
-    from syncsgd.nn.backprop import Gradient
+    from syncsgd.nn.local import local_gradient
 
     params, X, y = setup(model, options.batch, options.seed, rank)
-    gradient, exact = Gradient(model, options.batch), ExactPhases(model, options.batch)
+    gradient, exact = local_gradient(model, options.batch), ExactPhases(model, options.batch)
     grad = np.empty(model.n_params, model.dtype)
     exact.pass_(params, X, y)
     exact_loss = exact.extract(options.global_batch)

@@ -4,7 +4,7 @@
     python benchmarks/kernels.py --features 32 --hidden 64 --classes 4 --batch 16 --json k.json
     OPENBLAS_NUM_THREADS=1 python benchmarks/kernels.py --clock cpu --thread-ranks 2
 
-The "numba" side is `syncsgd.nn.backprop.Gradient`: the training step's local gradient (the
+The "numba" side is `syncsgd.nn.local.local_gradient`: the training step's local gradient (the
 network's layers over the float numerics: BLAS products, Numba loops between them) called directly,
 without ranks. Its network is `MLP.network()`, the MLP's flat layout, so both sides share `params`.
 
@@ -18,7 +18,7 @@ time: steadier on a busy machine, and with OPENBLAS_NUM_THREADS=1 it is the work
 Both sides use BLAS with its default threads, as a user would run them (NumPy's own OpenBLAS;
 Numba's np.dot calls SciPy's); OPENBLAS_NUM_THREADS=1 compares them single-threaded.
 `--thread-ranks T` also times the batch split over T concurrent thread ranks (each with its own
-`backprop.Gradient`), as the threads backend runs them: a multi-threaded OpenBLAS serializes
+`local_gradient`), as the threads backend runs them: a multi-threaded OpenBLAS serializes
 concurrent callers, so compare with and without OPENBLAS_NUM_THREADS=1
 (`syncsgd.nn.kernels.limit_blas_threads`).
 Nothing is asserted: the machines are shared and noisy.
@@ -84,7 +84,7 @@ def setup(model: MLP, batch: int, seed: int):
 def run(options: argparse.Namespace) -> list[dict]:
     """Times both implementations for every dtype; prints and returns one row per (dtype, impl)."""
     started = time.perf_counter()
-    from syncsgd.nn import backprop  # imports Numba and the layers' kernels
+    from syncsgd.nn import local  # imports Numba and the layers' kernels
 
     import_seconds = time.perf_counter() - started
     from syncsgd.apps.bench.step import cache_counts, step_kernels
@@ -96,7 +96,7 @@ def run(options: argparse.Namespace) -> list[dict]:
     for dtype in options.dtypes:
         model = MLP(sizes, "relu", "xent", np.dtype(dtype))
         params, X, y, grad = setup(model, options.batch, options.seed)
-        gradient = backprop.Gradient(model, options.batch)
+        gradient = local.local_gradient(model, options.batch)
         numba_grad = np.zeros_like(grad)
         _, misses_before = cache_counts(dispatchers)
         started = time.perf_counter()
@@ -125,7 +125,7 @@ def run(options: argparse.Namespace) -> list[dict]:
 
     print(
         f"MLP {'-'.join(map(str, sizes))} relu xent, micro-batch {options.batch}; "
-        f"import of syncsgd.nn.backprop (numba) {import_seconds:.2f} s; median of "
+        f"import of syncsgd.nn.local (numba) {import_seconds:.2f} s; median of "
         f"{options.batches} rounds x {options.iters} calls, {options.clock} clock; cores "
         f"{os.cpu_count()}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
     )
@@ -160,13 +160,13 @@ def run(options: argparse.Namespace) -> list[dict]:
                 f"{row['ratio_numpy_over_numba'] if impl == 'numba' else 1.0:>12.2f}  {note}"
             )
     if options.thread_ranks > 1:
-        rows += thread_rank_rows(options, sizes, backprop)
+        rows += thread_rank_rows(options, sizes, local)
     return rows
 
 
 def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...],
-                     backprop: Any) -> list[dict]:  # fmt: skip
-    """Strong scaling: the batch split over T thread ranks, each with its own backprop.Gradient.
+                     local: Any) -> list[dict]:  # fmt: skip
+    """Strong scaling: the batch split over T thread ranks, each with its own local gradient.
 
     A step is every rank's call, released together; it takes as long as the slowest rank.
     """
@@ -179,7 +179,7 @@ def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...],
             shards = np.array_split(np.arange(options.batch), count)
             groups[dtype, count] = [
                 functools.partial(
-                    backprop.Gradient(model, len(shard)), params, X[shard], y[shard],
+                    local.local_gradient(model, len(shard)), params, X[shard], y[shard],
                     np.empty_like(params),
                 )
                 for shard in shards

@@ -3,7 +3,7 @@
     python benchmarks/layers.py                               # simple-cnn, float32, 64 samples
     python benchmarks/layers.py --model lenet5 --dtype float64 --batch 256 --exact
 
-One `backprop.Gradient` call (the step's forward and backward passes over one shard, one BLAS
+One `nn.local.local_gradient` call (the step's forward and backward passes over one shard, one BLAS
 thread) is timed `--repeats` times after one burn-in call, in this thread's CPU seconds
 (`time.thread_time`: steadier than wall-clock on a shared machine; the passes run on the calling
 thread). Each layer's `forward_`, `backward_sums_` and `backward_input_`, the numerics' products
@@ -52,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls (3)")
     options = parser.parse_args(argv)
 
-    from syncsgd.nn.backprop import Gradient
     from syncsgd.nn.kernels import limit_blas_threads
     from syncsgd.nn.layers import conv
+    from syncsgd.nn.local import local_gradient
     from syncsgd.nn.network import build
 
     limit_blas_threads(1)
     net = build(options.model, options.input_shape, options.classes, "xent", options.dtype)
-    gradient = Gradient(net, options.batch, exact=options.exact)
+    gradient = local_gradient(net, options.batch, exact=options.exact)
     parts: dict[str, float] = collections.defaultdict(float)
     for layer in net.layers:
         for method in ("forward_", "backward_sums_", "backward_input_"):

@@ -5,7 +5,7 @@
 
 The step (`DataParallelStep.take_`) is taken apart into its phases, called in its order on thread
 ranks, with the run's hooks after each step: the global batch's indices, the gather of the shard,
-the local gradient's passes (`LayeredLocalGradient`: the network's layers forward, the loss, the
+the local gradient's passes (`RankGradient`: the network's layers forward, the loss, the
 layers backward: the matrix products and the Numba passes between them), the riders' fill, the
 allreduce, the division by B with the finiteness check, the riders' read, the update, the hooks.
 Beside them, on rank 0 alone, the passes' eight matrix products by themselves (the same shapes
@@ -86,7 +86,7 @@ def timed_step(stepper: Any, hooks: list, step: int, clock: Callable[[], float],
     marks.append(clock())
     X, y = stepper.gather_(shard)
     marks.append(clock())
-    stepper.local_gradient(stepper.comm, stepper.params, X, y, stepper.comm_buffer)
+    stepper.local_gradient(stepper.params, X, y, stepper.comm_buffer)
     marks.append(clock())
     stepper.variant.contribution_(stepper.grad_sum, len(shard), len(batch), stepper.size)
     for rider in stepper.riders:

@@ -6,7 +6,7 @@
 What is timed: the forward and backward pass of one batch of B sequences of T tokens (the loss
 the mean cross-entropy over the B x T tokens, every parameter's gradient), on one process with
 one BLAS thread:
-  float   syncsgd's passes in float mode (`backprop.Gradient`), float64 and float32;
+  float   syncsgd's passes in float mode (`nn.local.local_gradient`), float64 and float32;
   exact   the same in exact mode (per-sample products in a fixed order, every sum extracted);
   torch   the same network as a torch.nn.Sequential (nn.Embedding, nn.MultiheadAttention with a
           causal mask, nn.LayerNorm, nn.Linear, GELU) from the same parameters, loss.backward(),
@@ -31,7 +31,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy's and the ker
 
 import numpy as np  # noqa: E402
 
-from syncsgd.nn.backprop import Gradient  # noqa: E402
+from syncsgd.nn.local import local_gradient  # noqa: E402
 from syncsgd.nn.network import build  # noqa: E402
 
 VOCABULARY, SEED = 64, 0
@@ -79,7 +79,7 @@ def contenders(layers: int, d: int, heads: int, positions: int, batch: int,
     found: dict[str, Callable[[], Any]] = {}
     for mode in ("float", "exact"):  # exact mode's sums are float64 whatever the dtype
         grads = np.zeros(network.n_params, np.float64 if mode == "exact" else dtype)
-        passes = Gradient(network, batch, exact=mode == "exact")
+        passes = local_gradient(network, batch, exact=mode == "exact")
         found[mode] = functools.partial(passes, params, X, labels, grads)
     try:
         import torch

@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from oracle import evaluation_loss, serial_sgd
 
 from syncsgd import TrainConfig, train
+from syncsgd.nn.local import local_gradient
 from syncsgd.nn.mlp import MLP
-from syncsgd.training.layered import LayeredLocalGradient
 from syncsgd.training.loop import prepare
-from syncsgd.training.step import CommBuffer
 
 
 def oracle_for(config: TrainConfig) -> tuple[dict, list[float]]:
@@ -143,14 +142,12 @@ def test_local_equals_serial_sgd_with_per_shard_statistics(ranks, batch_size):
 
 def finite_difference_gradient(model: MLP, params: np.ndarray, X, y, h: float = 1e-6):
     """The mean loss's gradient by central differences, through the training-mode forward."""
-    config = small(batchnorm="local")  # the statistics of the shard alone: no ranks to ask
-    buffer = CommBuffer(model.n_params, model.dtype)
-    local = LayeredLocalGradient(config, model.network(), len(X), buffer)
-    sums = np.zeros(model.n_params + 6)
+    network = model.network()
+    gradient = local_gradient(network, len(X))  # the statistics of the shard alone: no ranks
+    running, sums = network.init_running(), np.zeros(model.n_params)
 
     def loss(theta: np.ndarray) -> float:
-        local(None, theta, X, y, sums)
-        return sums[local.loss_slot] / len(X)
+        return gradient(theta, X, y, sums, running=running)[0] / len(X)
 
     gradient = np.empty(model.n_params)
     for k in range(model.n_params):
@@ -158,7 +155,7 @@ def finite_difference_gradient(model: MLP, params: np.ndarray, X, y, h: float = 
         up[k] += h
         down[k] -= h
         gradient[k] = (loss(up) - loss(down)) / (2 * h)
-    local(None, params, X, y, sums)
+    loss(params)
     return gradient, sums[: model.n_params] / len(X)
 
 

@@ -1,7 +1,7 @@
 """Smoke tests of the training-step benchmark: it runs, its files parse, its bare loop is right.
 
 No timing is asserted (the machines are shared and noisy): only the structure of the output and
-the arithmetic of the bare loop (the passes called directly, `backprop.Gradient`) that the
+the arithmetic of the bare loop (the passes called directly, `nn.local.local_gradient`) that the
 overhead check compares against.
 """
 

@@ -6,8 +6,8 @@ agrees on the peaks (a MAX), and the terms are extracted at the agreed fixed poi
 
 References: a whole-batch float64 NumPy forward/backward (independent of the Numba code), a
 NumPy emulation of the documented summation order (bit for bit), exact rational arithmetic
-(fractions.Fraction) for the error bound, and backprop.Gradient (float mode, and exact mode on
-one process).
+(fractions.Fraction) for the error bound, and nn.local's local gradient (float mode, and exact
+mode on one process).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from syncsgd import run_threads
 from syncsgd.collectives import ring_allreduce
 from syncsgd.comm.world import constants
-from syncsgd.nn.backprop import Backprop, Gradient
+from syncsgd.nn.backprop import Backprop
 from syncsgd.nn.exact import slot_exponent
+from syncsgd.nn.local import local_gradient
 from syncsgd.nn.mlp import MLP
 from syncsgd.nn.numerics import Exact, numerics
 
@@ -63,7 +64,7 @@ class Shard:
 
     def local_pass(self, params, X, y):
         """Phase 1: the per-sample passes register every sum; (hits, this shard's peaks)."""
-        self.nx.begin_()
+        self.nx.begin_step_(self.grads, max(len(X), 1))
         _, hits = self.passes.forward_loss_(params, X, y)
         self.passes.backward_(self.grads, self.top, 0)
         bounds = np.full(len(self.nx.peaks), np.nan)
@@ -257,7 +258,7 @@ def test_b_any_sharding_and_summation_order_gives_the_same_bits(
     hits, bounds, whole = run_exact(model, params, X, y)
     # The single-process convenience is the same two phases on one shard.
     serial = np.empty(model.n_params)
-    loss_sum, serial_hits = Gradient(model, batch, exact=True)(params, X, y, serial)
+    loss_sum, serial_hits = local_gradient(model, batch, exact=True)(params, X, y, serial)
     assert serial_hits == hits
     assert bits(np.append(serial, loss_sum)) == bits(whole)
     # Samples shuffled, cut into `ranks` shards anywhere (empty shards included, P > B too).
@@ -372,7 +373,7 @@ def test_c_exact_mean_is_close_to_float64_reference_and_to_float_mode(model_case
     allowed = shard.error_bound(bounds, batch) + FLOAT_TOLERANCE[model.dtype] * scale / batch
     assert np.all(np.abs(sums / batch - expected / batch) <= allowed)
     float_grad = np.empty(model.n_params, dtype=model.dtype)
-    loss_sum, float_hits = Gradient(model, batch)(params, X, y, float_grad)
+    loss_sum, float_hits = local_gradient(model, batch)(params, X, y, float_grad)
     assert np.all(np.abs(sums[:-1] - float_grad) / batch <= allowed[:-1])
     assert abs(sums[-1] - loss_sum) / batch <= allowed[-1]
     if model.dtype == np.float64:
@@ -466,17 +467,17 @@ def test_non_finite_value_is_refused_after_the_max(where, value):
 def non_finite_rank(comm, model, params, X, y):
     """One step's local gradient on a rank whose shard holds a NaN only on rank 1."""
     from syncsgd.training.config import TrainConfig
-    from syncsgd.training.layered import LayeredLocalGradient
+    from syncsgd.training.layered import RankGradient
     from syncsgd.training.step import CommBuffer
 
     rank, size = comm.Get_rank(), comm.Get_size()
     rows = np.array_split(np.arange(len(X)), size)[rank]
     config = TrainConfig(batch_size=len(X), exact=True)
     buffer = CommBuffer(model.n_params, np.dtype(np.float64))
-    local = LayeredLocalGradient(config, model.network(), len(rows), buffer)
+    local = RankGradient(config, model.network(), comm, len(rows), buffer)
     sums = buffer.build()
-    local(comm, params, X[rows], y[rows], sums)
-    return local.scales, sums
+    local(params, X[rows], y[rows], sums)
+    return local.local.nx.agreed, sums
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])
@@ -485,7 +486,7 @@ def test_non_finite_value_on_one_rank_is_refused_on_every_rank_after_the_max(val
     X[3] = value  # rank 1's first sample of three ranks
     for scales, sums in run_threads(3, non_finite_rank, model, params, X, y):
         assert scales is None  # no rank extracts: every rank skips (or stops) alike
-        assert np.isnan(sums).all()
+        assert np.isnan(sums[: model.n_params + 1]).all()  # the gradient and the loss sum
 
 
 def test_bounds_that_were_not_reduced_are_refused():
@@ -511,7 +512,7 @@ def test_bad_arguments_get_one_line_messages():
         (lambda: shard.local_pass(params, np.zeros((5, 3)), np.zeros(5, int)), "max_batch"),
         (lambda: shard.local_pass(params, X, y + 5), "labels"),
         (lambda: Backprop(network, -1, nx), "max_batch"),
-        (lambda: Gradient(model, 4)(params, X, y, np.zeros(3)), "grad_out"),
+        (lambda: local_gradient(model, 4)(params, X, y, np.zeros(3)), "grad_out"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message) as info:

@@ -1,4 +1,4 @@
-"""The layered passes (backprop.Gradient and evaluate on an MLP's network) against a per-sample
+"""The layered passes (nn.local's local gradient and evaluate on an MLP) against a per-sample
 plain-NumPy reference and against finite differences; the step's own kernels (gather_rows_,
 divide_finite_), the BLAS threads and the first-load notice.
 
@@ -21,8 +21,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd.nn.backprop import EVALUATE_CHUNK, Gradient, evaluate
+from syncsgd.nn.backprop import EVALUATE_CHUNK, evaluate
 from syncsgd.nn.kernels import divide_finite_, gather_rows_
+from syncsgd.nn.local import local_gradient
 from syncsgd.nn.mlp import MLP
 
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-4}
@@ -121,7 +122,7 @@ def test_gradient_matches_reference(activation, loss, hidden, m):
     params = perturbed_params(model, 1)
     X, y = make_batch(model, m, 2)
     grad = np.full(model.n_params, np.nan)  # must be overwritten, not accumulated into
-    loss_sum, hits = Gradient(model, 8)(params, X, y, grad)
+    loss_sum, hits = local_gradient(model, 8)(params, X, y, grad)
     assert isinstance(loss_sum, float) and isinstance(hits, int)
     assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
     if m == 0:
@@ -137,7 +138,7 @@ def test_gradient_matches_central_differences(activation, loss, hidden):
     model = MLP((4, *hidden, 3), activation, loss)
     params = perturbed_params(model, 3)
     X, y = make_batch(model, 5, 4)
-    gradient = Gradient(model, 5)
+    gradient = local_gradient(model, 5)
     grad, scratch = np.empty(model.n_params), np.empty(model.n_params)
     gradient(params, X, y, grad)
     step = 1e-6
@@ -166,14 +167,14 @@ def test_gradient_matches_reference_for_any_shape(sizes, m, spare, activation, l
     params = perturbed_params(model, seed)
     X, y = make_batch(model, m, seed)
     grad = np.full(model.n_params, 123, dtype=dtype)
-    loss_sum, hits = Gradient(model, m + spare)(params, X, y, grad)
+    loss_sum, hits = local_gradient(model, m + spare)(params, X, y, grad)
     assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
 
 
 def test_workspaces_are_reused_across_micro_batch_sizes():
     model = MLP((6, 8, 5, 4), "tanh", "xent")
     params = perturbed_params(model, 5)
-    gradient = Gradient(model, 9)
+    gradient = local_gradient(model, 9)
     grad = np.empty(model.n_params)
     for m in (9, 2, 0, 9, 5):
         X, y = make_batch(model, m, m)
@@ -187,7 +188,7 @@ def test_cross_entropy_is_stable_for_huge_logits(dtype):
     params = perturbed_params(model, 0)
     X, y = make_batch(model, 6, 1, scale=1e4)  # logits of order 1e4: exp would overflow
     grad = np.empty(model.n_params, dtype=dtype)
-    loss_sum, hits = Gradient(model, 6)(params, X, y, grad)
+    loss_sum, hits = local_gradient(model, 6)(params, X, y, grad)
     assert np.isfinite(loss_sum) and np.all(np.isfinite(grad))
     assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
 
@@ -199,7 +200,7 @@ def test_a_tie_counts_the_first_maximum_as_argmax_does(dtype):
     X, _ = make_batch(model, 3, 0)
     grad = np.empty(model.n_params, dtype=dtype)
     labels = np.array([0, 0, 2])
-    loss_sum, hits = Gradient(model, 3)(params, X, labels, grad)
+    loss_sum, hits = local_gradient(model, 3)(params, X, labels, grad)
     assert hits == 2  # the samples labelled 0, as np.argmax picks the first maximum
     assert loss_sum == pytest.approx(3 * np.log(3), rel=TOLERANCE[model.dtype])
     assert_matches_reference(model, params, X, labels, loss_sum, hits, grad)
@@ -235,7 +236,7 @@ def test_threads_with_their_own_instances_get_their_own_results():
 
     def work(index):
         grad = np.empty(model.n_params)
-        gradient = Gradient(model, 10)
+        gradient = local_gradient(model, 10)
         for _ in range(20):
             loss_sum, hits = gradient(params, *batches[index], grad)
         results[index] = (loss_sum, hits, grad)
@@ -254,7 +255,8 @@ def test_inputs_are_converted_when_harmless():
     params = perturbed_params(model, 0)
     X64, y = make_batch(MLP((3, 2), "tanh", "xent"), 4, 0)  # float64 inputs, int32 labels
     grad = np.empty(model.n_params, dtype=np.float32)
-    loss_sum, hits = Gradient(model, 4)(params, np.asfortranarray(X64), y.astype(np.int32), grad)
+    loss_sum, hits = local_gradient(model, 4)(params, np.asfortranarray(X64), y.astype(np.int32),
+                                              grad)  # fmt: skip
     assert_matches_reference(model, params, X64.astype(np.float32), y, loss_sum, hits, grad)
 
 
@@ -263,7 +265,7 @@ def test_read_only_inputs_are_accepted():
     params = read_only(perturbed_params(model, 0))
     X, y = (read_only(array) for array in make_batch(model, 5, 0))
     grad = np.empty(model.n_params)
-    loss_sum, hits = Gradient(model, 5)(params, X, y, grad)
+    loss_sum, hits = local_gradient(model, 5)(params, X, y, grad)
     assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
     assert evaluate(model.network(), params, X, y) == pytest.approx((loss_sum / 5, hits / 5),
                                                                     rel=1e-12)  # fmt: skip
@@ -319,29 +321,29 @@ def bad_call(name):
 def test_bad_arguments_raise_clear_errors(name, message):
     model, args = bad_call(name)
     with pytest.raises(ValueError, match=message):
-        Gradient(model, 4)(**args)
+        local_gradient(model, 4)(**args)
 
 
 def test_mse_targets_must_match_the_outputs():
     model = MLP((3, 2), loss="mse")
     with pytest.raises(ValueError, match=r"targets must have shape \(2, 2\)"):
-        Gradient(model, 4)(model.init_params(0), np.zeros((2, 3)), np.zeros(2), np.zeros(8))
+        local_gradient(model, 4)(model.init_params(0), np.zeros((2, 3)), np.zeros(2), np.zeros(8))
 
 
 @pytest.mark.parametrize("max_batch", [-1, 2.5, True])
 def test_max_batch_is_validated(max_batch):
     with pytest.raises(ValueError, match="max_batch"):
-        Gradient(MLP((3, 2)), max_batch)
+        local_gradient(MLP((3, 2)), max_batch)
 
 
 LIMIT_THEN_CALL = """
 import numpy as np
-from syncsgd.nn.backprop import Gradient
+from syncsgd.nn.local import local_gradient
 from syncsgd.nn.kernels import limit_blas_threads
 from syncsgd.nn.mlp import MLP
 first = limit_blas_threads(1)
 model = MLP((3, 2))
-Gradient(model, 1)(model.init_params(0), np.zeros((1, 3)), np.zeros(1, int), np.zeros(8))
+local_gradient(model, 1)(model.init_params(0), np.zeros((1, 3)), np.zeros(1, int), np.zeros(8))
 print(first, limit_blas_threads(1), __import__("os").environ.get("OPENBLAS_NUM_THREADS"))
 """
 

@@ -43,28 +43,12 @@ specs = hidden_layers.map(lambda hidden: f"{hidden} dense".strip())
 def local_sums(network, X, y, mode: str, precision: str = "fp32",
                micro_batches: int = 1) -> tuple[float, np.ndarray]:  # fmt: skip
     """The loss sum and the gradient sums of the samples X, in `micro_batches` passes."""
-    from syncsgd.nn.backprop import Backprop
-    from syncsgd.nn.numerics import numerics
+    from syncsgd.nn.local import local_gradient
 
-    params, m = network.init_params(3), len(X)
-    nx = numerics(mode == "exact", precision, network.dtype, network.largest_weight(),
-                  m * network.largest_block(), network.n_params)  # fmt: skip
-    passes, sums = Backprop(network, m, nx), np.zeros(network.n_params, network.dtype)
-    loss_sum = 0.0
-    if nx.exact:
-        nx.begin_()
-    for index, part in enumerate(np.array_split(np.arange(m), micro_batches)):
-        nx.first_sums = not nx.exact and index == 0
-        loss_sum += passes.forward_loss_(params, X[part], y[part])[0]
-        passes.backward_(sums, network.n_layers - 1, 0)
-        if nx.exact and index < micro_batches - 1:
-            nx.next_micro_batch_()
-    if nx.exact:
-        bounds = np.zeros(len(nx.peaks))
-        nx.bounds(bounds)
-        scales = nx.scales(bounds, m)
-        loss_sum = nx.extract_loss(scales)
-        nx.accumulate_(scales, network.n_layers - 1, 0)
+    params, sums = network.init_params(3), np.zeros(network.n_params, network.dtype)
+    gradient = local_gradient(network, len(X), exact=mode == "exact", precision=precision,
+                              micro_batches=micro_batches)  # fmt: skip
+    loss_sum, _ = gradient(params, X, y, sums)
     return loss_sum, sums
 
 

@@ -23,7 +23,7 @@ SMALL = {"samples": 256, "features": 8, "hidden": (16,), "batch_size": 60}
 
 def compressed_step(config: TrainConfig, ranks: int) -> np.ndarray:
     """One step by hand: each rank's sum cast, the casts summed and cast again, then / B."""
-    from syncsgd.nn.backprop import Gradient
+    from syncsgd.nn.local import local_gradient
 
     run = prepare(config)
     params = first_params(run)
@@ -33,7 +33,7 @@ def compressed_step(config: TrainConfig, ranks: int) -> np.ndarray:
     for rank in range(ranks):
         shard = data.contiguous_shard(batch, rank, ranks)
         local = np.empty(run.model.n_params)
-        Gradient(run.model, len(shard))(params, run.X[shard], run.y[shard], local)
+        local_gradient(run.model, len(shard))(params, run.X[shard], run.y[shard], local)
         total += round_array(local, fmt)
     mean = round_array(total, fmt) / config.batch_size
     return params - config.lr * mean
@@ -109,7 +109,7 @@ def narrow_reference(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarra
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_the_narrow_gradient_is_the_rounded_passes(precision: str) -> None:
-    from syncsgd.nn.backprop import Gradient
+    from syncsgd.nn.local import local_gradient
 
     fmt = FORMATS[precision]
     model = MLP((6, 12, 10, 3), "tanh", "xent")
@@ -117,7 +117,7 @@ def test_the_narrow_gradient_is_the_rounded_passes(precision: str) -> None:
     rng = np.random.default_rng(4)
     X, y = rng.standard_normal((40, 6)), rng.integers(0, 3, 40)
     narrow = np.empty(model.n_params)
-    Gradient(model, 40, precision=precision)(params, X, y, narrow)
+    local_gradient(model, 40, precision=precision)(params, X, y, narrow)
     assert np.array_equal(round_array(narrow, fmt), narrow)  # every sum is a value of the format
     expected = narrow_reference(model, params, X, y, fmt)
     peak = np.abs(expected).max()
@@ -125,19 +125,19 @@ def test_the_narrow_gradient_is_the_rounded_passes(precision: str) -> None:
     # other way, which is a unit in the last place of the format, propagated.
     assert np.abs(narrow - expected).max() <= peak * 2.0 ** (4 - BITS[fmt])
     full = np.empty(model.n_params)
-    Gradient(model, 40)(params, X, y, full)
+    local_gradient(model, 40)(params, X, y, full)
     deviation = np.abs(narrow - full).max() / np.abs(full).max()
     assert 0 < deviation < 2.0 ** (6 - BITS[fmt])
 
 
 def test_a_power_of_two_loss_scale_scales_every_sum_exactly() -> None:
-    from syncsgd.nn.backprop import Gradient
+    from syncsgd.nn.local import local_gradient
 
     model = MLP((6, 12, 3), "relu", "xent")
     params = model.init_params(5)
     rng = np.random.default_rng(6)
     X, y = rng.standard_normal((30, 6)), rng.integers(0, 3, 30)
-    kernel = Gradient(model, 30, precision="fp16")
+    kernel = local_gradient(model, 30, precision="fp16")
     plain, scaled = np.empty(model.n_params), np.empty(model.n_params)
     kernel(params, X, y, plain)
     kernel(params, X, y, scaled, 2.0**10)

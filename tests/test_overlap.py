@@ -296,17 +296,17 @@ def test_mpiexec_a_failure_on_the_communication_thread_ends_the_job(tmp_path, ex
 
 def test_the_timeline_has_a_communication_row_with_allreduces_inside_the_compute(tmp_path,
                                                                                  monkeypatch):
-    from syncsgd.training.layered import LayeredLocalGradient
+    from syncsgd.training.layered import RankGradient
     from syncsgd.training.timeline import COMM_ROW
 
-    layers_ = LayeredLocalGradient.layers_
+    layers_ = RankGradient.layers_
 
     def slow_layers_(self, params, X, sums, top, bottom):  # a backward pass longer than a wake-up
         layers_(self, params, X, sums, top, bottom)
         if bottom > 0:
             time.sleep(0.02)
 
-    monkeypatch.setattr(LayeredLocalGradient, "layers_", slow_layers_)
+    monkeypatch.setattr(RankGradient, "layers_", slow_layers_)
     path = tmp_path / "trace.json"
     train(**SMALL, ranks=2, hidden=(40, 30), bucket_bytes=0, overlap=True, timeline=str(path))
     events = json.loads(path.read_text())["traceEvents"]

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from oracle import layer_forward, network_loss_and_grad, serial_sgd
 
 from syncsgd import TrainConfig, train
-from syncsgd.nn.backprop import Backprop, Gradient
+from syncsgd.nn.backprop import Backprop
+from syncsgd.nn.local import local_gradient
 from syncsgd.nn.network import build
 from syncsgd.nn.numerics import Float
 from syncsgd.training.data import load_dataset, token_windows
@@ -66,7 +67,7 @@ def test_each_layer_is_the_oracles(spec, positions, exact):
     params = network.init_params(4)
     X, y = tokens(5, positions)
     grads = np.zeros(network.n_params)
-    loss_sum, _ = Gradient(network, 5, exact=exact)(params, X, y, grads)
+    loss_sum, _ = local_gradient(network, 5, exact=exact)(params, X, y, grads)
     expected_loss, expected = network_loss_and_grad(spec, network.to_arrays(params), X, y, "xent")
     terms = 5 * positions  # the mean over every token of the batch
     assert loss_sum / terms == pytest.approx(expected_loss, rel=1e-13)
@@ -104,7 +105,7 @@ def test_a_narrow_format_does_not_round_token_ids():
     ids, labels = np.array([[257.0, 301.0, 399.0]]), np.zeros((1, 3), np.int64)
     outputs = []
     for precision in ("fp32", "bf16"):
-        passes = Gradient(network, 1, precision=precision).passes
+        passes = local_gradient(network, 1, precision=precision).passes
         passes.forward_loss_(params, ids, labels)
         outputs.append(passes._plan[0][1].copy())
     assert np.abs(outputs[1] - outputs[0]).max() < 0.01 * np.abs(outputs[0]).max()

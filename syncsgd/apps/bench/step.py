@@ -14,7 +14,7 @@ very first step of the process, which compiles the kernels or loads them from Nu
 reported apart.
 
 Overhead check (P = 1): `train_rank`'s step against a bare loop calling the same passes directly,
-without ranks (gather the batch, `syncsgd.nn.backprop.Gradient(...)(...)`, `grad /= B`, plain
+without ranks (gather the batch, `syncsgd.nn.local.local_gradient(...)(...)`, `grad /= B`, plain
 SGD in NumPy), the two interleaved run by run (ABBA) and checked to end with bitwise the same
 parameters; the bar is 5%. Last, the wall time of `syncsgd --help` and of
 `syncsgd train --ranks 4` (warm JIT cache) in subprocesses. Nothing is asserted: the machines are
@@ -232,19 +232,19 @@ def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, run: Run) 
 
 
 def bare_loop(run: Run) -> tuple[np.ndarray, list[float]]:
-    """The same SGD steps with the passes called directly (`syncsgd.nn.backprop.Gradient`, no
+    """The same SGD steps with the passes called directly (`syncsgd.nn.local.local_gradient`, no
     ranks, no communication buffer): final parameters, per-step seconds.
 
     Like `train_rank`, it allocates its buffers before the loop, so both pay the first touch of
     fresh memory in their first step; like `per_step_seconds`, the times are those of the steps
     after the first. Returns (compute, 0, update, whole step) seconds per step.
     """
-    from syncsgd.nn.backprop import Gradient  # the local gradient's passes, without the ranks
+    from syncsgd.nn.local import local_gradient  # the passes, without the ranks
 
     config, model, X, y = run.config, run.model, run.X, run.y
     batch, n_samples, lr = config.batch_size, X.shape[0], config.lr
     per_epoch = n_samples // batch
-    gradient = Gradient(model, batch)
+    gradient = local_gradient(model, batch)
     terms = batch * gradient.passes.positions  # B, or B x T for sequences: as the step divides
     X_batch = np.empty((batch, X.shape[1]), X.dtype)
     y_batch = np.empty((batch, *y.shape[1:]), y.dtype)
@@ -752,7 +752,7 @@ def overhead_section(options: argparse.Namespace, call: Callable, rank_counts: l
         return []
     say(
         "# overhead at P = 1, ms per step: 'train' is train_rank's step, 'bare' the passes "
-        "called directly (backprop.Gradient); cmp = compute, allr = allreduce, upd = update; "
+        "called directly (nn.local.local_gradient); cmp = compute, allr = allreduce, upd = update; "
         "interleaved runs"
     )
     say(
