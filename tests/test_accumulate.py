@@ -13,7 +13,7 @@ from oracle import serial_sgd
 
 from syncsgd import TrainConfig, train
 from syncsgd.cli import main
-from syncsgd.training.layered import micro_batch_bounds
+from syncsgd.nn.local import micro_batch_bounds
 from syncsgd.training.run import prepare
 
 SPECS = ["dense(4) relu dense", "dense(5) tanh dense(3) relu dense",

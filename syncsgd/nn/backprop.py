@@ -17,7 +17,7 @@ from syncsgd.nn.arrays import describe, shape_size
 from syncsgd.nn.kernels import check_count, first_load, label_range
 from syncsgd.nn.losses import loss_entry, make_loss
 from syncsgd.nn.network import Network
-from syncsgd.nn.numerics import Float, LocalGroup
+from syncsgd.nn.numerics import Float, LocalGroup, Numerics
 
 EVALUATE_CHUNK = 1024  # samples per forward pass in `evaluate`
 
@@ -25,7 +25,7 @@ EVALUATE_CHUNK = 1024  # samples per forward pass in `evaluate`
 class Backprop:
     """Loss and gradient sums of a network over a micro-batch of at most `max_batch` samples."""
 
-    def __init__(self, network: Network, max_batch: int, nx: Float) -> None:
+    def __init__(self, network: Network, max_batch: int, nx: Numerics) -> None:
         self.network, self.nx = network, nx
         self.max_batch = check_count("max_batch", max_batch, low=0)
         self.loss = make_loss(network.loss)

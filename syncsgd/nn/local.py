@@ -24,7 +24,7 @@ import numpy as np
 from syncsgd.nn.arrays import describe
 from syncsgd.nn.backprop import Backprop
 from syncsgd.nn.network import Network
-from syncsgd.nn.numerics import Float, Group, numerics
+from syncsgd.nn.numerics import Group, Numerics, numerics
 
 # What a micro-batch's loss is multiplied by, from (its size, the shard's, K): 1, so that its
 # gradient SUM is added; a pitfall changes it (training/variants.py).
@@ -39,7 +39,7 @@ def unweighted(size: int, shard: int, count: int) -> float:
 class LocalGradient:
     """The loss sum and gradient SUM of one shard of at most `max_batch` samples."""
 
-    def __init__(self, network: Network, nx: Float, max_batch: int, micro_batches: int = 1,
+    def __init__(self, network: Network, nx: Numerics, max_batch: int, micro_batches: int = 1,
                  micro_batch_weight: MicroBatchWeight = unweighted) -> None:  # fmt: skip
         self.network, self.nx = network, nx
         self.micro_batches, self.micro_batch_weight = micro_batches, micro_batch_weight

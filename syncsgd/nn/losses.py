@@ -13,6 +13,7 @@ import functools
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LAYERS_DIR = Path(__file__).resolve().parent / "layers"
 
@@ -32,12 +33,12 @@ class LossEntry:
 @functools.cache
 def registry() -> dict[str, LossEntry]:
     """Every loss by its --loss name, in the order of their files."""
-    entries = {}
+    entries: dict[str, LossEntry] = {}
     for path in sorted(LAYERS_DIR.glob("*.py")):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if not isinstance(node, ast.ClassDef):
                 continue
-            values = {target.id: statement.value.value for statement in node.body
+            values: dict[str, Any] = {target.id: statement.value.value for statement in node.body
                       if isinstance(statement, ast.Assign)
                       and isinstance(statement.value, ast.Constant)
                       for target in statement.targets if isinstance(target, ast.Name)}  # fmt: skip

@@ -32,7 +32,7 @@ from numba import njit
 
 from syncsgd.nn import exact as ex
 from syncsgd.nn import precision as pr
-from syncsgd.nn.layers.base import IDENTITY, RELU
+from syncsgd.nn.layers.base import IDENTITY, RELU, Group, Primitives
 from syncsgd.nn.layers.relu import rectified, rectified_grad, relu_, relu_backward_
 
 
@@ -203,19 +203,25 @@ def magics(peaks: np.ndarray, count: int) -> np.ndarray:
     return result
 
 
-class Group(Protocol):
-    """Whose values a sum or a peak is over: BatchNorm's statistics, exact mode's peaks."""
+class Numerics(Primitives, Protocol):
+    """The primitives of a mode, and the lifecycle of a step the local gradient drives."""
 
-    training: bool
-    eps: float
-    momentum: float
-    alone: bool  # True: this process's values are the group's (nothing crosses the ranks)
+    def weights(self, params: np.ndarray) -> np.ndarray: ...
 
-    def stats(self, position: Hashable, kind: Any, width: int) -> Any: ...
+    def inputs_(self, X: np.ndarray, workspace: np.ndarray) -> np.ndarray: ...
 
-    def sum_(self, values: np.ndarray) -> None: ...
+    def begin_step_(self, grads: np.ndarray, global_batch: int) -> None: ...
 
-    def max_(self, values: np.ndarray) -> None: ...
+    def begin_micro_batch_(self, index: int, scale: float) -> None: ...
+
+    def end_forward_(self, backward_: Callable[[], None], last: bool) -> None: ...
+
+    def agree_(self, grads: np.ndarray, loss: np.ndarray) -> None: ...
+
+    def layers_(self, backward_: Callable[[int, int], None], top: int, bottom: int) -> None: ...
+
+    @property
+    def sums_in_layers(self) -> bool: ...
 
 
 class LocalGroup:
@@ -687,9 +693,15 @@ class ExactNarrow(Exact):
     scale_ = Narrow.scale_
 
 
+def sums_dtype(exact: bool, dtype: np.dtype) -> np.dtype:
+    """The dtype of the gradient sums a mode writes: exact mode extracts them in float64; the
+    others write them in the model's dtype."""
+    return np.dtype(np.float64) if exact else np.dtype(dtype)
+
+
 def numerics(exact: bool, precision: str, dtype: np.dtype, max_weights: int, max_block: int,
              n_params: int, group: Group | None = None,
-             ranks: Group | None = None) -> Float:  # fmt: skip
+             ranks: Group | None = None) -> Numerics:  # fmt: skip
     """The numerics of a mode and precision, with workspaces for the largest weight matrix;
     `group`: BatchNorm's statistics' (default: this process alone), `ranks`: the group exact
     mode's peaks are agreed over (default: this process alone)."""
@@ -703,4 +715,4 @@ def numerics(exact: bool, precision: str, dtype: np.dtype, max_weights: int, max
     return Float(dtype, max_weights, group)
 
 
-__all__ = ["Exact", "ExactNarrow", "Float", "Group", "LocalGroup", "Narrow", "numerics"]
+__all__ = ["Exact", "ExactNarrow", "Float", "Group", "LocalGroup", "Narrow", "Numerics", "numerics"]

@@ -93,8 +93,10 @@ class DataParallelStep:
         self.X, self.y = run.X, run.y
         self.order = data.SampleOrder(len(run.X), config.batch_size,
                                       variant.order_seed(config.seed, self.rank), config.shuffle)
+        from syncsgd.nn.numerics import sums_dtype  # Numba: only when training
+
         largest_shard = -(-config.batch_size // self.size)
-        buffer = CommBuffer(model.n_params, np.dtype(np.float64 if config.exact else model.dtype))
+        buffer = CommBuffer(model.n_params, sums_dtype(config.exact, model.dtype))
         self.local_gradient = local_gradient(config, model, comm, largest_shard, buffer, trace)
         self.local_gradient.micro_batch_weight = variant.micro_batch_weight
         riders = [*riders, *(Rider(*fields) for fields in variant.riders(self))]  # a pitfall's

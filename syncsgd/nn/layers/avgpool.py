@@ -7,11 +7,10 @@ rounded in narrow modes.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
 
+from syncsgd.nn.layers.base import Primitives
 from syncsgd.nn.layers.maxpool import Pool
 
 
@@ -21,13 +20,14 @@ class AvgPool(Pool):
     kind = "avgpool"
     signature = "avgpool(k, stride=k)"
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = round(sum of the window / (k k))."""
         avg_pool_(x, self.k, self.stride, y)
         nx.round_(y)
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = round(sum over the windows holding each input of dy / (k k))."""
         avg_pool_backward_(dy, self.k, self.stride, dx)
         nx.round_(dx)

@@ -12,14 +12,64 @@ Numba is not imported here: the command line reads the layers' catalogue to buil
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 Shape = tuple[int, ...]
 # The element-wise function a layer's own passes apply to its output (an absorbed layer's).
 IDENTITY, RELU = 0, 1
+
+
+class Group(Protocol):
+    """Whose values a sum or a peak is over: BatchNorm's statistics, exact mode's peaks."""
+
+    training: bool
+    eps: float
+    momentum: float
+    alone: bool  # True: this process's values are the group's (nothing crosses the ranks)
+
+    def stats(self, position: Hashable, kind: Any, width: int) -> Any: ...
+
+    def sum_(self, values: np.ndarray) -> None: ...
+
+    def max_(self, values: np.ndarray) -> None: ...
+
+
+class Primitives(Protocol):
+    """What a layer computes with: nn/numerics.py implements them for every mode."""
+
+    dtype: np.dtype  # of the activations and deltas
+    group: Group  # BatchNorm's statistics group
+
+    def matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray,
+                transpose_b: bool) -> None: ...  # fmt: skip
+
+    def affine_(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray,
+                transpose_b: bool, activation: int = IDENTITY) -> None: ...  # fmt: skip
+
+    def round_(self, values: np.ndarray) -> None: ...
+
+    def scale_(self, delta: np.ndarray) -> None: ...
+
+    def outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
+                   per_sample: int = 1) -> None: ...  # fmt: skip
+
+    def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray,
+                    per_sample: int = 1) -> None: ...  # fmt: skip
+
+    def affine_sums_(self, layer: int, a: np.ndarray, d: np.ndarray, g_weight: np.ndarray,
+                     g_bias: np.ndarray, a_first: bool, per_sample: int, y: np.ndarray,
+                     activation: int = IDENTITY) -> None: ...  # fmt: skip
+
+    def add_(self, g: np.ndarray, sums: np.ndarray) -> None: ...
+
+    def agreed_sums_(self, kinds: tuple[int, ...], a: np.ndarray, b: np.ndarray, c: np.ndarray,
+                     out: np.ndarray) -> None: ...  # fmt: skip
+
+    def loss_sum(self, losses: np.ndarray, per_sample: int = 1) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -84,16 +134,17 @@ class Layer:
         its output and the gradient at it): then the passes skip that layer. None by default."""
         return False
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = the layer applied to x, sample by sample."""
         raise NotImplementedError
 
-    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+    def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
         """g += the sums over the samples of its parameters' gradients (none by default)."""
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = the gradient at x, from dy, the gradient at y."""
         raise NotImplementedError
 
@@ -109,7 +160,7 @@ class Layer:
         """Values per sample it keeps beside its output during a pass (its workspaces)."""
         return 0
 
-    def workspaces(self, nx: Any) -> Workspaces:
+    def workspaces(self, nx: Primitives) -> Workspaces:
         """Its arrays for the passes of one numerics (one rank's threads share the layers)."""
         return nx.group.stats((self.position, self.name), Workspaces, 0)
 

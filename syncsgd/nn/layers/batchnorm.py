@@ -15,12 +15,11 @@ derives the backward pass and says what exact mode guarantees.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Param
+from syncsgd.nn.layers.base import Layer, Param, Primitives
 
 VALUE, CENTRED_SQUARE, PRODUCT = 0, 1, 2  # the term of a per-channel sum: a, (a - c)^2, a b
 
@@ -41,7 +40,8 @@ class BatchNorm(Layer):
         channels = (self.in_shape[0],)
         return [Param("running_mean", channels, "zeros"), Param("running_var", channels, "ones")]
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = weight zhat + bias, the statistics the group's (training) or the running ones."""
         x3, y3 = channels(x), channels(y)
         if not nx.group.training:
@@ -64,7 +64,7 @@ class BatchNorm(Layer):
         nx.round_(y)
         update_running_(p, stats, variance, nx.group.momentum)
 
-    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+    def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
         """g.bias += sum(dy), g.weight += sum(dy zhat): this shard's, summed with the gradient
         later; the group's sums of both, which the input's gradient needs."""
@@ -77,8 +77,8 @@ class BatchNorm(Layer):
         nx.add_(g["weight"], stats.backward[n:])
         nx.group.sum_(stats.backward)
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = weight / sqrt(var + eps) (dy - mean(dy) - zhat mean(dy zhat)), the group's means."""
         stats = nx.group.stats(self.position, Stats, x.shape[1])
         dy3 = channels(dy)
@@ -113,7 +113,7 @@ def channels(values: np.ndarray) -> np.ndarray:
     return values.reshape(values.shape[0], values.shape[1], math.prod(values.shape[2:]))
 
 
-def forward_sums_(nx: Any, stats: Stats, x3: np.ndarray) -> float:
+def forward_sums_(nx: Primitives, stats: Stats, x3: np.ndarray) -> float:
     """The per-channel sums of x and their count, over the group; returns N."""
     stats.forward[:] = 0.0
     nx.agreed_sums_((VALUE,), x3, x3, stats.mean, stats.forward[:-1])

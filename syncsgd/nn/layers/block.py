@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Param, Shape
+from syncsgd.nn.layers.base import Layer, Param, Primitives, Shape
 from syncsgd.nn.layers.dense import Dense
 from syncsgd.nn.layers.gelu import GELU
 from syncsgd.nn.layers.layernorm import LayerNorm
@@ -95,7 +95,7 @@ class Block(Layer):
         weight, bias = NAMES[name]
         return {"weight": arrays[weight], "bias": arrays[bias]}
 
-    def _spaces(self, nx: Any, like: np.ndarray) -> dict[str, np.ndarray]:
+    def _spaces(self, nx: Primitives, like: np.ndarray) -> dict[str, np.ndarray]:
         """The inner activations and their gradients for m sequences, in the pass's dtype."""
         spaces, (m, positions, d) = self.workspaces(nx), like.shape
         made = {}
@@ -107,7 +107,8 @@ class Block(Layer):
                                      like.dtype)  # fmt: skip
         return made
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """r = round(x + attn(ln1(x))), y = round(r + fc2(gelu(fc1(ln2(r)))))."""
         s = self._spaces(nx, x)
         self.ln1.forward_(nx, self._views(p, "ln1"), x, s["h1"])
@@ -123,7 +124,7 @@ class Block(Layer):
         np.add(s["r1"], s["f2"], out=y)
         nx.round_(y)
 
-    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+    def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
         """Every inner layer's sums, top down; the gradient inside the block on the way (the
         gradient at x itself waits for backward_input_)."""
@@ -149,8 +150,8 @@ class Block(Layer):
         self.in_proj.backward_input_(nx, w["in_proj"], s["h1"], s["qkv"], s["d_qkv"], s["d_h1"])
         self.ln1.backward_sums_(nx, w["ln1"], sums["ln1"], x, s["h1"], s["d_h1"])
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = round(d_r + ln1's gradient at x): the residual path and the attention's."""
         s = self._spaces(nx, x)
         self.ln1.backward_input_(nx, self._views(p, "ln1"), x, s["h1"], s["d_h1"], dx)
@@ -183,7 +184,7 @@ def _rest(param: Param) -> tuple[Any, ...]:
     return param.shape, param.init, param.bound
 
 
-def attention_(nx: Any, heads: int, qkv: np.ndarray, probs: np.ndarray,
+def attention_(nx: Primitives, heads: int, qkv: np.ndarray, probs: np.ndarray,
                out: np.ndarray) -> None:  # fmt: skip
     """out = the heads' causal attention of [q | k | v], side by side; probs: P per head."""
     scale = 1.0 / math.sqrt(qkv.shape[2] // 3 // heads)
@@ -195,7 +196,7 @@ def attention_(nx: Any, heads: int, qkv: np.ndarray, probs: np.ndarray,
     nx.round_(out)
 
 
-def attention_backward_(nx: Any, heads: int, qkv: np.ndarray, probs: np.ndarray,
+def attention_backward_(nx: Primitives, heads: int, qkv: np.ndarray, probs: np.ndarray,
                         d_out: np.ndarray, d_probs: np.ndarray,
                         d_qkv: np.ndarray) -> None:  # fmt: skip
     """d_qkv = the gradient at [q | k | v] from d_out (d_probs: a workspace)."""

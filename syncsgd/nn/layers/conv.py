@@ -17,12 +17,11 @@ micro-batch seen, in the dtype of x.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Param, Shape, Workspaces
+from syncsgd.nn.layers.base import Layer, Param, Primitives, Shape, Workspaces
 
 
 class Conv(Layer):
@@ -65,7 +64,8 @@ class Conv(Layer):
         """The weight as a (out, C·k·k) matrix (a view)."""
         return p["weight"].reshape(self.out_channels, -1)
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = round(patches W^T + b), laid out NCHW: the bias after the product, one rounding."""
         n_rows, width, _ = self._sizes(x.shape[0])
         spaces = nx.group.stats(self.position, Workspaces, 0)
@@ -76,7 +76,7 @@ class Conv(Layer):
         rows_to_channels_(out, p["bias"], y)
         nx.round_(y)
 
-    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+    def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
         """g.weight += dy_rows^T patches, g.bias += column sums of dy_rows (H'·W' rows a sample)."""
         n_rows, width, positions = self._sizes(x.shape[0])
@@ -88,8 +88,8 @@ class Conv(Layer):
                       positions)  # fmt: skip
         nx.column_sum_(self.position, d, g["bias"], positions)
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = round(col2im(dy_rows W)): the rows backward_sums_ laid out (it runs first)."""
         n_rows, width, _ = self._sizes(x.shape[0])
         spaces = nx.group.stats(self.position, Workspaces, 0)

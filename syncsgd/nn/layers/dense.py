@@ -5,12 +5,10 @@ A --hidden MLP stores W transposed, (in, width) (`in_out`): the same sums, y = x
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from syncsgd.nn.arrays import shape_size
-from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Shape, rows
+from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Primitives, Shape, rows
 
 
 class Dense(Layer):
@@ -49,13 +47,14 @@ class Dense(Layer):
         self.activation = RELU
         return True
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = round(x W^T + b): the bias after the product, one rounding (a fused addmm); then
         the absorbed relu."""
         nx.affine_(rows(x, self.in_shape[-1]), p["weight"], p["bias"], rows(y, self.out_shape[-1]),
                    not self.in_out, self.activation)  # fmt: skip
 
-    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+    def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
         """g.weight += dy^T x, g.bias += column sums of dy (dy first through the absorbed relu,
         in place)."""
@@ -65,8 +64,8 @@ class Dense(Layer):
                         g["bias"], self.in_out, self.positions, rows(y, width),
                         self.activation)  # fmt: skip
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = round(dy W)."""
         below = rows(dx, self.in_shape[-1])
         nx.matmul_(rows(dy, self.out_shape[-1]), p["weight"], below, self.in_out)

@@ -9,12 +9,10 @@ weight); the positions' gradient is the sum over the samples of dy.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Param, Shape
+from syncsgd.nn.layers.base import Layer, Param, Primitives, Shape
 
 
 class Embed(Layer):
@@ -44,7 +42,8 @@ class Embed(Layer):
         return [Param("tok.weight", (self.vocabulary, self.d), "normal", 1.0),
                 Param("pos.weight", (self.in_shape[0], self.d), "normal", 1.0)]  # fmt: skip
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y[i, t] = round(tok[x[i, t]] + pos[t])."""
         bad = embed_(x, p["tok.weight"], p["pos.weight"], y)
         if bad >= 0:
@@ -52,7 +51,7 @@ class Embed(Layer):
                              f"{self.vocabulary}")  # fmt: skip
         nx.round_(y)
 
-    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+    def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
         """g.tok += one_hot(x)^T dy over every position, g.pos += the sum of dy over samples."""
         m, positions = x.shape
@@ -62,8 +61,8 @@ class Embed(Layer):
         per_sample = dy.reshape(m, positions * self.d)  # one row a sample: (t, j) its columns
         nx.column_sum_(self.position, per_sample, g["pos.weight"].reshape(-1))
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """Token ids have no gradient (the first layer: never called)."""
         dx[...] = 0
 

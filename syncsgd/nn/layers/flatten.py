@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from syncsgd.nn.arrays import shape_size
-from syncsgd.nn.layers.base import Layer, Shape
+from syncsgd.nn.layers.base import Layer, Primitives, Shape
 
 
 class Flatten(Layer):
@@ -20,11 +18,12 @@ class Flatten(Layer):
         """(C·H·W,)."""
         return (shape_size(in_shape),)
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = x, one row per sample."""
         y[...] = x.reshape(y.shape)
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = dy, in the input's shape."""
         dx[...] = dy.reshape(dx.shape)

@@ -6,12 +6,11 @@ Its gradient: Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer
+from syncsgd.nn.layers.base import Layer, Primitives
 
 
 class GELU(Layer):
@@ -20,13 +19,14 @@ class GELU(Layer):
     kind = "gelu"
     signature = "gelu"
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = round(x Phi(x))."""
         gelu_(x.reshape(-1), y.reshape(-1))
         nx.round_(y)
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = round(dy (Phi(x) + x phi(x)))."""
         gelu_backward_(x.reshape(-1), dy.reshape(-1), dx.reshape(-1))
         nx.round_(dx)

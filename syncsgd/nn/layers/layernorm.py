@@ -11,13 +11,11 @@ Each row's statistics are its own: a sample's output does not depend on the samp
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
 
 from syncsgd.nn.arrays import shape_size
-from syncsgd.nn.layers.base import Layer, Param, rows
+from syncsgd.nn.layers.base import Layer, Param, Primitives, rows
 
 EPS = 1e-5
 
@@ -33,20 +31,21 @@ class LayerNorm(Layer):
         width = (self.in_shape[-1],)
         return [Param("weight", width, "ones"), Param("bias", width, "zeros")]
 
-    def _arrays(self, nx: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _arrays(self, nx: Primitives, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(xhat as rows, 1 / sqrt(var + eps) per row) of the pass under way."""
         spaces, n = self.workspaces(nx), x.size // self.in_shape[-1]
         return (spaces.get("xhat", (n, self.in_shape[-1]), x.dtype),
                 spaces.get("inv_std", (n,), np.float64))  # fmt: skip
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = round(weight xhat + bias)."""
         xhat, inv_std = self._arrays(nx, x)
         width = self.in_shape[-1]
         layer_norm_(rows(x, width), p["weight"], p["bias"], EPS, xhat, inv_std, rows(y, width))
         nx.round_(y)
 
-    def backward_sums_(self, nx: Any, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
+    def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
         """g.weight += sum of dy xhat, g.bias += sum of dy, over every position of the samples."""
         xhat, _ = self._arrays(nx, x)
@@ -61,8 +60,8 @@ class LayerNorm(Layer):
         """xhat, dy xhat and a statistic per position."""
         return 2 * shape_size(self.in_shape) + shape_size(self.in_shape[:-1])
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = round((gh - mean(gh) - xhat mean(gh xhat)) / sqrt(var + eps)), gh = weight dy."""
         xhat, inv_std = self._arrays(nx, x)
         width = self.in_shape[-1]

@@ -9,12 +9,10 @@ scatters the gradient there. No new value is formed, so nothing is rounded, unle
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Shape
+from syncsgd.nn.layers.base import Layer, Primitives, Shape
 from syncsgd.nn.layers.conv import Workspaces, window_positions
 
 
@@ -39,13 +37,14 @@ class MaxPool(Pool):
     kind = "maxpool"
     signature = "maxpool(k, stride=k)"
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = the maximum of each window; where it is, recorded."""
         where = nx.group.stats(self.position, Workspaces, 0).get("argmax", y.shape, np.int64)
         max_pool_(x, self.k, self.stride, y, where)
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = 0, then each window's dy added at its maximum."""
         where = nx.group.stats(self.position, Workspaces, 0).get("argmax", y.shape, np.int64)
         max_pool_backward_(dy, where, dx)

@@ -5,10 +5,10 @@ Its gradient at the outputs: 2 (z - t) / K for K outputs.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
+
+from syncsgd.nn.layers.base import Primitives
 
 
 class MeanSquaredError:
@@ -18,7 +18,7 @@ class MeanSquaredError:
     labels = False  # float target rows
     noun = "output"
 
-    def forward_delta_(self, nx: Any, outputs: np.ndarray, targets: np.ndarray,
+    def forward_delta_(self, nx: Primitives, outputs: np.ndarray, targets: np.ndarray,
                        delta: np.ndarray, losses: np.ndarray) -> int:  # fmt: skip
         """Per-sample losses (float64) and delta = scale 2 (z - t) / K; returns 0."""
         width = outputs.shape[-1]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer
+from syncsgd.nn.layers.base import Layer, Primitives
 
 
 class ReLU(Layer):
@@ -17,12 +15,13 @@ class ReLU(Layer):
     signature = "relu"
     in_place, reads_output = True, True
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = max(x, 0)."""
         relu_(x.reshape(-1), y.reshape(-1))
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = dy where y > 0, else 0."""
         relu_backward_(y.reshape(-1), dy.reshape(-1), dx.reshape(-1))
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer
+from syncsgd.nn.layers.base import Layer, Primitives
 
 
 class Tanh(Layer):
@@ -17,13 +15,14 @@ class Tanh(Layer):
     signature = "tanh"
     in_place, reads_output = True, True
 
-    def forward_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
+    def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                 y: np.ndarray) -> None:  # fmt: skip
         """y = round(tanh(x))."""
         tanh_(x.reshape(-1), y.reshape(-1))
         nx.round_(y)
 
-    def backward_input_(self, nx: Any, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                        dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
+    def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
+                        y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = round(dy (1 - y^2))."""
         tanh_backward_(y.reshape(-1), dy.reshape(-1), dx.reshape(-1))
         nx.round_(dx)

@@ -5,10 +5,10 @@ Per sample: loss = logsumexp(z) - z[label]; its gradient at the logits softmax(z
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
+
+from syncsgd.nn.layers.base import Primitives
 
 
 class CrossEntropy:
@@ -18,7 +18,8 @@ class CrossEntropy:
     labels = True  # integer class labels; accuracy counts the argmax hits
     noun = "class"
 
-    def forward_delta_(self, nx: Any, logits: np.ndarray, labels: np.ndarray, delta: np.ndarray,
+    def forward_delta_(self, nx: Primitives, logits: np.ndarray, labels: np.ndarray,
+                       delta: np.ndarray,
                        losses: np.ndarray) -> int:  # fmt: skip
         """Per-sample losses (float64) and delta = scale (softmax - one_hot); the argmax hits."""
         width = logits.shape[-1]
