@@ -84,8 +84,7 @@ def test_the_ranks_agree_on_a_new_train_option_at_start_up(extended, name):
 
 @pytest.mark.parametrize(("words", "module"), [(["bench", "step"], step),
                                                (["study", "batch-size"], study)])  # fmt: skip
-def test_every_train_option_is_taken_as_train_declares_it_or_excluded_with_a_reason(words,
-                                                                                    module):  # fmt: skip
+def test_every_train_option_is_taken_as_train_declares_it_or_excluded(words, module):
     """No hand-declared copy: a train option here has train's flag, type, choices and help; its
     default is train's unless the subcommand says otherwise (step.CHANGES, study.PRESET)."""
     taken = subparser(words)._option_string_actions

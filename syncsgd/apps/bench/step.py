@@ -55,7 +55,7 @@ from syncsgd.util.argtypes import (
     rank_list,
 )
 from syncsgd.util.files import check_writable, write_text
-from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, options_of, writes
+from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, Change, options_of, writes
 
 DEFAULT_RANKS = (1, 2, 3, 4)
 SYNTHETIC = "synthetic-classification"
@@ -527,7 +527,7 @@ NOT_TAKEN = {
     "noise_scale": "its estimate would be timed as part of the step",
 }
 # Where the benchmark's default differs from train's: an MNIST-sized MLP, a short timed run.
-CHANGES = {
+CHANGES: dict[str, Change] = {
     "samples": {"default": 2048},
     "features": {"default": 784},
     "hidden": {"default": (256, 256)},
@@ -756,12 +756,12 @@ def overhead_section(options: argparse.Namespace, call: Callable, rank_counts: l
     if options.batchnorm != "none" or has_batchnorm(options):
         say("# overhead check skipped: the bare loop has no BatchNorm")
         return []
+    if 1 not in rank_counts:
+        say("# overhead check skipped: it needs P = 1 (threads, or mpiexec -n 1)")
+        return []
     unlike = unlike_bare_loop(train_config(options, 1))
     if unlike:
         say(f"# overhead check skipped: the bare loop is plain SGD, without {', '.join(unlike)}")
-        return []
-    if 1 not in rank_counts:
-        say("# overhead check skipped: it needs P = 1 (threads, or mpiexec -n 1)")
         return []
     say(
         "# overhead at P = 1, ms per step: 'train' is train_rank's step, 'bare' the passes "
