@@ -43,7 +43,6 @@ from syncsgd.util.options import (  # noqa: E402
     RANKS,
     add_options,
     check_declared_paths,
-    from_options,
     option,
 )
 from syncsgd.util.signals import handling  # noqa: E402
@@ -103,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = _command(
         commands, "train", run_train,
         "synchronous data-parallel SGD on P ranks (threads, or MPI under mpiexec)",
-        "Train an MLP by synchronous data-parallel SGD; the result equals serial "
-        "large-batch SGD for any number of ranks.",
+        "Train a network - an MLP of --hidden widths, or any --model spec: conv nets, "
+        "GPTs - by synchronous data-parallel SGD; the result equals serial large-batch SGD "
+        "for any number of ranks.",
     )  # fmt: skip
     add_train_arguments(train)
     train.set_defaults(mpi=True)  # under mpiexec, every rank takes part
@@ -218,18 +218,19 @@ class TrainOutputs:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd train`, from the declarations of TrainConfig and TrainOutputs."""
-    from syncsgd.training.config import TrainConfig
+    from syncsgd.training.config import add_train_options
 
     groups = {name: parser.add_argument_group(name) for name in GROUPS}
     RANKS.add(groups["ranks"])
     BACKEND.add(groups["ranks"])
-    add_options(parser, TrainConfig, groups)
+    add_train_options(parser, groups)
     add_options(parser, TrainOutputs, groups)
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `syncsgd verify`: the train options that verify takes, and its own."""
-    from syncsgd.training.config import TrainConfig
+    """The options of `syncsgd verify`: the train options that verify takes (all but those
+    declared verify=False: checkpoints and --skip-nonfinite), and its own."""
+    from syncsgd.training.config import add_train_options
 
     RANK_COUNTS.add(parser, default=[1, 2, 3, 4, 8],
                     help="numbers of ranks to compare, e.g. 1,2,3,4,8 (the default)")  # fmt: skip
@@ -241,7 +242,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     )
     JSON.add(parser, help="write the table as JSON (default: none)")
     groups = {name: parser.add_argument_group(name) for name in GROUPS if name != "output"}
-    add_options(parser, TrainConfig, groups, keep=lambda declared: declared.verify)
+    add_train_options(parser, groups, keep=lambda declared: declared.verify)
     from syncsgd.apps.verify import allow_all
     from syncsgd.apps.verify_grid import add_grid_arguments
 
@@ -251,9 +252,9 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_options(options: argparse.Namespace):  # -> TrainConfig (imported lazily)
     """The TrainConfig that the parsed options of train or verify describe."""
-    from syncsgd.training.config import TrainConfig
+    from syncsgd.training.config import config_of
 
-    return from_options(TrainConfig, options)
+    return config_of(options)
 
 
 def run_verify(options: argparse.Namespace) -> int:

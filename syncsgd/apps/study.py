@@ -45,12 +45,12 @@ import numpy as np
 
 from syncsgd.apps import costmodel
 from syncsgd.training import noise
+from syncsgd.training.config import add_train_options
 from syncsgd.training.data import is_text
 from syncsgd.training.result import NonFiniteError
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import (
     comma_list,
-    dimensions,
     finite_float,
     nonnegative_int,
     positive_int,
@@ -64,7 +64,7 @@ QUICK: dict[str, Any] = {
     "data": "synthetic-classification-mlp",
     "samples": 16384,
     "features": 32,
-    "hidden": "32",
+    "hidden": (32,),
     "holdout": 0.25,
     "target_loss": 0.45,
     "batch_sizes": [8 << k for k in range(9)],  # 8 .. 2048
@@ -641,7 +641,7 @@ def preset_help(name: str) -> str:
         return f"default {len(full)} from {full[0]:g} to {full[-1]:g} by sqrt(2), --quick " + (
             f"{len(quick)} from {quick[0]:g} to {quick[-1]:g} by 2"
         )
-    show = (lambda v: ",".join(f"{x:g}" for x in v)) if isinstance(full, list) else str
+    show = (lambda v: ",".join(f"{x:g}" for x in v)) if isinstance(full, (list, tuple)) else str
     if show(full) == show(quick):
         return f"default {show(full)}"
     return f"default {show(full)}, --quick {show(quick)}"
@@ -654,8 +654,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a small grid that runs in a few minutes on two cores",
     )
-    add_grid_arguments(parser.add_argument_group("the grid"))
-    add_workload_arguments(parser.add_argument_group("the workload (as in syncsgd train)"))
+    grid = parser.add_argument_group("the grid")
+    add_grid_arguments(grid)
+    add_workload_arguments(parser, grid.add_mutually_exclusive_group())
     add_time_model_arguments(parser.add_argument_group("the time model (a prediction)"))
     out = parser.add_argument_group("output")
     JSON.add(out, help="write rows, trials, knee and time model")
@@ -665,7 +666,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:
-    """The batch sizes, the tuning grid, the target and the ranks of every run."""
+    """The batch sizes, the tuning grid, the budget and the ranks of every run."""
+    # lists of the values the study varies: train's --batch-size, --lr, --momentum take one each
     for flag, kind, text in (
         ("--batch-sizes", int_list, "global batch sizes"),
         ("--lrs", float_list, "learning rates to tune over"),
@@ -675,15 +677,6 @@ def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:
         grid.add_argument(
             flag, type=kind, help=f"{text} ({preset_help(flag[2:].replace('-', '_'))})"
         )
-    target = grid.add_mutually_exclusive_group()
-    target.add_argument(
-        "--target-loss",
-        type=finite_float,
-        help=f"held-out mean loss to reach ({preset_help('target_loss')})",
-    )
-    target.add_argument(
-        "--target-accuracy", type=fraction, help="held-out accuracy to reach instead (xent)"
-    )
     RANKS.add(
         grid,
         default=1,
@@ -697,27 +690,35 @@ def add_grid_arguments(grid: argparse._ArgumentGroup) -> None:
     )
 
 
-def add_workload_arguments(work: argparse._ArgumentGroup) -> None:
-    """The model and data, as `syncsgd train` takes them."""
-    reads(work.add_argument("--data", metavar="NAME|PATH", help=f"({preset_help('data')})"))
-    work.add_argument("--context", type=positive_int, default=32, metavar="T",
-                      help="token data: the characters T of each sample's window (default 32)")
-    work.add_argument("--samples", type=positive_int, help=f"({preset_help('samples')})")
-    work.add_argument("--features", type=positive_int, help=f"({preset_help('features')})")
-    work.add_argument("--classes", type=positive_int, help="(default: from the data)")
-    work.add_argument("--hidden", help=f"hidden layer widths ({preset_help('hidden')})")
-    work.add_argument("--model", metavar="SPEC", type=costmodel.model_spec,
-                      help="any network the layers express instead of the MLP, e.g. simple-cnn "
-                      "(as in syncsgd train; --hidden and --activation then do not apply)")
-    work.add_argument("--input-shape", metavar="C,H,W", type=dimensions,
-                      help="--model: one sample's shape (default: the data's)")
-    work.add_argument("--activation", choices=("relu", "tanh"), default="relu")
-    work.add_argument("--loss", choices=("xent", "mse"), default="xent")
-    work.add_argument("--dtype", choices=("float64", "float32"), default="float64")
-    work.add_argument(
-        "--holdout", type=fraction, help=f"fraction held out ({preset_help('holdout')})"
-    )
-    work.add_argument("--seed", type=nonnegative_int, default=0)
+# The train options that the study does not take, and why; every other TrainConfig field is an
+# option here too, declared as `syncsgd train` declares it, for every run of the study.
+NOT_TAKEN = {
+    "batch_size": "--batch-sizes: the study's runs vary it",
+    "lr": "--lrs: the study's runs vary it",
+    "momentum": "--momentums: the study's runs vary it",
+    "steps": "--max-steps: each run's budget",
+    "epochs": "--max-steps: each run's budget",
+    "eval_every": "the study evaluates once per held-out set's worth of samples, then every step",
+    "noise_scale": "the study estimates it in runs of its own (--noise-ranks)",
+    "skip_nonfinite": "a run that diverges is an outcome of the study, not skipped over",
+    "checkpoint": "the study's runs write no checkpoints",
+    "checkpoint_every": "the study's runs write no checkpoints",
+    "resume": "the study's runs write no checkpoints",
+}
+PRESET = ("data", "samples", "features", "hidden", "holdout", "target_loss")  # FULL's, QUICK's
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, target: argparse._ActionsContainer,
+                           ) -> None:  # fmt: skip
+    """The model, the data, the target and the rest of train's options, as `syncsgd train` takes
+    them; unset, those of PRESET come from the preset (`resolve`), and `target`, a mutually
+    exclusive group, takes --target-loss and --target-accuracy."""
+    changes: dict[str, dict[str, Any]] = {
+        name: {"default": None, "shown": preset_help(name)[len("default "):]} for name in PRESET
+    }
+    for name in ("target_loss", "target_accuracy"):
+        changes.setdefault(name, {})["group"] = target
+    add_train_options(parser, exclude=NOT_TAKEN, changes=changes)
 
 
 def add_time_model_arguments(model: argparse._ArgumentGroup) -> None:
@@ -764,34 +765,16 @@ def resolve(options: argparse.Namespace) -> argparse.Namespace:
             continue
         if values.get(name) is None and not (name == "target_loss" and own_target):
             values[name] = default
+    if values.get("hidden") is None:  # --model without --hidden: train's default, unused
+        values.pop("hidden", None)
     return argparse.Namespace(**values)
 
 
 def workload(options: argparse.Namespace) -> Any:
     """The TrainConfig of the study's runs (batch size, lr, momentum and steps vary per run)."""
-    from syncsgd.nn.mlp import parse_hidden
-    from syncsgd.training.config import TrainConfig
+    from syncsgd.training.config import config_of
 
-    # With --model the preset gives no --hidden: the config refuses one given with it.
-    network: dict[str, Any] = {"model": options.model, "input_shape": options.input_shape}
-    if options.hidden is not None:
-        network["hidden"] = parse_hidden(options.hidden)
-    return TrainConfig(
-        data=options.data,
-        context=options.context,
-        samples=options.samples,
-        features=options.features,
-        classes=options.classes,
-        activation=options.activation,
-        **network,
-        loss=options.loss,
-        dtype=options.dtype,
-        seed=options.seed,
-        holdout=options.holdout,
-        target_loss=options.target_loss,
-        target_accuracy=options.target_accuracy,
-        batch_size=min(options.batch_sizes),
-    )
+    return config_of(options, exclude=NOT_TAKEN, batch_size=min(options.batch_sizes))
 
 
 def machine(options: argparse.Namespace) -> tuple[costmodel.Params, str, dict[str, Any] | None]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +36,17 @@ from syncsgd.util.argtypes import (
     positive_int,
     unit_fraction,
 )
-from syncsgd.util.options import at_least, errors, option, option_from, options_of
+from syncsgd.util.options import (
+    Change,
+    Option,
+    add_options,
+    at_least,
+    errors,
+    from_options,
+    option,
+    option_from,
+    options_of,
+)
 
 # the synthetic sets, the real ones of the data extra, then generated token data
 DATA_SOURCES = (*SOURCES, *DATASETS, *TEXT_SOURCES)
@@ -311,6 +324,36 @@ class TrainConfig:
             self.classes is None or self.classes >= 2 or self.loss != "xent",
             f"--classes {self.classes}: cross-entropy needs at least 2 classes",
         )
+
+
+# -- train's options in the other subcommands: every field, read from here ---------------------
+
+
+def add_train_options(
+    parser: argparse.ArgumentParser,
+    groups: dict[str, Any] | None = None,
+    keep: Callable[[Option], bool] = lambda option: True,
+    *,
+    exclude: Collection[str] = (),
+    changes: Mapping[str, Change] | None = None,
+) -> None:
+    """Declare the options of `syncsgd train` (TrainConfig's fields) to a subcommand's parser:
+    every one but those `exclude` names, `changes` saying what the subcommand declares otherwise
+    (util.options.add_options). TrainConfig is read when this is called, so a field added to it
+    is an option of every subcommand that calls this, and reaches its config (`config_of`)."""
+    add_options(parser, TrainConfig, {} if groups is None else groups, keep,
+                exclude=exclude, changes=changes)  # fmt: skip
+
+
+def config_of(options: argparse.Namespace, exclude: Collection[str] = (),
+              **values: Any) -> TrainConfig:  # fmt: skip
+    """The TrainConfig that a subcommand's parsed options describe, `values` replacing theirs;
+    the train options it does not take (`exclude`: its exclusions, whose names its own options
+    may reuse) keep their defaults."""
+    taken = argparse.Namespace(**{name: value for name, value in vars(options).items()
+                                  if name not in exclude})  # fmt: skip
+    config: TrainConfig = from_options(TrainConfig, taken, **values)
+    return config
 
 
 def _check_batchnorm(config: TrainConfig) -> None:

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 from syncsgd.util.argtypes import nonnegative_float, positive_int, rank_list
@@ -29,12 +29,18 @@ class Option:
     verify: bool = True  # whether `syncsgd verify` takes it too
     check: Check | None = None  # the check of a value given in Python, not on the command line
     role: str | None = None  # for a path: one of ROLES (what the command does with it)
+    about: str = ""  # the help without its default, for a subcommand that changes the default
 
     def add(self, parser: Any, **overrides: Any) -> argparse.Action:
         """Declare this option to a parser or argument group; `overrides` replace its arguments."""
         arguments: dict[str, Any] = {"help": self.help, **self.kwargs, **overrides}
         action = parser.add_argument(self.flag, **arguments)
         return action if self.role is None else path_role(action, self.role)
+
+    def changed(self, default: Any, shown: str | None = None) -> dict[str, Any]:
+        """The `add` overrides that give this option another default, its help saying which."""
+        told = f"default: {shown}" if shown is not None else f"default {show(default)}"
+        return {"default": default, "help": f"{self.about or self.help} ({told})"}
 
     def error(self, value: Any) -> str | None:
         """Why `value` is not a valid value of this option, or None if it is."""
@@ -69,7 +75,7 @@ def option(
         check = one_of(choices, listed=list_choices, optional=default is None)
     told = f"default: {shown}" if shown is not None else f"default {show(default)}"
     declared = Option("", f"{help} ({told})", kwargs, group,
-                      fingerprint, verify, check, role)  # fmt: skip
+                      fingerprint, verify, check, role, help)  # fmt: skip
     return dataclasses.field(default=default, metadata={"option": declared})
 
 
@@ -110,24 +116,56 @@ def _declared(cls: type) -> Iterator[tuple[str, Option]]:
             yield field.name, dataclasses.replace(found, flag=flag, kwargs=kwargs)
 
 
+# How a subcommand changes one option it takes from a dataclass: a new default (its help then
+# shows it: "shown", how), new add_argument arguments ("help", "type", ...), or the argument
+# group to put it in ("group": e.g. a mutually exclusive group of the subcommand's).
+Change = Mapping[str, Any]
+
+
 def add_options(
     parser: argparse.ArgumentParser,
     cls: type,
     groups: dict[str, Any],
     keep: Callable[[Option], bool] = lambda option: True,
+    *,
+    exclude: Collection[str] = (),
+    changes: Mapping[str, Change] | None = None,
 ) -> None:
-    """Declare the options of dataclass `cls` that `keep` keeps, each in its group of `groups`."""
-    for _, declared in options_of(cls):
-        if keep(declared):
+    """Declare every option of dataclass `cls` but the fields `exclude` names (and those `keep`
+    drops), each in its group of `groups` (made on first use); `changes`: per field, what the
+    subcommand declares differently (see Change)."""
+    changes = changes or {}
+    names = {name for name, _ in options_of(cls)}
+    unknown = sorted((set(exclude) | set(changes)) - names)
+    assert not unknown, f"not options of {cls.__name__}: {unknown}"
+    assert not set(exclude) & set(changes), "an excluded option is not declared: no change"
+    for name, declared in options_of(cls):
+        if name in exclude or not keep(declared):
+            continue
+        change = dict(changes.get(name, {}))
+        group = change.pop("group", None)
+        if group is None:
             if declared.group not in groups:
                 groups[declared.group] = parser.add_argument_group(declared.group)
-            declared.add(groups[declared.group])
+            group = groups[declared.group]
+        declared.add(group, **_overrides(declared, change))
 
 
-def from_options(cls: type, options: argparse.Namespace) -> Any:
-    """An instance of dataclass `cls` from parsed options; fields the parser lacks keep defaults."""
+def _overrides(declared: Option, change: dict[str, Any]) -> dict[str, Any]:
+    """The add_argument arguments of a Change: a new default comes with help that shows it."""
+    shown = change.pop("shown", None)
+    if "default" in change and "help" not in change:
+        return {**change, **declared.changed(change["default"], shown)}
+    assert shown is None, "shown: how the help shows a changed default"
+    return change
+
+
+def from_options(cls: type, options: argparse.Namespace, **values: Any) -> Any:
+    """An instance of dataclass `cls` from parsed options, `values` replacing theirs; fields the
+    parser lacks keep their defaults."""
     given = vars(options)
-    return cls(**{name: given[name] for name, _ in options_of(cls) if name in given})
+    taken = {name: given[name] for name, _ in options_of(cls) if name in given}
+    return cls(**{**taken, **values})
 
 
 def errors(instance: Any) -> Iterator[str]:

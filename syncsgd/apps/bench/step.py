@@ -40,26 +40,22 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.apps.costmodel import model_spec
 from syncsgd.comm.threads import run_threads
 from syncsgd.comm.watchdog import within_timeout
 from syncsgd.comm.world import constants, launched_by_mpi, mpi_world, resolve_backend
-from syncsgd.nn.mlp import parse_hidden
 from syncsgd.training import data
-from syncsgd.training.config import TrainConfig
+from syncsgd.training.config import TrainConfig, add_train_options, config_of
 from syncsgd.training.loop import train_rank
 from syncsgd.training.run import Run, prepare
 from syncsgd.util import jsonout
 from syncsgd.util.argtypes import (
     comma_separated,
-    dimensions,
     nonnegative_int,
-    positive_float,
     positive_int,
     rank_list,
 )
 from syncsgd.util.files import check_writable, write_text
-from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, TIMEOUT, reads, writes
+from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, Change, options_of, writes
 
 DEFAULT_RANKS = (1, 2, 3, 4)
 SYNTHETIC = "synthetic-classification"
@@ -83,17 +79,25 @@ def scaling_list(text: str) -> list[str]:
 
 
 def train_config(options: argparse.Namespace, batch_size: int) -> TrainConfig:
-    """The benchmark's training run (--data, constant-lr SGD) at one global batch size."""
-    network: dict[str, Any] = (
-        {"model": options.model, "input_shape": options.input_shape} if options.model else
-        {"hidden": parse_hidden(options.hidden), "activation": options.activation}
-    )  # fmt: skip
-    return TrainConfig(
-        data=options.data, context=options.context, samples=options.samples,
-        features=options.features, classes=options.classes, loss="xent", batch_size=batch_size,
-        steps=options.steps, lr=options.lr, seed=options.seed, dtype=options.dtype,
-        batchnorm=options.batchnorm, **network,
-    )  # fmt: skip
+    """The benchmark's training run (train's options as given) at one global batch size."""
+    # With --model, the spec is the whole network: --hidden and --activation do not apply.
+    network = ("hidden", "activation") if options.model else ()
+    return config_of(options, exclude={*NOT_TAKEN, *network}, batch_size=batch_size)
+
+
+# The train options that the overhead check's bare loop follows (plain SGD, as train_rank at
+# P = 1; BatchNorm is checked apart); any other one away from train's default skips the check.
+BARE_LOOP_FOLLOWS = {"data", "labels", "samples", "context", "features", "classes", "hidden",
+                     "model", "input_shape", "activation", "batch_size", "steps", "lr", "seed",
+                     "shuffle", "dtype", "timeout", "algorithm", "batchnorm"}  # fmt: skip
+
+
+def unlike_bare_loop(config: TrainConfig) -> list[str]:
+    """The flags of the train options, given away from their defaults, that the bare loop of
+    the overhead check does not follow (e.g. --optimizer adam, --momentum 0.9)."""
+    return [declared.flag for name, declared in options_of(type(config))
+            if name not in BARE_LOOP_FOLLOWS
+            and getattr(config, name) != getattr(type(config), name)]  # fmt: skip
 
 
 def has_batchnorm(options: argparse.Namespace) -> bool:
@@ -107,7 +111,7 @@ def network_name(options: argparse.Namespace) -> str:
     """The network as the header and the JSON name it: the --model spec or the MLP's sizes."""
     if options.model:
         return options.model
-    return "-".join(map(str, (options.features, *parse_hidden(options.hidden), options.classes)))
+    return "-".join(map(str, (options.features, *options.hidden, options.classes)))
 
 
 def global_batch_size(options: argparse.Namespace, scaling: str, ranks: int) -> int:
@@ -504,11 +508,39 @@ def write_outputs(options: argparse.Namespace, result: dict) -> None:
 # --- the driver -----------------------------------------------------------------------------------
 
 
+# The train options that `bench step` does not take, and why; every other TrainConfig field is
+# an option here too, declared as `syncsgd train` declares it (add_train_options).
+NOT_TAKEN = {
+    "batch_size": "--per-rank-batch and --global-batch: one per scaling mode",
+    "epochs": "a timed run is --steps steps",
+    "loss": "xent: the overhead check's bare loop is softmax cross-entropy's",
+    "overlap": "bench step's own --overlap times the step with it against the step without",
+    "bucket_bytes": "bench step's own --bucket-bytes: the --overlap section's buckets only",
+    "checkpoint": "a benchmark writes no checkpoints",
+    "checkpoint_every": "a benchmark writes no checkpoints",
+    "resume": "a benchmark writes no checkpoints",
+    "skip_nonfinite": "a step that is not finite ends the benchmark",
+    "holdout": "the benchmark does not evaluate",
+    "eval_every": "the benchmark does not evaluate",
+    "target_loss": "a timed run takes every one of its --steps",
+    "target_accuracy": "a timed run takes every one of its --steps",
+    "noise_scale": "its estimate would be timed as part of the step",
+}
+# Where the benchmark's default differs from train's: an MNIST-sized MLP, a short timed run.
+CHANGES: dict[str, Change] = {
+    "samples": {"default": 2048},
+    "features": {"default": 784},
+    "hidden": {"default": (256, 256)},
+    "classes": {"default": 10},
+    "lr": {"default": 0.01},
+    "steps": {"default": 20, "type": positive_int, "help": "steps per timed run (default 20)"},
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `syncsgd bench step`."""
+    """The options of `syncsgd bench step`: its own, then train's (but NOT_TAKEN)."""
     RANK_COUNTS.add(parser, help="thread rank counts to run (default 1,2,3,4); under mpiexec, -n")
     BACKEND.add(parser)
-    TIMEOUT.add(parser)
     add = parser.add_argument
     add("--scaling", type=scaling_list, default=list(SCALINGS),
         help="weak, strong or weak,strong (default both)")  # fmt: skip
@@ -516,30 +548,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weak scaling: samples per rank (64)")  # fmt: skip
     add("--global-batch", type=positive_int, default=256,
         help="strong scaling: the global batch (256)")  # fmt: skip
-    reads(add("--data", metavar="NAME|PATH", default=SYNTHETIC,
-              help="the samples, as `syncsgd train --data` takes them; token data "
-              "(numbers-to-words, PATH.txt) for a --model that starts with embed, e.g. gpt(...) "
-              f"({SYNTHETIC})"))
-    add("--context", type=positive_int, default=32,
-        help="token data: the characters T of each sample's window (32)")
-    add("--samples", type=positive_int, default=2048,
-        help="synthetic samples; numbers-to-words: windows (2048)")
-    add("--features", type=positive_int, default=784, help="input size (784)")
-    add("--hidden", default="256,256", help="hidden sizes (256,256)")
-    add("--model", metavar="SPEC", type=model_spec,
-        help="time this network instead of the MLP, as `syncsgd train --model` takes it "
-        "(presets too: simple-cnn, lenet5); --hidden and --activation then do not apply")
-    add("--input-shape", metavar="C,H,W", type=dimensions,
-        help="--model: one sample's shape, e.g. 1,28,28 (it must hold --features values)")
-    add("--classes", type=positive_int, default=10, help="classes (10)")
-    add("--activation", choices=("relu", "tanh"), default="relu", help="(default relu)")
-    add("--batchnorm", choices=("none", "local", "sync"), default="none",
-        help="BatchNorm on the hidden layers; its allreduces count in the allreduce column "
-        "(default none)")  # fmt: skip
-    add("--dtype", choices=("float64", "float32"), default="float64", help="(default float64)")
-    add("--lr", type=positive_float, default=0.01, help="learning rate (0.01)")
-    add("--seed", type=nonnegative_int, default=0, help="(default 0)")
-    add("--steps", type=positive_int, default=20, help="steps per timed run (20)")
     add("--repeats", type=positive_int, default=7,
         help="timed runs per configuration; the median is quoted (7)")  # fmt: skip
     add("--warmup", type=positive_int, default=5, help="burn-in steps per configuration (5)")
@@ -557,6 +565,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs of each command-line timing; 0 skips them (5)")  # fmt: skip
     JSON.add(parser, help="write all results as JSON")
     writes(add("--csv", metavar="PATH", help="write the scaling rows as CSV"))
+    add_train_options(parser, exclude=NOT_TAKEN, changes=CHANGES)
 
 
 def main(options: argparse.Namespace) -> int:
@@ -749,6 +758,10 @@ def overhead_section(options: argparse.Namespace, call: Callable, rank_counts: l
         return []
     if 1 not in rank_counts:
         say("# overhead check skipped: it needs P = 1 (threads, or mpiexec -n 1)")
+        return []
+    unlike = unlike_bare_loop(train_config(options, 1))
+    if unlike:
+        say(f"# overhead check skipped: the bare loop is plain SGD, without {', '.join(unlike)}")
         return []
     say(
         "# overhead at P = 1, ms per step: 'train' is train_rank's step, 'bare' the passes "
