@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -36,3 +37,13 @@ def test_the_reference_module_prints_and_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(reference, "REFERENCE", tmp_path / "reference.md")
     assert reference.main(["--write"]) == 0
     assert (tmp_path / "reference.md").read_text(encoding="utf-8") == done.stdout
+
+
+def test_the_site_lists_every_page_of_docs():
+    """mkdocs.yml's nav names every page of docs/ (mkdocs build --strict refuses an omitted one;
+    this says so without mkdocs installed)."""
+    root = reference.REFERENCE.parents[1]
+    listed = set(re.findall(r"^\s*- (?:[^:\n]+: )?([\w-]+\.md)$", (root / "mkdocs.yml").read_text(
+        encoding="utf-8"), flags=re.MULTILINE))  # fmt: skip
+    pages = {path.name for path in (root / "docs").glob("*.md")}
+    assert listed == pages, f"add to mkdocs.yml's nav: {pages - listed}; gone: {listed - pages}"
