@@ -1,4 +1,5 @@
-"""The README's Python examples run as written, in a scratch directory holding their data.csv."""
+"""The Python examples of the README and of docs/api.md run as written, in a scratch directory
+holding their data.csv."""
 
 from __future__ import annotations
 
@@ -10,16 +11,21 @@ import sys
 import numpy as np
 import pytest
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+DOCUMENTS = ("README.md", os.path.join("docs", "api.md"))
 
 
-def python_blocks() -> list[str]:
-    with open(README, encoding="utf-8") as handle:
-        return re.findall(r"```python\n(.*?)```", handle.read(), flags=re.DOTALL)
+def python_blocks(documents: tuple[str, ...] = DOCUMENTS) -> list[str]:
+    blocks = []
+    for document in documents:
+        with open(os.path.join(ROOT, document), encoding="utf-8") as handle:
+            blocks += re.findall(r"```python\n(.*?)```", handle.read(), flags=re.DOTALL)
+    return blocks
 
 
-def test_the_readme_has_python_examples():
-    assert len(python_blocks()) >= 2
+def test_the_readme_and_the_api_page_have_python_examples():
+    assert len(python_blocks(("README.md",))) >= 1
+    assert len(python_blocks((os.path.join("docs", "api.md"),))) >= 3
 
 
 @pytest.mark.timeout(300)
