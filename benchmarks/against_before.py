@@ -1,26 +1,41 @@
-"""The MLP step of this tree against the code of another tree (the code before a change), paired.
+"""The MLP, CNN and GPT steps of this tree against another tree's (the code before a change).
 
-    git worktree add ../before 57613f2          # the code before the layered passes
-    python benchmarks/against_before.py --before ../before
-    python benchmarks/against_before.py --before ../before --ranks 1,2 --dtypes float32 --rounds 9
+    git worktree add ../before b2bdac4          # the code before the local gradient's refactor
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \
+        python benchmarks/against_before.py --before ../before
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \
+        python benchmarks/against_before.py --before ../before --ranks 1,2 --dtypes float32 \
+        --rounds 9 --nets mlp,cnn,gpt
 
-The project's bar for a refactor of the step: the MLP step is not slower. What is timed is the
-MLP of benchmarks/peers.py, 784-256-256-10 relu xent, plain SGD at lr 0.01, global batch 256 of
-2048 synthetic samples, split over P thread ranks: `syncsgd.training.loop.train_rank` (the
-training loop a user runs, `quiet=True`), its steady state (each run's first step left out), the
-slowest rank's seconds per step.
+The project's bar for a refactor of the step: the MLP, CNN and GPT steps are not slower, each at
+most 1.03 times the code before (the median of interleaved rounds' ratios, P = 1 and 2,
+float32). What is timed (`--nets`, all three by default):
 
-Each tree runs in its own process (PYTHONPATH pointing at the tree, which the process checks it
-imported syncsgd from), pinned to the first P cores, one BLAS thread per rank, kept alive across
-rounds. After `--warmup` steps each (which also compiles or loads the Numba kernels), a round
-asks every process in turn for `--steps` steps, the two trees of a (P, dtype) back to back, their
-order alternating round by round; one process runs at a time. Quoted: the median over rounds of
-each tree's ms per step, and the median over rounds of each round's ratio new / before (a busy
-neighbour slows both of a round's pair alike). Beside them, the same for CPU seconds: the
-process's CPU time over the whole `train_rank` call (its set-up and first step included, and at
-P = 2 a rank's spinning in the allreduce) per step, which a busy machine disturbs less than
-elapsed time. Both trees take the same steps from the same seed: the line says whether their
-parameters ended bitwise equal in every round. Nothing is asserted.
+- mlp: the MLP of benchmarks/peers.py, 784-256-256-10 relu xent, plain SGD at lr 0.01, global
+  batch 256 of 2048 synthetic samples;
+- cnn: a conv net in the spirit of Shallue et al.'s Simple CNN, shrunk to take tens of
+  milliseconds a step on two cores (the simple-cnn preset is too big for a benchmark round):
+  conv(8, 5, pad=2) relu maxpool(2) conv(16, 5, pad=2) relu maxpool(2) flatten dense(64) relu
+  dense, on 2048 synthetic samples of shape 1x28x28 (784 features), 10 classes, xent, plain SGD
+  at lr 0.01, global batch 64;
+- gpt: gpt(layers=2,d=64,heads=4) on numbers-to-words, windows of 32 characters (2048 of them),
+  AdamW at lr 0.003 (its default weight decay 0.01), global batch 32;
+
+each split over P thread ranks: `syncsgd.training.loop.train_rank` (the training loop a user runs,
+`quiet=True`), its steady state (each run's first step left out), the slowest rank's seconds per
+step. Only configuration fields that both trees have are used (the TrainConfig of b2bdac4).
+
+Each tree runs in its own process for each (net, P, dtype) (PYTHONPATH pointing at the tree, which
+the process checks it imported syncsgd from), pinned to the first P cores, one BLAS thread per
+rank, kept alive across rounds. After `--warmup` steps each (which also compiles or loads the Numba
+kernels), a round asks every process in turn for `--steps` steps, the two trees of a (net, P,
+dtype) back to back, their order alternating round by round; one process runs at a time. Quoted:
+the median over rounds of each tree's ms per step, and the median over rounds of each round's ratio
+new / before (a busy neighbour slows both of a round's pair alike). Beside them, the same for CPU
+seconds: the process's CPU time over the whole `train_rank` call (its set-up and first step
+included, and at P = 2 a rank's spinning in the allreduce) per step, which a busy machine disturbs
+less than elapsed time. Both trees take the same steps from the same seed: the line says whether
+their parameters ended bitwise equal in every round. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -36,7 +51,28 @@ from typing import Any
 
 SIZES = (784, 256, 256, 10)
 BATCH, SAMPLES, LR, SEED = 256, 2048, 0.01, 0
-BAR = 1.05  # new / before, median of the rounds' ratios
+CNN = ("conv(8, 5, pad=2) relu maxpool(2) conv(16, 5, pad=2) relu maxpool(2) flatten dense(64) "
+       "relu dense")  # fmt: skip
+GPT = "gpt(layers=2,d=64,heads=4)"
+# Each net's TrainConfig fields beside steps, seed and dtype: fields both trees have.
+NETS: dict[str, dict[str, Any]] = {
+    "mlp": {"samples": SAMPLES, "features": SIZES[0], "hidden": SIZES[1:-1],
+            "classes": SIZES[-1], "batch_size": BATCH, "lr": LR, "activation": "relu",
+            "loss": "xent"},
+    "cnn": {"samples": SAMPLES, "features": 784, "input_shape": (1, 28, 28), "classes": 10,
+            "model": CNN, "batch_size": 64, "lr": LR, "loss": "xent"},
+    "gpt": {"data": "numbers-to-words", "model": GPT, "context": 32, "samples": SAMPLES,
+            "batch_size": 32, "optimizer": "adamw", "lr": 0.003},
+}  # fmt: skip
+ABOUT = {
+    "mlp": f"MLP {'-'.join(map(str, SIZES))} relu xent, SGD lr {LR}, global batch {BATCH} of "
+           f"{SAMPLES} synthetic samples",
+    "cnn": f"CNN {CNN}, xent, on {SAMPLES} synthetic 1x28x28 samples of 10 classes, SGD lr {LR}, "
+           "global batch 64",
+    "gpt": f"GPT {GPT} on numbers-to-words, context 32 ({SAMPLES} windows), AdamW lr 0.003, "
+           "global batch 32",
+}  # fmt: skip
+BAR = 1.03  # new / before, median of the rounds' ratios
 TREES = ("before", "new")
 
 
@@ -47,9 +83,9 @@ def pin(ranks: int) -> None:
         os.sched_setaffinity(0, cores[:ranks])
 
 
-def serve(ranks: int, dtype: str) -> None:
-    """Answer 'N' lines with 'seconds CPU-seconds digest' per step over N steps until stdin
-    closes (the digest: of rank 0's final parameters)."""
+def serve(net: str, ranks: int, dtype: str) -> None:
+    """Answer 'N' lines with 'seconds CPU-seconds digest' per step of `net` over N steps until
+    stdin closes (the digest: of rank 0's final parameters)."""
     pin(ranks)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from dataclasses import replace
@@ -60,9 +96,7 @@ def serve(ranks: int, dtype: str) -> None:
     from syncsgd.training.loop import train_rank
     from syncsgd.training.run import prepare
 
-    config = TrainConfig(samples=SAMPLES, features=SIZES[0], hidden=SIZES[1:-1],
-                         classes=SIZES[-1], batch_size=BATCH, steps=2, lr=LR, seed=SEED,
-                         dtype=dtype, activation="relu", loss="xent")  # fmt: skip
+    config = TrainConfig(steps=2, seed=SEED, dtype=dtype, **NETS[net])
     run = prepare(config)
     print("ready", os.path.dirname(os.path.dirname(os.path.abspath(syncsgd.__file__))),
           flush=True)  # fmt: skip
@@ -77,12 +111,12 @@ def serve(ranks: int, dtype: str) -> None:
 
 
 class Tree:
-    """One tree's server process for one (P, dtype)."""
+    """One tree's server process for one (net, P, dtype)."""
 
-    def __init__(self, root: str, ranks: int, dtype: str) -> None:
+    def __init__(self, root: str, net: str, ranks: int, dtype: str) -> None:
         env = dict(os.environ, PYTHONPATH=root)
-        command = [sys.executable, os.path.abspath(__file__), "--serve", "--ranks", str(ranks),
-                   "--dtypes", dtype]  # fmt: skip
+        command = [sys.executable, os.path.abspath(__file__), "--serve", "--nets", net,
+                   "--ranks", str(ranks), "--dtypes", dtype]  # fmt: skip
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True, env=env, cwd=root)  # fmt: skip
         word, _, imported = self.read().partition(" ")
@@ -113,27 +147,33 @@ class Tree:
         self.process.wait(timeout=60)
 
 
-def measure(options: argparse.Namespace) -> dict[tuple[int, str], dict[str, Any]]:
-    """Per (P, dtype): each tree's seconds per step per round, and whether the digests agreed."""
+Key = tuple[str, int, str]  # (net, P, dtype)
+
+
+def measure(options: argparse.Namespace) -> dict[Key, dict[str, Any]]:
+    """Per (net, P, dtype): each tree's seconds per step per round, and whether the digests
+    agreed."""
     roots = {"before": os.path.abspath(options.before), "new": os.path.abspath(options.new)}
-    keys = [(ranks, dtype) for dtype in options.dtypes for ranks in options.ranks]
-    servers: dict[tuple[int, str, str], Tree] = {}
+    keys = [(net, ranks, dtype) for net in options.nets for dtype in options.dtypes
+            for ranks in options.ranks]  # fmt: skip
+    servers: dict[tuple[str, int, str, str], Tree] = {}
     try:
-        for ranks, dtype in keys:
+        for net, ranks, dtype in keys:
             for tree in TREES:
-                servers[ranks, dtype, tree] = Tree(roots[tree], ranks, dtype)
+                servers[net, ranks, dtype, tree] = Tree(roots[tree], net, ranks, dtype)
         for server in servers.values():
             server.ask(options.warmup)
-        out: dict[tuple[int, str], dict[str, Any]] = {
+        out: dict[Key, dict[str, Any]] = {
             key: {"before": [], "new": [], "cpu before": [], "cpu new": [], "equal": True}
             for key in keys
         }
         for round_ in range(options.rounds):
-            for ranks, dtype in keys:
-                row = out[ranks, dtype]
+            for net, ranks, dtype in keys:
+                row = out[net, ranks, dtype]
                 digests = {}
                 for tree in TREES if round_ % 2 == 0 else TREES[::-1]:
-                    seconds, cpu, digests[tree] = servers[ranks, dtype, tree].ask(options.steps)
+                    server = servers[net, ranks, dtype, tree]
+                    seconds, cpu, digests[tree] = server.ask(options.steps)
                     row[tree].append(seconds)
                     row[f"cpu {tree}"].append(cpu)
                 row["equal"] = row["equal"] and digests["before"] == digests["new"]
@@ -143,20 +183,21 @@ def measure(options: argparse.Namespace) -> dict[tuple[int, str], dict[str, Any]
     return out
 
 
-def report(options: argparse.Namespace, out: dict[tuple[int, str], dict[str, Any]]) -> None:
+def report(options: argparse.Namespace, out: dict[Key, dict[str, Any]]) -> None:
     """ms per step of both trees and the median of the rounds' ratios new / before."""
-    print(f"{'P':>2} {'dtype':>8} {'before':>8} {'new':>8} {'new/before':>10} {'range':>13} "
-          f"{'bar':>6} {'fastest n/b':>11} {'cpu bef.':>8} {'cpu new':>8} {'cpu n/b':>7}  "
-          f"params   (ms per step, medians of {options.rounds} rounds)")  # fmt: skip
-    for (ranks, dtype), row in out.items():
+    print(f"{'net':>3} {'P':>2} {'dtype':>8} {'before':>8} {'new':>8} {'new/before':>10} "
+          f"{'range':>13} {'bar':>6} {'fastest n/b':>11} {'cpu bef.':>8} {'cpu new':>8} "
+          f"{'cpu n/b':>7}  params   (ms per step, medians of {options.rounds} "
+          "rounds)")  # fmt: skip
+    for (net, ranks, dtype), row in out.items():
         before, new = statistics.median(row["before"]), statistics.median(row["new"])
         ratios = [n / b for n, b in zip(row["new"], row["before"], strict=True)]
         ratio = statistics.median(ratios)
         cpu = [n / b for n, b in zip(row["cpu new"], row["cpu before"], strict=True)]
         verdict = "within" if ratio <= BAR else "ABOVE"
         same = "equal" if row["equal"] else "differ"
-        print(f"{ranks:>2} {dtype:>8} {before * 1e3:>8.3f} {new * 1e3:>8.3f} {ratio:>10.3f} "
-              f"{min(ratios):>6.3f}-{max(ratios):<6.3f} {verdict:>6} "
+        print(f"{net:>3} {ranks:>2} {dtype:>8} {before * 1e3:>8.3f} {new * 1e3:>8.3f} "
+              f"{ratio:>10.3f} {min(ratios):>6.3f}-{max(ratios):<6.3f} {verdict:>6} "
               f"{min(row['new']) / min(row['before']):>11.3f} "
               f"{statistics.median(row['cpu before']) * 1e3:>8.3f} "
               f"{statistics.median(row['cpu new']) * 1e3:>8.3f} {statistics.median(cpu):>7.3f}  "
@@ -174,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", default=default_new, help="the tree after (this script's)")
     parser.add_argument("--ranks", default="1,2", help="rank counts (1,2)")
     parser.add_argument("--dtypes", default="float32,float64", help="(float32,float64)")
+    parser.add_argument("--nets", default=",".join(NETS), help=f"({','.join(NETS)})")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (7)")
     parser.add_argument("--steps", type=int, default=20, help="steps per round (20)")
     parser.add_argument("--warmup", type=int, default=10, help="burn-in steps (10)")
@@ -182,13 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     options.ranks = [int(text) for text in options.ranks.split(",")]
     options.dtypes = options.dtypes.split(",")
+    options.nets = options.nets.split(",")
+    unknown = [net for net in options.nets if net not in NETS]
+    if unknown:
+        parser.error(f"--nets {','.join(unknown)}: use some of {','.join(NETS)}")
     if options.serve:
-        serve(options.ranks[0], options.dtypes[0])
+        serve(options.nets[0], options.ranks[0], options.dtypes[0])
         return 0
     if not os.path.isdir(os.path.join(options.before, "syncsgd")):
         parser.error(f"--before {options.before!r} holds no syncsgd package")
-    print(f"# MLP {'-'.join(map(str, SIZES))} relu xent, global batch {BATCH}, SGD lr {LR}, "
-          f"train_rank on thread ranks; before: {os.path.abspath(options.before)}, new: "
+    for net in options.nets:
+        print(f"# {net}: {ABOUT[net]}")
+    print(f"# train_rank on thread ranks; before: {os.path.abspath(options.before)}, new: "
           f"{os.path.abspath(options.new)}; {options.steps} steps x {options.rounds} rounds "
           f"after {options.warmup}; each process pinned to the first P cores, one BLAS thread "
           f"per rank; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")  # fmt: skip
