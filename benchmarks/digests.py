@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import numpy as np
-from pinned import HERE, machine, sha256, source_commit
+from pinned import HERE, machine, sha256, source_commit  # type: ignore[import-not-found]
 
 import syncsgd
 

@@ -13,6 +13,7 @@ import functools
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LAYERS_DIR = Path(__file__).resolve().parent / "layers"
 
@@ -37,7 +38,7 @@ def registry() -> dict[str, LossEntry]:
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if not isinstance(node, ast.ClassDef):
                 continue
-            values = {target.id: statement.value.value for statement in node.body
+            values: dict[str, Any] = {target.id: statement.value.value for statement in node.body
                       if isinstance(statement, ast.Assign)
                       and isinstance(statement.value, ast.Constant)
                       for target in statement.targets if isinstance(target, ast.Name)}  # fmt: skip
