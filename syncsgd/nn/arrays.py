@@ -1,11 +1,11 @@
-"""What every model holds its arrays as: the float types, the losses, shapes and checks."""
+"""What every model holds its arrays as: the losses, shapes and checks (the float types:
+syncsgd.util.validate.DTYPES)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 LOSSES = ("xent", "mse")
-DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
 
 
 def checked(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:

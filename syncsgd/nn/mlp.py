@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from syncsgd.nn.arrays import DTYPES, LOSSES, checked, describe, shape_size
+from syncsgd.nn.arrays import LOSSES, checked, describe, shape_size
 from syncsgd.nn.layers.base import Layer
 from syncsgd.nn.network import Network
+from syncsgd.util.validate import DTYPES
 
 ACTIVATIONS = ("relu", "tanh")
 BATCHNORMS = ("none", "local", "sync")

@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.nn.arrays import DTYPES, LOSSES, checked, describe, shape_size
+from syncsgd.nn.arrays import LOSSES, checked, describe, shape_size
 from syncsgd.nn.layers.base import Layer, Shape
 from syncsgd.nn.presets import expand, preset_help
+from syncsgd.util.validate import DTYPES
 
 LAYERS_DIR = Path(__file__).resolve().parent / "layers"
 _TOKEN = re.compile(r"\s*([^\s(]+)(\(([^()]*)\))?")
