@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from syncsgd.nn.arrays import LOSSES, checked, describe, shape_size
+from syncsgd.nn.arrays import checked, describe, shape_size
 from syncsgd.nn.layers.base import Layer
+from syncsgd.nn.losses import loss_entry
 from syncsgd.nn.network import Network
 from syncsgd.util.validate import DTYPES
 
@@ -49,8 +50,7 @@ class MLP:
         object.__setattr__(self, "sizes", tuple(int(size) for size in sizes))
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r} (choose relu or tanh)")
-        if self.loss not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss!r} (choose xent or mse)")
+        loss_entry(self.loss)  # a ValueError naming the losses
         if self.batchnorm not in BATCHNORMS:
             raise ValueError(f"unknown batchnorm {self.batchnorm!r} (choose none, local or sync)")
         try:

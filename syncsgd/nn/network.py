@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.nn.arrays import LOSSES, checked, describe, shape_size
+from syncsgd.nn.arrays import checked, describe, shape_size
 from syncsgd.nn.layers.base import Layer, Shape
+from syncsgd.nn.losses import loss_entry
 from syncsgd.nn.presets import expand, preset_help
 from syncsgd.util.validate import DTYPES
 
@@ -171,15 +172,14 @@ class Network:
 
     spec: str
     in_shape: Shape
-    outputs: int  # classes (xent) or regression outputs (mse)
+    outputs: int  # classes or outputs: the loss's width
     loss: str = "xent"
     dtype: np.dtype = field(default=np.dtype(np.float64))
     layers: list[Layer] = field(default_factory=list)  # built from the spec when not given
     absorbed: frozenset[int] = field(init=False, default=frozenset())  # positions the passes skip
 
     def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss!r} (choose xent or mse)")
+        loss_entry(self.loss)  # a ValueError naming the losses
         self.dtype = np.dtype(self.dtype)
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype} (choose float64 or float32)")

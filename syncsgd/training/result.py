@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from syncsgd.nn.losses import loss_entry
 from syncsgd.nn.mlp import MLP
 from syncsgd.nn.network import Network
 
@@ -142,7 +143,7 @@ def null_reasons(out: dict[str, Any], config: TrainConfig) -> dict[str, str]:
         "noise_scale": "needs 2 or more ranks" if config.noise_scale else "no --noise-scale",
     }
     nulls = {name: why for name, why in reasons.items() if out.get(name) is None}
-    if config.loss != "xent" and out["evals"]:
+    if not loss_entry(config.loss).labels and out["evals"]:
         nulls["evals.accuracy"] = no_accuracy
     for name, value in out.items():  # written as null by the strict JSON
         if isinstance(value, float) and not math.isfinite(value):

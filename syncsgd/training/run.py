@@ -12,6 +12,7 @@ import numpy as np
 from syncsgd.comm.watchdog import Watched
 from syncsgd.comm.world import constants
 from syncsgd.nn.arrays import shape_size
+from syncsgd.nn.losses import loss_entry
 from syncsgd.nn.mlp import MLP
 from syncsgd.nn.network import Network, build
 from syncsgd.nn.optim import OptimConfig
@@ -98,7 +99,8 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
         classes=config.classes, loss=config.loss, seed=config.seed, dtype=config.dtype,
         context=config.context,
     )  # fmt: skip
-    if config.loss == "xent" and config.classes is None:
+    labels = loss_entry(config.loss).labels
+    if labels and config.classes is None:
         data.check_class_labels(y, config.data)
     read = describe_data(config, X, y, sample_shape)
     X, y, X_eval, y_eval = split_holdout(X, y, config.holdout, config.seed)
@@ -110,9 +112,9 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
         steps = config.epochs * per_epoch
     else:
         steps = 100
-    # xent: max label + 1, which --classes may raise; token data: the vocabulary's size
+    # class labels: max label + 1, which --classes may raise; token data: the vocabulary's size
     outputs = data.n_outputs(y, config.loss, X)
-    if config.loss == "xent" and config.classes is not None:
+    if labels and config.classes is not None:
         outputs = max(outputs, config.classes)
     model = make_model(config, X, outputs, ranks, sample_shape)
     optim = OptimConfig(
@@ -151,7 +153,7 @@ def describe_data(config: TrainConfig, X: np.ndarray, y: np.ndarray,
 
 def model_outputs(outputs: int, config: TrainConfig) -> str:
     """'10 classes, loss xent' or '1 output, loss mse'."""
-    noun = "class" if config.loss == "xent" else "output"
+    noun = loss_entry(config.loss).noun
     plural = ("es" if noun == "class" else "s") * (outputs != 1)
     return f"{outputs} {noun}{plural}, loss {config.loss}"
 
