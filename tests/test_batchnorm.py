@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from oracle import evaluation_loss, serial_sgd
 
 from syncsgd import TrainConfig, train
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp, sizes_of
+from syncsgd.nn.network import Network
 from syncsgd.training.layered import LayeredLocalGradient
 from syncsgd.training.loop import prepare
 from syncsgd.training.step import CommBuffer
@@ -141,11 +142,11 @@ def test_local_equals_serial_sgd_with_per_shard_statistics(ranks, batch_size):
     assert relative_difference(result.arrays(), local_oracle(config, ranks)) <= 1e-9
 
 
-def finite_difference_gradient(model: MLP, params: np.ndarray, X, y, h: float = 1e-6):
+def finite_difference_gradient(model: Network, params: np.ndarray, X, y, h: float = 1e-6):
     """The mean loss's gradient by central differences, through the training-mode forward."""
     config = small(batchnorm="local")  # the statistics of the shard alone: no ranks to ask
     buffer = CommBuffer(model.n_params, model.dtype)
-    local = LayeredLocalGradient(config, model.network(), len(X), buffer)
+    local = LayeredLocalGradient(config, model, len(X), buffer)
     sums = np.zeros(model.n_params + 6)
 
     def loss(theta: np.ndarray) -> float:
@@ -164,7 +165,7 @@ def finite_difference_gradient(model: MLP, params: np.ndarray, X, y, h: float = 
 
 @pytest.mark.parametrize("activation", ["tanh", "relu"])
 def test_backward_matches_finite_differences(activation):
-    model = MLP((4, 5, 3, 3), activation=activation, batchnorm="local")
+    model = mlp((4, 5, 3, 3), activation=activation, batchnorm="local")
     rng = np.random.default_rng(5)
     params = model.init_params(1)
     views = model.views(params)
@@ -177,9 +178,9 @@ def test_backward_matches_finite_differences(activation):
 
 
 def test_none_keeps_the_layout_and_the_defaults():
-    plain = MLP((5, 4, 3))
+    plain = mlp((5, 4, 3))
     assert plain.param_names() == ["W0", "b0", "W1", "b1"] and plain.n_running == 0
-    normed = MLP((5, 4, 3), batchnorm="sync")
+    normed = mlp((5, 4, 3), batchnorm="sync")
     assert normed.param_names() == ["W0", "b0", "gamma0", "beta0", "W1", "b1"]
     views = normed.views(normed.init_params(0))
     assert (views["gamma0"] == 1).all() and (views["beta0"] == 0).all()
@@ -257,12 +258,13 @@ def torch_run(config: TrainConfig):
     run = prepare(config)
     init = run.model.to_arrays(run.model.init_params(config.seed))
     layers: list = []
-    for layer in range(run.model.n_layers):
+    n_layers = len(sizes_of(run.model)) - 1  # dense layers
+    for layer in range(n_layers):
         linear = torch.nn.Linear(*init[f"W{layer}"].shape).double()
         linear.weight.data = torch.tensor(init[f"W{layer}"].T.copy())
         linear.bias.data = torch.tensor(init[f"b{layer}"])
         layers.append(linear)
-        if layer < run.model.n_layers - 1:
+        if layer < n_layers - 1:
             norm = torch.nn.BatchNorm1d(linear.out_features, eps=config.bn_eps,
                                         momentum=config.bn_momentum).double()  # fmt: skip
             layers += [norm, torch.nn.ReLU() if config.activation == "relu" else torch.nn.Tanh()]

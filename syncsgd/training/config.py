@@ -12,7 +12,7 @@ import numpy as np
 from syncsgd.collectives import ALGORITHMS
 from syncsgd.nn.losses import loss_entry
 from syncsgd.nn.losses import names as loss_names
-from syncsgd.nn.mlp import BATCHNORMS
+from syncsgd.nn.mlp import ACTIVATIONS, BATCHNORMS
 from syncsgd.nn.network import check_spec, layer_help, parse_spec
 from syncsgd.nn.optim import (
     LR_SCALINGS,
@@ -141,7 +141,7 @@ class TrainConfig:
         shown="the data's rows",
     )  # fmt: skip
     activation: str = option("relu", "the hidden layers' activation", group=DATA,
-                             choices=("relu", "tanh"))  # fmt: skip
+                             choices=ACTIVATIONS)  # fmt: skip
     loss: str = option("xent", "softmax cross-entropy or mean squared error", group=DATA,
                        choices=loss_names())  # fmt: skip
     batch_size: int = option(256, "global batch size, split over the ranks", group=OPTIMIZATION,

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from syncsgd.nn.losses import loss_entry
-from syncsgd.nn.mlp import MLP
 from syncsgd.nn.network import Network
 
 if TYPE_CHECKING:
@@ -22,7 +21,7 @@ class TrainResult:
     """The outcome of a run on one rank (evaluation fields are filled on rank 0 only)."""
 
     params: np.ndarray  # final flat parameters, identical on every rank
-    model: MLP | Network
+    model: Network
     steps: int  # steps done when training ended: fewer than asked for if a target was met
     losses: list[float] = field(default_factory=list)  # global-batch mean loss before each step
     seconds: float = 0.0

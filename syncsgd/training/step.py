@@ -13,7 +13,7 @@ import numpy as np
 
 from syncsgd.collectives import allreduce as collective_allreduce
 from syncsgd.comm.watchdog import current
-from syncsgd.nn.mlp import MLP, shape_size
+from syncsgd.nn.arrays import shape_size
 from syncsgd.nn.network import Network
 from syncsgd.nn.optim import Optimizer, learning_rate
 from syncsgd.training import data
@@ -215,7 +215,7 @@ class DataParallelStep:
         return info["lr"], info["grad_norm"]
 
 
-def local_gradient(config: Any, model: MLP | Network, largest_shard: int, buffer: CommBuffer,
+def local_gradient(config: Any, model: Network, largest_shard: int, buffer: CommBuffer,
                    trace: Any = None) -> LayeredLocalGradient:  # fmt: skip
     """The passes that fill the buffer with this rank's sums, in the run's mode and precision."""
     from syncsgd.training.layered import LayeredLocalGradient  # imports Numba: when training
@@ -224,7 +224,7 @@ def local_gradient(config: Any, model: MLP | Network, largest_shard: int, buffer
     return LayeredLocalGradient(config, network, largest_shard, buffer, trace)
 
 
-def bucket_slices(model: MLP | Network, buffer: np.ndarray,
+def bucket_slices(model: Network, buffer: np.ndarray,
                   bucket_bytes: int | None) -> list[slice]:  # fmt: skip
     """Cut the communication buffer into allreduce buckets of whole tensors, in parameter order."""
     # None: one bucket. 0: one per layer (W, b, and gamma, beta with BatchNorm). Otherwise tensors
