@@ -40,7 +40,7 @@ from collections.abc import Callable
 import numpy as np
 
 from syncsgd.apps.bench.timing import CLOCKS, interleaved_rounds
-from syncsgd.nn.mlp import MLP, parse_hidden
+from syncsgd.nn.mlp import mlp, parse_hidden
 from syncsgd.nn.network import Network, build
 from syncsgd.util.argtypes import dimensions, dtype_list
 
@@ -52,7 +52,7 @@ def make_network(options: argparse.Namespace, dtype: str) -> Network:
     if options.model is not None:
         return build(options.model, options.input_shape, options.classes, "xent", dtype)
     sizes = (options.features, *parse_hidden(options.hidden), options.classes)
-    return MLP(sizes, "relu", "xent", np.dtype(dtype)).network()
+    return mlp(sizes, "relu", loss="xent", dtype=np.dtype(dtype))
 
 
 def describe(options: argparse.Namespace) -> str:

@@ -6,7 +6,8 @@
 
 The "numba" side is `syncsgd.nn.local.local_gradient`: the training step's local gradient (the
 network's layers over the float numerics: BLAS products, Numba loops between them) called directly,
-without ranks. Its network is `MLP.network()`, the MLP's flat layout, so both sides share `params`.
+without ranks. Its network is the --hidden MLP's (`mlp`), W0, b0, ... in one flat buffer, so both
+sides share `params`.
 
 Method: both implementations are checked to give the same loss and gradient, warmed up (the first
 Numba call, compile or on-disk cache load, is timed and reported apart), then timed in `--batches`
@@ -39,21 +40,24 @@ from typing import Any
 import numpy as np
 
 from syncsgd.apps.bench.timing import CLOCKS, interleaved_rounds
-from syncsgd.nn.mlp import MLP, parse_hidden
+from syncsgd.nn.mlp import mlp, parse_hidden, sizes_of
+from syncsgd.nn.network import Network
 from syncsgd.util.argtypes import dtype_list
 
 IMPLEMENTATIONS = ("numpy", "numba")
 WIDTHS = (8, 6, 10, 10, 12)  # table columns
 
 
-def numpy_gradient(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray, grad: np.ndarray):
+def numpy_gradient(model: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+                   grad: np.ndarray):  # fmt: skip
     """Plain NumPy: sum of cross-entropy losses of the batch, grad = sum of per-sample gradients."""
     weights = model.views(params)
     grads = model.views(grad)
     activations = [X]
-    for layer in range(model.n_layers):
+    n_layers = len(sizes_of(model)) - 1  # dense layers
+    for layer in range(n_layers):
         z = activations[-1] @ weights[f"W{layer}"] + weights[f"b{layer}"]
-        is_last = layer == model.n_layers - 1
+        is_last = layer == n_layers - 1
         activations.append(z if is_last else np.maximum(z, 0, out=z))
     logits = activations[-1]
     rows = np.arange(len(y))
@@ -63,7 +67,7 @@ def numpy_gradient(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray,
     loss_sum = float(np.sum(np.log(total[:, 0]) - shifted[rows, y]))
     delta = exp / total
     delta[rows, y] -= 1
-    for layer in range(model.n_layers - 1, -1, -1):
+    for layer in range(n_layers - 1, -1, -1):
         # out= writes straight into the flat gradient: no temporary copy on the NumPy side either.
         np.matmul(activations[layer].T, delta, out=grads[f"W{layer}"])
         np.sum(delta, axis=0, out=grads[f"b{layer}"])
@@ -72,12 +76,12 @@ def numpy_gradient(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray,
     return loss_sum
 
 
-def setup(model: MLP, batch: int, seed: int):
+def setup(model: Network, batch: int, seed: int):
     """Parameters, a batch of data and labels, and a gradient buffer for `model`."""
     rng = np.random.default_rng(seed)
     params = model.init_params(seed)
-    X = rng.standard_normal((batch, model.sizes[0])).astype(model.dtype)
-    y = rng.integers(0, model.sizes[-1], batch)
+    X = rng.standard_normal((batch, model.in_shape[0])).astype(model.dtype)
+    y = rng.integers(0, model.outputs, batch)
     return params, X, y, np.zeros(model.n_params, dtype=model.dtype)
 
 
@@ -94,7 +98,7 @@ def run(options: argparse.Namespace) -> list[dict]:
     calls = {}
     first_call = {}
     for dtype in options.dtypes:
-        model = MLP(sizes, "relu", "xent", np.dtype(dtype))
+        model = mlp(sizes, "relu", loss="xent", dtype=np.dtype(dtype))
         params, X, y, grad = setup(model, options.batch, options.seed)
         gradient = local.local_gradient(model, options.batch)
         numba_grad = np.zeros_like(grad)
@@ -173,7 +177,7 @@ def thread_rank_rows(options: argparse.Namespace, sizes: tuple[int, ...],
     counts = (1, options.thread_ranks)
     groups: dict[tuple[str, int], list[Callable[..., Any]]] = {}
     for dtype in options.dtypes:
-        model = MLP(sizes, "relu", "xent", np.dtype(dtype))
+        model = mlp(sizes, "relu", loss="xent", dtype=np.dtype(dtype))
         params, X, y, _ = setup(model, options.batch, options.seed)
         for count in counts:
             shards = np.array_split(np.arange(options.batch), count)

@@ -87,11 +87,11 @@ def network(model: str | None, shape: tuple[int, ...], dtype: str = "float64",
             context: int = 0) -> Any:  # fmt: skip
     """syncsgd's Network of the run: the --model spec on `shape` (token data: on `context`
     positions, as many outputs as the text's characters), or the MLP."""
-    from syncsgd.nn.mlp import MLP
+    from syncsgd.nn.mlp import mlp
     from syncsgd.nn.network import build
 
     if model is None:
-        return MLP(SIZES, "relu", "xent", np.dtype(dtype)).network()
+        return mlp(SIZES, "relu", loss="xent", dtype=np.dtype(dtype))
     if reads_tokens(model):
         from syncsgd.training.run import prepare
 
@@ -341,12 +341,12 @@ def serve_jax(ranks: int, dtype: str, batch: int = BATCH) -> None:
         jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
 
-    from syncsgd.nn.mlp import MLP
+    from syncsgd.nn.mlp import mlp
 
-    model = MLP(SIZES, "relu", "xent", np.dtype(dtype))
+    model = mlp(SIZES, "relu", loss="xent", dtype=np.dtype(dtype))
     views = model.views(model.init_params(SEED))
     params = [(np.stack([views[f"W{i}"]] * ranks), np.stack([views[f"b{i}"]] * ranks))
-              for i in range(model.n_layers)]  # fmt: skip
+              for i in range(len(SIZES) - 1)]  # fmt: skip
     X, y = shared_data(dtype)
 
     def loss(params: Any, x: Any, labels: Any) -> Any:

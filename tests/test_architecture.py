@@ -168,6 +168,23 @@ def test_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_util_imports_no_other_subpackage() -> None:
+    # syncsgd.util is the bottom layer: nn, training, apps, collectives and comm build on it.
+    graph = import_graph()
+    upward = sorted(f"{module} -> {imported}" for module, imports in graph.items()
+                    if module.startswith("syncsgd.util") for imported in imports
+                    if not imported.startswith("syncsgd.util"))  # fmt: skip
+    assert not upward, "syncsgd.util imports from above it:\n  " + "\n  ".join(upward)
+
+
+def test_the_util_check_sees_an_import_from_above(tmp_path: Path) -> None:
+    module = tmp_path / "validate.py"
+    module.write_text("from syncsgd.nn.arrays import shape_size\nfrom . import files\n")
+    known = {"syncsgd.nn.arrays", "syncsgd.util.files", "syncsgd.util.validate"}
+    assert set(imported_modules("syncsgd.util.validate", module, known)) == {
+        "syncsgd.nn.arrays", "syncsgd.util.files"}
+
+
 def test_cycle_finder_sees_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None

@@ -14,7 +14,8 @@ from oracle import evaluation_loss, serial_sgd
 
 from syncsgd import TrainConfig, train
 from syncsgd.nn.local import local_gradient
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp, sizes_of
+from syncsgd.nn.network import Network
 from syncsgd.training.loop import prepare
 
 
@@ -140,11 +141,10 @@ def test_local_equals_serial_sgd_with_per_shard_statistics(ranks, batch_size):
     assert relative_difference(result.arrays(), local_oracle(config, ranks)) <= 1e-9
 
 
-def finite_difference_gradient(model: MLP, params: np.ndarray, X, y, h: float = 1e-6):
+def finite_difference_gradient(model: Network, params: np.ndarray, X, y, h: float = 1e-6):
     """The mean loss's gradient by central differences, through the training-mode forward."""
-    network = model.network()
-    gradient = local_gradient(network, len(X))  # the statistics of the shard alone: no ranks
-    running, sums = network.init_running(), np.zeros(model.n_params)
+    gradient = local_gradient(model, len(X))  # the statistics of the shard alone: no ranks
+    running, sums = model.init_running(), np.zeros(model.n_params)
 
     def loss(theta: np.ndarray) -> float:
         return gradient(theta, X, y, sums, running=running)[0] / len(X)
@@ -161,7 +161,7 @@ def finite_difference_gradient(model: MLP, params: np.ndarray, X, y, h: float = 
 
 @pytest.mark.parametrize("activation", ["tanh", "relu"])
 def test_backward_matches_finite_differences(activation):
-    model = MLP((4, 5, 3, 3), activation=activation, batchnorm="local")
+    model = mlp((4, 5, 3, 3), activation=activation, batchnorm="local")
     rng = np.random.default_rng(5)
     params = model.init_params(1)
     views = model.views(params)
@@ -174,9 +174,9 @@ def test_backward_matches_finite_differences(activation):
 
 
 def test_none_keeps_the_layout_and_the_defaults():
-    plain = MLP((5, 4, 3))
+    plain = mlp((5, 4, 3))
     assert plain.param_names() == ["W0", "b0", "W1", "b1"] and plain.n_running == 0
-    normed = MLP((5, 4, 3), batchnorm="sync")
+    normed = mlp((5, 4, 3), batchnorm="sync")
     assert normed.param_names() == ["W0", "b0", "gamma0", "beta0", "W1", "b1"]
     views = normed.views(normed.init_params(0))
     assert (views["gamma0"] == 1).all() and (views["beta0"] == 0).all()
@@ -254,12 +254,13 @@ def torch_run(config: TrainConfig):
     run = prepare(config)
     init = run.model.to_arrays(run.model.init_params(config.seed))
     layers: list = []
-    for layer in range(run.model.n_layers):
+    n_layers = len(sizes_of(run.model)) - 1  # dense layers
+    for layer in range(n_layers):
         linear = torch.nn.Linear(*init[f"W{layer}"].shape).double()
         linear.weight.data = torch.tensor(init[f"W{layer}"].T.copy())
         linear.bias.data = torch.tensor(init[f"b{layer}"])
         layers.append(linear)
-        if layer < run.model.n_layers - 1:
+        if layer < n_layers - 1:
             norm = torch.nn.BatchNorm1d(linear.out_features, eps=config.bn_eps,
                                         momentum=config.bn_momentum).double()  # fmt: skip
             layers += [norm, torch.nn.ReLU() if config.activation == "relu" else torch.nn.Tanh()]

@@ -46,8 +46,8 @@ def run_python(code: str, **env: str) -> str:
 CALL_KERNEL = """
 import numpy as np
 from syncsgd.nn import blas, local
-from syncsgd.nn.mlp import MLP
-model = MLP((3, 4, 2), "relu", "xent", np.dtype("float64"))
+from syncsgd.nn.mlp import mlp
+model = mlp((3, 4, 2), "relu", loss="xent", dtype=np.dtype("float64"))
 local.local_gradient(model, 2)(model.init_params(0), np.ones((2, 3)), np.array([0, 1]),
                              np.empty(model.n_params))
 info = blas.kernels_blas()

@@ -12,7 +12,7 @@ from conftest import requires_mpi, run_mpiexec
 from oracle import serial_sgd
 
 from syncsgd import TrainConfig, train
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp
 
 SMALL = ["--samples", "120", "--features", "6", "--hidden", "5", "--batch-size", "20",
          "--steps", "6", "--momentum", "0.9"]  # fmt: skip
@@ -59,7 +59,7 @@ def test_quiet_prints_nothing(tmp_path):
 
 
 def test_init_starts_from_the_given_parameters(tmp_path):
-    model = MLP((6, 5, 4))
+    model = mlp((6, 5, 4))
     seeded = tmp_path / "seeded.npz"
     np.savez(seeded, **model.to_arrays(model.init_params(0)))
     # The file holds exactly the seeded draw: the run is bitwise the seeded run.
@@ -180,7 +180,7 @@ def test_mpiexec_training_equals_threads_and_oracle(tmp_path, ranks):
     for name, value in threads.items():
         assert got[name].tobytes() == value.tobytes()
     X, y = _small_data()
-    model = MLP((6, 5, 4))
+    model = mlp((6, 5, 4))
     expected, _ = serial_sgd(X, y, model.to_arrays(model.init_params(0)), steps=6,
                              batch_size=20, lr=0.1, momentum=0.9)  # fmt: skip
     for name, value in expected.items():

@@ -25,7 +25,7 @@ from syncsgd.comm.world import constants
 from syncsgd.nn.backprop import Backprop
 from syncsgd.nn.exact import slot_exponent
 from syncsgd.nn.local import local_gradient
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp, sizes_of
 from syncsgd.nn.numerics import Exact, numerics
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,15 +38,15 @@ FLOAT_TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-4}
 
 def make_problem(sizes, activation, loss, dtype, m, seed):
     """A model, parameters with random biases, and a batch of m samples."""
-    model = MLP(tuple(sizes), activation, loss, np.dtype(dtype))
+    model = mlp(tuple(sizes), activation, loss=loss, dtype=np.dtype(dtype))
     rng = np.random.default_rng(seed)
     params = model.init_params(seed)
     params += (0.1 * rng.standard_normal(model.n_params)).astype(model.dtype)
-    X = rng.standard_normal((m, model.sizes[0])).astype(model.dtype)
+    X = rng.standard_normal((m, sizes[0])).astype(model.dtype)
     if loss == "xent":
-        y = rng.integers(0, model.sizes[-1], m)
+        y = rng.integers(0, sizes[-1], m)
     else:
-        y = rng.standard_normal((m, model.sizes[-1])).astype(model.dtype)
+        y = rng.standard_normal((m, sizes[-1])).astype(model.dtype)
     return model, params, X, y
 
 
@@ -54,7 +54,7 @@ class Shard:
     """One rank's exact-mode gradient in the step's two phases, around the MAX of the peaks."""
 
     def __init__(self, model, max_batch):
-        network = self.network = model.network()
+        network = self.network = model
         self.nx = numerics(True, "fp32", network.dtype, network.largest_weight(),
                            max_batch * network.largest_block(), network.n_params)  # fmt: skip
         assert isinstance(self.nx, Exact)
@@ -119,15 +119,21 @@ def run_exact(model, params, X, y, global_batch=None):
     return hits, bounds, shard.accumulate(bounds, global_batch or max(len(X), 1))
 
 
+def activation_of(model):
+    """The hidden layers' activation of an MLP: "relu" or "tanh" (relu if it has none)."""
+    return "tanh" if any(layer.kind == "tanh" for layer in model.layers) else "relu"
+
+
 def reference(model, params, X, y):
     """Per-layer inputs and deltas, per-sample losses and the gradient sum, whole-batch float64."""
     views = {name: view.astype(np.float64) for name, view in model.views(params).items()}
     inputs, h = [], X.astype(np.float64)
-    for layer in range(model.n_layers):
+    n_layers, activation = len(sizes_of(model)) - 1, activation_of(model)  # dense layers
+    for layer in range(n_layers):
         inputs.append(h)
         z = h @ views[f"W{layer}"] + views[f"b{layer}"]
-        last = layer == model.n_layers - 1
-        h = z if last else (np.maximum(z, 0) if model.activation == "relu" else np.tanh(z))
+        last = layer == n_layers - 1
+        h = z if last else (np.maximum(z, 0) if activation == "relu" else np.tanh(z))
     rows = np.arange(len(X))
     if model.loss == "xent":
         top = h.max(axis=1, keepdims=True)
@@ -140,9 +146,9 @@ def reference(model, params, X, y):
         losses = (error**2).mean(axis=1)
         delta = 2 * error / h.shape[1]
     deltas = [delta]
-    for layer in range(model.n_layers - 1, 0, -1):
+    for layer in range(n_layers - 1, 0, -1):
         a = inputs[layer]
-        slope = (a > 0) if model.activation == "relu" else 1 - a * a
+        slope = (a > 0) if activation == "relu" else 1 - a * a
         deltas.insert(0, (deltas[0] @ views[f"W{layer}"].T) * slope)
     parts = []
     for a, d in zip(inputs, deltas, strict=True):
@@ -203,21 +209,22 @@ def test_a_pass_follows_the_documented_order_bit_for_bit(dtype, sizes):
     inputs, deltas, losses = shard.sample_terms()
     views = model.views(params)
     h, expected_inputs = X, []
-    for layer in range(model.n_layers):
+    n_layers = len(sizes) - 1  # dense layers
+    for layer in range(n_layers):
         expected_inputs.append(h)
         W = views[f"W{layer}"]
         total = np.zeros((len(X), W.shape[1]), dtype=model.dtype)
         for k in range(W.shape[0]):  # NumPy rounds the product, then the sum: no FMA
             total = total + h[:, k : k + 1] * W[k]
         z = total + views[f"b{layer}"]
-        h = z if layer == model.n_layers - 1 else np.maximum(z, 0)
+        h = z if layer == n_layers - 1 else np.maximum(z, 0)
     error = h - y
     delta = model.dtype.type(2.0 / h.shape[1]) * error
     expected_losses = np.zeros(len(X))
     for j in range(h.shape[1]):
         expected_losses += error[:, j].astype(np.float64) ** 2
     expected_deltas = [delta]
-    for layer in range(model.n_layers - 1, 0, -1):
+    for layer in range(n_layers - 1, 0, -1):
         W = views[f"W{layer}"]
         total = np.zeros((len(X), W.shape[0]), dtype=model.dtype)
         for j in range(W.shape[1]):
@@ -422,7 +429,7 @@ def test_d_an_empty_shard_contributes_zeros(loss):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_d_an_all_zero_gradient_is_plus_zero_everywhere(dtype):
-    model = MLP((3, 4, 2), "relu", "mse", np.dtype(dtype))
+    model = mlp((3, 4, 2), "relu", loss="mse", dtype=np.dtype(dtype))
     params = np.zeros(model.n_params, dtype=dtype)
     X = np.ones((5, 3), dtype=dtype)
     y = np.zeros((5, 2), dtype=dtype)  # outputs 0 = targets: every delta and loss is 0
@@ -474,7 +481,7 @@ def non_finite_rank(comm, model, params, X, y):
     rows = np.array_split(np.arange(len(X)), size)[rank]
     config = TrainConfig(batch_size=len(X), exact=True)
     buffer = CommBuffer(model.n_params, np.dtype(np.float64))
-    local = RankGradient(config, model.network(), comm, len(rows), buffer)
+    local = RankGradient(config, model, comm, len(rows), buffer)
     sums = buffer.build()
     local(params, X[rows], y[rows], sums)
     return local.local.nx.agreed, sums

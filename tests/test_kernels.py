@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from syncsgd.nn.backprop import EVALUATE_CHUNK, evaluate
 from syncsgd.nn.kernels import divide_finite_, gather_rows_
 from syncsgd.nn.local import local_gradient
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp, sizes_of
 
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-4}
 
@@ -40,9 +40,15 @@ def unpack(sizes, flat):
     return weights, biases
 
 
+def activation_of(model):
+    """The hidden layers' activation of an MLP: "relu" or "tanh" (relu if it has none)."""
+    return "tanh" if any(layer.kind == "tanh" for layer in model.layers) else "relu"
+
+
 def reference(model, params, X, y):
     """(loss sum, hits, gradient sum) in float64, one sample at a time with outer products."""
-    weights, biases = unpack(model.sizes, params.astype(np.float64))
+    weights, biases = unpack(sizes_of(model), params.astype(np.float64))
+    activation = activation_of(model)
     loss_sum, hits = 0.0, 0
     grads_W = [np.zeros_like(W) for W in weights]
     grads_b = [np.zeros_like(b) for b in biases]
@@ -51,7 +57,7 @@ def reference(model, params, X, y):
         for layer, (W, b) in enumerate(zip(weights, biases, strict=True)):
             z = inputs[-1] @ W + b
             if layer < len(weights) - 1:
-                z = np.maximum(z, 0) if model.activation == "relu" else np.tanh(z)
+                z = np.maximum(z, 0) if activation == "relu" else np.tanh(z)
             inputs.append(z)
         logits = inputs.pop()
         if model.loss == "xent":
@@ -70,7 +76,7 @@ def reference(model, params, X, y):
             grads_b[layer] += delta
             if layer:
                 a = inputs[layer]
-                slope = (a > 0).astype(float) if model.activation == "relu" else 1 - a**2
+                slope = (a > 0).astype(float) if activation == "relu" else 1 - a**2
                 delta = (weights[layer] @ delta) * slope
     flat = [part for W, b in zip(grads_W, grads_b, strict=True) for part in (W.ravel(), b)]
     return loss_sum, hits, np.concatenate(flat)
@@ -79,11 +85,11 @@ def reference(model, params, X, y):
 def make_batch(model, m, seed, scale=1.0):
     """Random inputs and targets for `model` (labels for xent, floats for mse)."""
     rng = np.random.default_rng(seed)
-    X = (scale * rng.standard_normal((m, model.sizes[0]))).astype(model.dtype)
+    X = (scale * rng.standard_normal((m, model.in_shape[0]))).astype(model.dtype)
     if model.loss == "xent":
-        y = rng.integers(0, model.sizes[-1], m)
+        y = rng.integers(0, model.outputs, m)
     else:
-        y = rng.standard_normal((m, model.sizes[-1])).astype(model.dtype)
+        y = rng.standard_normal((m, model.outputs)).astype(model.dtype)
     return X, y
 
 
@@ -118,7 +124,7 @@ HIDDEN = [(), (6,), (5, 4), (4, 3, 5)]
 @pytest.mark.parametrize("hidden", HIDDEN, ids=lambda h: f"hidden{len(h)}")
 @pytest.mark.parametrize("m", [0, 1, 7])
 def test_gradient_matches_reference(activation, loss, hidden, m):
-    model = MLP((5, *hidden, 3), activation, loss)
+    model = mlp((5, *hidden, 3), activation, loss=loss)
     params = perturbed_params(model, 1)
     X, y = make_batch(model, m, 2)
     grad = np.full(model.n_params, np.nan)  # must be overwritten, not accumulated into
@@ -135,7 +141,7 @@ def test_gradient_matches_reference(activation, loss, hidden, m):
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("hidden", HIDDEN, ids=lambda h: f"hidden{len(h)}")
 def test_gradient_matches_central_differences(activation, loss, hidden):
-    model = MLP((4, *hidden, 3), activation, loss)
+    model = mlp((4, *hidden, 3), activation, loss=loss)
     params = perturbed_params(model, 3)
     X, y = make_batch(model, 5, 4)
     gradient = local_gradient(model, 5)
@@ -163,7 +169,7 @@ def test_gradient_matches_central_differences(activation, loss, hidden):
     seed=st.integers(0, 2**16),
 )
 def test_gradient_matches_reference_for_any_shape(sizes, m, spare, activation, loss, dtype, seed):
-    model = MLP(sizes, activation, loss, dtype)
+    model = mlp(sizes, activation, loss=loss, dtype=dtype)
     params = perturbed_params(model, seed)
     X, y = make_batch(model, m, seed)
     grad = np.full(model.n_params, 123, dtype=dtype)
@@ -172,7 +178,7 @@ def test_gradient_matches_reference_for_any_shape(sizes, m, spare, activation, l
 
 
 def test_workspaces_are_reused_across_micro_batch_sizes():
-    model = MLP((6, 8, 5, 4), "tanh", "xent")
+    model = mlp((6, 8, 5, 4), "tanh", loss="xent")
     params = perturbed_params(model, 5)
     gradient = local_gradient(model, 9)
     grad = np.empty(model.n_params)
@@ -184,7 +190,7 @@ def test_workspaces_are_reused_across_micro_batch_sizes():
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_cross_entropy_is_stable_for_huge_logits(dtype):
-    model = MLP((3, 4), "relu", "xent", dtype)
+    model = mlp((3, 4), "relu", loss="xent", dtype=dtype)
     params = perturbed_params(model, 0)
     X, y = make_batch(model, 6, 1, scale=1e4)  # logits of order 1e4: exp would overflow
     grad = np.empty(model.n_params, dtype=dtype)
@@ -195,7 +201,7 @@ def test_cross_entropy_is_stable_for_huge_logits(dtype):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_a_tie_counts_the_first_maximum_as_argmax_does(dtype):
-    model = MLP((3, 4, 3), "relu", "xent", dtype)
+    model = mlp((3, 4, 3), "relu", loss="xent", dtype=dtype)
     params = np.zeros(model.n_params, dtype=dtype)  # every logit is 0: a three-way tie
     X, _ = make_batch(model, 3, 0)
     grad = np.empty(model.n_params, dtype=dtype)
@@ -208,11 +214,11 @@ def test_a_tie_counts_the_first_maximum_as_argmax_does(dtype):
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_evaluate_matches_reference(loss):
-    model = MLP((3, 5, 4), "relu", loss)
+    model = mlp((3, 5, 4), "relu", loss=loss)
     params = perturbed_params(model, 2)
     n_samples = EVALUATE_CHUNK + 37  # more than one chunk
     X, y = make_batch(model, n_samples, 3)
-    mean_loss, accuracy = evaluate(model.network(), params, X, y)
+    mean_loss, accuracy = evaluate(model, params, X, y)
     ref_loss, ref_hits, _ = reference(model, params, X, y)
     assert mean_loss == pytest.approx(ref_loss / n_samples, rel=1e-10)
     if loss == "xent":
@@ -222,14 +228,14 @@ def test_evaluate_matches_reference(loss):
 
 
 def test_evaluate_rejects_an_empty_data_set():
-    model = MLP((3, 2))
+    model = mlp((3, 2))
     with pytest.raises(ValueError, match="at least one sample"):
-        evaluate(model.network(), model.init_params(0), np.zeros((0, 3)),
+        evaluate(model, model.init_params(0), np.zeros((0, 3)),
                  np.zeros(0, dtype=np.int64))  # fmt: skip
 
 
 def test_threads_with_their_own_instances_get_their_own_results():
-    model = MLP((6, 12, 3), "relu", "xent")
+    model = mlp((6, 12, 3), "relu", loss="xent")
     params = perturbed_params(model, 0)
     batches = [make_batch(model, 10, seed) for seed in range(4)]
     results = [None] * len(batches)
@@ -251,9 +257,9 @@ def test_threads_with_their_own_instances_get_their_own_results():
 
 
 def test_inputs_are_converted_when_harmless():
-    model = MLP((3, 2), "tanh", "xent", np.float32)
+    model = mlp((3, 2), "tanh", loss="xent", dtype=np.float32)
     params = perturbed_params(model, 0)
-    X64, y = make_batch(MLP((3, 2), "tanh", "xent"), 4, 0)  # float64 inputs, int32 labels
+    X64, y = make_batch(mlp((3, 2), "tanh", loss="xent"), 4, 0)  # float64 inputs, int32 labels
     grad = np.empty(model.n_params, dtype=np.float32)
     loss_sum, hits = local_gradient(model, 4)(params, np.asfortranarray(X64), y.astype(np.int32),
                                               grad)  # fmt: skip
@@ -261,13 +267,13 @@ def test_inputs_are_converted_when_harmless():
 
 
 def test_read_only_inputs_are_accepted():
-    model = MLP((3, 4, 2), "relu", "xent")
+    model = mlp((3, 4, 2), "relu", loss="xent")
     params = read_only(perturbed_params(model, 0))
     X, y = (read_only(array) for array in make_batch(model, 5, 0))
     grad = np.empty(model.n_params)
     loss_sum, hits = local_gradient(model, 5)(params, X, y, grad)
     assert_matches_reference(model, params, X, y, loss_sum, hits, grad)
-    assert evaluate(model.network(), params, X, y) == pytest.approx((loss_sum / 5, hits / 5),
+    assert evaluate(model, params, X, y) == pytest.approx((loss_sum / 5, hits / 5),
                                                                     rel=1e-12)  # fmt: skip
 
 
@@ -279,7 +285,7 @@ def read_only(array):
 
 def bad_call(name):
     """Arguments for one invalid call on an MLP (3, 2) xent with max_batch 4."""
-    model = MLP((3, 2))
+    model = mlp((3, 2))
     args = {
         "params": model.init_params(0),
         "X": np.zeros((2, 3)),
@@ -325,7 +331,7 @@ def test_bad_arguments_raise_clear_errors(name, message):
 
 
 def test_mse_targets_must_match_the_outputs():
-    model = MLP((3, 2), loss="mse")
+    model = mlp((3, 2), loss="mse")
     with pytest.raises(ValueError, match=r"targets must have shape \(2, 2\)"):
         local_gradient(model, 4)(model.init_params(0), np.zeros((2, 3)), np.zeros(2), np.zeros(8))
 
@@ -333,16 +339,16 @@ def test_mse_targets_must_match_the_outputs():
 @pytest.mark.parametrize("max_batch", [-1, 2.5, True])
 def test_max_batch_is_validated(max_batch):
     with pytest.raises(ValueError, match="max_batch"):
-        local_gradient(MLP((3, 2)), max_batch)
+        local_gradient(mlp((3, 2)), max_batch)
 
 
 LIMIT_THEN_CALL = """
 import numpy as np
 from syncsgd.nn.local import local_gradient
 from syncsgd.nn.kernels import limit_blas_threads
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp
 first = limit_blas_threads(1)
-model = MLP((3, 2))
+model = mlp((3, 2))
 local_gradient(model, 1)(model.init_params(0), np.zeros((1, 3)), np.zeros(1, int), np.zeros(8))
 print(first, limit_blas_threads(1), __import__("os").environ.get("OPENBLAS_NUM_THREADS"))
 """

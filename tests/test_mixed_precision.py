@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from syncsgd.apps import verify
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp, sizes_of
+from syncsgd.nn.network import Network
 from syncsgd.nn.precision import ALLREDUCE_CODES, BF16, FP16, round_array
 from syncsgd.training import data
 from syncsgd.training.config import TrainConfig
@@ -81,7 +82,7 @@ FORMATS = {"bf16": BF16, "fp16": FP16}
 BITS = {BF16: 8, FP16: 11}
 
 
-def narrow_reference(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+def narrow_reference(model: Network, params: np.ndarray, X: np.ndarray, y: np.ndarray,
                      fmt: int) -> np.ndarray:  # fmt: skip
     """The rounded passes written again with NumPy (float64 sums of the format's values)."""
 
@@ -90,16 +91,17 @@ def narrow_reference(model: MLP, params: np.ndarray, X: np.ndarray, y: np.ndarra
 
     views = {name: r(v) for name, v in model.views(params).items()}
     inputs, a = [], r(X)
-    for layer in range(model.n_layers):
+    n_layers = len(sizes_of(model)) - 1  # dense layers
+    for layer in range(n_layers):
         inputs.append(a)
         z = r(a @ views[f"W{layer}"] + views[f"b{layer}"])
-        a = z if layer == model.n_layers - 1 else r(np.tanh(z))
+        a = z if layer == n_layers - 1 else r(np.tanh(z))
     shifted = np.exp(a - a.max(axis=1, keepdims=True))
     delta = shifted / shifted.sum(axis=1, keepdims=True)
     delta[np.arange(len(y)), y] -= 1
     delta = r(delta)
     grads = {}
-    for layer in range(model.n_layers - 1, -1, -1):
+    for layer in range(n_layers - 1, -1, -1):
         grads[f"W{layer}"] = r(inputs[layer].T @ delta)
         grads[f"b{layer}"] = r(delta.sum(axis=0))
         if layer:
@@ -112,7 +114,7 @@ def test_the_narrow_gradient_is_the_rounded_passes(precision: str) -> None:
     from syncsgd.nn.local import local_gradient
 
     fmt = FORMATS[precision]
-    model = MLP((6, 12, 10, 3), "tanh", "xent")
+    model = mlp((6, 12, 10, 3), "tanh", loss="xent")
     params = model.init_params(3)
     rng = np.random.default_rng(4)
     X, y = rng.standard_normal((40, 6)), rng.integers(0, 3, 40)
@@ -133,7 +135,7 @@ def test_the_narrow_gradient_is_the_rounded_passes(precision: str) -> None:
 def test_a_power_of_two_loss_scale_scales_every_sum_exactly() -> None:
     from syncsgd.nn.local import local_gradient
 
-    model = MLP((6, 12, 3), "relu", "xent")
+    model = mlp((6, 12, 3), "relu", loss="xent")
     params = model.init_params(5)
     rng = np.random.default_rng(6)
     X, y = rng.standard_normal((30, 6)), rng.integers(0, 3, 30)

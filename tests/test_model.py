@@ -1,4 +1,4 @@
-"""MLP layout, views, initialisation and file round trips; parse_hidden."""
+"""The --hidden MLP's network: layout, views, init and file round trips; parse_hidden."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from syncsgd.nn.mlp import MLP, parse_hidden
+from syncsgd.nn.mlp import mlp, parse_hidden, sizes_of
 
 layer_sizes = st.lists(st.integers(1, 9), min_size=2, max_size=5).map(tuple)
 
@@ -29,15 +29,16 @@ def naive_init(sizes, activation, seed):
 
 @given(sizes=layer_sizes)
 def test_layout_packs_w_then_b_per_layer_row_major(sizes):
-    model = MLP(sizes)
+    model = mlp(sizes)
     expected_names = [f"{kind}{layer}" for layer in range(len(sizes) - 1) for kind in "Wb"]
     assert model.param_names() == expected_names
-    assert model.n_layers == len(sizes) - 1
+    assert sizes_of(model) == sizes
+    assert model.n_layers == 2 * (len(sizes) - 1) - 1  # dense relu ... dense
     assert model.n_params == sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=False))
     flat = np.arange(model.n_params, dtype=np.float64)
     views = model.views(flat)
     start = 0
-    for layer in range(model.n_layers):
+    for layer in range(len(sizes) - 1):
         fan_in, fan_out = sizes[layer], sizes[layer + 1]
         W, b = views[f"W{layer}"], views[f"b{layer}"]
         assert W.shape == (fan_in, fan_out) and b.shape == (fan_out,)
@@ -50,7 +51,7 @@ def test_layout_packs_w_then_b_per_layer_row_major(sizes):
 
 
 def test_views_write_through_to_the_flat_buffer():
-    model = MLP((3, 4, 2))
+    model = mlp((3, 4, 2))
     flat = np.zeros(model.n_params)
     views = model.views(flat)
     views["W1"][2, 1] = 7.0
@@ -66,7 +67,7 @@ def test_views_write_through_to_the_flat_buffer():
     ids=["short", "2-d", "list", "strided"],
 )
 def test_views_reject_a_wrong_buffer(bad):
-    model = MLP((3, 4, 2))  # 26 parameters
+    model = mlp((3, 4, 2))  # 26 parameters
     with pytest.raises(ValueError, match="26 parameters|contiguous"):
         model.views(bad)
 
@@ -75,7 +76,7 @@ def test_views_reject_a_wrong_buffer(bad):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_init_follows_the_seeded_recipe(activation, dtype):
     sizes = (5, 7, 3, 2)
-    model = MLP(sizes, activation, dtype=dtype)
+    model = mlp(sizes, activation, dtype=dtype)
     flat = model.init_params(11)
     assert flat.dtype == dtype and flat.shape == (model.n_params,)
     for name, expected in naive_init(sizes, activation, 11).items():
@@ -85,7 +86,7 @@ def test_init_follows_the_seeded_recipe(activation, dtype):
 
 
 def test_he_normal_statistics():
-    model = MLP((400, 300, 200), "relu")
+    model = mlp((400, 300, 200), "relu")
     views = model.views(model.init_params(0))
     for fan_in, name in ((400, "W0"), (300, "W1")):
         weights = views[name]
@@ -98,7 +99,7 @@ def test_he_normal_statistics():
 
 
 def test_glorot_uniform_statistics():
-    model = MLP((400, 300, 200), "tanh")
+    model = mlp((400, 300, 200), "tanh")
     views = model.views(model.init_params(0))
     for (fan_in, fan_out), name in (((400, 300), "W0"), ((300, 200), "W1")):
         weights = views[name]
@@ -111,7 +112,7 @@ def test_glorot_uniform_statistics():
 
 @given(sizes=layer_sizes, seed=st.integers(0, 2**32 - 1))
 def test_arrays_round_trip(sizes, seed):
-    model = MLP(sizes, "tanh", "mse", np.float32)
+    model = mlp(sizes, "tanh", loss="mse", dtype=np.float32)
     flat = model.init_params(seed) + np.float32(0.5)
     arrays = model.to_arrays(flat)
     assert sorted(arrays) == sorted(model.param_names())
@@ -122,7 +123,7 @@ def test_arrays_round_trip(sizes, seed):
 
 
 def test_npz_round_trip(tmp_path):
-    model = MLP((4, 3, 2))
+    model = mlp((4, 3, 2))
     flat = model.init_params(3)
     np.savez(tmp_path / "params.npz", **model.to_arrays(flat))
     with np.load(tmp_path / "params.npz", allow_pickle=False) as arrays:
@@ -130,7 +131,7 @@ def test_npz_round_trip(tmp_path):
 
 
 def test_from_arrays_casts_to_the_model_dtype():
-    model64, model32 = MLP((2, 3)), MLP((2, 3), dtype="float32")
+    model64, model32 = mlp((2, 3)), mlp((2, 3), dtype="float32")
     flat = model64.init_params(0)
     restored = model32.from_arrays(model64.to_arrays(flat))
     np.testing.assert_array_equal(restored, flat.astype(np.float32))
@@ -148,7 +149,7 @@ def test_from_arrays_casts_to_the_model_dtype():
     ids=["missing", "shape", "extra-layer", "nan", "strings"],
 )
 def test_from_arrays_names_the_problem(change, message):
-    model = MLP((4, 3, 2))
+    model = mlp((4, 3, 2))
     arrays = model.to_arrays(model.init_params(0))
     change(arrays)
     with pytest.raises(ValueError, match=message):
@@ -156,7 +157,7 @@ def test_from_arrays_names_the_problem(change, message):
 
 
 def test_from_arrays_ignores_unrelated_keys():
-    model = MLP((4, 2))
+    model = mlp((4, 2))
     arrays = {**model.to_arrays(model.init_params(0)), "velocity": np.zeros(3), "step": 5}
     np.testing.assert_array_equal(model.from_arrays(arrays), model.init_params(0))
 
@@ -176,14 +177,21 @@ def test_from_arrays_ignores_unrelated_keys():
 )
 def test_model_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        MLP(**kwargs)
+        mlp(**kwargs)
 
 
 def test_model_normalises_fields():
-    model = MLP([3, np.int64(2)], dtype="float32")
-    assert model.sizes == (3, 2) and type(model.sizes[1]) is int
+    model = mlp([3, np.int64(2)], dtype="float32")
+    assert sizes_of(model) == (3, 2) and type(sizes_of(model)[1]) is int
+    assert model.in_shape == (3,) and model.outputs == 2 and type(model.outputs) is int
     assert model.dtype == np.dtype(np.float32)
-    assert model == MLP((3, 2), dtype=np.float32) and hash(model) == hash(MLP((3, 2), dtype="f4"))
+
+    def described(network):  # what the model is: a Network compares its layers by identity
+        return (network.spec, network.in_shape, network.outputs, network.loss, network.dtype,
+                network.layout(), network.running_layout(), network.name_map)
+
+    assert described(model) == described(mlp((3, 2), dtype=np.float32))
+    assert described(model) == described(mlp((3, 2), dtype="f4"))
 
 
 @pytest.mark.parametrize(
@@ -198,3 +206,18 @@ def test_parse_hidden(text, expected):
 def test_parse_hidden_rejects(text):
     with pytest.raises(ValueError, match="hidden layer sizes must be positive integers"):
         parse_hidden(text)
+
+
+def test_batchnorm_arrays_keep_the_file_format_and_ride_with_their_dense_layer():
+    model = mlp((4, 3, 2), batchnorm="sync")  # dense batchnorm relu dense
+    assert model.param_names() == ["W0", "b0", "gamma0", "beta0", "W1", "b1"]
+    assert [name for name, _, _ in model.running_layout()] == ["running_mean0", "running_var0"]
+    assert [model.layer_of(name) for name in model.param_names()] == [0, 0, 0, 0, 3, 3]
+    flat = model.init_params(0)
+    per_layer = model.layer_views(flat)  # the passes see the layers' own names
+    assert np.shares_memory(per_layer[1]["weight"], model.views(flat)["gamma0"])
+    with pytest.raises(ValueError, match="'running_mean1' does not belong to a model with "
+                                         "batchnorm sync and sizes 4,3,2"):  # fmt: skip
+        model.running_from_arrays({"running_mean1": np.zeros(3)})
+    with pytest.raises(ValueError, match="'running_var0' holds a negative variance"):
+        model.running_from_arrays({"running_var0": -np.ones(3)})

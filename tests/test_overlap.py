@@ -74,14 +74,14 @@ def test_overlap_with_batchnorm_is_bitwise_the_step_without_it(ranks, hidden, bu
 
 
 def test_one_bucket_per_layer_keeps_gamma_and_beta_with_their_layer():
-    from syncsgd.nn.mlp import MLP
+    from syncsgd.nn.mlp import mlp
     from syncsgd.training.step import bucket_slices
 
-    model = MLP((7, 6, 5, 3), batchnorm="sync")
+    model = mlp((7, 6, 5, 3), batchnorm="sync")  # dense batchnorm relu dense batchnorm relu dense
     buckets = bucket_slices(model, np.zeros(model.n_params + 6), 0)
     offsets = {name: offset for name, _, offset in model.layout()}
     assert [b.start for b in buckets] == [offsets["W0"], offsets["W1"], offsets["W2"]]
-    assert overlap.ready_layers(model, buckets) == [0, 1, 2]
+    assert overlap.ready_layers(model, buckets) == [0, 3, 6]  # the dense layers' positions
 
 
 @pytest.mark.parametrize("options", [
@@ -362,10 +362,10 @@ def test_the_overlapped_step_of_the_cost_model():
 def test_model_names_the_bucket_size_that_minimises_the_step(capsys):
     from syncsgd.apps.costmodel import Params, overlap_table
     from syncsgd.cli import main
-    from syncsgd.nn.mlp import MLP
+    from syncsgd.nn.mlp import mlp
 
     params = Params(alpha=50e-6, beta=8e-9, gamma=1e-10)
-    table = overlap_table(MLP((784, 256, 256, 10)).network(), 64, 1e10, 8, [2], params)
+    table = overlap_table(mlp((784, 256, 256, 10)), 64, 1e10, 8, [2], params)
     assert table[0]["bucket_bytes"] == 0 and table[-1]["bucket_bytes"] is None
     assert table[-1]["overlap_s"] == table[-1]["plain_s"]  # one bucket: nothing to hide
     assert all(row["overlap_s"] <= row["plain_s"] for row in table)

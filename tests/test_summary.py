@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp
 from syncsgd.training.hooks import Log, Recorder
 from syncsgd.training.result import TrainResult, summary
 from syncsgd.training.step import StepRecord
@@ -22,7 +22,7 @@ def record(step: int, started: float, compute: float, comm: float, update: float
 
 def recorded(durations: list[tuple[float, float, float]]) -> tuple[TrainResult, list[dict]]:
     """A result and its log lines after steps of the given (compute, allreduce, update) seconds."""
-    model = MLP((2, 2))
+    model = mlp((2, 2))
     result = TrainResult(np.zeros(model.n_params), model, len(durations), final_loss=0.5)
     handle = io.StringIO()
     hooks = [Recorder(result), Log(handle, 10, result, noise=False)]

@@ -14,12 +14,12 @@ from conftest import requires_mpi, run_mpiexec
 from syncsgd import TrainConfig, TrainResult, train
 from syncsgd.apps.verify import sha256 as verify_sha256
 from syncsgd.cli import main
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp
 from syncsgd.util import jsonout
 
 TINY = ["--samples", "64", "--features", "4", "--hidden", "8", "--batch-size", "16"]
 TINY_CONFIG = TrainConfig(samples=64, features=4, hidden=(8,), batch_size=16, steps=3)
-TINY_MODEL = MLP((4, 8, 4))  # 4 features, a hidden layer of 8, 4 classes (the default)
+TINY_MODEL = mlp((4, 8, 4))  # 4 features, a hidden layer of 8, 4 classes (the default)
 REGRESSION = ["--loss", "mse", "--data", "synthetic-regression"]
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from oracle import serial_sgd
 
 from syncsgd import TrainConfig, run_threads, train
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.mlp import mlp
 from syncsgd.training.hooks import progress_lines
 from syncsgd.training.loop import prepare, train_rank
 from syncsgd.training.result import NonFiniteError
@@ -114,7 +114,7 @@ def test_buckets_match_the_fused_allreduce(bucket_bytes):
 
 
 def test_bucket_slices_tile_the_buffer_in_whole_tensors():
-    model = MLP((5, 6, 5, 3))  # tensors of 30, 6, 30, 5, 15, 3 elements
+    model = mlp((5, 6, 5, 3))  # tensors of 30, 6, 30, 5, 15, 3 elements
     total = model.n_params + 2
     buffer = np.zeros(total)  # float64: 8 bytes an element
     assert bucket_slices(model, buffer, None) == [slice(0, total)]
@@ -126,7 +126,7 @@ def test_bucket_slices_tile_the_buffer_in_whole_tensors():
 
 
 def test_one_bucket_per_layer_holds_its_batchnorm_parameters():
-    model = MLP((5, 6, 3), batchnorm="sync")  # W0 b0 gamma0 beta0: 30 + 6 + 6 + 6; W1 b1: 18 + 3
+    model = mlp((5, 6, 3), batchnorm="sync")  # W0 b0 gamma0 beta0: 30 + 6 + 6 + 6; W1 b1: 18 + 3
     total = model.n_params + 6
     assert bucket_slices(model, np.zeros(total), 0) == [slice(0, 48), slice(48, total)]
 

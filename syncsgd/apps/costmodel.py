@@ -801,7 +801,7 @@ def model_spec(text: str) -> str:
 
 def step_network(options: argparse.Namespace) -> Network | None:
     """The network whose step to predict: --model's, --overlap's MLP, or None for neither."""
-    from syncsgd.nn.mlp import MLP
+    from syncsgd.nn.mlp import mlp
     from syncsgd.nn.network import build
 
     dtype = np.dtype(np.float64 if options.itemsize == 8 else np.float32)
@@ -810,7 +810,7 @@ def step_network(options: argparse.Namespace) -> Network | None:
             raise ValueError("--input-shape is the shape of --model's input: give a --model SPEC")
         if options.overlap is None:
             return None
-        return MLP(tuple(options.overlap), dtype=dtype).network()
+        return mlp(tuple(options.overlap), dtype=dtype)
     if options.overlap is not None:
         raise ValueError("--overlap SIZES and --model SPEC both name the network: give one")
     if options.input_shape is None:

@@ -813,6 +813,8 @@ def step_costs(options: argparse.Namespace, trials: Sequence[Trial], ranks: int)
 
 def describe_workload(base: Any, problem: Any, settings: StudySettings) -> str:
     """The first line of the output: the model, the data, the target and the grid."""
+    from syncsgd.nn.mlp import sizes_of
+
     lrs = settings.lrs
     momentums = ",".join(f"{m:g}" for m in settings.momentums)
     ranks = f"{settings.ranks} rank{'s' * (settings.ranks > 1)} per run"
@@ -826,7 +828,7 @@ def describe_workload(base: Any, problem: Any, settings: StudySettings) -> str:
     network = (
         problem.model.summary()
         if base.model is not None
-        else f"MLP {'-'.join(map(str, problem.model.sizes))} {base.activation}"
+        else f"MLP {'-'.join(map(str, sizes_of(problem.model)))} {base.activation}"
     )
     return (
         f"# batch-size study: {network} {base.loss} {base.dtype} on {base.data} "

@@ -1,11 +1,12 @@
-"""What every model holds its arrays as: the float types, the losses, shapes and checks."""
+"""What every model's arrays need: their sizes, checks and descriptions in messages.
+
+The float types a model computes in are syncsgd.util.validate.DTYPES; the losses are
+syncsgd.nn.losses' registry.
+"""
 
 from __future__ import annotations
 
 import numpy as np
-
-LOSSES = ("xent", "mse")
-DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
 
 
 def checked(name: str, array: object, shape: tuple[int, ...]) -> np.ndarray:

@@ -4,8 +4,10 @@ The spec: layers separated by spaces, each `name` or `name(args)` with positiona
 key=value integers, e.g. "dense(64) relu dense(64) relu dense"; a last dense without a width gets
 the number of classes (or outputs). Parameter arrays are named "<position in the spec>.<PyTorch
 name>" with PyTorch's shapes, so the flat buffer's arrays are the state_dict of the nn.Sequential
-of the matching modules (`to_arrays`, `from_arrays`). The gradient uses the same layout: one
-fused allreduce, or buckets of whole arrays.
+of the matching modules (`to_arrays`, `from_arrays`). A network may carry a name map instead
+(`NameMap`: the --hidden MLP's W0, b0, gamma0, ..., syncsgd.nn.mlp): its arrays then go by the
+map's names everywhere outside the passes. The gradient uses the same layout: one fused
+allreduce, or buckets of whole arrays.
 Numba is not imported here: the command line checks a spec against the layers' catalogue.
 """
 
@@ -22,9 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.nn.arrays import DTYPES, LOSSES, checked, describe, shape_size
+from syncsgd.nn.arrays import checked, describe, shape_size
 from syncsgd.nn.layers.base import Layer, Shape
+from syncsgd.nn.losses import loss_entry
 from syncsgd.nn.presets import expand, preset_help
+from syncsgd.util.validate import DTYPES
 
 LAYERS_DIR = Path(__file__).resolve().parent / "layers"
 _TOKEN = re.compile(r"\s*([^\s(]+)(\(([^()]*)\))?")
@@ -164,21 +168,42 @@ def make_layer(token: Token) -> Layer:
         raise ValueError(f"--model: {token.text!r} does not fit {entry.signature}") from None
 
 
+@dataclass(frozen=True)
+class NameMap:
+    """A file format's own names for a network's arrays: its files keep their keys and shapes.
+
+    `names` maps every "<position>.<name>" (parameters and running statistics) to the format's
+    name; `owners` gives the position whose bucket an array rides in (the --hidden MLP's gamma1
+    and beta1 ride with the W1, b1 of their dense layer); `optional` arrays may be missing from
+    a file (they start as their layer starts them); a file's key that matches `params_pattern`
+    (`running_pattern`) but names no array of the network is refused as not belonging to
+    `params_owner` (`running_owner`), e.g. "a model with 2 layers (sizes 4,3,2)".
+    """
+
+    names: dict[str, str]
+    owners: dict[str, int]
+    optional: frozenset[str]
+    params_pattern: re.Pattern[str]
+    running_pattern: re.Pattern[str]
+    params_owner: str
+    running_owner: str
+
+
 @dataclass
 class Network:
     """Layers applied in order to (m, *in_shape) inputs, then the loss; one flat buffer."""
 
     spec: str
     in_shape: Shape
-    outputs: int  # classes (xent) or regression outputs (mse)
+    outputs: int  # classes or outputs: the loss's width
     loss: str = "xent"
     dtype: np.dtype = field(default=np.dtype(np.float64))
     layers: list[Layer] = field(default_factory=list)  # built from the spec when not given
+    name_map: NameMap | None = None  # None: the arrays go by "<position>.<PyTorch name>"
     absorbed: frozenset[int] = field(init=False, default=frozenset())  # positions the passes skip
 
     def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss!r} (choose xent or mse)")
+        loss_entry(self.loss)  # a ValueError naming the losses
         self.dtype = np.dtype(self.dtype)
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype} (choose float64 or float32)")
@@ -197,8 +222,13 @@ class Network:
             enumerate(zip(self.layers[:-1], self.layers[1:], strict=True))
             if following.in_place and not layer.reads_output
             and layer.absorb(following))  # fmt: skip
-        self._layout = self._make_layout("params")
-        self._running = self._make_layout("buffers")
+        # by "<position>.<PyTorch name>" for the passes, by their names for everything else
+        self._own_layout = self._make_layout("params")
+        self._own_running = self._make_layout("buffers")
+        self._layout = [(self._named(name), shape, offset)
+                        for name, shape, offset in self._own_layout]  # fmt: skip
+        self._running = [(self._named(name), shape, offset)
+                         for name, shape, offset in self._own_running]  # fmt: skip
         self.n_params = sum(shape_size(shape) for _, shape, _ in self._layout)
 
     # -- the flat buffer ---------------------------------------------------------------------
@@ -212,6 +242,10 @@ class Network:
                 offset += shape_size(param.shape)
         return entries
 
+    def _named(self, name: str) -> str:
+        """The name an array goes by: the name map's, or its own "<position>.<name>"."""
+        return name if self.name_map is None else self.name_map.names[name]
+
     def layout(self) -> list[tuple[str, Shape, int]]:
         """(name, shape, offset into the flat buffer) of every parameter array, in order."""
         return list(self._layout)
@@ -222,7 +256,10 @@ class Network:
         return len(self.layers)
 
     def layer_of(self, name: str) -> int:
-        """The spec position a parameter array belongs to: "3.weight" -> 3."""
+        """The spec position a parameter array belongs to: "3.weight" -> 3; with a name map,
+        the position whose bucket it rides in (the --hidden MLP's gamma1: its dense layer's)."""
+        if self.name_map is not None:
+            return self.name_map.owners[name]
         return int(name.partition(".")[0])
 
     def param_names(self) -> list[str]:
@@ -231,20 +268,25 @@ class Network:
 
     def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """Views (no copies) into `flat` by name; writing to a view writes to `flat`."""
+        if not self._checked_flat(flat).flags.c_contiguous:
+            raise ValueError("the flat parameter buffer must be contiguous")
+        return _views(flat, self._layout)
+
+    def _checked_flat(self, flat: np.ndarray) -> np.ndarray:
+        """`flat` if it is a 1-D array of n_params values, else a ValueError."""
         if not isinstance(flat, np.ndarray) or flat.ndim != 1 or flat.shape[0] != self.n_params:
             raise ValueError(
                 f"expected a flat array of {self.n_params} parameters, got {describe(flat)}"
             )
-        return {name: flat[offset : offset + shape_size(shape)].reshape(shape)
-                for name, shape, offset in self._layout}  # fmt: skip
+        return flat
 
     def layer_views(self, flat: np.ndarray,
                     running: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:  # fmt: skip
         """Per layer, its arrays' views by their PyTorch names ("weight", "running_mean", ...)."""
         per_layer: list[dict[str, np.ndarray]] = [{} for _ in self.layers]
-        views = self.views(flat)
+        views = _views(self._checked_flat(flat), self._own_layout)
         if running is not None:
-            views.update(self.running_views(running))
+            views.update(_views(self._checked_running(running), self._own_running))
         for name, view in views.items():
             position, _, short = name.partition(".")
             per_layer[int(position)][short] = view
@@ -254,7 +296,7 @@ class Network:
         """Seeded parameters as PyTorch starts its modules, drawn in float64 in buffer order."""
         rng = np.random.default_rng(seed)
         flat = np.zeros(self.n_params, dtype=self.dtype)
-        views = self.views(flat)
+        views = _views(flat, self._own_layout)
         for layer in self.layers:
             for param in layer.params():
                 views[f"{layer.position}.{param.name}"][...] = param.draw(rng)
@@ -265,14 +307,22 @@ class Network:
         return {name: view.copy() for name, view in self.views(flat).items()}
 
     def from_arrays(self, arrays: Mapping) -> np.ndarray:
-        """A flat buffer in this network's dtype from arrays by name (an .npz, a state_dict)."""
-        names = {*self.param_names(), *(name for name, _, _ in self._running)}
-        extra = sorted(k for k in arrays.keys() if _PARAM_NAME.fullmatch(k) and k not in names)
-        if extra:
-            raise ValueError(f"parameter {extra[0]!r} does not belong to --model {self.spec!r}")
-        flat = np.empty(self.n_params, dtype=self.dtype)
+        """A flat buffer in this network's dtype from arrays by name (an .npz, a state_dict);
+        with a name map, its optional arrays missing start as their layers start them."""
+        mapped = self.name_map
+        if mapped is None:
+            names = {*self.param_names(), *(name for name, _, _ in self._running)}
+            _refuse_extra(arrays, _PARAM_NAME, names, f"--model {self.spec!r}", "parameter ")
+        else:
+            _refuse_extra(arrays, mapped.params_pattern, set(self.param_names()),
+                          mapped.params_owner, "parameter ")  # fmt: skip
+        # an optional array missing starts as its layer starts it (gamma 1, beta 0: no draw)
+        missing = mapped is not None and any(name not in arrays for name in mapped.optional)
+        flat = self.init_params(0) if missing else np.empty(self.n_params, dtype=self.dtype)
         views = self.views(flat)
         for name, shape, _ in self._layout:
+            if name not in arrays and mapped is not None and name in mapped.optional:
+                continue  # saved without it (the MLP's gamma, beta: without BatchNorm)
             if name not in arrays:
                 raise ValueError(f"missing parameter {name!r} (expected shape {shape})")
             views[name][...] = checked(name, arrays[name], shape)
@@ -292,7 +342,7 @@ class Network:
     def init_running(self) -> np.ndarray:
         """The running statistics PyTorch starts from: every mean 0, every variance 1."""
         running = np.zeros(self.n_running, dtype=self.dtype)
-        views, rng = self.running_views(running), np.random.default_rng(0)  # no buffer draws
+        views, rng = _views(running, self._own_running), np.random.default_rng(0)  # no draws
         for layer in self.layers:
             for buffer in layer.buffers():
                 views[f"{layer.position}.{buffer.name}"][...] = buffer.draw(rng)
@@ -300,21 +350,27 @@ class Network:
 
     def running_views(self, running: np.ndarray) -> dict[str, np.ndarray]:
         """Views into the flat running statistics by name."""
+        return _views(self._checked_running(running), self._running)
+
+    def _checked_running(self, running: np.ndarray) -> np.ndarray:
+        """`running` if it holds n_running values, else a ValueError."""
         if running.shape != (self.n_running,):
             raise ValueError(
                 f"expected {self.n_running} running statistics, got {describe(running)}"
             )
-        return {name: running[offset : offset + shape_size(shape)].reshape(shape)
-                for name, shape, offset in self._running}  # fmt: skip
+        return running
 
     def running_from_arrays(self, arrays: Mapping) -> np.ndarray:
         """Running statistics from arrays by name; the missing ones at their defaults."""
+        if self.name_map is not None:
+            _refuse_extra(arrays, self.name_map.running_pattern,
+                          {name for name, _, _ in self._running}, self.name_map.running_owner)
         running = self.init_running()
         views = self.running_views(running)
-        for name, shape, _ in self._running:
+        for (name, shape, _), (own, _, _) in zip(self._running, self._own_running, strict=True):
             if name in arrays:
                 views[name][...] = checked(name, arrays[name], shape)
-            if name.endswith("running_var") and np.any(views[name] < 0):
+            if own.endswith("running_var") and np.any(views[name] < 0):
                 raise ValueError(f"{name!r} holds a negative variance")
         return running
 
@@ -349,9 +405,23 @@ class Network:
         return " ".join(layer.describe() for layer in self.layers)
 
 
+def _views(flat: np.ndarray, layout: list[tuple[str, Shape, int]]) -> dict[str, np.ndarray]:
+    """Views (no copies) into `flat` of the arrays of `layout`, by name."""
+    return {name: flat[offset : offset + shape_size(shape)].reshape(shape)
+            for name, shape, offset in layout}  # fmt: skip
+
+
+def _refuse_extra(arrays: Mapping, pattern: re.Pattern[str], names: set[str], owner: str,
+                  what: str = "") -> None:  # fmt: skip
+    """A ValueError if a key of `arrays` looks like one of `pattern`'s but is not in `names`."""
+    extra = sorted(k for k in arrays.keys() if pattern.fullmatch(k) and k not in names)
+    if extra:
+        raise ValueError(f"{what}{extra[0]!r} does not belong to {owner}")
+
+
 def build(spec: str, in_shape: Shape, outputs: int, loss: str, dtype: Any) -> Network:
     """The network a spec describes for inputs of `in_shape` and `outputs` outputs."""
     return Network(spec, tuple(in_shape), outputs, loss, np.dtype(dtype))
 
 
-__all__ = ["Network", "build", "catalogue", "check_spec", "layer_help", "parse_spec"]
+__all__ = ["NameMap", "Network", "build", "catalogue", "check_spec", "layer_help", "parse_spec"]

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from syncsgd.comm.watchdog import bcast_peer, watching
-from syncsgd.nn.mlp import MLP
 from syncsgd.nn.network import Network
 
 if TYPE_CHECKING:
@@ -54,12 +53,11 @@ def running_of(stepper: Any) -> np.ndarray | None:
     return stepper.local_gradient.running
 
 
-def evaluate(model: MLP | Network, params: np.ndarray, running: np.ndarray | None, eps: float,
+def evaluate(network: Network, params: np.ndarray, running: np.ndarray | None, eps: float,
              X: np.ndarray, y: np.ndarray) -> tuple[float, float]:  # fmt: skip
     """(mean loss, accuracy) over X, y in evaluation mode (BatchNorm's running statistics)."""
     from syncsgd.nn.backprop import evaluate as evaluate_network  # imports Numba
 
-    network = model if isinstance(model, Network) else model.network()
     return evaluate_network(network, params, X, y, running, eps)
 
 

@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from syncsgd.collectives import ALGORITHMS
-from syncsgd.nn.mlp import BATCHNORMS
+from syncsgd.nn.losses import loss_entry
+from syncsgd.nn.losses import names as loss_names
+from syncsgd.nn.mlp import ACTIVATIONS, BATCHNORMS
 from syncsgd.nn.network import check_spec, layer_help, parse_spec
 from syncsgd.nn.optim import (
     LR_SCALINGS,
@@ -152,9 +154,9 @@ class TrainConfig:
         shown="the data's rows",
     )  # fmt: skip
     activation: str = option("relu", "the hidden layers' activation", group=DATA,
-                             choices=("relu", "tanh"))  # fmt: skip
+                             choices=ACTIVATIONS)  # fmt: skip
     loss: str = option("xent", "softmax cross-entropy or mean squared error", group=DATA,
-                       choices=("xent", "mse"))  # fmt: skip
+                       choices=loss_names())  # fmt: skip
     batch_size: int = option(256, "global batch size, split over the ranks", group=OPTIMIZATION,
                              type=positive_int, check=at_least(1))  # fmt: skip
     accumulate: int = option(
@@ -317,11 +319,11 @@ class TrainConfig:
             "--eval-every and --target-loss/--target-accuracy need --holdout (e.g. 0.2)",
         )
         _require(
-            self.target_accuracy is None or self.loss == "xent",
+            self.target_accuracy is None or loss_entry(self.loss).labels,
             "--target-accuracy needs --loss xent",
         )
         _require(
-            self.classes is None or self.classes >= 2 or self.loss != "xent",
+            self.classes is None or self.classes >= 2 or not loss_entry(self.loss).labels,
             f"--classes {self.classes}: cross-entropy needs at least 2 classes",
         )
 

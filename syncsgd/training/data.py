@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from syncsgd.nn.mlp import LOSSES
+from syncsgd.nn.losses import loss_entry
+from syncsgd.nn.losses import names as loss_names
 from syncsgd.util.files import check_regular_file
 from syncsgd.util.machine import available_memory, check_memory, human_bytes
 from syncsgd.util.validate import choice, float_dtype, integer
@@ -102,7 +103,7 @@ def load_dataset(
     Token data (`is_text`): X the ids of windows of `context` characters, y their next ids.
     """
     dtype = float_dtype(dtype)
-    choice("loss", loss, LOSSES)
+    choice("loss", loss, loss_names())
     if not isinstance(source, str | os.PathLike):
         raise ValueError(f"data source must be a name or a path, not {source!r}")
     source = os.fspath(source)
@@ -123,7 +124,7 @@ def load_dataset(
             "or a path ending in .npz or .csv, or IDX images (ending in -ubyte or .idx, maybe .gz)"
         )
     is_labels = "classification" in source
-    if loss == "xent" and not is_labels:
+    if loss_entry(loss).labels and not is_labels:
         raise ValueError(
             f"data source {source!r} has real-valued targets; cross-entropy needs class labels "
             "(use loss 'mse')"
@@ -151,7 +152,7 @@ def is_text(source: str) -> bool:
 def _token_data(source: str, samples: int, context: int, loss: str, seed: int,
                 dtype: np.dtype) -> Dataset:  # fmt: skip
     """The windows of a text file or of generated text: ids as floats of `dtype`, labels."""
-    if loss != "xent":
+    if not loss_entry(loss).labels:
         raise ValueError(f"--data {source} is token data, a language model: --loss xent")
     text = _generated_text(source, samples, context, seed) if source in TEXT_SOURCES else (
         _read_text(source))  # fmt: skip
@@ -212,15 +213,16 @@ def is_data_file(source: str) -> bool:
 def n_outputs(y: np.ndarray, loss: str, X: np.ndarray | None = None) -> int:
     """The number of model outputs K for targets y: max label + 1 (xent) or y's width (mse); for
     token data (y of shape (N, T), the ids X beside it) the vocabulary's size."""
-    choice("loss", loss, LOSSES)
-    if loss == "xent" and y.ndim == 2 and y.dtype.kind in "iu" and X is not None:
+    choice("loss", loss, loss_names())
+    labels = loss_entry(loss).labels
+    if labels and y.ndim == 2 and y.dtype.kind in "iu" and X is not None:
         return int(max(X.max(), y.max())) + 1 if y.size else 1
-    if loss == "xent":
+    if labels:
         if y.ndim != 1:
-            raise ValueError(f"xent needs 1-D integer labels, got targets of shape {y.shape}")
+            raise ValueError(f"{loss} needs 1-D integer labels, got targets of shape {y.shape}")
         return int(y.max()) + 1 if y.size else 1
     if y.ndim != 2:
-        raise ValueError(f"mse needs 2-D targets (N, K), got shape {y.shape}")
+        raise ValueError(f"{loss} needs 2-D targets (N, K), got shape {y.shape}")
     return int(y.shape[1])
 
 
@@ -668,7 +670,7 @@ def _finish(
         raise ValueError(f"{source}: X contains NaN or infinite values (in {dtype})")
     if y.dtype.kind == "f" and not np.isfinite(y).all():
         raise ValueError(f"{source}: y contains NaN or infinite values")
-    if loss == "xent":
+    if loss_entry(loss).labels:
         return X, _labels(source, y, classes)
     if is_labels:
         labels = _labels(source, y, classes)

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from syncsgd.nn.losses import loss_entry
 from syncsgd.training import checkpoint
 from syncsgd.training.checkpoint import Checkpoint
 from syncsgd.training.noise import NoiseScaleMeter
@@ -322,7 +323,8 @@ class Evaluation(Hook):
         assert run.X_eval is not None and run.y_eval is not None  # made with --holdout only
         loss, accuracy = evaluate(run.model, self.params, self.running, config.bn_eps, run.X_eval,
                                   run.y_eval)  # fmt: skip
-        result.evals.append((steps_done, loss, accuracy if config.loss == "xent" else math.nan))
+        result.evals.append((steps_done, loss,
+                             accuracy if loss_entry(config.loss).labels else math.nan))
         met = (config.target_loss is not None and loss <= config.target_loss) or (
             config.target_accuracy is not None and accuracy >= config.target_accuracy
         )

@@ -21,6 +21,7 @@ import numpy as np
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.watchdog import Watched, bcast_peer, collective_timeout, current, watching
 from syncsgd.comm.world import launch
+from syncsgd.nn.losses import loss_entry
 from syncsgd.nn.optim import Optimizer, make_optimizer
 from syncsgd.training import checkpoint, data
 from syncsgd.training.batchnorm import micro_batch_note, record_comm, start_running
@@ -215,7 +216,7 @@ def finish(comm: Any, run: Run, result: TrainResult, outputs: Outputs, quiet: bo
 
     result.final_loss, accuracy = evaluate(run.model, result.params, result.running,
                                            run.config.bn_eps, run.X, run.y)  # fmt: skip
-    result.accuracy = None if run.config.loss != "xent" else accuracy
+    result.accuracy = accuracy if loss_entry(run.config.loss).labels else None
     threads, stopped = isinstance(comm, ThreadComm), result.stopped_after is not None
     if outputs.save is not None and not stopped:  # interrupted: a checkpoint, not final ones
         save_params(outputs.save, result)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.losses import loss_entry
 from syncsgd.nn.network import Network
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ class TrainResult:
     """The outcome of a run on one rank (evaluation fields are filled on rank 0 only)."""
 
     params: np.ndarray  # final flat parameters, identical on every rank
-    model: MLP | Network
+    model: Network
     steps: int  # steps done when training ended: fewer than asked for if a target was met
     losses: list[float] = field(default_factory=list)  # global-batch mean loss before each step
     seconds: float = 0.0
@@ -142,7 +142,7 @@ def null_reasons(out: dict[str, Any], config: TrainConfig) -> dict[str, str]:
         "noise_scale": "needs 2 or more ranks" if config.noise_scale else "no --noise-scale",
     }
     nulls = {name: why for name, why in reasons.items() if out.get(name) is None}
-    if config.loss != "xent" and out["evals"]:
+    if not loss_entry(config.loss).labels and out["evals"]:
         nulls["evals.accuracy"] = no_accuracy
     for name, value in out.items():  # written as null by the strict JSON
         if isinstance(value, float) and not math.isfinite(value):

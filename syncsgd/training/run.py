@@ -12,7 +12,8 @@ import numpy as np
 from syncsgd.comm.watchdog import Watched
 from syncsgd.comm.world import constants
 from syncsgd.nn.arrays import shape_size
-from syncsgd.nn.mlp import MLP
+from syncsgd.nn.losses import loss_entry
+from syncsgd.nn.mlp import mlp
 from syncsgd.nn.network import Network, build
 from syncsgd.nn.optim import OptimConfig
 from syncsgd.training import checkpoint, data
@@ -74,7 +75,7 @@ class Run:
     """What every rank needs before the first step: the model, the data and the step count."""
 
     config: TrainConfig
-    model: MLP | Network
+    model: Network
     X: np.ndarray
     y: np.ndarray
     steps: int
@@ -98,7 +99,8 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
         classes=config.classes, loss=config.loss, seed=config.seed, dtype=config.dtype,
         context=config.context,
     )  # fmt: skip
-    if config.loss == "xent" and config.classes is None:
+    labels = loss_entry(config.loss).labels
+    if labels and config.classes is None:
         data.check_class_labels(y, config.data)
     read = describe_data(config, X, y, sample_shape)
     X, y, X_eval, y_eval = split_holdout(X, y, config.holdout, config.seed)
@@ -110,9 +112,9 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
         steps = config.epochs * per_epoch
     else:
         steps = 100
-    # xent: max label + 1, which --classes may raise; token data: the vocabulary's size
+    # class labels: max label + 1, which --classes may raise; token data: the vocabulary's size
     outputs = data.n_outputs(y, config.loss, X)
-    if config.loss == "xent" and config.classes is not None:
+    if labels and config.classes is not None:
         outputs = max(outputs, config.classes)
     model = make_model(config, X, outputs, ranks, sample_shape)
     optim = OptimConfig(
@@ -151,7 +153,7 @@ def describe_data(config: TrainConfig, X: np.ndarray, y: np.ndarray,
 
 def model_outputs(outputs: int, config: TrainConfig) -> str:
     """'10 classes, loss xent' or '1 output, loss mse'."""
-    noun = "class" if config.loss == "xent" else "output"
+    noun = loss_entry(config.loss).noun
     plural = ("es" if noun == "class" else "s") * (outputs != 1)
     return f"{outputs} {noun}{plural}, loss {config.loss}"
 
@@ -162,7 +164,7 @@ def make_model(
     outputs: int,
     ranks: int,
     sample_shape: tuple[int, ...] | None = None,
-) -> MLP | Network:
+) -> Network:
     """The --model network, or the MLP of --hidden; refused if the memory cannot hold it.
 
     The network's input: --input-shape, else the data's `sample_shape` (images), else X's rows.
@@ -185,8 +187,7 @@ def make_model(
     sizes = (X.shape[1], *config.hidden, outputs)
     needed = model_bytes(sizes, config.batch_size, itemsize, ranks)
     check_memory(needed, f"a model of layer sizes {','.join(map(str, sizes))} on {ranks} rank(s)")
-    return MLP(sizes, activation=config.activation, loss=config.loss, dtype=np.dtype(config.dtype),
-               batchnorm=config.batchnorm)  # fmt: skip
+    return mlp(sizes, config.activation, config.batchnorm, config.loss, np.dtype(config.dtype))
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
@@ -194,13 +195,11 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return ",".join(map(str, shape or ()))
 
 
-def widest(model: MLP | Network) -> int:
+def widest(model: Network) -> int:
     """d of the noam schedule: the model width, that of its widest hidden layer (a dense layer's
     features, a conv's channels); the inputs' width without one."""
-    if isinstance(model, Network):
-        hidden = [layer.model_width() for layer in model.layers[:-1]]
-        return max(hidden, default=0) or shape_size(model.in_shape)
-    return max(model.sizes[1:-1], default=model.sizes[0])
+    hidden = [layer.model_width() for layer in model.layers[:-1]]
+    return max(hidden, default=0) or shape_size(model.in_shape)
 
 
 def model_bytes(sizes: tuple[int, ...], batch_size: int, itemsize: int, ranks: int) -> int:

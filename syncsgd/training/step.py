@@ -13,7 +13,7 @@ import numpy as np
 
 from syncsgd.collectives import allreduce as collective_allreduce
 from syncsgd.comm.watchdog import current
-from syncsgd.nn.mlp import MLP, shape_size
+from syncsgd.nn.arrays import shape_size
 from syncsgd.nn.network import Network
 from syncsgd.nn.optim import Optimizer, learning_rate
 from syncsgd.training import data
@@ -217,16 +217,15 @@ class DataParallelStep:
         return info["lr"], info["grad_norm"]
 
 
-def local_gradient(config: Any, model: MLP | Network, comm: Any, largest_shard: int,
+def local_gradient(config: Any, network: Network, comm: Any, largest_shard: int,
                    buffer: CommBuffer, trace: Any = None) -> RankGradient:  # fmt: skip
     """The passes that fill the buffer with this rank's sums, in the run's mode and precision."""
     from syncsgd.training.layered import RankGradient  # imports Numba: when training
 
-    network = model if isinstance(model, Network) else model.network()
     return RankGradient(config, network, comm, largest_shard, buffer, trace)
 
 
-def bucket_slices(model: MLP | Network, buffer: np.ndarray,
+def bucket_slices(model: Network, buffer: np.ndarray,
                   bucket_bytes: int | None) -> list[slice]:  # fmt: skip
     """Cut the communication buffer into allreduce buckets of whole tensors, in parameter order."""
     # None: one bucket. 0: one per layer (W, b, and gamma, beta with BatchNorm). Otherwise tensors

@@ -6,7 +6,7 @@ import operator
 
 import numpy as np
 
-from syncsgd.nn.mlp import DTYPES
+DTYPES = (np.dtype(np.float64), np.dtype(np.float32))  # the float types a model computes in
 
 
 def integer(name: str, value: int) -> int:

@@ -78,7 +78,9 @@ class Param:
 
     name: str
     shape: Shape
-    init: str  # "uniform" (±bound), "normal" (standard deviation bound), "zeros" or "ones"
+    # "uniform" (±bound), "normal" (standard deviation bound), "scaled" (standard normal draws
+    # times bound: the --hidden MLP's He-normal), "zeros" or "ones"
+    init: str
     bound: float = 0.0
 
     def draw(self, rng: np.random.Generator) -> np.ndarray:
@@ -87,6 +89,8 @@ class Param:
             return rng.uniform(-self.bound, self.bound, size=self.shape)
         if self.init == "normal":
             return rng.normal(0.0, self.bound, size=self.shape)
+        if self.init == "scaled":
+            return rng.standard_normal(self.shape) * self.bound
         return np.full(self.shape, 1.0 if self.init == "ones" else 0.0)
 
 

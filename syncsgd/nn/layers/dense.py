@@ -1,6 +1,7 @@
 """dense(width): y = x W^T + b on the last axis, W of shape (width, in), as torch.nn.Linear.
 
-A --hidden MLP stores W transposed, (in, width) (`in_out`): the same sums, y = x W + b.
+A --hidden MLP stores W transposed, (in, width) (`in_out`): the same sums, y = x W + b; and
+starts it by its own recipe (`init`): He-normal ("he") or Glorot-uniform ("glorot"), zero biases.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ class Dense(Layer):
     kind = "dense"
     signature = "dense(width)"
 
-    def __init__(self, width: int | None = None, in_out: bool = False) -> None:
+    def __init__(self, width: int | None = None, in_out: bool = False,
+                 init: str | None = None) -> None:  # fmt: skip
         super().__init__()
         if width is not None and width < 1:
             raise ValueError(f"dense({width}): the width must be >= 1")
-        self.width, self.in_out = width, in_out
+        self.width, self.in_out, self.init = width, in_out, init
         self.positions = 1  # rows per sample (output_shape sets it)
         self.activation = IDENTITY  # RELU: the relu after it, applied in its passes (absorb)
 
@@ -33,10 +35,17 @@ class Dense(Layer):
         return (*in_shape[:-1], self.width or outputs)
 
     def params(self) -> list[Param]:
-        """weight (out, in) and bias (out,), both U(±1/sqrt(in)) as PyTorch starts them."""
+        """weight (out, in) and bias (out,), both U(±1/sqrt(in)) as PyTorch starts them; with
+        `init`, the weight N(0, 2/in) ("he") or U(±sqrt(6/(in + out))) ("glorot"), the bias 0."""
         fan_in, fan_out = self.in_shape[-1], self.out_shape[-1]
         bound = 1.0 / np.sqrt(fan_in)
         shape = (fan_in, fan_out) if self.in_out else (fan_out, fan_in)
+        if self.init == "he":
+            return [Param("weight", shape, "scaled", np.sqrt(2.0 / fan_in)),
+                    Param("bias", (fan_out,), "zeros")]  # fmt: skip
+        if self.init == "glorot":
+            return [Param("weight", shape, "uniform", np.sqrt(6.0 / (fan_in + fan_out))),
+                    Param("bias", (fan_out,), "zeros")]  # fmt: skip
         return [Param("weight", shape, "uniform", bound),
                 Param("bias", (fan_out,), "uniform", bound)]  # fmt: skip
 
