@@ -143,11 +143,11 @@ def test_local_equals_serial_sgd_with_per_shard_statistics(ranks, batch_size):
 
 def finite_difference_gradient(model: Network, params: np.ndarray, X, y, h: float = 1e-6):
     """The mean loss's gradient by central differences, through the training-mode forward."""
-    gradient = local_gradient(model, len(X))  # the statistics of the shard alone: no ranks
+    local = local_gradient(model, len(X))  # the statistics of the shard alone: no ranks
     running, sums = model.init_running(), np.zeros(model.n_params)
 
     def loss(theta: np.ndarray) -> float:
-        return gradient(theta, X, y, sums, running=running)[0] / len(X)
+        return local(theta, X, y, sums, running=running)[0] / len(X)
 
     gradient = np.empty(model.n_params)
     for k in range(model.n_params):

@@ -1,5 +1,5 @@
-"""The Python examples of the README and of docs/api.md run as written, in a scratch directory
-holding their data.csv."""
+"""The Python examples of the README, docs/api.md and docs/architecture.md run as written, in a
+scratch directory holding their data.csv."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
-DOCUMENTS = ("README.md", os.path.join("docs", "api.md"))
+DOCUMENTS = ("README.md", os.path.join("docs", "api.md"), os.path.join("docs", "architecture.md"))
 
 
 def python_blocks(documents: tuple[str, ...] = DOCUMENTS) -> list[str]:
