@@ -23,6 +23,7 @@ import numpy as np
 
 from syncsgd.nn.arrays import describe
 from syncsgd.nn.backprop import Backprop
+from syncsgd.nn.kernels import check_count
 from syncsgd.nn.network import Network
 from syncsgd.nn.numerics import Group, Numerics, numerics
 
@@ -44,7 +45,7 @@ class LocalGradient:
         self.network, self.nx = network, nx
         self.micro_batches, self.micro_batch_weight = micro_batches, micro_batch_weight
         # The passes' workspaces hold one micro-batch of the shard (the largest, of K).
-        self.passes = Backprop(network, -(-max_batch // micro_batches), nx)
+        self.passes = Backprop(network, largest_micro_batch(max_batch, micro_batches), nx)
         self.top = network.n_layers - 1
         self._loss = np.zeros(1)
 
@@ -80,17 +81,17 @@ class LocalGradient:
         """The gradient sums of layers top down to bottom, into grads."""
         self.nx.layers_(functools.partial(self.passes.backward_, grads), top, bottom)
 
-    def __call__(self, params: np.ndarray, X: np.ndarray, y: np.ndarray, grads: np.ndarray,
+    def __call__(self, params: np.ndarray, X: np.ndarray, y: np.ndarray, grad_out: np.ndarray,
                  scale: float = 1.0, running: np.ndarray | None = None,
                  global_batch: int | None = None) -> tuple[float, int]:  # fmt: skip
-        """(loss sum, argmax hits); grads = the sum of gradients of `scale` times the loss."""
+        """(loss sum, argmax hits); grad_out = the sum of gradients of `scale` times the loss."""
         n_params = self.network.n_params
-        if not isinstance(grads, np.ndarray) or grads.shape != (n_params,) or (
-                not grads.flags.writeable):  # fmt: skip
+        if not isinstance(grad_out, np.ndarray) or grad_out.shape != (n_params,) or (
+                not grad_out.flags.writeable):  # fmt: skip
             raise ValueError(f"grad_out must be a writable array of shape ({n_params},), got "
-                             f"{describe(grads)}")  # fmt: skip
-        hits = self.forward_(params, X, y, grads, self._loss, scale, running, global_batch)
-        self.backward_(grads, self.top, 0)
+                             f"{describe(grad_out)}")  # fmt: skip
+        hits = self.forward_(params, X, y, grad_out, self._loss, scale, running, global_batch)
+        self.backward_(grad_out, self.top, 0)
         return float(self._loss[0]), hits
 
 
@@ -101,10 +102,16 @@ def local_gradient(network: Network, max_batch: int, *, exact: bool = False,
     """The local gradient of `network` in a mode and precision, its workspaces for `max_batch`
     samples; alone (one process: exact mode's peaks are its own, its sums a serial run's) unless
     `group` (BatchNorm's statistics) and `ranks` (exact mode's peaks) say otherwise."""
-    largest = -(-max_batch // micro_batches)
+    largest = largest_micro_batch(max_batch, micro_batches)
     nx = numerics(exact, precision, network.dtype, network.largest_weight(),
                   largest * network.largest_block(), network.n_params, group, ranks)  # fmt: skip
     return LocalGradient(network, nx, max_batch, micro_batches, micro_batch_weight)
+
+
+def largest_micro_batch(max_batch: int, micro_batches: int) -> int:
+    """The most samples of a shard of at most `max_batch` that one of K micro-batches holds."""
+    max_batch = check_count("max_batch", max_batch, low=0)
+    return -(-max_batch // check_count("micro_batches", micro_batches, low=1))
 
 
 def micro_batch_bounds(shard_size: int, count: int) -> list[int]:
