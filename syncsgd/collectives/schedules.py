@@ -391,9 +391,24 @@ def _rooted(steps: Schedule, root: int, size: int) -> Schedule:
     )  # fmt: skip
 
 
+# An allreduce's own halves, for the sharded step (ZeRO): its reduce-scatter, whose sums are the
+# allreduce's bits, and its allgather. `Collective("reduce-scatter", "ring-allreduce")` leaves on
+# rank r the block the ring's allgather then sends first, `owned_block(r, P)`.
+ALLREDUCE_HALVES = {"ring-allreduce": "ring"}
+
+
+def owned_block(rank: int, size: int) -> int:
+    """The block of a buffer the ring allreduce's reduce-scatter completes on `rank`: (r+1) % P."""
+    return (rank + 1) % size
+
+
 @functools.lru_cache(maxsize=256)
 def part_schedule(collective: Collective, length: int, size: int, rank: int) -> Schedule:
     """The steps `rank` takes in `collective` on a buffer of `length` elements."""
+    halved = ALLREDUCE_HALVES.get(collective.algorithm)
+    if halved is not None:  # one phase of an allreduce's schedule
+        return tuple(step for step in SCHEDULES[halved](length, size, rank)
+                     if step.phase == collective.name)  # fmt: skip
     try:
         steps_of = PART_SCHEDULES[collective.name][collective.algorithm]
     except KeyError:

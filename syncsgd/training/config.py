@@ -109,6 +109,16 @@ def _fraction(flag: str, value: float) -> str | None:
     return None if 0 <= value < 1 else f"{flag} must be in [0, 1), got {value}"
 
 
+ZERO_STAGES = (0, 1)
+
+
+def _zero_stage(flag: str, value: int) -> str | None:
+    """Why `value` is not a ZeRO stage syncsgd runs, or None."""
+    if isinstance(value, bool) or value not in ZERO_STAGES:
+        return f"{flag} must be one of {', '.join(map(str, ZERO_STAGES))}, got {value!r}"
+    return None
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that determines a training run (the options of `syncsgd train`)."""
@@ -246,6 +256,12 @@ class TrainConfig:
         None, "compress the gradient sums to this format for the allreduce (Horovod's fp16)",
         group=RANKS, choices=ALLREDUCE_DTYPES, shown="the model's dtype",
     )  # fmt: skip
+    zero_stage: int = option(
+        0, "ZeRO stage: 0 the replicated step; 1 each rank keeps the optimizer state of its "
+        "shard of the parameters and updates it: the gradient sums reduce-scattered, the "
+        "parameters allgathered (docs/sharded.md)", group=RANKS, type=nonnegative_int,
+        check=_zero_stage, metavar="K", fingerprint=False,
+    )  # fmt: skip
     timeout: float = option(
         600.0, "end the job when a collective makes no progress for SECONDS; 0: never",
         group=RANKS, type=nonnegative_float, check=at_least(0), metavar="SECONDS",
@@ -306,6 +322,7 @@ class TrainConfig:
         _require(not (self.exact and self.allreduce_dtype is not None),
                  "--allreduce-dtype rounds the sums by how the batch is split: not with --exact")
         _check_batchnorm(self)
+        _check_sharding(self)
         _check_model(self)
         _check_tokens(self)
         _check_labels(self)
@@ -392,6 +409,26 @@ def _check_tokens(config: TrainConfig) -> None:
              "embed, e.g. \"gpt(layers=2,d=32,heads=4)\"")  # fmt: skip
     _require(not config.noise_scale, "--noise-scale estimates from per-sample gradient means: "
              "not on token data, whose mean is over tokens")  # fmt: skip
+
+
+def _check_sharding(config: TrainConfig) -> None:
+    """What --zero-stage 1 does not combine with yet, in one line each: the reductions across
+    shards (a global norm, a trust ratio, the noise scale), the allreduces without a matching
+    reduce-scatter, a pitfall's seams and the checkpoints of a sharded state."""
+    if not config.zero_stage:
+        return
+    flag = f"--zero-stage {config.zero_stage}"
+    _require(config.algorithm == "ring", f"{flag} reduce-scatters with the ring allreduce's first "
+             f"half: it needs --algorithm ring, not {config.algorithm}")  # fmt: skip
+    _require(config.clip_norm is None, f"{flag}: --clip-norm needs the norm over every shard, "
+             "which the sharded step does not reduce yet")  # fmt: skip
+    _require(config.optimizer not in ("lamb", "lars"), f"{flag}: --optimizer "
+             f"{config.optimizer}'s trust ratios need norms over every shard, which the sharded "
+             "step does not reduce yet")  # fmt: skip
+    _require(not config.noise_scale, f"{flag}: --noise-scale reads the whole mean gradient")
+    _require(config.pitfall is None, f"{flag}: --pitfall changes seams of the replicated step")
+    _require(config.checkpoint is None and config.resume is None,
+             f"{flag}: checkpoints of a sharded optimizer state are not written yet")
 
 
 def _check_labels(config: TrainConfig) -> None:

@@ -137,13 +137,16 @@ def take_steps(stepper: DataParallelStep, hooks: list[Hook], steps: range) -> in
             hook.close()
 
 
-def starting_state(comm: Any, run: Run) -> tuple[np.ndarray, Optimizer, int]:
-    """The parameters (rank 0's, broadcast: the same bits everywhere), the optimizer, the step."""
+def starting_state(comm: Any, run: Run) -> tuple[np.ndarray, Optimizer | None, int]:
+    """The parameters (rank 0's, broadcast: the same bits everywhere), the optimizer (None when
+    sharded: each rank's step makes the optimizer of its shard), the step."""
     params = np.empty(run.model.n_params, run.model.dtype)
     if comm.Get_rank() == 0:
         params[:] = first_params(run)
     with watching("the broadcast of the first parameters", bcast_peer(comm, 0)):
         comm.Bcast(params, root=0)
+    if run.config.zero_stage:
+        return params, None, 0  # (a sharded run starts afresh: config refuses --resume)
     optimizer = make_optimizer(run.config.optimizer, run.optim, run.model.n_params,
                                run.model.dtype, run.config, run.model.layout())  # fmt: skip
     if run.start is None:

@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -82,14 +82,22 @@ class Rider:
     needs_gradient: bool = True
 
 
+class StepEnd(Protocol):
+    """What a step does after the exchange: the division by B, the update."""
+
+    def divide_once_(self, batch_size: int) -> tuple[float, bool]: ...
+
+    def update_(self, step: int, finite: bool) -> tuple[float, float]: ...
+
+
 class DataParallelStep:
     """Everything one rank needs to take a step, allocated once; `take_(step)` takes it."""
 
-    def __init__(self, comm: Any, run: Run, params: np.ndarray, optimizer: Optimizer,
+    def __init__(self, comm: Any, run: Run, params: np.ndarray, optimizer: Optimizer | None,
                  variant: Variant, riders: list[Rider], trace: Any = None) -> None:  # fmt: skip
         config, model = run.config, run.model
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
-        self.params, self.optimizer, self.variant = params, optimizer, variant
+        self.params, self.variant = params, variant
         self.X, self.y = run.X, run.y
         self.order = data.SampleOrder(len(run.X), config.batch_size,
                                       variant.order_seed(config.seed, self.rank), config.shuffle)
@@ -129,6 +137,15 @@ class DataParallelStep:
         self.gather_rows_ = gather_rows_
         # 0: the sums travel as they are; else the format they are cast to and restored from.
         self.wire_format = ALLREDUCE_CODES.get(config.allreduce_dtype or "", 0)
+        # How the step ends: replicated (every rank divides and updates everything), or sharded
+        self.end: StepEnd = self
+        if config.zero_stage:
+            from syncsgd.training.sharded import ShardedUpdate
+
+            sharded = ShardedUpdate(self, buckets, run, trace)
+            self.end, self.allreduce_, optimizer = sharded, sharded.reduce_, sharded.optimizer
+        assert optimizer is not None, "a replicated step updates with the whole optimizer"
+        self.optimizer: Optimizer = optimizer
         self.overlap = None  # --overlap on one rank: nothing to hide, the plain step
         if config.overlap and self.size > 1:
             from syncsgd.training.overlap import Overlap
@@ -149,10 +166,10 @@ class DataParallelStep:
             computed = self.overlap.exchange_(X, y, len(shard), len(global_batch))
             backward = self.overlap.backward_started
         reduced = time.perf_counter()
-        loss, finite = self.divide_once_(len(global_batch))
+        loss, finite = self.end.divide_once_(len(global_batch))
         for rider in self.riders:
             rider.read_(rider.slots, self.grad_mean, len(global_batch), finite)
-        lr, grad_norm = self.update_(step, finite)
+        lr, grad_norm = self.end.update_(step, finite)
         return StepRecord(step, len(shard), len(global_batch), loss, finite, lr, grad_norm,
                           started, computed, reduced, time.perf_counter(), backward)  # fmt: skip
 
