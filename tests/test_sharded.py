@@ -1,0 +1,129 @@
+"""--zero-stage 1: the sharded step gives the replicated step's bits, and refuses what it cannot."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from conftest import requires_mpi, run_mpiexec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from syncsgd import train
+from syncsgd.cli import main
+from syncsgd.collectives.schedules import chunk_bounds
+from syncsgd.comm.threads import run_threads
+from syncsgd.training.sharded import REDUCE_SCATTER, owned_slices
+
+MLP = dict(samples=40, features=5, hidden=(6, 4), classes=3, steps=3, seed=4)  # 73 parameters
+CONV = dict(model="conv(2, 3, pad=1) batchnorm relu maxpool(2) flatten dense", samples=24,
+            features=16, input_shape=(1, 4, 4), classes=3, batchnorm="sync", steps=2, seed=5)
+GPT = dict(data="numbers-to-words", model="gpt(layers=1,d=8,heads=2)", context=6, samples=24,
+           steps=2, seed=6, optimizer="adamw", lr=0.01)  # fmt: skip
+UPDATES = [dict(momentum=0.9), dict(optimizer="adam", lr=0.01), dict(optimizer="adamw", lr=0.01),
+           dict(momentum=0.9, nesterov=True, weight_decay=1e-3)]  # fmt: skip
+
+
+def digest(result) -> str:
+    """SHA-256 of a run's final parameters (and BatchNorm's running statistics)."""
+    running = b"" if result.running is None else np.asarray(result.running).tobytes()
+    return hashlib.sha256(np.asarray(result.params).tobytes() + running).hexdigest()
+
+
+def both_stages(ranks: int, **options) -> tuple[str, str]:
+    """The digests of stage 0 and stage 1 of the same run on `ranks` thread ranks."""
+    return tuple(digest(train(ranks=ranks, backend="threads", zero_stage=stage, **options))
+                 for stage in (0, 1))  # type: ignore[return-value]
+
+
+@settings(max_examples=12)
+@given(ranks=st.integers(1, 9), update=st.sampled_from(UPDATES), batch=st.integers(1, 13),
+       exact=st.booleans(), overlap=st.booleans(), buckets=st.sampled_from([None, 0, 96]),
+       accumulate=st.integers(1, 3), precision=st.sampled_from(["fp32", "bf16", "fp16"]))
+def test_stage_1_is_bitwise_stage_0_for_any_p(ranks, update, batch, exact, overlap, buckets,
+                                               accumulate, precision):  # fmt: skip
+    # P > B and P up to 9 on 73 parameters: ranks with empty shards or empty blocks included
+    options = dict(MLP, **update, batch_size=batch, exact=exact, overlap=overlap,
+                   bucket_bytes=buckets, accumulate=accumulate, precision=precision)
+    replicated, sharded = both_stages(ranks, **options)
+    assert sharded == replicated
+    if exact:  # and exact mode's bits are those of one rank, at either stage
+        assert sharded == both_stages(1, **options)[1]
+
+
+@pytest.mark.parametrize(("net", "ranks"), [(CONV, 3), (GPT, 2)])
+def test_stage_1_of_a_conv_net_and_a_gpt_is_bitwise_stage_0(net, ranks):
+    options = dict(net, batch_size=6)
+    assert both_stages(ranks, **options)[0] == both_stages(ranks, **options)[1]
+    exact = both_stages(ranks, **options, exact=True)
+    assert exact[0] == exact[1] == both_stages(1, **options, exact=True)[1]
+
+
+def test_each_rank_owns_the_block_the_reduce_scatter_completes_on_it():
+    from syncsgd.collectives.executor import execute
+
+    length, buckets = 29, [slice(0, 12), slice(12, 29)]
+
+    def rank_main(comm):
+        values = np.arange(length, dtype=np.float64) * (comm.Get_rank() + 1)
+        for bucket in buckets:
+            execute(REDUCE_SCATTER, values[bucket], comm)
+        return owned_slices(buckets, 25, comm.Get_rank(), comm.Get_size()), values
+
+    size = 3
+    results = run_threads(size, rank_main)
+    total = np.arange(length) * sum(range(1, size + 1))  # closed form: sum of (r + 1) * i
+    covered = np.zeros(25, int)
+    for owned, values in results:
+        for part in owned:
+            assert np.array_equal(values[part], total[part])
+            covered[part] += 1
+    assert (covered == 1).all()  # every parameter owned once; the riders (25..28) by none
+    bounds = chunk_bounds(12, size)  # rank r owns block (r + 1) % P of each bucket
+    assert results[0][0][0] == slice(bounds[1], bounds[2])
+
+
+def test_the_json_and_the_summary_are_the_replicated_runs(tmp_path):
+    outputs = []
+    for stage in (0, 1):
+        path = tmp_path / f"stage{stage}.json"
+        assert main(["train", "--ranks", "3", "--samples", "40", "--features", "5", "--hidden",
+                     "6", "--batch-size", "8", "--steps", "3", "--zero-stage", str(stage),
+                     "--exact", "--json", str(path)]) == 0  # fmt: skip
+        outputs.append(path.read_text())
+    import json
+
+    replicated, sharded = (json.loads(text) for text in outputs)
+    assert sharded["final_loss"] == replicated["final_loss"]
+    assert sharded["losses"] == replicated["losses"]
+
+
+@pytest.mark.parametrize(("options", "line"), [
+    (["--zero-stage", "2"], "--zero-stage must be one of 0, 1"),
+    (["--zero-stage", "1", "--algorithm", "tree"], "needs --algorithm ring, not tree"),
+    (["--zero-stage", "1", "--clip-norm", "1"], "--clip-norm needs the norm over every shard"),
+    (["--zero-stage", "1", "--optimizer", "lamb"], "trust ratios need norms over every shard"),
+    (["--zero-stage", "1", "--pitfall", "mean-of-means"], "--pitfall changes seams"),
+])  # fmt: skip
+def test_what_the_sharded_step_cannot_do_is_one_line(options, line, capsys):
+    assert main(["train", "--steps", "1", *options]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert line in err and len(err.strip().splitlines()) == 1
+
+
+@requires_mpi
+def test_stage_1_under_mpiexec_is_bitwise_the_thread_ranks(tmp_path):
+    options = ["--samples", "40", "--features", "5", "--hidden", "6,4", "--classes", "3",
+               "--steps", "3", "--seed", "4", "--optimizer", "adamw", "--lr", "0.01",
+               "--batch-size", "7"]  # fmt: skip
+    threads = train(ranks=3, backend="threads", samples=40, features=5, hidden=(6, 4),
+                    classes=3, steps=3, seed=4, optimizer="adamw", lr=0.01, batch_size=7)
+    ours = tmp_path / "ours.npz"
+    done = run_mpiexec(3, ["-m", "syncsgd.cli", "train", *options, "--zero-stage", "1",
+                           "--save", str(ours)])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected = threads.arrays()
+    with np.load(ours) as saved:
+        assert all(saved[name].tobytes() == expected[name].tobytes() for name in expected)
