@@ -127,3 +127,18 @@ def test_stage_1_under_mpiexec_is_bitwise_the_thread_ranks(tmp_path):
     expected = threads.arrays()
     with np.load(ours) as saved:
         assert all(saved[name].tobytes() == expected[name].tobytes() for name in expected)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_sharded_checkpoint_resumes_at_another_p_and_stage_as_the_run_that_never_stopped(
+        exact, tmp_path):  # fmt: skip
+    options = dict(MLP, batch_size=10, optimizer="adamw", lr=0.01, exact=exact)
+    whole = digest(train(ranks=3, backend="threads", **{**options, "steps": 4}))
+    train(ranks=3, backend="threads", zero_stage=1, checkpoint=str(tmp_path),
+          **{**options, "steps": 2})  # the whole state, gathered: what stage 0 writes
+    # float mode sums by P: the same P at the other stage; exact mode: any P, any stage
+    resumed = [(3, 0), (3, 1)] + ([(2, 1), (5, 0), (1, 1)] if exact else [])
+    for ranks, stage in resumed:
+        again = train(ranks=ranks, backend="threads", zero_stage=stage, resume=str(tmp_path),
+                      **{**options, "steps": 4})  # fmt: skip
+        assert digest(again) == whole, (ranks, stage)

@@ -414,7 +414,7 @@ def _check_tokens(config: TrainConfig) -> None:
 def _check_sharding(config: TrainConfig) -> None:
     """What --zero-stage 1 does not combine with yet, in one line each: the reductions across
     shards (a global norm, a trust ratio, the noise scale), the allreduces without a matching
-    reduce-scatter, a pitfall's seams and the checkpoints of a sharded state."""
+    reduce-scatter and a pitfall's seams."""
     if not config.zero_stage:
         return
     flag = f"--zero-stage {config.zero_stage}"
@@ -427,8 +427,6 @@ def _check_sharding(config: TrainConfig) -> None:
              "step does not reduce yet")  # fmt: skip
     _require(not config.noise_scale, f"{flag}: --noise-scale reads the whole mean gradient")
     _require(config.pitfall is None, f"{flag}: --pitfall changes seams of the replicated step")
-    _require(config.checkpoint is None and config.resume is None,
-             f"{flag}: checkpoints of a sharded optimizer state are not written yet")
 
 
 def _check_labels(config: TrainConfig) -> None:

@@ -266,8 +266,8 @@ class Progress(Hook):
 class Checkpointing(Hook):
     """Rank 0 writes a checkpoint every --checkpoint-every steps, after the last, and on a stop."""
 
-    def __init__(self, run: Run, scaler: LossScaler | None = None) -> None:
-        self.run, self.scaler = run, scaler
+    def __init__(self, run: Run, scaler: LossScaler | None = None, writes: bool = True) -> None:
+        self.run, self.scaler, self.writes = run, scaler, writes
 
     def attach(self, stepper: DataParallelStep) -> None:
         from syncsgd.training.batchnorm import running_of
@@ -284,7 +284,8 @@ class Checkpointing(Hook):
             scaler = self.scaler.state() if self.scaler is not None else {}
             state = Checkpoint(steps_done, self.params, self.optimizer.state_arrays(), scaler,
                                self.running)  # fmt: skip
-            checkpoint.save(config.checkpoint, state, self.run.fingerprint)
+            if self.writes:  # (a sharded optimizer's state_arrays: every rank gathers)
+                checkpoint.save(config.checkpoint, state, self.run.fingerprint)
         return False
 
 

@@ -145,8 +145,8 @@ def starting_state(comm: Any, run: Run) -> tuple[np.ndarray, Optimizer | None, i
         params[:] = first_params(run)
     with watching("the broadcast of the first parameters", bcast_peer(comm, 0)):
         comm.Bcast(params, root=0)
-    if run.config.zero_stage:
-        return params, None, 0  # (a sharded run starts afresh: config refuses --resume)
+    if run.config.zero_stage:  # each rank's step makes (and loads) the optimizer of its blocks
+        return params, None, 0 if run.start is None else run.start.step
     optimizer = make_optimizer(run.config.optimizer, run.optim, run.model.n_params,
                                run.model.dtype, run.config, run.model.layout())  # fmt: skip
     if run.start is None:
@@ -186,8 +186,9 @@ def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,
     if log is not None:  # after the evaluation: a step's line carries the evaluation it had
         per_epoch = data.steps_per_epoch(len(run.X), config.batch_size)
         hooks.append(Log(log, per_epoch, result, config.noise_scale))
-    if master_process and config.checkpoint is not None:  # last: it sees a target met, too
-        hooks.append(Checkpointing(run, scaler))
+    # last: it sees a target met, too; sharded, every rank gathers the optimizer's state
+    if config.checkpoint is not None and (master_process or config.zero_stage):
+        hooks.append(Checkpointing(run, scaler, writes=master_process))
     return hooks
 
 

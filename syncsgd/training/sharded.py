@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -50,9 +51,10 @@ class ShardedUpdate:
         self.owned = owned_slices(buckets, n_params, comm.Get_rank(), comm.Get_size())
         self.buckets = stepper.buckets  # views of the communication buffer
         self.rider_bucket = self.buckets[-1]  # the riders ride in the last bucket
-        width = sum(part.stop - part.start for part in self.owned)
+        self.width = width = sum(part.stop - part.start for part in self.owned)
         dtype = run.model.dtype
-        self.optimizer = make_optimizer(config.optimizer, run.optim, width, dtype, config)
+        inner = make_optimizer(config.optimizer, run.optim, width, dtype, config)
+        self.optimizer = ShardOptimizer(inner, self)
         self.params_shard, self.grad_shard = np.empty(width, dtype), np.empty(width, dtype)
         buffer = stepper.comm_buffer
         self.riders = buffer[n_params:]  # the loss sum and the hooks' slots
@@ -62,6 +64,8 @@ class ShardedUpdate:
         self.reduce_scatter_ = functools.partial(execute, REDUCE_SCATTER, trace=trace)
         self.allgather_ = functools.partial(execute, ALLGATHER, trace=trace)
         self.allreduce_ = functools.partial(execute, "ring", trace=trace)
+        if run.start is not None:  # resumed: this rank's blocks of the whole run's state
+            self.optimizer.load_state_arrays(run.start.optimizer)
 
     def reduce_(self, bucket: np.ndarray, comm: Any) -> None:
         """A bucket's reduce-scatter (the step's `allreduce_`, on whichever thread runs it)."""
@@ -109,12 +113,51 @@ class ShardedUpdate:
 
     def allgather_params_(self) -> None:
         """Every rank's updated blocks to every rank, through the communication buffer."""
-        stepper, start = self.stepper, 0
-        buffer, params = stepper.comm_buffer, stepper.params
-        for part in self.owned:  # the gradient sums are spent: the buffer carries parameters
+        self.stepper.params[...] = self.gathered(self.params_shard)
+
+    def gathered(self, shard: np.ndarray) -> np.ndarray:
+        """Every rank's blocks of an array of the parameters' layout, whole (a view of the
+        communication buffer, in its dtype: until the next step)."""
+        buffer, start = self.stepper.comm_buffer, 0
+        for part in self.owned:  # the gradient sums are spent: the buffer carries these
             stop = start + part.stop - part.start
-            buffer[part] = self.params_shard[start:stop]
+            buffer[part] = shard[start:stop]
             start = stop
         for bucket in self.buckets:
             self.allgather_(bucket, self.comm)
-        params[...] = buffer[: self.n_params]
+        return buffer[: self.n_params]
+
+    def taken(self, whole: np.ndarray) -> np.ndarray:
+        """This rank's blocks of an array of the parameters' layout, as one array."""
+        return np.concatenate([whole[part] for part in self.owned]) if self.owned else whole[:0]
+
+
+class ShardOptimizer:
+    """The optimizer of this rank's blocks; its state read and written as the whole run's (every
+    array of the parameters' length gathered, or taken apart), so that a checkpoint holds what
+    the replicated step's would, and resumes at any P and stage."""
+
+    def __init__(self, inner: Any, sharded: ShardedUpdate) -> None:
+        self.inner, self.sharded = inner, sharded
+
+    def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
+              want_norm: bool = True) -> dict[str, float]:  # fmt: skip
+        """The inner optimizer's step on the blocks."""
+        return self.inner.step_(params, grad, step, want_norm=want_norm)  # type: ignore[no-any-return]
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The whole run's state: a collective (every rank calls it at the same step)."""
+        sharded, arrays = self.sharded, {}
+        for name, value in self.inner.state_arrays().items():
+            per_parameter = value.shape == (sharded.width,)
+            arrays[name] = (sharded.gathered(value).astype(value.dtype) if per_parameter
+                            else value)  # fmt: skip
+        return arrays
+
+    def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """This rank's blocks of the whole run's state."""
+        sharded = self.sharded
+        self.inner.load_state_arrays({
+            name: sharded.taken(np.asarray(value))
+            if np.shape(value) == (sharded.n_params,) else value
+            for name, value in arrays.items()})  # fmt: skip
