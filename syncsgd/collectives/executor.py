@@ -158,6 +158,16 @@ def plan_for(
     return result
 
 
+def sent_bytes(algorithm: str | Collective, length: int, itemsize: int, size: int,
+               rank: int) -> int:  # fmt: skip
+    """The bytes `rank` sends in `algorithm` on `length` elements: its messages as it posts them."""
+    if size == 1:
+        return 0
+    return itemsize * sum(step.send.stop - step.send.start
+                          for step in schedule(algorithm, length, size, rank)
+                          if step.send_to >= 0)  # fmt: skip
+
+
 def execute(
     algorithm: str | Collective, buf: np.ndarray, comm: Any, trace: Trace | None = None
 ) -> np.ndarray:

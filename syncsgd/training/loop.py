@@ -104,6 +104,7 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
         result.steps = take_steps(stepper, hooks, range(first_step, run.steps))
         result.seconds = time.perf_counter() - started
         record_comm(result, stepper)  # BatchNorm's allreduces, if any
+        result.bytes_sent_per_step = stepper.bytes_per_step
     if timeline is not None:
         assert timeline_path is not None  # a timeline is kept only with a path to write it to
         write_timeline(Watched(comm, "the timeline's gather"), timeline, timeline_path)

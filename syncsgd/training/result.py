@@ -49,6 +49,9 @@ class TrainResult:
     running: np.ndarray | None = None  # BatchNorm's running statistics (rank 0's), if any
     batchnorm_comm_seconds: float = 0.0  # in BatchNorm's allreduces (within compute_seconds)
     steady_batchnorm_comm_seconds: float = 0.0
+    # what rank 0 sends per step in the gradient's exchange, as the executor's messages carry it
+    # (None: the library's own allreduce); BatchNorm's allreduces and exact mode's peaks aside
+    bytes_sent_per_step: int | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The parameters as W0, b0, W1, b1, ... and BatchNorm's running statistics (copies)."""

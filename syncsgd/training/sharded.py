@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.collectives.executor import execute
+from syncsgd.collectives.executor import execute, sent_bytes
 from syncsgd.collectives.schedules import Collective, chunk_bounds, owned_block
 from syncsgd.nn.optim import learning_rate, make_optimizer
 
@@ -66,6 +66,14 @@ class ShardedUpdate:
         self.allreduce_ = functools.partial(execute, "ring", trace=trace)
         if run.start is not None:  # resumed: this rank's blocks of the whole run's state
             self.optimizer.load_state_arrays(run.start.optimizer)
+
+    def bytes_per_step(self) -> int:
+        """What this rank sends in a step: every bucket's two halves and the agreement."""
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        agreement = sent_bytes("ring", self.agreed.size, self.agreed.itemsize, size, rank)
+        return agreement + sum(sent_bytes(half, bucket.size, bucket.itemsize, size, rank)
+                               for bucket in self.buckets
+                               for half in (REDUCE_SCATTER, ALLGATHER))  # fmt: skip
 
     def reduce_(self, bucket: np.ndarray, comm: Any) -> None:
         """A bucket's reduce-scatter (the step's `allreduce_`, on whichever thread runs it)."""

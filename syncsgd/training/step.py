@@ -146,6 +146,8 @@ class DataParallelStep:
             self.end, self.allreduce_, optimizer = sharded, sharded.reduce_, sharded.optimizer
         assert optimizer is not None, "a replicated step updates with the whole optimizer"
         self.optimizer: Optimizer = optimizer
+        self.bytes_per_step = (exchange_bytes(config.algorithm, self.buckets, self.rank, self.size)
+                               if not config.zero_stage else sharded.bytes_per_step())  # fmt: skip
         self.overlap = None  # --overlap on one rank: nothing to hide, the plain step
         if config.overlap and self.size > 1:
             from syncsgd.training.overlap import Overlap
@@ -240,6 +242,19 @@ def local_gradient(config: Any, network: Network, comm: Any, largest_shard: int,
     from syncsgd.training.layered import RankGradient  # imports Numba: when training
 
     return RankGradient(config, network, comm, largest_shard, buffer, trace)
+
+
+def exchange_bytes(algorithm: str, buckets: list[np.ndarray], rank: int,
+                   size: int) -> int | None:  # fmt: skip
+    """The bytes this rank sends per step in the gradient's exchange, as the executor's messages
+    carry them (None: the library's own allreduce, whose messages it does not see)."""
+    from syncsgd.collectives.executor import sent_bytes
+    from syncsgd.collectives.schedules import SCHEDULES
+
+    if algorithm not in SCHEDULES:
+        return None
+    return sum(sent_bytes(algorithm, bucket.size, bucket.itemsize, size, rank)
+               for bucket in buckets)  # fmt: skip
 
 
 def bucket_slices(model: Network, buffer: np.ndarray,
