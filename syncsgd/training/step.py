@@ -98,6 +98,8 @@ class DataParallelStep:
         config, model = run.config, run.model
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
         self.params, self.variant = params, variant
+        if optimizer is not None:  # None: sharded, each rank's own is made below
+            self.optimizer: Optimizer = optimizer
         self.X, self.y = run.X, run.y
         self.order = data.SampleOrder(len(run.X), config.batch_size,
                                       variant.order_seed(config.seed, self.rank), config.shuffle)
@@ -143,9 +145,7 @@ class DataParallelStep:
             from syncsgd.training.sharded import ShardedUpdate
 
             sharded = ShardedUpdate(self, buckets, run, trace)
-            self.end, self.allreduce_, optimizer = sharded, sharded.reduce_, sharded.optimizer
-        assert optimizer is not None, "a replicated step updates with the whole optimizer"
-        self.optimizer: Optimizer = optimizer
+            self.end, self.allreduce_, self.optimizer = sharded, sharded.reduce_, sharded.optimizer
         self.bytes_per_step = (exchange_bytes(config.algorithm, self.buckets, self.rank, self.size)
                                if not config.zero_stage else sharded.bytes_per_step())  # fmt: skip
         self.overlap = None  # --overlap on one rank: nothing to hide, the plain step
