@@ -12,10 +12,21 @@ communication: theory, practice, and experience", CCPE 19(13), 2007):
     reduce     ring                  2(P-1)α + 2(P-1)/P·nβ + 2(P-1)/P·nγ
     reduce     binomial              ⌈lg P⌉(α + nβ + nγ)
     allgather  ring                  (P-1)α + (P-1)/P·nβ
-    allgather  recursive-doubling    Lα + (p'-1)/p'·nβ       fold: + 2α + (1 + 1/P)nβ
+    allgather  recursive-doubling    Lα + (p'-1)/p'·nβ;  r > 0: (L+2)α + (1 + (p'+S)/P)·nβ
     reduce-scatter ring              (P-1)α + (P-1)/P·n(β + γ)
-    reduce-scatter recursive-halving Lα + (p'-1)/p'·n(β + γ) fold: + 2α + (1 + 1/P)nβ + nγ
+    reduce-scatter recursive-halving Lα + (p'-1)/p'·n(β + γ);
+                                     r > 0: (L+2)α + (1 + (p'+S)/P)·nβ + (1 + (p'-1+S)/P)·nγ
     alltoall   pairwise              (P-1)α + (P-1)/P·nβ
+
+Where P = p' + r is not a power of two (r > 0), recursive doubling and halving fold as MPICH does:
+the first r even ranks hand over their data (allgather: their block; reduce-scatter: the whole
+buffer, added) to the odd rank above, p' ranks exchange, and the odd ranks hand back the result
+(the whole buffer; one block). The folded ranks hold two blocks each and sit at the low end, so
+the busiest rank, folded rank 0, moves 2^k + min(r, 2^k) blocks of n/P at the exchange of 2^k
+ranks' blocks, S = Σ_{k<L} min(r, 2^k) blocks more than p' - 1 in all: at P = 3 the allgather
+moves n/3 + 2n/3 + n = 2n. This is not Bruck's allgather (⌈lg P⌉α + (P-1)/P·nβ, which Thakur et
+al. give for non-powers of two): the fold costs two more rounds and about n more bytes (at
+P = 3, 2n against Bruck's 2n/3).
 
 Ring reduce-scatter + ring allgather = the ring allreduce, term by term. Where P is a power of two,
 recursive halving + recursive doubling = Rabenseifner's allreduce; elsewhere the two parts fold
@@ -55,10 +66,11 @@ FORMULAS = {
     ("reduce", "ring"): "2(P-1)α + 2(P-1)/P·n(β + γ)",
     ("reduce", "binomial"): "⌈lg P⌉(α + nβ + nγ)",
     ("allgather", "ring"): "(P-1)α + (P-1)/P·nβ",
-    ("allgather", "recursive-doubling"): "Lα + (p'-1)/p'·nβ, fold: + 2α + (1 + 1/P)nβ",
+    ("allgather", "recursive-doubling"): "Lα + (p'-1)/p'·nβ; P = p'+r, r > 0: (L+2)α + "
+                                         "(1 + (p'+S)/P)·nβ",
     ("reduce-scatter", "ring"): "(P-1)α + (P-1)/P·n(β + γ)",
-    ("reduce-scatter", "recursive-halving"):
-        "Lα + (p'-1)/p'·n(β + γ), fold: + 2α + (1 + 1/P)nβ + nγ",
+    ("reduce-scatter", "recursive-halving"): "Lα + (p'-1)/p'·n(β + γ); r > 0: (L+2)α + "
+                                             "(1 + (p'+S)/P)·nβ + (1 + (p'-1+S)/P)·nγ",
     ("alltoall", "pairwise"): "(P-1)α + (P-1)/P·nβ",
 }  # fmt: skip
 
@@ -68,32 +80,42 @@ SHORT = dict(zip(PARTS, ("bcast ring", "bcast tree", "reduce rng", "reduce tre",
 
 
 def part_cost(collective: str, algorithm: str, ranks: int) -> Cost:
-    """The α, nβ, nγ coefficients of `collective` by `algorithm` on `ranks` ranks."""
+    """The α, nβ, nγ coefficients of `collective` by `algorithm` on `ranks` ranks: the rounds,
+    and the bytes and additions along the critical path of its schedules."""
     cost("ring", ranks)  # the same check of `ranks`
     p = int(ranks)
     if p == 1:
         return Cost(0, 0, 0)
-    levels, pow2 = p.bit_length() - 1, 1 << (p.bit_length() - 1)
-    fold = 0 if pow2 == p else 1
-    share, pow2_share, rounds = (p - 1) / p, (pow2 - 1) / pow2, (p - 1).bit_length()
+    share, rounds = (p - 1) / p, (p - 1).bit_length()
     table = {
         ("broadcast", "ring"): Cost(2 * (p - 1), 2 * share, 0),
         ("broadcast", "binomial"): Cost(rounds, rounds, 0),
         ("reduce", "ring"): Cost(2 * (p - 1), 2 * share, 2 * share),
         ("reduce", "binomial"): Cost(rounds, rounds, rounds),
         ("allgather", "ring"): Cost(p - 1, share, 0),
-        ("allgather", "recursive-doubling"): Cost(levels + 2 * fold,
-                                                  pow2_share + fold * (1 + 1 / p), 0),
+        ("allgather", "recursive-doubling"): _doubling(p)._replace(c=0),
         ("reduce-scatter", "ring"): Cost(p - 1, share, share),
-        ("reduce-scatter", "recursive-halving"): Cost(levels + 2 * fold,
-                                                      pow2_share + fold * (1 + 1 / p),
-                                                      pow2_share + fold),
+        ("reduce-scatter", "recursive-halving"): _doubling(p),
         ("alltoall", "pairwise"): Cost(p - 1, share, 0),
-    }  # fmt: skip
+    }
     try:
         return table[collective, algorithm]
     except KeyError:
         raise ValueError(f"no cost for {collective} by {algorithm}") from None
+
+
+def _doubling(p: int) -> Cost:
+    """Recursive halving's α, nβ, nγ on `p` ranks (recursive doubling's α and nβ are the same).
+
+    P = p' + r: the fold moves the whole buffer (halving; doubling: one block) and the unfold one
+    block (doubling: the whole buffer); folded rank 0, which holds two blocks, sends or receives
+    2^k + min(r, 2^k) blocks of n/P at each of the L exchanges, and adds what it receives."""
+    levels, pow2 = p.bit_length() - 1, 1 << (p.bit_length() - 1)
+    extra = p - pow2
+    if extra == 0:
+        return Cost(levels, (p - 1) / p, (p - 1) / p)
+    blocks = pow2 - 1 + sum(min(extra, 1 << k) for k in range(levels))  # p' - 1 + S
+    return Cost(levels + 2, 1 + (blocks + 1) / p, 1 + blocks / p)
 
 
 def describe_parts(ranks: Sequence[int], sizes: Sequence[int], params: Params) -> list[str]:
@@ -103,6 +125,8 @@ def describe_parts(ranks: Sequence[int], sizes: Sequence[int], params: Params) -
     for part in PARTS:
         name = " ".join(part)
         lines.append(f"#   {SHORT[part]:>10} = {name:<{width}}  {FORMULAS[part]}")
+    lines.append("#   p' = 2^L <= P < 2^(L+1), r = P - p', S = Σ min(r, 2^k) over k < L: where P "
+                 "is not a power of two, MPICH's fold (not Bruck's allgather)")  # fmt: skip
     lines.append(f"{'ranks':>7} {'size':>9}  " + "  ".join(f"{SHORT[part]:>10}" for part in PARTS))
     for p in ranks:
         for nbytes in sizes:
