@@ -420,14 +420,34 @@ def chunk_count(algorithm: str, ranks: int, phase: str, step: int) -> int:
     return 1
 
 
-def chunk_name(demo: Demo, event: Any, chunk: int) -> str:
-    """'c2', 'c0-1', or 'all' where whole buffers move: what a message carries, for a label."""
-    if chunk_layout(demo.algorithm, demo.length, demo.ranks) is None or event.phase in (
-        "fold", "unfold"
-    ):
+def chunk_name(demo: Demo, event: Any, chunk: int, span: tuple[int, int] | None = None) -> str:
+    """'c2', 'c0-1', or 'all' where the whole buffer moves: what a message carries, for a label.
+
+    Another collective's message is named by the blocks its range `span` holds (the sent range
+    if None): recursive doubling's and halving's carry 1, 2, 4, ... blocks, their fold or unfold
+    one block or the whole buffer."""
+    bounds = demo_chunks(demo)
+    if demo.collective != "allreduce" and bounds is not None:
+        first, count = _blocks(demo, bounds, chunk, tuple(span or event.send_range))
+        if count == 0:
+            return "all"
+        return f"c{first}" if count == 1 else f"c{first}-{first + count - 1}"
+    if bounds is None or event.phase in ("fold", "unfold"):
         return "all"
     count = chunk_count(demo.algorithm, demo.ranks, event.phase, event.step)
     return f"c{chunk}" if count == 1 else f"c{chunk}-{chunk + count - 1}"
+
+
+def _blocks(demo: Demo, bounds: list[int], chunk: int, span: tuple[int, ...]) -> tuple[int, int]:
+    """(first block, how many) of the blocks the range `span` holds; (chunk, 0) for the whole
+    buffer. An empty range holds block `chunk`."""
+    if tuple(span) == (0, demo.length) and demo.length:
+        return chunk, 0
+    inside = [c for c in range(len(bounds) - 1) if span[0] <= bounds[c] and bounds[c + 1] <= span[1]
+              and bounds[c] < bounds[c + 1]]  # fmt: skip
+    if not inside or span[1] <= span[0]:
+        return chunk, 1
+    return inside[0], len(inside)
 
 
 def what_moves(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:
@@ -435,10 +455,10 @@ def what_moves(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str
     empty = " (empty)" if span[1] <= span[0] else ""
     bounds = demo_chunks(demo)
     if demo.collective != "allreduce" and bounds is not None:  # blocks: as many as the span holds
-        if span == (0, demo.length):
+        first, count = _blocks(demo, bounds, chunk, span)
+        if count == 0:
             return "the buffer" + empty
-        count = max(sum(span[0] <= bounds[c] < span[1] for c in range(chunk, len(bounds) - 1)), 1)
-        name = f"block {chunk}" if count == 1 else f"blocks {chunk}-{chunk + count - 1}"
+        name = f"block {first}" if count == 1 else f"blocks {first}-{first + count - 1}"
         return f"{name} [{span[0]}:{span[1]}){empty}"
     if bounds is None or event.phase in ("fold", "unfold"):
         return "the buffer" + empty

@@ -363,7 +363,7 @@ def exchange_labels(demo: Demo, snapshot: Snapshot) -> list[str]:
 
 def _short(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:
     """'c2 [6:8)', 'c0-1 [0:6)' or 'all'."""
-    name = chunk_name(demo, event, chunk)
+    name = chunk_name(demo, event, chunk, span)
     return name if name == "all" else f"{name} [{span[0]}:{span[1]})"
 
 
