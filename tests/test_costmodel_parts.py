@@ -111,6 +111,21 @@ def test_the_scaling_figure_is_slide_sized_readable_and_colour_blind_safe(tmp_pa
     )
 
 
+@pytest.mark.parametrize(("nbytes", "ranks"), [(64 << 20, 64), (1 << 30, 4096)])
+def test_the_scaling_titles_fit_the_slide_apart(tmp_path, nbytes, ranks):
+    # docs/instructor.md's figure: the two panels' titles ran together, the right one off the page
+    figure = costmodel_parts.draw_scaling(str(tmp_path / "why.png"), nbytes, ranks, DEFAULTS,
+                                          ["ring", "rabenseifner"])  # fmt: skip
+    renderer = figure.canvas.get_renderer()
+    page = figure.bbox
+    boxes = [axes.title.get_window_extent(renderer) for axes in figure.axes]
+    boxes.append(figure._suptitle.get_window_extent(renderer))
+    for box in boxes:
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+    left, right, top = boxes
+    assert left.x1 < right.x0 and top.y0 > max(left.y1, right.y1)
+
+
 def test_other_extensions_are_refused(tmp_path):
     for name in ("why.gif", "why"):
         with pytest.raises(ValueError, match="png, .svg or .pdf"):

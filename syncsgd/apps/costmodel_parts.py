@@ -261,8 +261,8 @@ def _against_ranks(axes: Any, nbytes: float, params: Params, algorithms: Sequenc
     if ranks[0] <= turn <= ranks[-1]:
         axes.axvline(turn, color="#56B4E9", linestyle="--", linewidth=2.5,
                      label=f"P = nβ/α = {turn:.3g}")  # fmt: skip
-    _finish(axes, "ranks P", f"n = {format_bytes(nbytes)}: bandwidth-bound left of nβ/α, "
-                             "latency-bound right")  # fmt: skip
+    _finish(axes, "ranks P", f"against P at n = {format_bytes(nbytes)}: bandwidth-bound\nleft of "
+                             "nβ/α, latency-bound right")  # fmt: skip
 
 
 def _against_size(axes: Any, ranks: int, params: Params, algorithms: Sequence[str]) -> None:
@@ -275,7 +275,8 @@ def _against_size(axes: Any, ranks: int, params: Params, algorithms: Sequence[st
         axes.axvline(turn, color="#56B4E9", linestyle="--", linewidth=2.5,
                      label=f"n = Pα/β = {format_bytes(turn)}")  # fmt: skip
     _finish(axes, "message size n (bytes)",
-            f"P = {ranks}: latency-bound left of Pα/β, bandwidth-bound right")  # fmt: skip
+            f"against n at P = {ranks}: latency-bound\n"
+            "left of Pα/β, bandwidth-bound right")  # fmt: skip
 
 
 def _finish(axes: Any, xlabel: str, title: str) -> None:
