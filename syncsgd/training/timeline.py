@@ -118,6 +118,7 @@ def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
     axes = figure.add_subplot()
     steps = _step_starts(spans)
     origin = _steady_start(spans)
+    shown = _shown(spans, origin)
     if origin is None:
         origin = min((e["ts"] for e in spans), default=0.0)
     else:  # the first step loads the kernels: it would squeeze the rest to a line
@@ -127,10 +128,9 @@ def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
     end = max((e["ts"] + e["dur"] for e in spans), default=origin + 1.0)
     unit, scale = ("ms", 1e-3) if end - origin < 2e6 else ("s", 1e-6)
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (row, kind): the spans
-    for event in spans:
-        if event["ts"] + event["dur"] >= origin:
-            bars.setdefault((rows[event["tid"]], _kind(event)), []).append(
-                ((event["ts"] - origin) * scale, max(event["dur"] * scale, 0)))  # fmt: skip
+    for event in shown:
+        bars.setdefault((rows[event["tid"]], _kind(event)), []).append(
+            ((event["ts"] - origin) * scale, max(event["dur"] * scale, 0)))  # fmt: skip
     kinds: dict[str, str] = {}
     calls = False
     for (row, kind), xranges in bars.items():
@@ -219,6 +219,22 @@ def _steady_start(spans: list[dict]) -> float | None:
         return None
     return min(e["ts"] for e in spans
                if e.get("cat") == "compute" and e["args"].get("step") == steps[1])  # fmt: skip
+
+
+def _shown(spans: list[dict], origin: float | None) -> list[dict]:
+    """The spans the chart draws: on each rank's rows, those from the start of that rank's own
+    second step on (the untimed first step of a slower rank may end after another rank's second
+    step began); every span of a trace without steps."""
+    if origin is None:
+        return spans
+    second = min(e["args"]["step"] for e in spans if e.get("cat") == "compute"
+                 and "step" in e.get("args", {}) and e["ts"] >= origin)  # fmt: skip
+    starts: dict[int, float] = {}  # by rank: when its second step began
+    for e in spans:
+        if e.get("cat") == "compute" and e.get("args", {}).get("step") == second:
+            rank = int(e["tid"]) % COMM_ROW
+            starts[rank] = min(starts.get(rank, math.inf), float(e["ts"]))
+    return [e for e in spans if e["ts"] >= starts.get(int(e["tid"]) % COMM_ROW, origin)]
 
 
 def draw_gantt_file(trace_path: str, path: str, title: str = "timeline") -> None:
