@@ -83,3 +83,28 @@ def test_the_untimed_first_step_of_a_slower_rank_is_left_out():
     starts = [path.vertices[:, 0].min() for c in axes.collections for path in c.get_paths()]
     assert starts and min(starts) >= 0  # nothing begins before the first step shown
     assert timeline._shown(events[:1], None) == events[:1]
+
+
+def test_thread_ranks_share_one_origin(monkeypatch):
+    # Threads leave the barrier at different times on a busy machine (here: rank r reads the clock
+    # r * 20 ms late); their rows must still line up.
+    import threading
+    import time
+
+    from syncsgd.comm.threads import run_threads
+
+    late: dict[int, float] = {}
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            return time.perf_counter() + late.get(threading.get_ident(), 0.0)
+
+    monkeypatch.setattr(timeline, "time", Clock)
+
+    def origin(comm):
+        late[threading.get_ident()] = 0.02 * comm.Get_rank()
+        return timeline.Timeline(comm).origin
+
+    origins = run_threads(3, origin)
+    assert origins[0] == origins[1] == origins[2]

@@ -4,8 +4,8 @@ One row per rank; spans for compute, for every step of every allreduce (from the
 `trace` events) and for the update. With --overlap, a second row per rank holds what its
 communication thread did: the allreduce steps inside the compute spans of the backward pass.
 Each rank records its own spans against its own clock, started right after a barrier, so the rows
-line up to within the barrier's skew; rank 0 gathers them with point-to-point messages and writes
-one JSON file.
+line up to within the barrier's skew (thread ranks read one clock: they agree on one origin); rank
+0 gathers them with point-to-point messages and writes one JSON file.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from syncsgd.collectives import TraceEvent
+from syncsgd.comm.threads import ThreadComm
+from syncsgd.comm.world import constants
 from syncsgd.util import jsonout
 
 _TAG = 4321
@@ -31,6 +33,13 @@ class Timeline:
     def __init__(self, comm: Any) -> None:
         comm.Barrier()  # a common origin for every rank's clock
         self.origin = time.perf_counter()
+        if isinstance(getattr(comm, "unwatched", comm), ThreadComm):
+            # Thread ranks read one clock, but leave the barrier up to tens of ms apart on a busy
+            # machine: their rows would be that far out of line. One origin for all of them.
+            mpi = constants(comm)
+            agreed = np.array([self.origin])
+            comm.Allreduce(mpi.IN_PLACE, agreed, op=mpi.MIN)
+            self.origin = float(agreed[0])
         self.rank = comm.Get_rank()
         self.spans: list[tuple[str, str, float, float, dict]] = []
         self.comm_spans: list[tuple[str, str, float, float, dict]] = []  # another thread's
