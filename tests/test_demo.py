@@ -177,7 +177,6 @@ def test_small_and_odd_shapes(ranks, length):
 
 
 def collective_names() -> list[str]:
-    collectives = pytest.importorskip("syncsgd.collectives")
     return [name for name in collectives.ALGORITHMS if name != "mpi"]
 
 
@@ -197,18 +196,35 @@ def test_every_algorithm_counts_each_rank_once(ranks):
 
 def test_tree_rounds_name_the_peers_one_message_at_a_time():
     text = demo.render_text(demo.run_demo(3, 2, "tree"))
-    assert blocks(text)["round 1 of 4: reduce"] == [
+    assert blocks(text)["round 1 of 4: reduce 1 of 2"] == [
         "  rank 0: [ 11  11]   <- rank 1: the buffer (added)",
         "  rank 1:   10  10    -> rank 0: the buffer",
         "  rank 2:  100 100    (idle)",
     ]
-    assert blocks(text)["round 2 of 4: reduce"] == [
+    assert blocks(text)["round 2 of 4: reduce 2 of 2"] == [
         "  rank 0: [111 111]   <- rank 2: the buffer (added)",
         "  rank 1:   10  10    (idle)",
         "  rank 2:  100 100    -> rank 0: the buffer",
     ]
     assert "4 rounds, each rank sending and receiving at most one message in each: " in text
     assert "`syncsgd model`'s 4α" in text
+
+
+def test_no_two_rounds_have_the_same_title():
+    # The tree's reduce took two rounds per level, both titled "reduce 1 of 2".
+    from syncsgd.apps.demo_parts import run_collective_demo
+
+    for ranks in (2, 3, 4, 5, 6, 7, 9):
+        runs = [demo.run_demo(ranks, 4, name) for name in collective_names()]
+        runs += [run_collective_demo(name, ranks, 4, algorithm)
+                 for name, algorithms in collectives.COLLECTIVES.items() if name != "alltoall"
+                 for algorithm in algorithms]  # fmt: skip
+        for run in runs:
+            titles = [title for title, _ in run.steps]
+            assert len(set(titles)) == len(titles), (run.what, ranks, titles)
+    tree = [title for title, _ in demo.run_demo(6, 4, "tree").steps]
+    assert tree == [*(f"reduce {k} of 4" for k in range(1, 5)),
+                    *(f"broadcast {k} of 3" for k in range(1, 4))]  # fmt: skip
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -244,24 +244,26 @@ def _group_rounds(per_rank: Sequence[list[Snapshot]],
     for snapshots, numbers in zip(per_rank, rounds, strict=True):
         for snapshot, number in zip(snapshots, numbers, strict=True):
             groups[number].append(snapshot)
-    steps_in: dict[str, set[int]] = {}
-    for snapshots in per_rank:
-        for snapshot in snapshots:
-            steps_in.setdefault(snapshot.event.phase, set()).add(snapshot.event.step)
-    return [(_round_title(group, steps_in), group) for group in groups]
+    phases = [list(dict.fromkeys(snapshot.event.phase for snapshot in group)) for group in groups]
+    return list(zip(_round_titles(phases), groups, strict=True))
 
 
-def _round_title(group: list[Snapshot], steps_in: dict[str, set[int]]) -> str:
-    """'reduce-scatter 1 of 2', or 'fold; reduce-scatter 1 of 2' where ranks are at both."""
-    titles: list[str] = []
-    for snapshot in group:
-        phase, step = snapshot.event.phase, snapshot.event.step
-        total = len(steps_in[phase])
-        number = sorted(steps_in[phase]).index(step) + 1
-        title = phase if total == 1 else f"{phase} {number} of {total}"
-        if title not in titles:
-            titles.append(title)
-    return "; ".join(titles)
+def _round_titles(phases: list[list[str]]) -> list[str]:
+    """'reduce-scatter 1 of 2', or 'fold; reduce-scatter 1 of 3' where ranks are at both: each
+    phase numbered by the rounds it takes (a tree's level takes two, one per child)."""
+    total: dict[str, int] = {}
+    for names in phases:
+        for name in names:
+            total[name] = total.get(name, 0) + 1
+    seen: dict[str, int] = {}
+    titles = []
+    for names in phases:
+        parts = []
+        for name in names:
+            seen[name] = seen.get(name, 0) + 1
+            parts.append(name if total[name] == 1 else f"{name} {seen[name]} of {total[name]}")
+        titles.append("; ".join(parts))
+    return titles
 
 
 def _annotate(algorithm: Any, length: int, ranks: int, rank: int,
