@@ -48,14 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--algorithm",
         type=shown_algorithm,
-        default="ring",
         help="the allreduce to show (default ring; others from syncsgd.collectives)",
     )
     parser.add_argument("--collective", default="allreduce",
-                        choices=("allreduce", "broadcast", "reduce", "allgather", "reduce-scatter"),
+                        choices=("allreduce", "broadcast", "reduce", "allgather", "reduce-scatter",
+                                 "alltoall"),
                         help="the collective to show (default allreduce); --algorithm then names "
-                        "one of its algorithms: ring, binomial (broadcast, reduce), "
-                        "recursive-doubling (allgather), recursive-halving (reduce-scatter)")
+                        "one of its algorithms: ring (the default), binomial (broadcast, reduce), "
+                        "recursive-doubling (allgather), recursive-halving (reduce-scatter); "
+                        "alltoall: pairwise (the default), on a --length that is a multiple of "
+                        "--ranks")  # fmt: skip
     parser.add_argument("--root", type=nonnegative_int, default=0,
                         help="broadcast and reduce: the root rank (default 0)")
     writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
@@ -107,13 +109,14 @@ def main(options: argparse.Namespace) -> int:
     for path in (options.png, options.html):
         if path:
             check_writable(path)
+    algorithm = options.algorithm or ("pairwise" if options.collective == "alltoall" else "ring")
     if options.collective == "allreduce":
-        demo = run_demo(options.ranks, options.length, options.algorithm)
+        demo = run_demo(options.ranks, options.length, algorithm)
     else:
         from syncsgd.apps.demo_parts import run_collective_demo
 
         demo = run_collective_demo(options.collective, options.ranks, options.length,
-                                   options.algorithm, options.root)  # fmt: skip
+                                   algorithm, options.root)  # fmt: skip
     print(render_text(demo, use_color(options.color)))
     if options.png:
         draw_png(demo, options.png)

@@ -315,6 +315,8 @@ def chunk_layout(algorithm: str, length: int, ranks: int) -> list[int] | None:
 
 def demo_chunks(demo: Demo) -> list[int] | None:
     """The chunk (or block) bounds of the buffer `demo` shows, or None for whole buffers."""
+    if demo.collective == "alltoall":  # the P blocks sent, then the P received
+        return chunk_bounds(demo.length, 2 * demo.ranks)
     if demo.collective != "allreduce":
         return chunk_bounds(demo.length, demo.ranks)
     return chunk_layout(demo.algorithm, demo.length, demo.ranks)
@@ -362,6 +364,8 @@ PHASE_EXPLANATIONS = {  # (algorithm, phase) or (None, phase): one line for a ro
     (None, "allgather"): "finished chunks travel and are copied",
     (None, "reduce"): "partial sums travel towards the root and are added",
     (None, "broadcast"): "the root's data travels and is copied",
+    (None, "alltoall"): "every rank sends one block to the rank s further on and receives one "
+    "from the rank s back",
 }
 
 
