@@ -50,6 +50,12 @@ CASES = [
     ("model --overlap 784,256,10 --flops 0", 2, "argument --flops: must be > 0, got '0'"),
     ("ring-demo --algorithm foo", 2, "argument --algorithm: unknown algorithm 'foo'"),
     ("ring-demo --png y.jpg", 2, "a figure is written as .png, .svg or .pdf"),
+    # options that do nothing, and a page under a figure's name
+    ("ring-demo --root 1", 1, "--root: allreduce has no root (broadcast and reduce have one)"),
+    ("ring-demo --collective allgather --root 0", 1, "--root: allgather has no root"),
+    ("ring-demo --html r.png", 1, "--html r.png: the page is HTML, so its name must end in .html"),
+    ("ring-demo --collective alltoall --ranks 3 --length 7", 1,
+     "give a --length that is a multiple of 3"),
     ("verify --report r.html --png r.html", 1, "is the same file as"),
     ("study --debug batch-size --bogus", 2, "unrecognized arguments: --bogus"),
     ("bench --debug allreduce --bogus", 2, "unrecognized arguments: --bogus"),
