@@ -56,6 +56,8 @@ CASES = [
     ("ring-demo --html r.png", 1, "--html r.png: the page is HTML, so its name must end in .html"),
     ("ring-demo --collective alltoall --ranks 3 --length 7", 1,
      "give a --length that is a multiple of 3"),
+    ("model --scaling-ranks 8", 1, "--scaling-ranks sets the --scaling figure: give --scaling"),
+    ("model --scaling-size 1M", 1, "--scaling-size sets the --scaling figure: give --scaling"),
     ("verify --report r.html --png r.html", 1, "is the same file as"),
     ("study --debug batch-size --bogus", 2, "unrecognized arguments: --bogus"),
     ("bench --debug allreduce --bogus", 2, "unrecognized arguments: --bogus"),

@@ -148,6 +148,21 @@ def test_the_cli_prints_the_collectives_and_writes_the_figure(tmp_path, capsys):
     assert "a figure is written as .png, .svg or .pdf" in capsys.readouterr().err
 
 
+def test_the_scaling_options_need_the_figure(tmp_path, capsys):
+    from syncsgd.cli import main
+
+    for option, value in (("--scaling-ranks", "8"), ("--scaling-size", "1M")):
+        assert main(["model", option, value]) == 1
+        out, err = capsys.readouterr()
+        assert out == ""  # refused before the table
+        line = f"{option} sets the --scaling figure: give --scaling PATH too"
+        assert err == f"syncsgd: error: {line}\n"
+    path = tmp_path / "why.svg"
+    assert main(["model", "--ranks", "8", "--sizes", "1K", "--scaling", str(path),
+                 "--scaling-size", "1M", "--scaling-ranks", "8"]) == 0  # fmt: skip
+    assert path.exists()
+
+
 def test_the_numbers_the_instructor_guide_quotes(capsys):
     from syncsgd.apps.costmodel import format_bytes, format_seconds, predict
     from syncsgd.cli import main

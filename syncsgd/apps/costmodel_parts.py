@@ -186,14 +186,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                help="draw the allreduces' time against P at --scaling-size and "
                                "against the size at --scaling-ranks, for a 1920x1080 slide "
                                "(.png, .svg, .pdf)"))  # fmt: skip
-    parser.add_argument("--scaling-size", type=parse_quantity, default=float(64 << 20),
+    parser.add_argument("--scaling-size", type=scaling_size,
                         help="--scaling: bytes for time against P (default 64M)")  # fmt: skip
-    parser.add_argument("--scaling-ranks", type=positive_int, default=64,
+    parser.add_argument("--scaling-ranks", type=positive_int,
                         help="--scaling: ranks for time against size (default 64)")  # fmt: skip
+
+
+def scaling_size(text: str) -> float:
+    """--scaling-size: bytes > 0, as --sizes gives them (64M) or as a number (6.7e7)."""
+    from syncsgd.apps.bench.allreduce import parse_bytes
+
+    try:
+        return float(parse_bytes(text))
+    except argparse.ArgumentTypeError:
+        value = parse_quantity(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
 
 
 def main(options: argparse.Namespace) -> int:
     """`syncsgd model`, with --collectives and --scaling."""
+    for flag, value in (("--scaling-size", options.scaling_size),
+                        ("--scaling-ranks", options.scaling_ranks)):  # fmt: skip
+        if value is not None and not options.scaling:
+            raise ValueError(f"{flag} sets the --scaling figure: give --scaling PATH too")
     drawn: list[Params] = []
 
     def collectives(options: argparse.Namespace, params: Params, result: dict[str, Any]
@@ -206,8 +223,9 @@ def main(options: argparse.Namespace) -> int:
 
     status = costmodel.main(options, collectives)
     if options.scaling and drawn:
-        draw_scaling(options.scaling, options.scaling_size, options.scaling_ranks, drawn[0],
-                     options.algorithms)  # fmt: skip
+        size = float(64 << 20) if options.scaling_size is None else options.scaling_size
+        ranks = 64 if options.scaling_ranks is None else options.scaling_ranks
+        draw_scaling(options.scaling, size, ranks, drawn[0], options.algorithms)
         print(f"wrote {options.scaling}")
     return status
 
