@@ -206,10 +206,12 @@ def test_frames_of_a_longer_earlier_run_are_removed_and_nothing_else(tmp_path, c
     directory.mkdir()
     (directory / "notes.txt").write_text("mine")
     (directory / "step-01.png").write_text("not one of ours: two digits")
+    (directory / "step-099.png").write_text("not a PNG: not one of ours")
     assert demo.main(parse("--ranks", "4", "--length", "4", "--frames", str(directory))) == 0
     assert demo.main(parse("--ranks", "2", "--length", "4", "--frames", str(directory))) == 0
     names = sorted(p.name for p in directory.iterdir())
-    assert names == ["notes.txt", "step-000.png", "step-001.png", "step-002.png", "step-01.png"]
+    assert names == ["notes.txt", "step-000.png", "step-001.png", "step-002.png", "step-01.png",
+                     "step-099.png"]  # fmt: skip
     assert "wrote 3 frames" in capsys.readouterr().out.splitlines()[-1]
 
 

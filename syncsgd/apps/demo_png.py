@@ -469,9 +469,17 @@ def write_frames(demo: Demo, directory: str) -> list[str]:
     for name in os.listdir(directory):
         match = FRAME_NAME.fullmatch(name)
         stale = os.path.join(directory, name)
-        if match and int(match[1]) >= len(paths) and os.path.isfile(stale):
+        if match and int(match[1]) >= len(paths) and _is_png(stale):
             os.remove(stale)  # a frame of ours, past the last round of this demo
     return paths
+
+
+def _is_png(path: str) -> bool:
+    """Whether `path` is a regular file that starts as a PNG does (not a link, not a folder)."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as handle:
+        return handle.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def _write_all(demo: Demo, paths: list[str]) -> None:
