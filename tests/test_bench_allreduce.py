@@ -42,7 +42,7 @@ def test_sweep_prints_a_table_and_writes_json_and_csv(tmp_path, capsys):
     rows = result["rows"]
     sizes = [8, 16, 32, 64]
     assert [(row["size_bytes"], row["algorithm"]) for row in rows] == [
-        (size, name) for size in sizes for name in ("ring", "mpi")
+        (size, name) for size in sizes for name in ("ring", "numpy-sum")
     ]
     for row in rows:
         assert row["count"] == row["size_bytes"] // 4 and row["dtype"] == "float32"
@@ -62,10 +62,8 @@ def test_sweep_prints_a_table_and_writes_json_and_csv(tmp_path, capsys):
     lines = [
         line.split() for line in table if line and not line.startswith(("#", " " * 2 + "size"))
     ]
-    # on threads the baseline is a NumPy sum, and the table says so; the JSON keeps its role
-    named = [(r["size_bytes"], {"mpi": "numpy-sum"}.get(r["algorithm"], r["algorithm"]))
-             for r in rows]  # fmt: skip
-    assert [(int(f[0]), f[3]) for f in lines] == named
+    # on threads the baseline is a NumPy sum, and the table and the JSON say so alike
+    assert [(int(f[0]), f[3]) for f in lines] == [(r["size_bytes"], r["algorithm"]) for r in rows]
     for fields, row in zip(lines, rows, strict=True):
         assert float(fields[-2]) == pytest.approx(row["vs_mpi"], abs=0.006)
         assert float(fields[-1]) == pytest.approx(row["vs_mpi_of_medians"], abs=0.006)
@@ -79,6 +77,17 @@ def test_sweep_prints_a_table_and_writes_json_and_csv(tmp_path, capsys):
             and record["algorithm"] == row["algorithm"]
         )
         assert float(record["time_us"]) == pytest.approx(row["time_us"])
+
+
+def test_the_figure_names_the_threads_baseline_as_the_table_does(tmp_path, monkeypatch, capsys):
+    drawn = []
+    monkeypatch.setattr(allreduce, "draw_png", lambda rows, path, title: drawn.append(rows))
+    argv = ["bench", "allreduce", "--ranks", "2", "--max-bytes", "16", "--png",
+            str(tmp_path / "a.png"), *QUICK]  # fmt: skip
+    assert main(argv) == 0
+    assert "numpy-sum" in capsys.readouterr().out
+    (rows,) = drawn
+    assert {row["algorithm"] for row in rows} == {"ring", "numpy-sum"}
 
 
 def test_help_explains_both_ratios(capsys):

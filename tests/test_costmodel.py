@@ -84,7 +84,8 @@ def simulate(algorithm: str, ranks: int, length: int, params: Params, itemsize: 
     sender's and the receiver's steps have started (full duplex: a Sendrecv's two messages move
     at once); the step ends when its messages have moved and the data received is added.
     """
-    collectives = pytest.importorskip("syncsgd.collectives")
+    from syncsgd import collectives
+
     plans = [collectives.schedule(algorithm, length, ranks, rank) for rank in range(ranks)]
     sends: dict[tuple[int, int], list[int]] = {}  # (source, dest) -> source's step indices
     recvs: dict[tuple[int, int], list[int]] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from test_collective_parts import rounds
+from test_costmodel import simulate
 
 from syncsgd.apps import costmodel_parts
 from syncsgd.apps.costmodel import Cost, Params, cost
@@ -33,6 +34,30 @@ def test_the_beta_term_of_the_rings_is_what_each_rank_sends(size):
             steps = schedule(Collective(collective, algorithm), length, size, rank)
             sent = sum(step.send.stop - step.send.start for step in steps)
             assert sent == pytest.approx(part_cost(collective, algorithm, size).b * n)
+
+
+@pytest.mark.parametrize("part", PARTS, ids=" ".join)
+def test_the_formulas_are_the_schedules_own_rounds_bytes_and_additions(part):
+    # The schedules' time with each message costing α + bytes·β and each addition bytes·γ, along
+    # the longest chain of steps (test_costmodel.simulate), for P = 2..16: the formula's α, nβ and
+    # nγ terms, one at a time and together. n = 720720 one-byte elements divides by every P here.
+    collective, algorithm = part
+    n = 720720
+    length = 2 * n if collective == "alltoall" else n  # alltoall: sent, then received
+    for size in range(2, 17):
+        expected = part_cost(collective, algorithm, size)
+        for params in (Params(1, 0, 0), Params(0, 1, 0), Params(0, 0, 1), Params(1, 1e-6, 3e-6)):
+            moved = simulate(Collective(collective, algorithm), size, length, params, itemsize=1)
+            assert moved == pytest.approx(expected.seconds(n, params), rel=1e-12), (size, params)
+
+
+def test_the_fold_of_recursive_doubling_and_halving_by_hand():
+    # P = 3: rank 0 hands its block to rank 1 (n/3), ranks 1 and 2 swap 2n/3 and n/3, rank 1
+    # returns the whole buffer: 2n. Reduce-scatter: n added at the fold, 2n/3 at the exchange.
+    assert part_cost("allgather", "recursive-doubling", 3) == pytest.approx(Cost(3, 2, 0))
+    assert part_cost("reduce-scatter", "recursive-halving", 3) == pytest.approx(Cost(3, 2, 5 / 3))
+    # P = 5: n/5 + 2n/5 + 3n/5 + n
+    assert part_cost("allgather", "recursive-doubling", 5) == pytest.approx(Cost(4, 2.2, 0))
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 6, 8, 16, 1000, 1024])
@@ -86,6 +111,21 @@ def test_the_scaling_figure_is_slide_sized_readable_and_colour_blind_safe(tmp_pa
     )
 
 
+@pytest.mark.parametrize(("nbytes", "ranks"), [(64 << 20, 64), (1 << 30, 4096)])
+def test_the_scaling_titles_fit_the_slide_apart(tmp_path, nbytes, ranks):
+    # docs/instructor.md's figure: the two panels' titles ran together, the right one off the page
+    figure = costmodel_parts.draw_scaling(str(tmp_path / "why.png"), nbytes, ranks, DEFAULTS,
+                                          ["ring", "rabenseifner"])  # fmt: skip
+    renderer = figure.canvas.get_renderer()
+    page = figure.bbox
+    boxes = [axes.title.get_window_extent(renderer) for axes in figure.axes]
+    boxes.append(figure._suptitle.get_window_extent(renderer))
+    for box in boxes:
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+    left, right, top = boxes
+    assert left.x1 < right.x0 and top.y0 > max(left.y1, right.y1)
+
+
 def test_other_extensions_are_refused(tmp_path):
     for name in ("why.gif", "why"):
         with pytest.raises(ValueError, match="png, .svg or .pdf"):
@@ -106,6 +146,21 @@ def test_the_cli_prints_the_collectives_and_writes_the_figure(tmp_path, capsys):
         main(["model", "--scaling", str(tmp_path / "why.jpg")])
     assert refused.value.code == 2
     assert "a figure is written as .png, .svg or .pdf" in capsys.readouterr().err
+
+
+def test_the_scaling_options_need_the_figure(tmp_path, capsys):
+    from syncsgd.cli import main
+
+    for option, value in (("--scaling-ranks", "8"), ("--scaling-size", "1M")):
+        assert main(["model", option, value]) == 1
+        out, err = capsys.readouterr()
+        assert out == ""  # refused before the table
+        line = f"{option} sets the --scaling figure: give --scaling PATH too"
+        assert err == f"syncsgd: error: {line}\n"
+    path = tmp_path / "why.svg"
+    assert main(["model", "--ranks", "8", "--sizes", "1K", "--scaling", str(path),
+                 "--scaling-size", "1M", "--scaling-ranks", "8"]) == 0  # fmt: skip
+    assert path.exists()
 
 
 def test_the_numbers_the_instructor_guide_quotes(capsys):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -134,8 +136,42 @@ def test_png_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     run = demo.run_demo(2, 3)
-    with pytest.raises(RuntimeError, match=r"pip install 'syncsgd\[plot\]'"):
+    with pytest.raises(RuntimeError, match=r"pip install -e '\.\[plot\]'"):
         demo_png.draw_png(run, str(tmp_path / "x.png"))
+
+
+def without_matplotlib(tmp_path, *argv: str, code: str = "") -> subprocess.CompletedProcess:
+    """`syncsgd ring-demo ARGV` (or the Python `code`) in a process where matplotlib cannot be
+    imported, as without the plot extra, in `tmp_path`."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(demo.__file__))))
+    path = os.pathsep.join([str(blocker), root])  # the package under test, matplotlib blocked
+    command = ["-c", code] if code else ["-m", "syncsgd.cli", "ring-demo", *argv]
+    return subprocess.run([sys.executable, *command], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", [("--frames", "slides"), ("--png", "r.png"),
+                                  ("--png", "r.svg", "--html", "r.html")])  # fmt: skip
+def test_without_the_plot_extra_figures_are_one_line_before_any_work(tmp_path, argv):
+    done = without_matplotlib(tmp_path, *argv)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "needs matplotlib: install the plot extra, pip install -e '.[plot]'" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker"]  # nothing written
+
+
+def test_frame_workers_without_matplotlib_end_with_the_line(tmp_path):
+    # A pool whose workers' start fails restarts them for ever: the error must reach the command.
+    code = ("from syncsgd.apps import demo, demo_png\n"
+            "demo_png._WORKER.clear()\n"
+            "demo_png._write_all(demo.run_demo(3, 4), [f'f{i}.png' for i in range(5)])\n")
+    done = without_matplotlib(tmp_path, code=code)
+    assert done.returncode == 1
+    assert "RuntimeError: --frames needs matplotlib: install the plot extra" in done.stderr
+    assert not list(tmp_path.glob("f*.png"))
 
 
 @pytest.mark.parametrize(("ranks", "length", "algorithm"),
@@ -165,6 +201,20 @@ def test_frames_writes_one_png_per_round(tmp_path, capsys):
     assert "wrote 7 frames" in capsys.readouterr().out
 
 
+def test_frames_of_a_longer_earlier_run_are_removed_and_nothing_else(tmp_path, capsys):
+    directory = tmp_path / "frames"
+    directory.mkdir()
+    (directory / "notes.txt").write_text("mine")
+    (directory / "step-01.png").write_text("not one of ours: two digits")
+    (directory / "step-099.png").write_text("not a PNG: not one of ours")
+    assert demo.main(parse("--ranks", "4", "--length", "4", "--frames", str(directory))) == 0
+    assert demo.main(parse("--ranks", "2", "--length", "4", "--frames", str(directory))) == 0
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == ["notes.txt", "step-000.png", "step-001.png", "step-002.png", "step-01.png",
+                     "step-099.png"]  # fmt: skip
+    assert "wrote 3 frames" in capsys.readouterr().out.splitlines()[-1]
+
+
 @pytest.mark.parametrize(("ranks", "length"), [(1, 3), (2, 0), (4, 2), (5, 13), (11, 4)])
 def test_small_and_odd_shapes(ranks, length):
     run = demo.run_demo(ranks, length)
@@ -177,7 +227,6 @@ def test_small_and_odd_shapes(ranks, length):
 
 
 def collective_names() -> list[str]:
-    collectives = pytest.importorskip("syncsgd.collectives")
     return [name for name in collectives.ALGORITHMS if name != "mpi"]
 
 
@@ -197,18 +246,35 @@ def test_every_algorithm_counts_each_rank_once(ranks):
 
 def test_tree_rounds_name_the_peers_one_message_at_a_time():
     text = demo.render_text(demo.run_demo(3, 2, "tree"))
-    assert blocks(text)["round 1 of 4: reduce"] == [
+    assert blocks(text)["round 1 of 4: reduce 1 of 2"] == [
         "  rank 0: [ 11  11]   <- rank 1: the buffer (added)",
         "  rank 1:   10  10    -> rank 0: the buffer",
         "  rank 2:  100 100    (idle)",
     ]
-    assert blocks(text)["round 2 of 4: reduce"] == [
+    assert blocks(text)["round 2 of 4: reduce 2 of 2"] == [
         "  rank 0: [111 111]   <- rank 2: the buffer (added)",
         "  rank 1:   10  10    (idle)",
         "  rank 2:  100 100    -> rank 0: the buffer",
     ]
     assert "4 rounds, each rank sending and receiving at most one message in each: " in text
     assert "`syncsgd model`'s 4α" in text
+
+
+def test_no_two_rounds_have_the_same_title():
+    # The tree's reduce took two rounds per level, both titled "reduce 1 of 2".
+    from syncsgd.apps.demo_parts import run_collective_demo
+
+    for ranks in (2, 3, 4, 5, 6, 7, 9):
+        runs = [demo.run_demo(ranks, 4, name) for name in collective_names()]
+        runs += [run_collective_demo(name, ranks, 4, algorithm)
+                 for name, algorithms in collectives.COLLECTIVES.items() if name != "alltoall"
+                 for algorithm in algorithms]  # fmt: skip
+        for run in runs:
+            titles = [title for title, _ in run.steps]
+            assert len(set(titles)) == len(titles), (run.what, ranks, titles)
+    tree = [title for title, _ in demo.run_demo(6, 4, "tree").steps]
+    assert tree == [*(f"reduce {k} of 4" for k in range(1, 5)),
+                    *(f"broadcast {k} of 3" for k in range(1, 4))]  # fmt: skip
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -237,12 +303,17 @@ def test_rabenseifner_names_the_range_of_chunks_that_moves():
         (["--ranks", "17"], "1 to 16 ranks"),
         (["--length", "65"], "0 to 64 elements"),
         (["--png", "/nonexistent-dir/ring.png"], "does not exist"),
+        (["--root", "1"], "--root: allreduce has no root (broadcast and reduce have one)"),
+        (["--collective", "allgather", "--root", "0"], "--root: allgather has no root"),
+        (["--html", "r.png"], "--html r.png: the page is HTML, so its name must end in .html"),
     ],
 )
-def test_bad_input_is_one_clear_line(argv, message):
+def test_bad_input_is_one_clear_line(argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as error:
         demo.main(parse(*argv))
     assert message in str(error.value) and "\n" not in str(error.value)
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,36 @@ def test_every_message_runs_on_a_drawn_link(algorithm, ranks):
         assert drawn == {(0, 1), (1, 2), (1, 3), (2, 4), (3, 4)}
 
 
+@pytest.mark.parametrize(("collective", "algorithm"), [("allgather", "recursive-doubling"),
+                                                       ("reduce-scatter", "recursive-halving")])
+@pytest.mark.parametrize("ranks", [3, 4, 5, 6])
+def test_arrows_of_doubling_and_halving_name_the_blocks_they_carry(collective, algorithm, ranks):
+    from syncsgd.apps.demo_parts import run_collective_demo
+    from syncsgd.collectives import chunk_bounds
+
+    length = 2 * ranks  # two elements a block
+    shown = run_collective_demo(collective, ranks, length, algorithm)
+    bounds = chunk_bounds(length, ranks)
+    expected = []  # each round's arrows: sender, receiver and the blocks of the range sent
+    for _, group in shown.steps:
+        arrows = []
+        for snapshot in group:
+            if snapshot.send_to < 0:
+                continue
+            lo, hi = snapshot.event.send_range
+            blocks = [c for c in range(ranks) if lo <= bounds[c] and bounds[c + 1] <= hi]
+            label = ("all" if len(blocks) == ranks else f"c{blocks[0]}" if len(blocks) == 1
+                     else f"c{blocks[0]}-{blocks[-1]}")  # fmt: skip
+            arrows.append([snapshot.event.rank, snapshot.send_to, label])
+        expected.append(arrows)
+    frames = page_data(demo_html.page(shown))["frames"][1:]
+    assert [[m[:3] for m in frame["messages"]] for frame in frames] == expected
+    labels = {m[2] for frame in frames for m in frame["messages"]}
+    assert "c0" in labels or "c1" in labels  # one block: the first exchange (or the fold)
+    if ranks == 4:  # no fold: nothing carries the whole buffer
+        assert "all" not in labels
+
+
 def test_no_backticks_in_the_text_a_reader_sees():
     page = demo_html.page(demo.run_demo(3, 4, "tree"))
     data = page_data(page)

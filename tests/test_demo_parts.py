@@ -1,4 +1,4 @@
-"""ring-demo --collective: broadcast, reduce, allgather and reduce-scatter round by round."""
+"""ring-demo --collective: broadcast, reduce, allgather, reduce-scatter, alltoall round by round."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def test_every_collective_and_algorithm_ends_as_expected(ranks, length):
     for collective in SHOWN:
         for algorithm in COLLECTIVES[collective]:
             root = ranks - 1
-            shown = run_collective_demo(collective, ranks, length, algorithm, root)
+            size = length - length % ranks if collective == "alltoall" else length  # P blocks
+            shown = run_collective_demo(collective, ranks, size, algorithm, root)
             assert shown.correct, (collective, algorithm)
             assert len(shown.steps) == part_cost(collective, algorithm, ranks).a
             text = render_text(shown)
@@ -48,6 +49,20 @@ def test_the_results_are_the_closed_forms():
     assert all(np.array_equal(f, np.repeat([1, 10, 100, 1000], 2)) for f in gathered.final)
     sent = run_collective_demo("broadcast", ranks, length, "binomial", root=3)
     assert all(np.all(f == 1000) for f in sent.final)
+
+
+def test_alltoall_shows_the_blocks_sent_and_received(capsys):
+    shown = run_collective_demo("alltoall", 3, 6, "pairwise")
+    assert shown.length == 12 and shown.correct  # 3 blocks sent, 3 received, 2 elements each
+    for rank, final in enumerate(shown.final):
+        assert final.tolist() == [10**rank] * 6 + [1, 1, 10, 10, 100, 100]
+    text = render_text(shown)
+    assert "round 1 of 2: alltoall 1 of 2" in text and "round 2 of 2: alltoall 2 of 2" in text
+    assert "-> rank 1: block 1 [2:4); <- rank 2: block 5 [10:12) (copied)" in text
+    assert demo.main(parse("--collective", "alltoall", "--ranks", "2", "--length", "4")) == 0
+    assert "pairwise alltoall of 8 int64 elements over 2 thread ranks" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="a --length that is a multiple of 3"):
+        demo.main(parse("--collective", "alltoall", "--ranks", "3", "--length", "7"))
 
 
 def test_a_wrong_result_is_reported():

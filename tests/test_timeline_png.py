@@ -62,3 +62,49 @@ def test_the_chart_starts_at_the_second_step(tmp_path):
     timeline.draw_gantt_file(str(trace), str(tmp_path / "g.png"), "t")
     assert (tmp_path / "g.png").read_bytes()[:8] == PNG
     assert timeline._steady_start(events[:1]) is None  # one step: nothing to leave out
+
+
+def test_the_untimed_first_step_of_a_slower_rank_is_left_out():
+    # Rank 1's first step (its update) ends after rank 0's second step began: it is still the
+    # untimed first step, and no bar of it may reach into the chart from the left.
+    events = [span("compute", "compute", 0, 0, 400_000, step=0),
+              span("update", "update", 0, 400_000, 1_000, step=0),
+              span("compute", "compute", 0, 401_000, 1_000, step=1),
+              span("update", "update", 0, 402_000, 500, step=1),
+              span("compute", "compute", 1, 0, 380_000, step=0),
+              span("reduce-scatter 0", "allreduce", 1, 380_000, 10_000),
+              span("update", "update", 1, 390_000, 12_000, step=0),
+              span("compute", "compute", 1, 402_000, 1_000, step=1),
+              span("update", "update", 1, 403_000, 500, step=1)]  # fmt: skip
+    shown = timeline._shown(events, timeline._steady_start(events))
+    assert all(e["args"].get("step", 1) == 1 for e in shown) and len(shown) == 4
+    figure = timeline.gantt_figure(events, "t")
+    (axes,) = [a for a in figure.axes if a.get_xlabel()]
+    starts = [path.vertices[:, 0].min() for c in axes.collections for path in c.get_paths()]
+    assert starts and min(starts) >= 0  # nothing begins before the first step shown
+    assert timeline._shown(events[:1], None) == events[:1]
+
+
+def test_thread_ranks_share_one_origin(monkeypatch):
+    # Threads leave the barrier at different times on a busy machine (here: rank r reads the clock
+    # r * 20 ms late); their rows must still line up.
+    import threading
+    import time
+
+    from syncsgd.comm.threads import run_threads
+
+    late: dict[int, float] = {}
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            return time.perf_counter() + late.get(threading.get_ident(), 0.0)
+
+    monkeypatch.setattr(timeline, "time", Clock)
+
+    def origin(comm):
+        late[threading.get_ident()] = 0.02 * comm.Get_rank()
+        return timeline.Timeline(comm).origin
+
+    origins = run_threads(3, origin)
+    assert origins[0] == origins[1] == origins[2]

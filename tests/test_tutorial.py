@@ -33,6 +33,14 @@ def test_the_tutorial_has_commands():
     assert len(guide) >= 5 and all(c.startswith("syncsgd ") for c, _ in guide)
 
 
+def test_every_exercise_has_a_model_answer():
+    asked = re.findall(r"^\*\*Exercise (\w+)\.\*\*", open(TUTORIAL, encoding="utf-8").read(),
+                       re.MULTILINE)  # fmt: skip
+    answered = re.findall(r"^\*\*Exercise (\w+)\*\* \(", open(INSTRUCTOR, encoding="utf-8").read(),
+                          re.MULTILINE)  # fmt: skip
+    assert len(asked) >= 8 and sorted(asked) == sorted(answered)
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """One directory for the whole tutorial: later commands read what earlier ones wrote."""

@@ -12,10 +12,21 @@ communication: theory, practice, and experience", CCPE 19(13), 2007):
     reduce     ring                  2(P-1)α + 2(P-1)/P·nβ + 2(P-1)/P·nγ
     reduce     binomial              ⌈lg P⌉(α + nβ + nγ)
     allgather  ring                  (P-1)α + (P-1)/P·nβ
-    allgather  recursive-doubling    Lα + (p'-1)/p'·nβ       fold: + 2α + (1 + 1/P)nβ
+    allgather  recursive-doubling    Lα + (p'-1)/p'·nβ;  r > 0: (L+2)α + (1 + (p'+S)/P)·nβ
     reduce-scatter ring              (P-1)α + (P-1)/P·n(β + γ)
-    reduce-scatter recursive-halving Lα + (p'-1)/p'·n(β + γ) fold: + 2α + (1 + 1/P)nβ + nγ
+    reduce-scatter recursive-halving Lα + (p'-1)/p'·n(β + γ);
+                                     r > 0: (L+2)α + (1 + (p'+S)/P)·nβ + (1 + (p'-1+S)/P)·nγ
     alltoall   pairwise              (P-1)α + (P-1)/P·nβ
+
+Where P = p' + r is not a power of two (r > 0), recursive doubling and halving fold as MPICH does:
+the first r even ranks hand over their data (allgather: their block; reduce-scatter: the whole
+buffer, added) to the odd rank above, p' ranks exchange, and the odd ranks hand back the result
+(the whole buffer; one block). The folded ranks hold two blocks each and sit at the low end, so
+the busiest rank, folded rank 0, moves 2^k + min(r, 2^k) blocks of n/P at the exchange of 2^k
+ranks' blocks, S = Σ_{k<L} min(r, 2^k) blocks more than p' - 1 in all: at P = 3 the allgather
+moves n/3 + 2n/3 + n = 2n. This is not Bruck's allgather (⌈lg P⌉α + (P-1)/P·nβ, which Thakur et
+al. give for non-powers of two): the fold costs two more rounds and about n more bytes (at
+P = 3, 2n against Bruck's 2n/3).
 
 Ring reduce-scatter + ring allgather = the ring allreduce, term by term. Where P is a power of two,
 recursive halving + recursive doubling = Rabenseifner's allreduce; elsewhere the two parts fold
@@ -55,10 +66,11 @@ FORMULAS = {
     ("reduce", "ring"): "2(P-1)α + 2(P-1)/P·n(β + γ)",
     ("reduce", "binomial"): "⌈lg P⌉(α + nβ + nγ)",
     ("allgather", "ring"): "(P-1)α + (P-1)/P·nβ",
-    ("allgather", "recursive-doubling"): "Lα + (p'-1)/p'·nβ, fold: + 2α + (1 + 1/P)nβ",
+    ("allgather", "recursive-doubling"): "Lα + (p'-1)/p'·nβ; P = p'+r, r > 0: (L+2)α + "
+                                         "(1 + (p'+S)/P)·nβ",
     ("reduce-scatter", "ring"): "(P-1)α + (P-1)/P·n(β + γ)",
-    ("reduce-scatter", "recursive-halving"):
-        "Lα + (p'-1)/p'·n(β + γ), fold: + 2α + (1 + 1/P)nβ + nγ",
+    ("reduce-scatter", "recursive-halving"): "Lα + (p'-1)/p'·n(β + γ); r > 0: (L+2)α + "
+                                             "(1 + (p'+S)/P)·nβ + (1 + (p'-1+S)/P)·nγ",
     ("alltoall", "pairwise"): "(P-1)α + (P-1)/P·nβ",
 }  # fmt: skip
 
@@ -68,32 +80,42 @@ SHORT = dict(zip(PARTS, ("bcast ring", "bcast tree", "reduce rng", "reduce tre",
 
 
 def part_cost(collective: str, algorithm: str, ranks: int) -> Cost:
-    """The α, nβ, nγ coefficients of `collective` by `algorithm` on `ranks` ranks."""
+    """The α, nβ, nγ coefficients of `collective` by `algorithm` on `ranks` ranks: the rounds,
+    and the bytes and additions along the critical path of its schedules."""
     cost("ring", ranks)  # the same check of `ranks`
     p = int(ranks)
     if p == 1:
         return Cost(0, 0, 0)
-    levels, pow2 = p.bit_length() - 1, 1 << (p.bit_length() - 1)
-    fold = 0 if pow2 == p else 1
-    share, pow2_share, rounds = (p - 1) / p, (pow2 - 1) / pow2, (p - 1).bit_length()
+    share, rounds = (p - 1) / p, (p - 1).bit_length()
     table = {
         ("broadcast", "ring"): Cost(2 * (p - 1), 2 * share, 0),
         ("broadcast", "binomial"): Cost(rounds, rounds, 0),
         ("reduce", "ring"): Cost(2 * (p - 1), 2 * share, 2 * share),
         ("reduce", "binomial"): Cost(rounds, rounds, rounds),
         ("allgather", "ring"): Cost(p - 1, share, 0),
-        ("allgather", "recursive-doubling"): Cost(levels + 2 * fold,
-                                                  pow2_share + fold * (1 + 1 / p), 0),
+        ("allgather", "recursive-doubling"): _doubling(p)._replace(c=0),
         ("reduce-scatter", "ring"): Cost(p - 1, share, share),
-        ("reduce-scatter", "recursive-halving"): Cost(levels + 2 * fold,
-                                                      pow2_share + fold * (1 + 1 / p),
-                                                      pow2_share + fold),
+        ("reduce-scatter", "recursive-halving"): _doubling(p),
         ("alltoall", "pairwise"): Cost(p - 1, share, 0),
-    }  # fmt: skip
+    }
     try:
         return table[collective, algorithm]
     except KeyError:
         raise ValueError(f"no cost for {collective} by {algorithm}") from None
+
+
+def _doubling(p: int) -> Cost:
+    """Recursive halving's α, nβ, nγ on `p` ranks (recursive doubling's α and nβ are the same).
+
+    P = p' + r: the fold moves the whole buffer (halving; doubling: one block) and the unfold one
+    block (doubling: the whole buffer); folded rank 0, which holds two blocks, sends or receives
+    2^k + min(r, 2^k) blocks of n/P at each of the L exchanges, and adds what it receives."""
+    levels, pow2 = p.bit_length() - 1, 1 << (p.bit_length() - 1)
+    extra = p - pow2
+    if extra == 0:
+        return Cost(levels, (p - 1) / p, (p - 1) / p)
+    blocks = pow2 - 1 + sum(min(extra, 1 << k) for k in range(levels))  # p' - 1 + S
+    return Cost(levels + 2, 1 + (blocks + 1) / p, 1 + blocks / p)
 
 
 def describe_parts(ranks: Sequence[int], sizes: Sequence[int], params: Params) -> list[str]:
@@ -103,6 +125,8 @@ def describe_parts(ranks: Sequence[int], sizes: Sequence[int], params: Params) -
     for part in PARTS:
         name = " ".join(part)
         lines.append(f"#   {SHORT[part]:>10} = {name:<{width}}  {FORMULAS[part]}")
+    lines.append("#   p' = 2^L <= P < 2^(L+1), r = P - p', S = Σ min(r, 2^k) over k < L: where P "
+                 "is not a power of two, MPICH's fold (not Bruck's allgather)")  # fmt: skip
     lines.append(f"{'ranks':>7} {'size':>9}  " + "  ".join(f"{SHORT[part]:>10}" for part in PARTS))
     for p in ranks:
         for nbytes in sizes:
@@ -162,14 +186,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                help="draw the allreduces' time against P at --scaling-size and "
                                "against the size at --scaling-ranks, for a 1920x1080 slide "
                                "(.png, .svg, .pdf)"))  # fmt: skip
-    parser.add_argument("--scaling-size", type=parse_quantity, default=float(64 << 20),
+    parser.add_argument("--scaling-size", type=scaling_size,
                         help="--scaling: bytes for time against P (default 64M)")  # fmt: skip
-    parser.add_argument("--scaling-ranks", type=positive_int, default=64,
+    parser.add_argument("--scaling-ranks", type=positive_int,
                         help="--scaling: ranks for time against size (default 64)")  # fmt: skip
+
+
+def scaling_size(text: str) -> float:
+    """--scaling-size: bytes > 0, as --sizes gives them (64M) or as a number (6.7e7)."""
+    from syncsgd.apps.bench.allreduce import parse_bytes
+
+    try:
+        return float(parse_bytes(text))
+    except argparse.ArgumentTypeError:
+        value = parse_quantity(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
 
 
 def main(options: argparse.Namespace) -> int:
     """`syncsgd model`, with --collectives and --scaling."""
+    for flag, value in (("--scaling-size", options.scaling_size),
+                        ("--scaling-ranks", options.scaling_ranks)):  # fmt: skip
+        if value is not None and not options.scaling:
+            raise ValueError(f"{flag} sets the --scaling figure: give --scaling PATH too")
     drawn: list[Params] = []
 
     def collectives(options: argparse.Namespace, params: Params, result: dict[str, Any]
@@ -182,8 +223,9 @@ def main(options: argparse.Namespace) -> int:
 
     status = costmodel.main(options, collectives)
     if options.scaling and drawn:
-        draw_scaling(options.scaling, options.scaling_size, options.scaling_ranks, drawn[0],
-                     options.algorithms)  # fmt: skip
+        size = float(64 << 20) if options.scaling_size is None else options.scaling_size
+        ranks = 64 if options.scaling_ranks is None else options.scaling_ranks
+        draw_scaling(options.scaling, size, ranks, drawn[0], options.algorithms)
         print(f"wrote {options.scaling}")
     return status
 
@@ -237,8 +279,8 @@ def _against_ranks(axes: Any, nbytes: float, params: Params, algorithms: Sequenc
     if ranks[0] <= turn <= ranks[-1]:
         axes.axvline(turn, color="#56B4E9", linestyle="--", linewidth=2.5,
                      label=f"P = nβ/α = {turn:.3g}")  # fmt: skip
-    _finish(axes, "ranks P", f"n = {format_bytes(nbytes)}: bandwidth-bound left of nβ/α, "
-                             "latency-bound right")  # fmt: skip
+    _finish(axes, "ranks P", f"against P at n = {format_bytes(nbytes)}: bandwidth-bound\nleft of "
+                             "nβ/α, latency-bound right")  # fmt: skip
 
 
 def _against_size(axes: Any, ranks: int, params: Params, algorithms: Sequence[str]) -> None:
@@ -251,7 +293,8 @@ def _against_size(axes: Any, ranks: int, params: Params, algorithms: Sequence[st
         axes.axvline(turn, color="#56B4E9", linestyle="--", linewidth=2.5,
                      label=f"n = Pα/β = {format_bytes(turn)}")  # fmt: skip
     _finish(axes, "message size n (bytes)",
-            f"P = {ranks}: latency-bound left of Pα/β, bandwidth-bound right")  # fmt: skip
+            f"against n at P = {ranks}: latency-bound\n"
+            "left of Pα/β, bandwidth-bound right")  # fmt: skip
 
 
 def _finish(axes: Any, xlabel: str, title: str) -> None:

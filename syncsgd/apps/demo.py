@@ -48,15 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--algorithm",
         type=shown_algorithm,
-        default="ring",
         help="the allreduce to show (default ring; others from syncsgd.collectives)",
     )
     parser.add_argument("--collective", default="allreduce",
-                        choices=("allreduce", "broadcast", "reduce", "allgather", "reduce-scatter"),
+                        choices=("allreduce", "broadcast", "reduce", "allgather", "reduce-scatter",
+                                 "alltoall"),
                         help="the collective to show (default allreduce); --algorithm then names "
-                        "one of its algorithms: ring, binomial (broadcast, reduce), "
-                        "recursive-doubling (allgather), recursive-halving (reduce-scatter)")
-    parser.add_argument("--root", type=nonnegative_int, default=0,
+                        "one of its algorithms: ring (the default), binomial (broadcast, reduce), "
+                        "recursive-doubling (allgather), recursive-halving (reduce-scatter); "
+                        "alltoall: pairwise (the default), on a --length that is a multiple of "
+                        "--ranks")  # fmt: skip
+    parser.add_argument("--root", type=nonnegative_int,
                         help="broadcast and reduce: the root rank (default 0)")
     writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
                                help="also draw every round on one slide: .png, .svg or .pdf"))
@@ -100,20 +102,37 @@ def use_color(choice: str, stream: Any = None) -> bool:
     return terminal and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
 
 
+def check_options(options: argparse.Namespace) -> None:
+    """Refuse, before any work, what would do nothing or write one format under another's name,
+    and figures without matplotlib."""
+    from syncsgd.util.figures import require_matplotlib
+
+    if options.root is not None and options.collective not in ("broadcast", "reduce"):
+        raise ValueError(f"--root: {options.collective} has no root (broadcast and reduce "
+                         "have one)")  # fmt: skip
+    if options.html and not options.html.lower().endswith((".html", ".htm")):
+        raise ValueError(f"--html {options.html}: the page is HTML, so its name must end in .html "
+                         "or .htm")  # fmt: skip
+    if options.png or options.frames:
+        require_matplotlib("--png" if options.png else "--frames")
+
+
 def main(options: argparse.Namespace) -> int:
     """`syncsgd ring-demo`: print every round; 1 if the result is not the NumPy sum."""
     from syncsgd.util.files import check_writable
 
+    check_options(options)
     for path in (options.png, options.html):
         if path:
             check_writable(path)
+    algorithm = options.algorithm or ("pairwise" if options.collective == "alltoall" else "ring")
     if options.collective == "allreduce":
-        demo = run_demo(options.ranks, options.length, options.algorithm)
+        demo = run_demo(options.ranks, options.length, algorithm)
     else:
         from syncsgd.apps.demo_parts import run_collective_demo
 
         demo = run_collective_demo(options.collective, options.ranks, options.length,
-                                   options.algorithm, options.root)  # fmt: skip
+                                   algorithm, options.root or 0)  # fmt: skip
     print(render_text(demo, use_color(options.color)))
     if options.png:
         draw_png(demo, options.png)

@@ -244,24 +244,26 @@ def _group_rounds(per_rank: Sequence[list[Snapshot]],
     for snapshots, numbers in zip(per_rank, rounds, strict=True):
         for snapshot, number in zip(snapshots, numbers, strict=True):
             groups[number].append(snapshot)
-    steps_in: dict[str, set[int]] = {}
-    for snapshots in per_rank:
-        for snapshot in snapshots:
-            steps_in.setdefault(snapshot.event.phase, set()).add(snapshot.event.step)
-    return [(_round_title(group, steps_in), group) for group in groups]
+    phases = [list(dict.fromkeys(snapshot.event.phase for snapshot in group)) for group in groups]
+    return list(zip(_round_titles(phases), groups, strict=True))
 
 
-def _round_title(group: list[Snapshot], steps_in: dict[str, set[int]]) -> str:
-    """'reduce-scatter 1 of 2', or 'fold; reduce-scatter 1 of 2' where ranks are at both."""
-    titles: list[str] = []
-    for snapshot in group:
-        phase, step = snapshot.event.phase, snapshot.event.step
-        total = len(steps_in[phase])
-        number = sorted(steps_in[phase]).index(step) + 1
-        title = phase if total == 1 else f"{phase} {number} of {total}"
-        if title not in titles:
-            titles.append(title)
-    return "; ".join(titles)
+def _round_titles(phases: list[list[str]]) -> list[str]:
+    """'reduce-scatter 1 of 2', or 'fold; reduce-scatter 1 of 3' where ranks are at both: each
+    phase numbered by the rounds it takes (a tree's level takes two, one per child)."""
+    total: dict[str, int] = {}
+    for names in phases:
+        for name in names:
+            total[name] = total.get(name, 0) + 1
+    seen: dict[str, int] = {}
+    titles = []
+    for names in phases:
+        parts = []
+        for name in names:
+            seen[name] = seen.get(name, 0) + 1
+            parts.append(name if total[name] == 1 else f"{name} {seen[name]} of {total[name]}")
+        titles.append("; ".join(parts))
+    return titles
 
 
 def _annotate(algorithm: Any, length: int, ranks: int, rank: int,
@@ -313,6 +315,8 @@ def chunk_layout(algorithm: str, length: int, ranks: int) -> list[int] | None:
 
 def demo_chunks(demo: Demo) -> list[int] | None:
     """The chunk (or block) bounds of the buffer `demo` shows, or None for whole buffers."""
+    if demo.collective == "alltoall":  # the P blocks sent, then the P received
+        return chunk_bounds(demo.length, 2 * demo.ranks)
     if demo.collective != "allreduce":
         return chunk_bounds(demo.length, demo.ranks)
     return chunk_layout(demo.algorithm, demo.length, demo.ranks)
@@ -360,6 +364,8 @@ PHASE_EXPLANATIONS = {  # (algorithm, phase) or (None, phase): one line for a ro
     (None, "allgather"): "finished chunks travel and are copied",
     (None, "reduce"): "partial sums travel towards the root and are added",
     (None, "broadcast"): "the root's data travels and is copied",
+    (None, "alltoall"): "every rank sends one block to the rank s further on and receives one "
+    "from the rank s back",
 }
 
 
@@ -420,14 +426,34 @@ def chunk_count(algorithm: str, ranks: int, phase: str, step: int) -> int:
     return 1
 
 
-def chunk_name(demo: Demo, event: Any, chunk: int) -> str:
-    """'c2', 'c0-1', or 'all' where whole buffers move: what a message carries, for a label."""
-    if chunk_layout(demo.algorithm, demo.length, demo.ranks) is None or event.phase in (
-        "fold", "unfold"
-    ):
+def chunk_name(demo: Demo, event: Any, chunk: int, span: tuple[int, int] | None = None) -> str:
+    """'c2', 'c0-1', or 'all' where the whole buffer moves: what a message carries, for a label.
+
+    Another collective's message is named by the blocks its range `span` holds (the sent range
+    if None): recursive doubling's and halving's carry 1, 2, 4, ... blocks, their fold or unfold
+    one block or the whole buffer."""
+    bounds = demo_chunks(demo)
+    if demo.collective != "allreduce" and bounds is not None:
+        first, count = _blocks(demo, bounds, chunk, tuple(span or event.send_range))
+        if count == 0:
+            return "all"
+        return f"c{first}" if count == 1 else f"c{first}-{first + count - 1}"
+    if bounds is None or event.phase in ("fold", "unfold"):
         return "all"
     count = chunk_count(demo.algorithm, demo.ranks, event.phase, event.step)
     return f"c{chunk}" if count == 1 else f"c{chunk}-{chunk + count - 1}"
+
+
+def _blocks(demo: Demo, bounds: list[int], chunk: int, span: tuple[int, ...]) -> tuple[int, int]:
+    """(first block, how many) of the blocks the range `span` holds; (chunk, 0) for the whole
+    buffer. An empty range holds block `chunk`."""
+    if tuple(span) == (0, demo.length) and demo.length:
+        return chunk, 0
+    inside = [c for c in range(len(bounds) - 1) if span[0] <= bounds[c] and bounds[c + 1] <= span[1]
+              and bounds[c] < bounds[c + 1]]  # fmt: skip
+    if not inside or span[1] <= span[0]:
+        return chunk, 1
+    return inside[0], len(inside)
 
 
 def what_moves(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:
@@ -435,10 +461,10 @@ def what_moves(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str
     empty = " (empty)" if span[1] <= span[0] else ""
     bounds = demo_chunks(demo)
     if demo.collective != "allreduce" and bounds is not None:  # blocks: as many as the span holds
-        if span == (0, demo.length):
+        first, count = _blocks(demo, bounds, chunk, span)
+        if count == 0:
             return "the buffer" + empty
-        count = max(sum(span[0] <= bounds[c] < span[1] for c in range(chunk, len(bounds) - 1)), 1)
-        name = f"block {chunk}" if count == 1 else f"blocks {chunk}-{chunk + count - 1}"
+        name = f"block {first}" if count == 1 else f"blocks {first}-{first + count - 1}"
         return f"{name} [{span[0]}:{span[1]}){empty}"
     if bounds is None or event.phase in ("fold", "unfold"):
         return "the buffer" + empty

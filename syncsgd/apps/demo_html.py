@@ -54,7 +54,7 @@ def rounds_data(demo: Demo) -> list[dict[str, Any]]:
             if snapshot.recv_from >= 0 and hi > lo:
                 received[rank] = [int(lo), int(hi), bool(snapshot.added)]
             if snapshot.send_to >= 0:
-                label = chunk_name(demo, event, event.send_chunk)
+                label = chunk_name(demo, event, event.send_chunk, tuple(event.send_range))
                 colour = WHOLE_BUFFER if label == "all" else (
                     CHUNK_COLOURS[event.send_chunk % len(CHUNK_COLOURS)])  # fmt: skip
                 messages.append([rank, snapshot.send_to, label, colour])

@@ -1,10 +1,13 @@
-"""`ring-demo --collective NAME`: the rounds of a broadcast, reduce, allgather or reduce-scatter.
+"""`ring-demo --collective NAME`: the rounds of a broadcast, reduce, allgather, reduce-scatter or
+alltoall.
 
 Rank r's data is 10**r (one decimal digit per rank; r + 1 for P > 9), as in the allreduce demo:
 broadcast starts with it on the root only (zeros elsewhere), allgather with it in rank r's block
-only, reduce and reduce-scatter with it everywhere. The schedules run on thread ranks through the
-executor, on the one buffer they work in: so the partial sums a reduce leaves off the root, and the
-other blocks of a reduce-scatter, are shown too; each rank's result is the range `results` names.
+only, reduce and reduce-scatter with it everywhere. Alltoall works on 2P blocks, as the executor
+does: rank r's P blocks to send (each its data), then the P it receives (its own copied in). The
+schedules run on thread ranks through the executor, on the one buffer they work in: so the partial
+sums a reduce leaves off the root, and the other blocks of a reduce-scatter, are shown too; each
+rank's result is the range `results` names.
 """
 
 from __future__ import annotations
@@ -28,18 +31,21 @@ from syncsgd.collectives.executor import execute
 from syncsgd.collectives.schedules import ROOTED
 from syncsgd.comm.threads import run_threads
 
-SHOWN = ("broadcast", "reduce", "allgather", "reduce-scatter")  # alltoall: two buffers
+SHOWN = ("broadcast", "reduce", "allgather", "reduce-scatter", "alltoall")
 STARTS = {
     "broadcast": "the root starts with its data, every other rank with zeros",
     "reduce": "every rank starts with its data in every element",
     "allgather": "rank r starts with its data in block r, zeros elsewhere",
     "reduce-scatter": "every rank starts with its data in every element",
-}
+    "alltoall": "blocks 0..P-1: what rank r sends, block j to rank j; blocks P..2P-1: what it "
+                "receives, block P+i from rank i (its own block copied in at the start)",
+}  # fmt: skip
 EXPLAINED = {
     "broadcast": "every rank ends with the root's buffer",
     "reduce": "the root ends with the sum; the others keep partial sums (a copy of their data)",
     "allgather": "every rank ends with every block",
     "reduce-scatter": "every rank ends with the sum of its own block r (the rest: partial sums)",
+    "alltoall": "every rank ends with block P+i from rank i: digit i of block P+i",
 }
 HOW = {
     ("broadcast", "ring"): "the root sends its P blocks to the right, one a round; each rank "
@@ -55,12 +61,19 @@ HOW = {
                                 "passes it right; block r ends complete on rank r",
     ("reduce-scatter", "recursive-halving"): "partners p'/2, p'/4, ... apart swap half of their "
                                              "window and add (fold/unfold where P is not 2^L)",
+    ("alltoall", "pairwise"): "in round s every rank r sends its block r+s to rank r+s and "
+                              "receives rank r-s's block into block P+(r-s)",
 }  # fmt: skip
 
 
 def starting_data(collective: str, rank: int, ranks: int, root: int, length: int) -> np.ndarray:
     """Rank `rank`'s buffer before `collective`: its 10**rank where the collective reads it."""
     data = starting_buffer(rank, ranks, length)
+    if collective == "alltoall":  # the blocks sent, then those received: the own one copied in
+        half = length // 2
+        block = half // ranks
+        data[half:] = 0
+        data[half + rank * block : half + (rank + 1) * block] = starting_buffer(rank, ranks, 1)[0]
     if collective == "broadcast" and rank != root:
         data[:] = 0
     if collective == "allgather":
@@ -98,6 +111,11 @@ def run_collective_demo(collective: str, ranks: int, length: int, algorithm: str
         raise ValueError(f"ring-demo shows 0 to {MAX_LENGTH} elements, got {length}")
     if not 0 <= root < ranks:
         raise ValueError(f"--root {root} is not one of the {ranks} ranks")
+    if collective == "alltoall":
+        if length % ranks:
+            raise ValueError(f"alltoall splits each rank's {length} elements into {ranks} equal "
+                             f"blocks: give a --length that is a multiple of {ranks}")  # fmt: skip
+        length *= 2  # the blocks sent, then those received
     root = root if collective in ROOTED else 0
     key = Collective(collective, algorithm, root)
     results = run_threads(ranks, _rank_run, key, length)
@@ -108,12 +126,18 @@ def run_collective_demo(collective: str, ranks: int, length: int, algorithm: str
     bounds = chunk_bounds(length, ranks)
     # allgather: each block from its rank alone, so the sum of the starts is the gathered buffer
     expected = start[root].copy() if collective == "broadcast" else np.stack(start).sum(axis=0)
-    whole = (0, length)
+    whole, half = (0, length), length // 2
+    if collective == "alltoall":  # block P+i from rank i, on every rank; what was sent is left
+        expected[:half] = 0
+        for source in range(ranks):
+            block = slice(half + source * half // ranks, half + (source + 1) * half // ranks)
+            expected[block] = starting_buffer(source, ranks, 1)[0]
     spans = {
         "broadcast": [whole] * ranks,
         "allgather": [whole] * ranks,
         "reduce": [whole if r == root else (0, 0) for r in range(ranks)],
         "reduce-scatter": [(bounds[r], bounds[r + 1]) for r in range(ranks)],
+        "alltoall": [(half, length)] * ranks,
     }[collective]
     digits = ("rank r's data is 10**r: digit r of a value (from the right) says whether rank r "
               "is in it" if ranks <= DIGIT_RANKS else "rank r's data is r + 1")  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from syncsgd.apps.demo_core import (
     ranks_summed,
 )
 from syncsgd.util import figures
+from syncsgd.util.figures import require_matplotlib
 
 WIDTH, HEIGHT = 72 * figures.SLIDE[0], 72 * figures.SLIDE[1]  # the slide in points: 960 x 540
 TEXT, TITLE = 14.0, 18.0  # points
@@ -363,7 +365,7 @@ def exchange_labels(demo: Demo, snapshot: Snapshot) -> list[str]:
 
 def _short(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str:
     """'c2 [6:8)', 'c0-1 [0:6)' or 'all'."""
-    name = chunk_name(demo, event, chunk)
+    name = chunk_name(demo, event, chunk, span)
     return name if name == "all" else f"{name} [{span[0]}:{span[1]})"
 
 
@@ -453,11 +455,35 @@ def draw_png(demo: Demo, path: str) -> None:
     grid_canvas(demo).save(path)
 
 
+FRAME_NAME = re.compile(r"step-(\d{3,})\.png")  # what write_frames names its slides
+
+
 def write_frames(demo: Demo, directory: str) -> list[str]:
-    """One PNG slide per round (and the start) in `directory`: step-000.png, step-001.png, ..."""
+    """One PNG slide per round (and the start) in `directory`: step-000.png, step-001.png, ...;
+    the slides of an earlier, longer demo there are removed (no other file is touched)."""
+    require_matplotlib("--frames")
     if not os.path.isdir(directory):
         os.mkdir(directory)  # its parent must exist, as a file's must: no tree of directories
     paths = [os.path.join(directory, f"step-{row:03d}.png") for row in range(len(demo.steps) + 1)]
+    _write_all(demo, paths)
+    for name in os.listdir(directory):
+        match = FRAME_NAME.fullmatch(name)
+        stale = os.path.join(directory, name)
+        if match and int(match[1]) >= len(paths) and _is_png(stale):
+            os.remove(stale)  # a frame of ours, past the last round of this demo
+    return paths
+
+
+def _is_png(path: str) -> bool:
+    """Whether `path` is a regular file that starts as a PNG does (not a link, not a folder)."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as handle:
+        return handle.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _write_all(demo: Demo, paths: list[str]) -> None:
+    """Write the slides, one process per core where that is allowed."""
     workers = min(len(os.sched_getaffinity(0)), len(paths))
     if workers > 1 and not _under_mpi():  # the slides are independent: one process per core
         import multiprocessing
@@ -474,7 +500,6 @@ def write_frames(demo: Demo, directory: str) -> list[str]:
         _start_worker(demo)
         for job in enumerate(paths):
             _write_frame(job)
-    return paths
 
 
 _WORKER: dict[str, Any] = {}  # a frame-writing process's demo and layout
@@ -482,16 +507,23 @@ _WORKER: dict[str, Any] = {}  # a frame-writing process's demo and layout
 
 def _start_worker(demo: Demo) -> None:
     """Keep the demo and its layout for `_write_frame`; a signal ends the worker quietly (the
-    command's process reports it)."""
+    command's process reports it). An error is kept for `_write_frame` to raise: a pool whose
+    initializer fails starts new workers for ever."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _WORKER.update(demo=demo, layout=FrameLayout(demo))
+    try:
+        require_matplotlib("--frames")
+        _WORKER.update(demo=demo, layout=FrameLayout(demo), error=None)
+    except Exception as exc:  # reported once, by the first frame, to the command
+        _WORKER.update(error=exc)
 
 
 def _write_frame(job: tuple[int, str]) -> None:
     """Write the slide of round `row` (0: the start) to `path`."""
+    if _WORKER.get("error") is not None:
+        raise _WORKER["error"]
     row, path = job
     frame_canvas(_WORKER["demo"], row, _WORKER["layout"]).save(path)
 

@@ -4,8 +4,8 @@ One row per rank; spans for compute, for every step of every allreduce (from the
 `trace` events) and for the update. With --overlap, a second row per rank holds what its
 communication thread did: the allreduce steps inside the compute spans of the backward pass.
 Each rank records its own spans against its own clock, started right after a barrier, so the rows
-line up to within the barrier's skew; rank 0 gathers them with point-to-point messages and writes
-one JSON file.
+line up to within the barrier's skew (thread ranks read one clock: they agree on one origin); rank
+0 gathers them with point-to-point messages and writes one JSON file.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from syncsgd.collectives import TraceEvent
+from syncsgd.comm.threads import ThreadComm
+from syncsgd.comm.world import constants
 from syncsgd.util import jsonout
 
 _TAG = 4321
@@ -31,6 +33,13 @@ class Timeline:
     def __init__(self, comm: Any) -> None:
         comm.Barrier()  # a common origin for every rank's clock
         self.origin = time.perf_counter()
+        if isinstance(getattr(comm, "unwatched", comm), ThreadComm):
+            # Thread ranks read one clock, but leave the barrier up to tens of ms apart on a busy
+            # machine: their rows would be that far out of line. One origin for all of them.
+            mpi = constants(comm)
+            agreed = np.array([self.origin])
+            comm.Allreduce(mpi.IN_PLACE, agreed, op=mpi.MIN)
+            self.origin = float(agreed[0])
         self.rank = comm.Get_rank()
         self.spans: list[tuple[str, str, float, float, dict]] = []
         self.comm_spans: list[tuple[str, str, float, float, dict]] = []  # another thread's
@@ -118,6 +127,7 @@ def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
     axes = figure.add_subplot()
     steps = _step_starts(spans)
     origin = _steady_start(spans)
+    shown = _shown(spans, origin)
     if origin is None:
         origin = min((e["ts"] for e in spans), default=0.0)
     else:  # the first step loads the kernels: it would squeeze the rest to a line
@@ -127,10 +137,9 @@ def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
     end = max((e["ts"] + e["dur"] for e in spans), default=origin + 1.0)
     unit, scale = ("ms", 1e-3) if end - origin < 2e6 else ("s", 1e-6)
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (row, kind): the spans
-    for event in spans:
-        if event["ts"] + event["dur"] >= origin:
-            bars.setdefault((rows[event["tid"]], _kind(event)), []).append(
-                ((event["ts"] - origin) * scale, max(event["dur"] * scale, 0)))  # fmt: skip
+    for event in shown:
+        bars.setdefault((rows[event["tid"]], _kind(event)), []).append(
+            ((event["ts"] - origin) * scale, max(event["dur"] * scale, 0)))  # fmt: skip
     kinds: dict[str, str] = {}
     calls = False
     for (row, kind), xranges in bars.items():
@@ -219,6 +228,22 @@ def _steady_start(spans: list[dict]) -> float | None:
         return None
     return min(e["ts"] for e in spans
                if e.get("cat") == "compute" and e["args"].get("step") == steps[1])  # fmt: skip
+
+
+def _shown(spans: list[dict], origin: float | None) -> list[dict]:
+    """The spans the chart draws: on each rank's rows, those from the start of that rank's own
+    second step on (the untimed first step of a slower rank may end after another rank's second
+    step began); every span of a trace without steps."""
+    if origin is None:
+        return spans
+    second = min(e["args"]["step"] for e in spans if e.get("cat") == "compute"
+                 and "step" in e.get("args", {}) and e["ts"] >= origin)  # fmt: skip
+    starts: dict[int, float] = {}  # by rank: when its second step began
+    for e in spans:
+        if e.get("cat") == "compute" and e.get("args", {}).get("step") == second:
+            rank = int(e["tid"]) % COMM_ROW
+            starts[rank] = min(starts.get(rank, math.inf), float(e["ts"]))
+    return [e for e in spans if e["ts"] >= starts.get(int(e["tid"]) % COMM_ROW, origin)]
 
 
 def draw_gantt_file(trace_path: str, path: str, title: str = "timeline") -> None:

@@ -38,13 +38,26 @@ def figure_path(text: str) -> str:
     return text
 
 
+INSTALL_PLOT = "pip install -e '.[plot]' (from PyPI: pip install 'syncsgd[plot]')"
+
+
+def require_matplotlib(what: str = "a figure") -> None:
+    """A RuntimeError of one line naming the `plot` extra if matplotlib cannot be imported: call
+    it before any work, in the command and in every process that draws."""
+    try:
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        raise RuntimeError(f"{what} needs matplotlib: install the plot extra, {INSTALL_PLOT}"
+                           ) from None  # fmt: skip
+
+
 def figure_modules() -> tuple[Any, Any]:
     """matplotlib's Figure and Agg canvas, or a RuntimeError saying how to install them."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise RuntimeError("figures need matplotlib: pip install 'syncsgd[plot]'") from None
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     return Figure, FigureCanvasAgg
 
 
