@@ -52,6 +52,38 @@ def test_stage_1_is_bitwise_stage_0_for_any_p(ranks, update, batch, exact, overl
         assert sharded == both_stages(1, **options)[1]
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+def test_clipping_by_the_norm_over_every_shard(ranks):
+    # exact mode: the squares summed exactly and rounded once, so one SHA-256 at every P and
+    # stage; float mode: the shards' partial sums, within the float tolerance of stage 0
+    options = dict(MLP, batch_size=10, clip_norm=0.3, optimizer="adamw", lr=0.01)
+    exact = both_stages(ranks, **options, exact=True)
+    assert exact[0] == exact[1] == both_stages(1, **options, exact=True)[0]
+    replicated = train(ranks=ranks, backend="threads", **options)
+    sharded = train(ranks=ranks, backend="threads", zero_stage=1, **options)
+    assert np.max(np.abs(sharded.params - replicated.params)) <= 1e-12
+
+
+def test_the_exact_square_sum_is_the_rational_sum_rounded_once_however_split():
+    from fractions import Fraction
+
+    from syncsgd.nn.exact import SQUARE_LIMBS, add_square_limbs_, exact_square_sum, limbs_value
+
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        scale = 10.0 ** int(rng.integers(-160, 140))  # squares from subnormal to huge
+        values = rng.standard_normal(int(rng.integers(0, 200))) * scale
+        squares = [Fraction(float(np.float64(v) * np.float64(v))) for v in values]
+        expected = float(sum(squares, Fraction(0)))
+        assert exact_square_sum(values) == expected
+        limbs = np.zeros(SQUARE_LIMBS, np.int64)  # in pieces, in another order: the same bits
+        for part in np.array_split(values, int(rng.integers(1, 9)))[::-1]:
+            add_square_limbs_(part, limbs)
+        assert limbs_value(limbs) == expected
+    assert exact_square_sum(np.array([5e-324, 1e-160, 1.3e154])) == float(
+        Fraction(5e-324 * 5e-324) + Fraction(1e-160 * 1e-160) + Fraction(1.3e154 * 1.3e154))
+
+
 @pytest.mark.parametrize(("net", "ranks"), [(CONV, 3), (GPT, 2)])
 def test_stage_1_of_a_conv_net_and_a_gpt_is_bitwise_stage_0(net, ranks):
     options = dict(net, batch_size=6)
@@ -102,7 +134,6 @@ def test_the_json_and_the_summary_are_the_replicated_runs(tmp_path):
 @pytest.mark.parametrize(("options", "line"), [
     (["--zero-stage", "2"], "--zero-stage must be one of 0, 1"),
     (["--zero-stage", "1", "--algorithm", "tree"], "needs --algorithm ring, not tree"),
-    (["--zero-stage", "1", "--clip-norm", "1"], "--clip-norm needs the norm over every shard"),
     (["--zero-stage", "1", "--optimizer", "lamb"], "trust ratios need norms over every shard"),
     (["--zero-stage", "1", "--pitfall", "mean-of-means"], "--pitfall changes seams"),
 ])  # fmt: skip

@@ -172,3 +172,51 @@ def slot_exponent(value: float, global_batch: int) -> int:
 
 
 __all__ = ["extract_column_sum_", "extract_outer_sum_", "fixed_order_product_", "slot_exponent"]
+
+
+# -- the exact sum of squares: a global norm whose bits do not depend on how it is split ----------
+# Every finite float64 is an integer times 2^-1074. A square's integer, cut into 32-bit digits at
+# its place, is added digit by digit into int64 limbs of 32 bits: exact, in any order, for fewer
+# than 2^31 squares (each limb stays below 2^63); partial limbs from several ranks add exactly,
+# and the total is rounded once. docs/sharded.md uses it for the norms of a sharded step.
+SQUARE_LIMBS = 70  # 2^-1074 .. 2^1024 and the carries: 2,098 bits of place, 32 to a limb
+
+
+@njit(nogil=True, cache=True)
+def add_square_limbs_(values, limbs):
+    """limbs += the squares of `values` (squared in float64), as 32-bit digits at their places;
+    returns False if a square is not finite (then limbs mean nothing)."""
+    for value in values:
+        square = np.float64(value) * np.float64(value)
+        if not square < np.inf:  # inf or NaN
+            return False
+        if square == 0.0:
+            continue
+        fraction, exponent = math.frexp(square)
+        mantissa = np.int64(math.ldexp(fraction, 53))  # square = mantissa * 2^(exponent - 53)
+        place = exponent - 53 + 1074
+        if place < 0:  # a subnormal square: its low bits are zeros, shift them out exactly
+            mantissa >>= -place
+            place = 0
+        limb, shift = place // 32, place % 32
+        low = (mantissa & ((np.int64(1) << (32 - shift)) - 1)) << shift
+        rest = mantissa >> (32 - shift)  # below 2^52
+        limbs[limb] += low
+        limbs[limb + 1] += rest & np.int64(0xFFFFFFFF)
+        limbs[limb + 2] += rest >> 32
+    return True
+
+
+def limbs_value(limbs: np.ndarray) -> float:
+    """The sum the limbs hold, rounded once to float64."""
+    from fractions import Fraction
+
+    total = sum(int(limb) << (32 * place) for place, limb in enumerate(limbs))
+    return float(Fraction(total, 1 << 1074))
+
+
+def exact_square_sum(values: np.ndarray) -> float:
+    """The sum of the float64 squares of `values`, rounded once: the same bits in any order and
+    however the array is split (inf if a square is not finite)."""
+    limbs = np.zeros(SQUARE_LIMBS, np.int64)
+    return limbs_value(limbs) if add_square_limbs_(values.reshape(-1), limbs) else math.inf

@@ -124,6 +124,7 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
         base_batch=config.base_batch, batch_size=config.batch_size,
         noam_dim=widest(model),
         clip_norm=variant(config.pitfall, config.clip_norm, config.optimizer).global_clip_norm(),
+        exact_norm=config.exact,
     )  # fmt: skip
     run = Run(config, model, X, y, steps, optim,
               fingerprint(config, X, y, steps, sample_shape),

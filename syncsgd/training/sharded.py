@@ -16,13 +16,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from syncsgd.collectives.executor import execute, sent_bytes
 from syncsgd.collectives.schedules import Collective, chunk_bounds, owned_block
+from syncsgd.nn.exact import SQUARE_LIMBS, add_square_limbs_, limbs_value
 from syncsgd.nn.optim import learning_rate, make_optimizer
+from syncsgd.nn.optim.schedule import clip_
 
 REDUCE_SCATTER = Collective("reduce-scatter", "ring-allreduce")
 ALLGATHER = Collective("allgather", "ring-allreduce")
@@ -53,7 +56,10 @@ class ShardedUpdate:
         self.rider_bucket = self.buckets[-1]  # the riders ride in the last bucket
         self.width = width = sum(part.stop - part.start for part in self.owned)
         dtype = run.model.dtype
-        inner = make_optimizer(config.optimizer, run.optim, width, dtype, config)
+        # It clips by the norm over every shard, which this step reduces: not by its own.
+        self.optim = run.optim
+        inner = make_optimizer(config.optimizer, replace(run.optim, clip_norm=None), width, dtype,
+                               config)  # fmt: skip
         self.optimizer = ShardOptimizer(inner, self)
         self.params_shard, self.grad_shard = np.empty(width, dtype), np.empty(width, dtype)
         buffer = stepper.comm_buffer
@@ -64,6 +70,8 @@ class ShardedUpdate:
         self.reduce_scatter_ = functools.partial(execute, REDUCE_SCATTER, trace=trace)
         self.allgather_ = functools.partial(execute, ALLGATHER, trace=trace)
         self.allreduce_ = functools.partial(execute, "ring", trace=trace)
+        self.limbs = np.zeros(SQUARE_LIMBS, np.int64)  # exact mode's squares, summed exactly
+        self.grad_norm = math.nan
         if run.start is not None:  # resumed: this rank's blocks of the whole run's state
             self.optimizer.load_state_arrays(run.start.optimizer)
 
@@ -88,19 +96,45 @@ class ShardedUpdate:
         terms = batch_size * stepper.local_gradient.passes.positions
         scale = stepper.local_gradient.scale
         divisor = stepper.grad_sum.dtype.type(terms if scale == 1.0 else terms * scale)
-        finite, squares = True, 0.0
+        finite = True
         for part in self.owned:  # the same division, element by element, as the replicated one
             finite &= stepper.divide_finite_(stepper.grad_sum[part], divisor,
                                              stepper.grad_mean[part])  # fmt: skip
-            if stepper.want_grad_norm:
-                squares += float(np.dot(stepper.grad_mean[part].astype(np.float64),
-                                        stepper.grad_mean[part]))  # fmt: skip
-        self.agreed[-2:] = (0.0 if finite else 1.0), squares
+        self.agreed[-2:] = (0.0 if finite else 1.0), self.squares_()
         self.allreduce_(self.agreed, self.comm)
         self.riders[...] = self.agreed[: self.riders.size]
         loss = float(stepper.comm_buffer[stepper.loss_slot]) / terms
-        self.grad_norm = math.sqrt(self.agreed[-1]) if stepper.want_grad_norm else math.nan
-        return loss, math.isfinite(loss) and self.agreed[-2] == 0
+        finite = math.isfinite(loss) and self.agreed[-2] == 0
+        self.grad_norm = self.norm_(finite)
+        return loss, finite
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether this step takes the mean gradient's norm: to clip it, or for a log."""
+        return self.optim.clip_norm is not None or self.stepper.want_grad_norm
+
+    def squares_(self) -> float:
+        """This rank's part of the squared norm, summed in float64 (float mode); exact mode adds
+        its squares to the limbs instead (0 here)."""
+        grad_mean = self.stepper.grad_mean
+        if not self.needs_norm or self.optim.exact_norm:
+            self.limbs[...] = 0
+            if self.needs_norm:
+                for part in self.owned:
+                    add_square_limbs_(grad_mean[part], self.limbs)
+            return 0.0
+        return sum(float(np.dot(grad_mean[part].astype(np.float64), grad_mean[part]))
+                   for part in self.owned)  # fmt: skip
+
+    def norm_(self, finite: bool) -> float:
+        """The norm of the whole mean gradient (nan when not needed, or not finite): exact mode
+        sums the limbs over the ranks, integers, and rounds once: the bits of one rank's."""
+        if not self.needs_norm or not finite:
+            return math.nan
+        if not self.optim.exact_norm:
+            return math.sqrt(self.agreed[-1])
+        self.allreduce_(self.limbs, self.comm)
+        return math.sqrt(limbs_value(self.limbs))
 
     def update_(self, step: int, finite: bool) -> tuple[float, float]:
         """The optimizer's step on the owned blocks, then every bucket's parameters allgathered;
@@ -115,6 +149,8 @@ class ShardedUpdate:
             self.params_shard[start:stop] = params[part]
             self.grad_shard[start:stop] = grad_mean[part]
             start = stop
+        if self.optim.clip_norm is not None:  # the replicated step's first move, the same norm
+            clip_(self.grad_shard, self.optim.clip_norm, self.grad_norm)
         info = self.optimizer.step_(self.params_shard, self.grad_shard, step, want_norm=False)
         self.allgather_params_()
         return info["lr"], self.grad_norm

@@ -32,6 +32,9 @@ class OptimConfig:
     base_batch: int = 256
     batch_size: int = 256
     noam_dim: int = 1
+    # the global norm's squares summed exactly, rounded once (exact mode): the same bits however
+    # the gradient is split over shards; else NumPy's pairwise float64 sum
+    exact_norm: bool = False
 
     def __post_init__(self) -> None:
         """Check every field and normalise numbers to Python floats and ints."""
@@ -47,6 +50,7 @@ class OptimConfig:
             "base_batch": integer_at_least("base_batch", self.base_batch, low=1),
             "batch_size": integer_at_least("batch_size", self.batch_size, low=1),
             "noam_dim": integer_at_least("noam_dim", self.noam_dim, low=1),
+            "exact_norm": bool(self.exact_norm),
         }
         if values["schedule"] in ("warmup", "noam") and values["warmup_steps"] < 1:
             raise ValueError(f"schedule {values['schedule']!r} needs warmup_steps >= 1")
@@ -116,7 +120,13 @@ def clipped_(config: OptimConfig, grad: np.ndarray, step: int, squares: np.ndarr
     it), the gradient clipped in place to --clip-norm: every optimizer's first move."""
     lr = learning_rate(config, step)
     needs_norm = want_norm or config.clip_norm is not None
-    grad_norm = global_norm(grad, squares) if needs_norm else math.nan
+    grad_norm = math.nan
+    if needs_norm and config.exact_norm:
+        from syncsgd.nn.exact import exact_square_sum  # Numba: only when a norm is taken
+
+        grad_norm = math.sqrt(exact_square_sum(grad))
+    elif needs_norm:
+        grad_norm = global_norm(grad, squares)
     if config.clip_norm is not None:
         clip_(grad, config.clip_norm, grad_norm)
     return lr, grad_norm
