@@ -27,7 +27,7 @@ from syncsgd.nn.optim import (
     optimizer_options,
 )
 from syncsgd.training.data import DATASETS, SOURCES, TEXT_SOURCES, is_data_file, is_idx, is_text
-from syncsgd.training.variants import PITFALLS, variant
+from syncsgd.training.variants import PITFALLS, VARIANTS, variant
 from syncsgd.util.argtypes import (
     dimensions,
     finite_float,
@@ -415,6 +415,9 @@ def _check_sharding(config: TrainConfig) -> None:
     """What --zero-stage 1 does not combine with yet, in one line each: the reductions across
     shards (a global norm, a trust ratio, the noise scale), the allreduces without a matching
     reduce-scatter and a pitfall's seams."""
+    sharded_pitfall = config.pitfall is not None and VARIANTS[config.pitfall].sharded
+    _require(bool(config.zero_stage) or not sharded_pitfall,
+             f"--pitfall {config.pitfall} is the sharded step's: it needs --zero-stage 1")
     if not config.zero_stage:
         return
     flag = f"--zero-stage {config.zero_stage}"
@@ -424,7 +427,8 @@ def _check_sharding(config: TrainConfig) -> None:
              f"{config.optimizer}'s trust ratios need norms over every shard, which the sharded "
              "step does not reduce yet")  # fmt: skip
     _require(not config.noise_scale, f"{flag}: --noise-scale reads the whole mean gradient")
-    _require(config.pitfall is None, f"{flag}: --pitfall changes seams of the replicated step")
+    _require(config.pitfall is None or VARIANTS[config.pitfall].sharded,
+             f"{flag}: --pitfall {config.pitfall} changes a seam of the replicated step")
 
 
 def _check_labels(config: TrainConfig) -> None:

@@ -100,12 +100,15 @@ class ShardedUpdate:
         for part in self.owned:  # the same division, element by element, as the replicated one
             finite &= stepper.divide_finite_(stepper.grad_sum[part], divisor,
                                              stepper.grad_mean[part])  # fmt: skip
-        self.agreed[-2:] = (0.0 if finite else 1.0), self.squares_()
+        own_squares = self.squares_()
+        self.agreed[-2:] = (0.0 if finite else 1.0), own_squares
         self.allreduce_(self.agreed, self.comm)
         self.riders[...] = self.agreed[: self.riders.size]
         loss = float(stepper.comm_buffer[stepper.loss_slot]) / terms
-        finite = math.isfinite(loss) and self.agreed[-2] == 0
-        self.grad_norm = self.norm_(finite)
+        every = math.isfinite(loss) and self.agreed[-2] == 0
+        finite = stepper.variant.shard_finite(math.isfinite(loss) and finite, every)
+        own = self.own_norm(own_squares)  # (exact mode: from the limbs, before they are summed)
+        self.grad_norm = stepper.variant.shard_norm(own, self.norm_(every))
         return loss, finite
 
     @property
@@ -126,6 +129,12 @@ class ShardedUpdate:
         return sum(float(np.dot(grad_mean[part].astype(np.float64), grad_mean[part]))
                    for part in self.owned)  # fmt: skip
 
+    def own_norm(self, own_squares: float) -> float:
+        """The norm of this rank's blocks alone (a pitfall clips by it)."""
+        if not self.needs_norm:
+            return math.nan
+        return math.sqrt(limbs_value(self.limbs) if self.optim.exact_norm else own_squares)
+
     def norm_(self, finite: bool) -> float:
         """The norm of the whole mean gradient (nan when not needed, or not finite): exact mode
         sums the limbs over the ranks, integers, and rounds once: the bits of one rank's."""
@@ -139,16 +148,16 @@ class ShardedUpdate:
     def update_(self, step: int, finite: bool) -> tuple[float, float]:
         """The optimizer's step on the owned blocks, then every bucket's parameters allgathered;
         a non-finite step changes nothing. (lr, grad norm)."""
-        stepper = self.stepper
-        if not finite:
-            return learning_rate(stepper.optim, step), math.nan
+        stepper, start = self.stepper, 0
         params, grad_mean = stepper.params, stepper.grad_mean
-        start = 0
         for part in self.owned:  # the shard as one contiguous array: the optimizer's
             stop = start + part.stop - part.start
             self.params_shard[start:stop] = params[part]
             self.grad_shard[start:stop] = grad_mean[part]
             start = stop
+        if not finite:  # unchanged, but allgathered: a pitfall may make the ranks disagree
+            self.allgather_params_()
+            return learning_rate(stepper.optim, step), math.nan
         if self.optim.clip_norm is not None:  # the replicated step's first move, the same norm
             clip_(self.grad_shard, self.optim.clip_norm, self.grad_norm)
         info = self.optimizer.step_(self.params_shard, self.grad_shard, step, want_norm=False)

@@ -24,6 +24,7 @@ class Variant:
     # Options that make the pitfall show, and the smallest P at which it does (tests, teaching).
     shows_with: ClassVar[dict[str, Any]] = {}
     shows_at: ClassVar[int] = 2
+    sharded: ClassVar[bool] = False  # a pitfall of the sharded step (--zero-stage 1) alone
 
     def __init__(self, clip_norm: float | None = None, optimizer: str = "sgd") -> None:
         """`optimizer`: the run's --optimizer, for a pitfall that needs a particular one."""
@@ -57,6 +58,14 @@ class Variant:
     def global_clip_norm(self) -> float | None:
         """The norm the allreduced gradient is clipped to (None: no clipping)."""
         return self.clip_norm
+
+    def shard_norm(self, own: float, every: float) -> float:
+        """The norm a sharded rank clips its blocks by: the norm over every shard's, not `own`."""
+        return every
+
+    def shard_finite(self, own: bool, every: bool) -> bool:
+        """Whether a sharded rank takes the step: every shard finite, not only its `own`."""
+        return every
 
 
 class MeanOfMeans(Variant):
@@ -189,9 +198,38 @@ class LocalTrustRatio(Variant):
         return [("local trust ratios", len(optimizer.slices), fill_, read_)]
 
 
+class ShardLocalClip(Variant):
+    """Sharded: every rank clips its blocks by the norm of its own blocks."""
+
+    name = "shard-local-clip"
+    why = "each rank clips its shard by the shard's norm: the shards' parts are not the whole"
+    shows_with = {"zero_stage": 1, "clip_norm": 0.05}
+    sharded = True
+
+    def __init__(self, clip_norm: float | None = None, optimizer: str = "sgd") -> None:
+        if clip_norm is None:
+            raise ValueError("--pitfall shard-local-clip needs --clip-norm")
+        super().__init__(clip_norm, optimizer)
+
+    def shard_norm(self, own: float, every: float) -> float:
+        return own
+
+
+class ShardLocalOverflow(Variant):
+    """Sharded: every rank checks its own blocks for an inf or NaN before it takes the step."""
+
+    name = "shard-local-overflow"
+    why = "each rank checks only its shard for an overflow: the ranks skip different steps"
+    shows_with = {"zero_stage": 1, "precision": "fp16", "loss_scale": "dynamic"}
+    sharded = True
+
+    def shard_finite(self, own: bool, every: bool) -> bool:
+        return own
+
+
 VARIANTS: dict[str, type[Variant]] = {
     v.name: v for v in (MeanOfMeans, LocalClip, UnsyncedShuffle, Fp32Allreduce, PadDuplicate,
-                        AccumulateMeans, LocalTrustRatio)
+                        AccumulateMeans, LocalTrustRatio, ShardLocalClip, ShardLocalOverflow)
     if v.name is not None
 }  # fmt: skip
 PITFALLS = tuple(VARIANTS)
