@@ -53,10 +53,14 @@ def test_stage_1_is_bitwise_stage_0_for_any_p(ranks, update, batch, exact, overl
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 5])
-def test_clipping_by_the_norm_over_every_shard(ranks):
-    # exact mode: the squares summed exactly and rounded once, so one SHA-256 at every P and
-    # stage; float mode: the shards' partial sums, within the float tolerance of stage 0
-    options = dict(MLP, batch_size=10, clip_norm=0.3, optimizer="adamw", lr=0.01)
+@pytest.mark.parametrize("update", [dict(clip_norm=0.3, optimizer="adamw", lr=0.01),
+                                    dict(optimizer="lamb", lr=0.01, bucket_bytes=96),
+                                    dict(optimizer="lars", momentum=0.9, clip_norm=0.3)])
+def test_norms_over_every_shard_clip_and_scale_as_the_whole_gradients(ranks, update):
+    # a global norm to clip by, LAMB's and LARS's trust ratio per tensor (a tensor may span the
+    # blocks of several ranks); exact mode: the squares summed exactly and rounded once, so one
+    # SHA-256 at every P and stage; float mode: the parts' sums, within the float tolerance
+    options = dict(MLP, batch_size=10, **update)
     exact = both_stages(ranks, **options, exact=True)
     assert exact[0] == exact[1] == both_stages(1, **options, exact=True)[0]
     replicated = train(ranks=ranks, backend="threads", **options)
@@ -134,7 +138,6 @@ def test_the_json_and_the_summary_are_the_replicated_runs(tmp_path):
 @pytest.mark.parametrize(("options", "line"), [
     (["--zero-stage", "2"], "--zero-stage must be one of 0, 1"),
     (["--zero-stage", "1", "--algorithm", "tree"], "needs --algorithm ring, not tree"),
-    (["--zero-stage", "1", "--optimizer", "lamb"], "trust ratios need norms over every shard"),
     (["--zero-stage", "1", "--pitfall", "mean-of-means"], "changes a seam of the replicated"),
 ])  # fmt: skip
 def test_what_the_sharded_step_cannot_do_is_one_line(options, line, capsys):

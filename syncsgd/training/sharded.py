@@ -26,6 +26,7 @@ from syncsgd.collectives.schedules import Collective, chunk_bounds, owned_block
 from syncsgd.nn.exact import SQUARE_LIMBS, add_square_limbs_, limbs_value
 from syncsgd.nn.optim import learning_rate, make_optimizer
 from syncsgd.nn.optim.schedule import clip_
+from syncsgd.nn.optim.tensors import FlatOptimizer, tensor_slices
 
 REDUCE_SCATTER = Collective("reduce-scatter", "ring-allreduce")
 ALLGATHER = Collective("allgather", "ring-allreduce")
@@ -58,8 +59,16 @@ class ShardedUpdate:
         dtype = run.model.dtype
         # It clips by the norm over every shard, which this step reduces: not by its own.
         self.optim = run.optim
+        # Its tensors are the pieces of the model's tensors in the blocks it owns, their norms
+        # (LAMB's, LARS's trust ratios) summed over the ranks.
+        self.pieces = pieces(self.owned, tensor_slices(run.model.layout(), n_params))
+        layout = [(f"piece {index}", (stop - start,), offset) for index, (_, start, stop, offset)
+                  in enumerate(self.pieces)]  # fmt: skip
         inner = make_optimizer(config.optimizer, replace(run.optim, clip_norm=None), width, dtype,
-                               config)  # fmt: skip
+                               config, layout)  # fmt: skip
+        if isinstance(inner, FlatOptimizer):  # the Adam family: LAMB's, LARS's norms
+            inner.shared_norms = self.tensor_norms
+        self.n_tensors = len(run.model.layout())
         self.optimizer = ShardOptimizer(inner, self)
         self.params_shard, self.grad_shard = np.empty(width, dtype), np.empty(width, dtype)
         buffer = stepper.comm_buffer
@@ -129,6 +138,21 @@ class ShardedUpdate:
         return sum(float(np.dot(grad_mean[part].astype(np.float64), grad_mean[part]))
                    for part in self.owned)  # fmt: skip
 
+    def tensor_norms(self, values: np.ndarray, slices: list[slice]) -> list[float]:
+        """Every piece's tensor's norm: the pieces' squares summed per tensor over the ranks
+        (exact mode: exactly, in limbs; else in float64)."""
+        exact = self.optim.exact_norm
+        sums = np.zeros((self.n_tensors, SQUARE_LIMBS) if exact else self.n_tensors,
+                        np.int64 if exact else np.float64)  # fmt: skip
+        for (tensor, _, _, _), part in zip(self.pieces, slices, strict=True):
+            if exact:
+                add_square_limbs_(values[part], sums[tensor])
+            else:
+                sums[tensor] += float(np.dot(values[part].astype(np.float64), values[part]))
+        self.allreduce_(sums.reshape(-1), self.comm)
+        whole = [limbs_value(row) for row in sums] if exact else sums.tolist()
+        return [math.sqrt(whole[tensor]) for tensor, _, _, _ in self.pieces]
+
     def own_norm(self, own_squares: float) -> float:
         """The norm of this rank's blocks alone (a pitfall clips by it)."""
         if not self.needs_norm:
@@ -183,6 +207,19 @@ class ShardedUpdate:
     def taken(self, whole: np.ndarray) -> np.ndarray:
         """This rank's blocks of an array of the parameters' layout, as one array."""
         return np.concatenate([whole[part] for part in self.owned]) if self.owned else whole[:0]
+
+
+def pieces(owned: list[slice], tensors: list[slice]) -> list[tuple[int, int, int, int]]:
+    """(tensor, start, stop, offset in the shard) of every piece of a tensor in the owned blocks,
+    in the shard's order."""
+    found, offset = [], 0
+    for part in owned:
+        for tensor, whole in enumerate(tensors):
+            start, stop = max(part.start, whole.start), min(part.stop, whole.stop)
+            if stop > start:
+                found.append((tensor, start, stop, offset))
+                offset += stop - start
+    return found
 
 
 class ShardOptimizer:

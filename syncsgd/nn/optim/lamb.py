@@ -22,7 +22,7 @@ from syncsgd.nn.optim.schedule import (
     OptimConfig,
     clipped_,
 )
-from syncsgd.nn.optim.tensors import LayerwiseOptimizer, Layout, Moments, tensor_norms
+from syncsgd.nn.optim.tensors import LayerwiseOptimizer, Layout, Moments
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,7 @@ class LAMB(LayerwiseOptimizer):
 
     def ratios(self, params: np.ndarray, update: np.ndarray) -> list[float]:
         """‖θ‖ / ‖u‖ per tensor, 1 where either norm is 0."""
-        param_norms = tensor_norms(params, self.slices, self._squares)
-        update_norms = tensor_norms(update, self.slices, self._squares)
+        param_norms, update_norms = self.norms(params), self.norms(update)
         return [theta / norm if theta > 0 and norm > 0 else 1.0
                 for theta, norm in zip(param_norms, update_norms, strict=True)]  # fmt: skip
 

@@ -21,7 +21,7 @@ from syncsgd.nn.optim.schedule import (
     clipped_,
 )
 from syncsgd.nn.optim.sgd import SGDOptions
-from syncsgd.nn.optim.tensors import LayerwiseOptimizer, Layout, load_array, tensor_norms
+from syncsgd.nn.optim.tensors import LayerwiseOptimizer, Layout, load_array
 from syncsgd.util.argtypes import positive_float
 from syncsgd.util.options import errors, option, option_from
 
@@ -93,8 +93,7 @@ class LARS(LayerwiseOptimizer):
     def trust_ratios(self, params: np.ndarray, grad: np.ndarray) -> list[float]:
         """λ = η ‖θ‖ / (‖g‖ + wd ‖θ‖) per tensor for the mean gradient `grad` (before decay)."""
         decay, eta = self.options.weight_decay or 0.0, self.options.trust_coefficient
-        param_norms = tensor_norms(params, self.slices, self._squares)
-        grad_norms = tensor_norms(grad, self.slices, self._squares)
+        param_norms, grad_norms = self.norms(params), self.norms(grad)
         return [eta * theta / (norm + decay * theta) if theta > 0 and norm > 0 else 1.0
                 for theta, norm in zip(param_norms, grad_norms, strict=True)]  # fmt: skip
 

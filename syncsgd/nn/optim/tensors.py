@@ -2,12 +2,15 @@
 Adam's moments (with their checkpoint state), and the check of a flat array.
 
 Every reduction here (a tensor's norm) is squared and summed in float64 in NumPy's fixed order,
-as `global_norm` is, so every rank computes the same bits from the same parameters.
+as `global_norm` is, so every rank computes the same bits from the same parameters; exact mode
+sums the squares exactly (`nn.exact.exact_square_sum`), so that a tensor split over the ranks of a
+sharded step (`shared_norms`) has the norm it has whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -126,6 +129,9 @@ class FlatOptimizer:
     arrays. A subclass sets `Options` and allocates its own state."""
 
     Options: ClassVar[Any]
+    # How the squares of a tensor become its norm when its tensors are pieces of the model's,
+    # held by several ranks (a sharded step's): (values, slices) -> every piece's tensor's norm
+    shared_norms: Callable[[np.ndarray, list[slice]], list[float]] | None = None
 
     def __init__(self, config: Any, n_params: int, dtype: str | np.dtype, options: Any = None,
                  layout: Layout | None = None) -> None:  # fmt: skip
@@ -137,6 +143,17 @@ class FlatOptimizer:
         # all buffers are allocated when the optimizer is made; a step allocates nothing this long
         self._scratch = np.empty(self.n_params, dtype=self.dtype)
         self._squares = np.empty(self.n_params, dtype=np.float64)
+
+    def norms(self, values: np.ndarray) -> list[float]:
+        """The L2 norm of every tensor of `values`: pairwise in float64, exact mode's squares
+        summed exactly (the same bits however the tensor is split), or over the ranks."""
+        if self.shared_norms is not None:
+            return self.shared_norms(values, self.slices)
+        if self.config.exact_norm:
+            from syncsgd.nn.exact import exact_square_sum  # Numba: only when a norm is taken
+
+            return [math.sqrt(exact_square_sum(values[part])) for part in self.slices]
+        return tensor_norms(values, self.slices, self._squares)
 
     def check_(self, params: np.ndarray, grad: np.ndarray) -> None:
         """ValueError unless both are contiguous (n_params,) arrays of the optimizer's dtype."""
