@@ -212,3 +212,12 @@ def test_each_sharded_pitfall_breaks_what_it_should(pitfall, options):
 def test_a_sharded_pitfall_needs_the_sharded_step(capsys):
     assert main(["train", "--steps", "1", "--pitfall", "shard-local-overflow"]) == 1
     assert "needs --zero-stage 1" in capsys.readouterr().err
+
+
+def test_the_noise_scale_takes_the_norm_over_every_shard():
+    options = dict(samples=256, features=8, hidden=(16,), batch_size=32, steps=20, seed=4,
+                   noise_scale=True)  # fmt: skip
+    replicated = train(ranks=3, backend="threads", **options).noise_scale
+    sharded = train(ranks=3, backend="threads", zero_stage=1, **options).noise_scale
+    assert replicated is not None and sharded is not None
+    assert abs(sharded - replicated) <= 1e-12 * replicated

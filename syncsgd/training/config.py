@@ -423,7 +423,6 @@ def _check_sharding(config: TrainConfig) -> None:
     flag = f"--zero-stage {config.zero_stage}"
     _require(config.algorithm == "ring", f"{flag} reduce-scatters with the ring allreduce's first "
              f"half: it needs --algorithm ring, not {config.algorithm}")  # fmt: skip
-    _require(not config.noise_scale, f"{flag}: --noise-scale reads the whole mean gradient")
     _require(config.pitfall is None or VARIANTS[config.pitfall].sharded,
              f"{flag}: --pitfall {config.pitfall} changes a seam of the replicated step")
 

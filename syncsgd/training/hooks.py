@@ -183,11 +183,18 @@ class NoiseScale(Hook):
     def __init__(self, result: TrainResult, n_params: int) -> None:
         self.result, self.meter = result, NoiseScaleMeter(n_params)
         self.rider = Rider("noise sums", 3, self.meter.local_, self.read_)
+        self.sharded: Any = None  # a sharded step's end: its norm over every shard is |G_B|
+
+    def attach(self, stepper: DataParallelStep) -> None:
+        if stepper.end is not stepper:  # no rank holds the whole mean gradient
+            self.sharded, stepper.want_grad_norm = stepper.end, True
 
     def read_(self, slots: np.ndarray, grad_mean: np.ndarray, batch_size: int,
               finite: bool) -> None:  # fmt: skip
         """Before the update changes the mean gradient: this step's running estimate."""
-        self.result.noise_scales.append(self.meter.add(slots, grad_mean, batch_size, finite))
+        whole = None if self.sharded is None else self.sharded.grad_norm
+        self.result.noise_scales.append(self.meter.add(slots, grad_mean, batch_size, finite,
+                                                       whole))  # fmt: skip
 
     def close(self) -> None:
         self.result.noise_scale = self.meter.running.value

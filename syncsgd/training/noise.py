@@ -71,11 +71,13 @@ class NoiseScaleMeter:
         mean_norm = global_norm(grad_sum, self.squares) / shard_size
         slots[:] = (mean_norm**2, 1, 1 / shard_size)
 
-    def add(self, slots: np.ndarray, grad: np.ndarray, batch_size: int, finite: bool) -> float:
-        """After it: the step's estimates from the summed slots and |G_B|; the running B_simple."""
+    def add(self, slots: np.ndarray, grad: np.ndarray, batch_size: int, finite: bool,
+            whole_norm: float | None = None) -> float:  # fmt: skip
+        """After it: the step's estimates from the summed slots and |G_B| (`whole_norm`, when no
+        rank holds the whole mean gradient `grad`); the running B_simple."""
         if not finite:
             return self.running.add(None)
-        big_norm_sq = global_norm(grad, self.squares) ** 2
+        big_norm_sq = (global_norm(grad, self.squares) if whole_norm is None else whole_norm) ** 2
         small_norms_sq, ranks_with_samples, inverse_sizes = slots
         return self.running.add(
             estimate(small_norms_sq, ranks_with_samples, inverse_sizes, big_norm_sq, batch_size)
