@@ -197,6 +197,7 @@ def test_the_bytes_sent_per_step_are_the_rings_at_both_stages(ranks):
 
 @pytest.mark.parametrize(("pitfall", "options"), [
     ("shard-local-clip", dict(clip_norm=0.05)),
+    ("shard-local-trust-ratio", dict(optimizer="lamb", lr=0.01)),
     ("shard-local-overflow", dict(precision="fp16")),
 ])  # fmt: skip
 def test_each_sharded_pitfall_breaks_what_it_should(pitfall, options):

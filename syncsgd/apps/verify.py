@@ -295,7 +295,7 @@ def comment(text: str) -> str:
 
 ALL = "all"  # --pitfall all: every pitfall, one row each
 
-ALL_HEADER = (f"{'pitfall':<20} {'P':>2} {'loss':>8} {'serial':>8} {'acc':>6} {'serial':>6} "
+ALL_HEADER = (f"{'pitfall':<23} {'P':>2} {'loss':>7} {'serial':>7} {'acc':>6} {'serial':>6} "
               f"{'relative':>8} {'1st diff':>8} {'shows':>5}")  # fmt: skip
 
 
@@ -341,7 +341,7 @@ def format_pitfall(line: PitfallRow) -> str:
 
     first = "-" if line.row.first_difference is None else f"step {line.row.first_difference}"
     return (
-        f"{line.pitfall:<20} {line.ranks:>2} {line.loss:>8.5g} {line.serial_loss:>8.5g} "
+        f"{line.pitfall:<23} {line.ranks:>2} {line.loss:>7.5g} {line.serial_loss:>7.5g} "
         f"{accuracy(line.accuracy):>6} {accuracy(line.serial_accuracy):>6} "
         f"{line.row.relative_diff:>8.3g} {first:>8} {'yes' if line.shows else 'NO':>5}"
     )

@@ -23,9 +23,9 @@ import numpy as np
 
 from syncsgd.collectives.executor import execute, sent_bytes
 from syncsgd.collectives.schedules import Collective, chunk_bounds, owned_block
-from syncsgd.nn.exact import SQUARE_LIMBS, add_square_limbs_, limbs_value
+from syncsgd.nn.exact import SQUARE_LIMBS, add_square_limbs_, exact_square_sum, limbs_value
 from syncsgd.nn.optim import learning_rate, make_optimizer
-from syncsgd.nn.optim.schedule import clip_
+from syncsgd.nn.optim.schedule import clip_, global_norm
 from syncsgd.nn.optim.tensors import FlatOptimizer, tensor_slices
 
 REDUCE_SCATTER = Collective("reduce-scatter", "ring-allreduce")
@@ -144,14 +144,18 @@ class ShardedUpdate:
         exact = self.optim.exact_norm
         sums = np.zeros((self.n_tensors, SQUARE_LIMBS) if exact else self.n_tensors,
                         np.int64 if exact else np.float64)  # fmt: skip
+        own = []
         for (tensor, _, _, _), part in zip(self.pieces, slices, strict=True):
             if exact:
                 add_square_limbs_(values[part], sums[tensor])
+                own.append(math.sqrt(exact_square_sum(values[part])))
             else:
                 sums[tensor] += float(np.dot(values[part].astype(np.float64), values[part]))
+                own.append(global_norm(values[part]))
         self.allreduce_(sums.reshape(-1), self.comm)
         whole = [limbs_value(row) for row in sums] if exact else sums.tolist()
-        return [math.sqrt(whole[tensor]) for tensor, _, _, _ in self.pieces]
+        every = [math.sqrt(whole[tensor]) for tensor, _, _, _ in self.pieces]
+        return self.stepper.variant.shard_tensor_norms(own, every)
 
     def own_norm(self, own_squares: float) -> float:
         """The norm of this rank's blocks alone (a pitfall clips by it)."""

@@ -67,6 +67,11 @@ class Variant:
         """Whether a sharded rank takes the step: every shard finite, not only its `own`."""
         return every
 
+    def shard_tensor_norms(self, own: list[float], every: list[float]) -> list[float]:
+        """The norms of its pieces of the model's tensors a sharded rank's trust ratios take: the
+        whole tensors', not its `own` pieces'."""
+        return every
+
 
 class MeanOfMeans(Variant):
     """Every rank sends its shard's mean gradient and the sum is divided by P."""
@@ -215,6 +220,23 @@ class ShardLocalClip(Variant):
         return own
 
 
+class ShardLocalTrustRatio(Variant):
+    """Sharded: LAMB's or LARS's ratio of a tensor from the part of it a rank holds."""
+
+    name = "shard-local-trust-ratio"
+    why = "trust ratios from the part of a tensor a rank holds: its parts' norms are not its own"
+    shows_with = {"zero_stage": 1, "optimizer": "lamb", "lr": 0.01}
+    sharded = True
+
+    def __init__(self, clip_norm: float | None = None, optimizer: str = "sgd") -> None:
+        if optimizer not in ("lamb", "lars"):
+            raise ValueError("--pitfall shard-local-trust-ratio needs --optimizer lamb or lars")
+        super().__init__(clip_norm, optimizer)
+
+    def shard_tensor_norms(self, own: list[float], every: list[float]) -> list[float]:
+        return own
+
+
 class ShardLocalOverflow(Variant):
     """Sharded: every rank checks its own blocks for an inf or NaN before it takes the step."""
 
@@ -229,7 +251,8 @@ class ShardLocalOverflow(Variant):
 
 VARIANTS: dict[str, type[Variant]] = {
     v.name: v for v in (MeanOfMeans, LocalClip, UnsyncedShuffle, Fp32Allreduce, PadDuplicate,
-                        AccumulateMeans, LocalTrustRatio, ShardLocalClip, ShardLocalOverflow)
+                        AccumulateMeans, LocalTrustRatio, ShardLocalClip, ShardLocalTrustRatio,
+                        ShardLocalOverflow)
     if v.name is not None
 }  # fmt: skip
 PITFALLS = tuple(VARIANTS)
