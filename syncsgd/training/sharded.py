@@ -25,7 +25,7 @@ from syncsgd.collectives.executor import execute, sent_bytes
 from syncsgd.collectives.schedules import Collective, chunk_bounds, owned_block
 from syncsgd.nn.exact import SQUARE_LIMBS, add_square_limbs_, exact_square_sum, limbs_value
 from syncsgd.nn.optim import learning_rate, make_optimizer
-from syncsgd.nn.optim.schedule import clip_, global_norm
+from syncsgd.nn.optim.schedule import clip_
 from syncsgd.nn.optim.tensors import FlatOptimizer, tensor_slices
 
 REDUCE_SCATTER = Collective("reduce-scatter", "ring-allreduce")
@@ -150,8 +150,9 @@ class ShardedUpdate:
                 add_square_limbs_(values[part], sums[tensor])
                 own.append(math.sqrt(exact_square_sum(values[part])))
             else:
-                sums[tensor] += float(np.dot(values[part].astype(np.float64), values[part]))
-                own.append(global_norm(values[part]))
+                squares = float(np.dot(values[part].astype(np.float64), values[part]))
+                sums[tensor] += squares
+                own.append(math.sqrt(squares))
         self.allreduce_(sums.reshape(-1), self.comm)
         whole = [limbs_value(row) for row in sums] if exact else sums.tolist()
         every = [math.sqrt(whole[tensor]) for tensor, _, _, _ in self.pieces]
