@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import statistics
 import subprocess
@@ -83,7 +84,7 @@ def pin(ranks: int) -> None:
         os.sched_setaffinity(0, cores[:ranks])
 
 
-def serve(net: str, ranks: int, dtype: str) -> None:
+def serve(net: str, ranks: int, dtype: str, extra: dict[str, Any]) -> None:
     """Answer 'N' lines with 'seconds CPU-seconds digest' per step of `net` over N steps until
     stdin closes (the digest: of rank 0's final parameters)."""
     pin(ranks)
@@ -96,7 +97,7 @@ def serve(net: str, ranks: int, dtype: str) -> None:
     from syncsgd.training.loop import train_rank
     from syncsgd.training.run import prepare
 
-    config = TrainConfig(steps=2, seed=SEED, dtype=dtype, **NETS[net])
+    config = TrainConfig(steps=2, seed=SEED, dtype=dtype, **{**NETS[net], **extra})
     run = prepare(config)
     print("ready", os.path.dirname(os.path.dirname(os.path.abspath(syncsgd.__file__))),
           flush=True)  # fmt: skip
@@ -113,10 +114,12 @@ def serve(net: str, ranks: int, dtype: str) -> None:
 class Tree:
     """One tree's server process for one (net, P, dtype)."""
 
-    def __init__(self, root: str, net: str, ranks: int, dtype: str) -> None:
+    def __init__(self, root: str, net: str, ranks: int, dtype: str,
+                 extra: dict[str, Any]) -> None:  # fmt: skip
         env = dict(os.environ, PYTHONPATH=root)
         command = [sys.executable, os.path.abspath(__file__), "--serve", "--nets", net,
-                   "--ranks", str(ranks), "--dtypes", dtype]  # fmt: skip
+                   "--ranks", str(ranks), "--dtypes", dtype, "--new-options",
+                   json.dumps(extra)]  # fmt: skip
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True, env=env, cwd=root)  # fmt: skip
         word, _, imported = self.read().partition(" ")
@@ -160,7 +163,8 @@ def measure(options: argparse.Namespace) -> dict[Key, dict[str, Any]]:
     try:
         for net, ranks, dtype in keys:
             for tree in TREES:
-                servers[net, ranks, dtype, tree] = Tree(roots[tree], net, ranks, dtype)
+                extra = options.new_options if tree == "new" else {}
+                servers[net, ranks, dtype, tree] = Tree(roots[tree], net, ranks, dtype, extra)
         for server in servers.values():
             server.ask(options.warmup)
         out: dict[Key, dict[str, Any]] = {
@@ -194,7 +198,7 @@ def report(options: argparse.Namespace, out: dict[Key, dict[str, Any]]) -> None:
         ratios = [n / b for n, b in zip(row["new"], row["before"], strict=True)]
         ratio = statistics.median(ratios)
         cpu = [n / b for n, b in zip(row["cpu new"], row["cpu before"], strict=True)]
-        verdict = "within" if ratio <= BAR else "ABOVE"
+        verdict = "within" if ratio <= options.bar else "ABOVE"
         same = "equal" if row["equal"] else "differ"
         print(f"{net:>3} {ranks:>2} {dtype:>8} {before * 1e3:>8.3f} {new * 1e3:>8.3f} "
               f"{ratio:>10.3f} {min(ratios):>6.3f}-{max(ratios):<6.3f} {verdict:>6} "
@@ -220,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps per round (20)")
     parser.add_argument("--warmup", type=int, default=10, help="burn-in steps (10)")
     parser.add_argument("--verbose", action="store_true", help="print every round's times")
+    parser.add_argument("--new-options", type=json.loads, default={}, metavar="JSON",
+                        help='TrainConfig fields of the new side only, e.g. \'{"zero_stage": 1}\' '
+                        "with --before . (this tree): a sharded step against the replicated one")
+    parser.add_argument("--bar", type=float, default=BAR, help=f"the bar of new/before ({BAR})")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     options.ranks = [int(text) for text in options.ranks.split(",")]
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--nets {','.join(unknown)}: use some of {','.join(NETS)}")
     if options.serve:
-        serve(options.nets[0], options.ranks[0], options.dtypes[0])
+        serve(options.nets[0], options.ranks[0], options.dtypes[0], options.new_options)
         return 0
     if not os.path.isdir(os.path.join(options.before, "syncsgd")):
         parser.error(f"--before {options.before!r} holds no syncsgd package")
@@ -241,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
           f"per rank; cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")  # fmt: skip
     out = measure(options)
     report(options, out)
-    print(f"# new/before: the median of the rounds' ratios (bar {BAR}); fastest n/b: the fastest "
-          f"round of each tree, the cost without a neighbour's interference; params: whether both "
-          f"trees' final parameters were bitwise equal in every round; load at the end "
+    print(f"# new/before: the median of the rounds' ratios (bar {options.bar}); fastest n/b: the "
+          f"fastest round of each tree, the cost without a neighbour's interference; params: "
+          f"whether both trees' final parameters were bitwise equal in every round; load at the end "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
     return 0
 
