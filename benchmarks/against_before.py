@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     report(options, out)
     print(f"# new/before: the median of the rounds' ratios (bar {options.bar}); fastest n/b: the "
           f"fastest round of each tree, the cost without a neighbour's interference; params: "
-          f"whether both trees' final parameters were bitwise equal in every round; load at the end "
-          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+          f"whether both trees' final parameters were bitwise equal in every round; load at the "
+          f"end {os.getloadavg()[0]:.2f}")  # fmt: skip
     return 0
 
 
