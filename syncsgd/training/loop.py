@@ -105,6 +105,7 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
         result.seconds = time.perf_counter() - started
         record_comm(result, stepper)  # BatchNorm's allreduces, if any
         result.bytes_sent_per_step = stepper.bytes_per_step
+        result.memory_bytes = stepper.memory_bytes()
     if timeline is not None:
         assert timeline_path is not None  # a timeline is kept only with a path to write it to
         write_timeline(Watched(comm, "the timeline's gather"), timeline, timeline_path)

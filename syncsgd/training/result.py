@@ -52,6 +52,9 @@ class TrainResult:
     # what rank 0 sends per step in the gradient's exchange, as the executor's messages carry it
     # (None: the library's own allreduce); BatchNorm's allreduces and exact mode's peaks aside
     bytes_sent_per_step: int | None = None
+    # what rank 0 holds, by category: the bytes of the arrays each holds (allocated once, so
+    # their peak over a step): parameters, gradients (the sums and the mean), optimizer state
+    memory_bytes: dict[str, int] = field(default_factory=dict)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The parameters as W0, b0, W1, b1, ... and BatchNorm's running statistics (copies)."""
@@ -127,7 +130,7 @@ def document(result: TrainResult, comm_size: int, backend: str,
                            "losses": result.losses, "evals": held,
                            "skipped_steps": result.skipped_steps,
                            "params_sha256": sha256(result.params)}  # fmt: skip
-    for kept in ("loss_scales", "noise_scales"):  # where kept: with loss scaling, --noise-scale
+    for kept in ("loss_scales", "noise_scales", "memory_bytes"):  # where kept
         if getattr(result, kept):
             out[kept] = getattr(result, kept)
     out["null_because"] = null_reasons(out, config)
