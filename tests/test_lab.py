@@ -232,3 +232,19 @@ def test_under_mpiexec_a_deadlock_ends_at_the_timeout(tmp_path):
     assert ("collective timeout: no progress for 1 s (--timeout): rank 0 in allreduce (n = 0): "
             "call 1, Recv from rank 1 (deadlock.py:8), waiting for rank 1; rank 1 in allreduce "
             "(n = 0): call 1, Recv from rank 0 (deadlock.py:8)") in done.stderr
+
+
+@pytest.mark.parametrize("code, spec, line", [
+    ("def allreduce(buf, comm)\n    pass\n", "bad.py", "bad.py:1: syntax error: expected ':'"),
+    ("import no_such_module\n", "bad.py", "bad.py: importing it raised ModuleNotFoundError: "
+     "No module named 'no_such_module' (bad.py:1)"),
+    ("def helper(buf, comm):\n    pass\n", "bad.py", "bad.py has no function allreduce (its "
+     "functions: helper); name it as FILE:FUNCTION"),
+    ("def helper(buf, comm):\n    pass\n", "bad.py:other", "bad.py has no function other"),
+])  # fmt: skip
+def test_an_answer_that_does_not_load_is_one_line(tmp_path, monkeypatch, capsys, code, spec, line):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.py").write_text(code)
+    assert main(["lab", "check", spec, "--kind", "ring-allreduce"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"syncsgd: error: {line}\n" or (line in err and err.count("\n") == 1), err
