@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import requires_mpi, run_mpiexec
 
-from syncsgd.apps.lab_comm import LabComm
+from syncsgd.apps.lab_comm import LabComm, load_answer
 from syncsgd.apps.lab_grade import Case, Outcome, judge
 from syncsgd.apps.lab_kinds import KINDS
 from syncsgd.cli import main
@@ -84,6 +84,94 @@ def allreduce(buf, comm):
         time.sleep(60)  # rank 0 never sends: the others wait for it
     if rank:
         comm.Recv(buf, source=0)
+'''
+# The other collectives, on the buffer layout of syncsgd.collectives.schedules.
+PARTS = '''
+import numpy as np
+
+
+def _blocks(n, size):
+    sizes = [len(part) for part in np.array_split(np.arange(n), size)]
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    return [slice(bounds[b], bounds[b + 1]) for b in range(size)]
+
+
+def broadcast(buf, comm, root):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    v = (rank - root) % size
+    block = _blocks(buf.size, size)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for step in range(max(v - 1, 0), v + size):
+        send, recv = step - v, step - v + 1
+        sends = v < size - 1 and 0 <= send < size
+        recvs = v > 0 and recv < size
+        if sends and recvs:
+            comm.Sendrecv(buf[block[send]], right, recvbuf=buf[block[recv]], source=left)
+        elif sends:
+            comm.Send(buf[block[send]], right)
+        elif recvs:
+            comm.Recv(buf[block[recv]], left)
+
+
+def reduce(buf, comm, root):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    v = size - 1 - (rank - root) % size  # 0: the farthest from the root
+    block = _blocks(buf.size, size)
+    ahead, behind = (rank - 1) % size, (rank + 1) % size
+    scratch = np.empty_like(buf)
+    for step in range(max(v - 1, 0), v + size):
+        send, recv = step - v, step - v + 1
+        sends = v < size - 1 and 0 <= send < size
+        recvs = v > 0 and recv < size
+        incoming = scratch[block[recv]] if recvs else None
+        if sends and recvs:
+            comm.Sendrecv(buf[block[send]], ahead, recvbuf=incoming, source=behind)
+        elif sends:
+            comm.Send(buf[block[send]], ahead)
+        elif recvs:
+            comm.Recv(incoming, behind)
+        if recvs:
+            buf[block[recv]] += incoming
+
+
+def allgather(buf, comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    block = _blocks(buf.size, size)
+    for s in range(size - 1):
+        send, recv = (rank - s) % size, (rank - s - 1) % size
+        comm.Sendrecv(buf[block[send]], (rank + 1) % size, recvbuf=buf[block[recv]],
+                      source=(rank - 1) % size)
+
+
+def reduce_scatter(buf, comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    block = _blocks(buf.size, size)
+    scratch = np.empty_like(buf)
+    for s in range(size - 1):
+        send, recv = (rank - s - 1) % size, (rank - s - 2) % size
+        incoming = scratch[block[recv]]
+        comm.Sendrecv(buf[block[send]], (rank + 1) % size, recvbuf=incoming,
+                      source=(rank - 1) % size)
+        buf[block[recv]] += incoming
+
+
+def alltoall(buf, comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    block = _blocks(buf.size, size)
+    sent = buf.copy()
+    for s in range(1, size):
+        dest, source = (rank + s) % size, (rank - s) % size
+        comm.Sendrecv(sent[block[dest]], dest, recvbuf=buf[block[source]], source=source)
+
+
+def naive_broadcast(buf, comm, root):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == root:
+        for dest in range(size):
+            if dest != root:
+                comm.Send(buf, dest)
+    else:
+        comm.Recv(buf, root)
 '''
 FAST = ["--kind", "ring-allreduce", "--examples", "30", "--repeats", "1"]
 
@@ -248,3 +336,44 @@ def test_an_answer_that_does_not_load_is_one_line(tmp_path, monkeypatch, capsys,
     assert main(["lab", "check", spec, "--kind", "ring-allreduce"]) == 1
     err = capsys.readouterr().err
     assert err == f"syncsgd: error: {line}\n" or (line in err and err.count("\n") == 1), err
+
+
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind != "ring-allreduce"])
+def test_every_other_collective_is_graded(tmp_path, capsys, kind):
+    path = answer(tmp_path, "parts", PARTS)
+    function = KINDS[kind].function
+    code = main(["lab", "check", f"{path}:{function}", "--kind", kind, "--examples", "20",
+                 "--repeats", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"PASS {kind}: correct and bandwidth-optimal" in out and "syncsgd's" in out
+
+
+def test_a_broadcast_from_the_root_to_each_rank_is_not_bandwidth_optimal(tmp_path, capsys):
+    path = answer(tmp_path, "parts", PARTS)
+    code = main(["lab", "check", f"{path}:naive_broadcast", "--kind", "broadcast",
+                 "--examples", "20", "--repeats", "0"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1 and "NOT bandwidth-optimal: at P = 8 the busiest rank moves 7.00x n" in out
+
+
+def test_a_wrong_reduce_scatter_shows_only_the_elements_that_count(tmp_path, capsys):
+    wrong = PARTS.replace("send, recv = (rank - s - 1) % size, (rank - s - 2) % size",
+                          "send, recv = (rank - s) % size, (rank - s - 1) % size")  # fmt: skip
+    path = answer(tmp_path, "parts", wrong)
+    code = main(["lab", "check", f"{path}:reduce_scatter", "--kind", "reduce-scatter",
+                 "--examples", "30"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1 and "FAIL reduce-scatter: rank" in out
+    assert "    expected  rank 0: [" in out and "_" in out  # others' blocks: not compared
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_stub_loads_and_names_its_function(tmp_path, kind):
+    assert main(["lab", "new", kind, str(tmp_path)]) == 0
+    stub = tmp_path / (kind.replace("-", "_") + ".py")
+    loaded = load_answer(str(stub), KINDS[kind].function)
+    assert loaded.name == KINDS[kind].function
+    assert f"--kind {kind}" in stub.read_text()
+    lines = [line for line in stub.read_text().splitlines() if str(stub) not in line]
+    assert max(len(line) for line in lines) <= 100  # the student's editor: no wrapped lines

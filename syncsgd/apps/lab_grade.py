@@ -26,7 +26,6 @@ from syncsgd.comm.watchdog import current_frames
 
 DTYPES = ("float64", "float32")
 TOLERANCE = {"float64": 1e-12, "float32": 1e-5}
-SLACK = 1.25  # the busiest rank may move this much more than the bound and still be optimal
 COST_LENGTH = 480  # elements per rank of the cost cases (a multiple of 1..8 and of 9 - 3)
 
 
@@ -303,6 +302,7 @@ class Cost(NamedTuple):
     messages: int  # the most any rank sent
     busiest: int  # the most bytes any rank sent or received
     bound: float  # the fewest the busiest rank can move
+    slack: float  # how much more it may move and still be bandwidth-optimal
 
     @property
     def ratio(self) -> float:
@@ -310,7 +310,7 @@ class Cost(NamedTuple):
 
     @property
     def optimal(self) -> bool:
-        return self.busiest <= SLACK * self.bound + 8 * self.size
+        return self.busiest <= self.slack * self.bound + 8 * self.size
 
 
 def cost_of(kind: Kind, case: Case, outcome: Outcome) -> Cost:
@@ -323,7 +323,7 @@ def cost_of(kind: Kind, case: Case, outcome: Outcome) -> Cost:
     busiest = max(max(c.sent, r) for c, r in zip(outcome.counts, received, strict=True))
     nbytes = case.inputs[0].nbytes
     return Cost(case.size, nbytes, max(c.messages for c in outcome.counts), busiest,
-                kind.bound(nbytes, case.size))  # fmt: skip
+                kind.bound(nbytes, case.size), kind.slack)  # fmt: skip
 
 
 def cost_cases(kind: Kind, sizes: tuple[int, ...]) -> list[Case]:

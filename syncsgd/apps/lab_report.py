@@ -116,8 +116,8 @@ def bandwidth(kind: Kind, runner: Any, sizes: tuple[int, ...]) -> bool:
               f"{kind.bound_text}", flush=True)  # fmt: skip
         return True
     print(f"NOT bandwidth-optimal: at P = {worst.size} the busiest rank moves {worst.ratio:.2f}x "
-          f"{kind.bound_text}, and more as P grows (an answer through one rank makes it move "
-          "(P-1)·n: gathering to a root and broadcasting from it is correct but not scalable)",
+          f"{kind.bound_text}, and more as P grows (an answer that moves whole buffers to or "
+          "from one rank makes it move (P-1)·n: correct, but it does not scale)",
           flush=True)  # fmt: skip
     return False
 
