@@ -70,7 +70,7 @@ CASES = [
     ("lab check missing.py --kind ring-allreduce", 1, "answer's file missing.py does not exist"),
     ("lab check data.npz --kind ring-allreduce", 1, "data.npz: the answer must be a Python file"),
     ("lab check ck --kind ring-allreduce", 1, "the answer's file ck is not a regular file"),
-    ("lab check a.py:f:g --kind ring-allreduce", 1, "a.py:f:g: give FILE or FILE:FUNCTION"),
+    ("lab check a.py:f:g --kind ring-allreduce", 1, "a.py:f:g: give SOURCE or SOURCE:FUNCTION"),
     ("lab check a.py --kind ring-allreduce --mpi", 1, "--mpi runs the answer on the processes "
      "mpiexec starts"),
     ("lab check a.py --kind bogus", 2, "argument --kind: invalid choice: 'bogus'"),

@@ -327,7 +327,7 @@ def test_under_mpiexec_a_deadlock_ends_at_the_timeout(tmp_path):
     ("import no_such_module\n", "bad.py", "bad.py: importing it raised ModuleNotFoundError: "
      "No module named 'no_such_module' (bad.py:1)"),
     ("def helper(buf, comm):\n    pass\n", "bad.py", "bad.py has no function allreduce (its "
-     "functions: helper); name it as FILE:FUNCTION"),
+     "functions: helper); name it as SOURCE:FUNCTION"),
     ("def helper(buf, comm):\n    pass\n", "bad.py:other", "bad.py has no function other"),
 ])  # fmt: skip
 def test_an_answer_that_does_not_load_is_one_line(tmp_path, monkeypatch, capsys, code, spec, line):

@@ -23,7 +23,7 @@ THREAD_COST_SIZES = (3, 4, 8)  # P of the cost cases on thread ranks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`syncsgd lab new KIND DIR` and `syncsgd lab check FILE[:FUNCTION] --kind KIND`."""
+    """`syncsgd lab new KIND FOLDER` and `syncsgd lab check SOURCE[:FUNCTION] --kind KIND`."""
     from syncsgd.util.options import DEBUG
 
     actions = parser.add_subparsers(dest="lab", metavar="ACTION", parser_class=type(parser))

@@ -167,10 +167,10 @@ class Answer:
 
 
 def load_answer(spec: str, default: str) -> Answer:
-    """FILE[:FUNCTION] -> the function (FUNCTION: `default` if not given); one-line errors."""
+    """SOURCE[:FUNCTION] -> the function (FUNCTION: `default` if not given); one-line errors."""
     path, _, name = spec.partition(":")
     if ":" in name:
-        raise ValueError(f"{spec}: give FILE or FILE:FUNCTION")
+        raise ValueError(f"{spec}: give SOURCE or SOURCE:FUNCTION")
     name = name or default
     from syncsgd.util.files import check_regular_file
 
@@ -184,7 +184,7 @@ def load_answer(spec: str, default: str) -> Answer:
         found = sorted(key for key, value in vars(module).items()
                        if callable(value) and getattr(value, "__module__", "") == module.__name__)
         offer = f" (its functions: {', '.join(found)})" if found else " (it defines no function)"
-        raise ValueError(f"{path} has no function {name}{offer}; name it as FILE:FUNCTION")
+        raise ValueError(f"{path} has no function {name}{offer}; name it as SOURCE:FUNCTION")
     return Answer(full, name, function)
 
 
