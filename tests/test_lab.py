@@ -12,8 +12,8 @@ import pytest
 from conftest import requires_mpi, run_mpiexec
 
 from syncsgd.apps.lab_comm import LabComm, load_answer
-from syncsgd.apps.lab_grade import Case, Outcome, judge
-from syncsgd.apps.lab_kinds import KINDS
+from syncsgd.apps.lab_grade import Outcome, judge
+from syncsgd.apps.lab_kinds import KINDS, Case
 from syncsgd.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -377,3 +377,13 @@ def test_every_stub_loads_and_names_its_function(tmp_path, kind):
     assert f"--kind {kind}" in stub.read_text()
     lines = [line for line in stub.read_text().splitlines() if str(stub) not in line]
     assert max(len(line) for line in lines) <= 100  # the student's editor: no wrapped lines
+
+
+# Rabenseifner folds the whole buffer onto a neighbour at P not a power of two: 1.5x at P = 3.
+@pytest.mark.parametrize("algorithm, status", [("ring", 0), ("naive", 1), ("rabenseifner", 1)])
+def test_the_librarys_own_allreduces_called_as_an_answer(tmp_path, capsys, algorithm, status):
+    code = ("from syncsgd.collectives import allreduce as library_allreduce\n\n\n"
+            f"def allreduce(buf, comm):\n    library_allreduce(buf, comm, {algorithm!r})\n")
+    got, out, _ = grade(capsys, answer(tmp_path, algorithm, code), "--repeats", "0")
+    assert got == status, out
+    assert ("PASS" if status == 0 else "NOT bandwidth-optimal") in out

@@ -73,6 +73,7 @@ class LabComm:
 
     def __init__(self, comm: Any, path: str, name: str) -> None:
         self._comm, self._path, self._name = comm, path, name
+        self.unwatched = comm  # the communicator within (as watchdog.Watched): its constants
         self.counts = Counts()
         self.calls = 0
         self.waiting: str | None = None  # the call this rank is in, while it is in one

@@ -21,21 +21,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from syncsgd.apps.lab_comm import Answer, Counts, LabComm, raised
-from syncsgd.apps.lab_kinds import Kind, call
+from syncsgd.apps.lab_kinds import Case, Kind, call
 from syncsgd.comm.watchdog import current_frames
 
 DTYPES = ("float64", "float32")
 TOLERANCE = {"float64": 1e-12, "float32": 1e-5}
 COST_LENGTH = 480  # elements per rank of the cost cases (a multiple of 1..8 and of 9 - 3)
-
-
-class Case(NamedTuple):
-    """One run of an answer: P ranks, rank r starting from inputs[r]."""
-
-    size: int
-    dtype: str
-    inputs: tuple[np.ndarray, ...]
-    root: int = 0
 
 
 @dataclass
@@ -85,7 +76,7 @@ class ThreadRunner:
             threads[rank] = threading.get_ident()
             lab = labs[rank] = LabComm(comm, self.answer.path, self.answer.name)
             buf = case.inputs[rank].copy()
-            call(self.kind, self.answer.function, buf, lab, case.root)
+            call(self.kind, self.answer.function, buf, lab, case)
             done[rank] = True
             return buf
 
@@ -104,11 +95,11 @@ class ThreadRunner:
             return Outcome(None, counts(), f"{rank}raised {raised(exc, self.answer.path)}")
         return Outcome(results, counts())
 
-    def ops(self, lab: LabComm, comm: Any, root: int) -> dict[str, Callable[[np.ndarray], Any]]:
+    def ops(self, lab: LabComm, comm: Any, case: Case) -> dict[str, Callable[[np.ndarray], Any]]:
         """The timed calls: the answer, and syncsgd's own."""
         kind, function = self.kind, self.answer.function
-        return {"yours": lambda buf: call(kind, function, buf, lab, root),
-                f"syncsgd's {kind.library_name}": lambda buf: kind.library(buf, comm, root)}
+        return {"yours": lambda buf: call(kind, function, buf, lab, case),
+                f"syncsgd's {kind.library_name}": lambda buf: kind.library(buf, comm, case)}
 
     def time(self, case: Case, repeats: int) -> dict[str, float]:
         """Seconds per call, the slowest rank's, median over `repeats`: the answer and ours."""
@@ -117,7 +108,7 @@ class ThreadRunner:
         def rank_main(comm: Any) -> dict[str, list[float]]:
             lab = LabComm(comm, self.answer.path, self.answer.name)
             rank = comm.Get_rank()
-            return timed(comm, self.ops(lab, comm, case.root), case.inputs[rank], repeats)
+            return timed(comm, self.ops(lab, comm, case), case.inputs[rank], repeats)
 
         return slowest(run_threads(case.size, rank_main))
 
@@ -186,7 +177,7 @@ def judge(kind: Kind, case: Case, outcome: Outcome) -> str | None:
     """What is wrong with an outcome, in one line; None if every rank holds what it must."""
     if outcome.error is not None or outcome.results is None:
         return outcome.error or "no result"
-    expected = kind.expected(list(case.inputs), case.root)
+    expected = kind.expected(case)
     for rank, (got, (want, mask)) in enumerate(zip(outcome.results, expected, strict=True)):
         bad = _wrong_elements(got, want, mask, case)
         if bad.size:

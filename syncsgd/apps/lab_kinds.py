@@ -10,11 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 Expected = list[tuple[np.ndarray, "np.ndarray | None"]]  # per rank: values, the mask that counts
+
+
+class Case(NamedTuple):
+    """One run of an answer: P ranks, rank r starting from inputs[r]."""
+
+    size: int
+    dtype: str
+    inputs: tuple[np.ndarray, ...]
+    root: int = 0
+    extra: tuple = ()  # what else a kind's case holds (ddp-step: batch, seed, exact, lr)
 
 COMM_CONTRACT = """\
     comm  one rank's communicator, with mpi4py's buffer methods: comm.Get_rank(),
@@ -34,23 +44,29 @@ class Kind:
     name: str  # the --kind
     function: str  # the stub's function, the default FUNCTION
     about: str  # one line: what the function does
-    expected: Callable[[list[np.ndarray], int], Expected]  # (inputs, root) -> per rank
+    expected: Callable[[Case], Expected]  # per rank: what it must hold
     bound: Callable[[int, int], float]  # (n bytes, P) -> fewest bytes the busiest rank moves
     bound_text: str  # the bound as a formula
-    library: Callable[[np.ndarray, Any, int], Any]  # (buf, comm, root): syncsgd's own, in place
+    library: Callable[[np.ndarray, Any, Case], Any]  # (buf, comm, case): syncsgd's own, in place
     library_name: str  # what the time names it
-    mpi: Callable[[np.ndarray, Any, int], Any]  # (buf, comm, root): the MPI library's own
+    mpi: Callable[[np.ndarray, Any, Case], Any]  # (buf, comm, case): the MPI library's own
     stub: str  # the file `lab new` writes
     rooted: bool = False  # the function takes a root rank third
     same_bits: bool = True  # every rank must hold the same bits
     multiple: bool = False  # the length is a multiple of P
     slack: float = 1.25  # the busiest rank may move this much more than the bound
+    # A kind whose cases are not buffers of numbers (ddp-step) says how to make and show them:
+    arguments: Callable[[Case, Any], tuple] | None = None  # the function's other arguments
+    cases: Any = None  # drawn(sizes), standard(sizes), cost(size), timed(size), shown(case)
+    bitwise: Callable[[Case], bool] | None = None  # whether a case's result must be bit-exact
 
 
-def call(kind: Kind, function: Any, buf: np.ndarray, comm: Any, root: int) -> None:
+def call(kind: Kind, function: Any, buf: np.ndarray, comm: Any, case: Case) -> None:
     """Call the student's `function` as the kind's contract says."""
-    if kind.rooted:
-        function(buf, comm, root)
+    if kind.arguments is not None:
+        function(buf, comm, *kind.arguments(case, comm))
+    elif kind.rooted:
+        function(buf, comm, case.root)
     else:
         function(buf, comm)
 
@@ -63,18 +79,19 @@ def total(inputs: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-def _allreduce_expected(inputs: list[np.ndarray], root: int) -> Expected:
+def _allreduce_expected(case: Case) -> Expected:
+    inputs = list(case.inputs)
     whole = total(inputs)
     return [(whole, None) for _ in inputs]
 
 
-def _ring(buf: np.ndarray, comm: Any, root: int) -> Any:
+def _ring(buf: np.ndarray, comm: Any, case: Case) -> Any:
     from syncsgd.collectives import allreduce
 
     return allreduce(buf, comm, "ring")
 
 
-def _mpi_allreduce(buf: np.ndarray, comm: Any, root: int) -> Any:
+def _mpi_allreduce(buf: np.ndarray, comm: Any, case: Case) -> Any:
     from mpi4py import MPI
 
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
@@ -133,30 +150,35 @@ def _only(mask_of: slice | None, length: int) -> np.ndarray:
     return mask
 
 
-def _broadcast_expected(inputs: list[np.ndarray], root: int) -> Expected:
+def _broadcast_expected(case: Case) -> Expected:
+    inputs, root = list(case.inputs), case.root
     return [(inputs[root].astype(np.float64), None) for _ in inputs]
 
 
-def _reduce_expected(inputs: list[np.ndarray], root: int) -> Expected:
+def _reduce_expected(case: Case) -> Expected:
+    inputs, root = list(case.inputs), case.root
     whole, length = total(inputs), inputs[0].size
     return [(whole, None if rank == root else _only(None, length))
             for rank in range(len(inputs))]  # fmt: skip
 
 
-def _allgather_expected(inputs: list[np.ndarray], root: int) -> Expected:
+def _allgather_expected(case: Case) -> Expected:
+    inputs = list(case.inputs)
     gathered = np.zeros(inputs[0].size)
     for rank, block in enumerate(_blocks(inputs[0].size, len(inputs))):
         gathered[block] = inputs[rank][block]
     return [(gathered, None) for _ in inputs]
 
 
-def _reduce_scatter_expected(inputs: list[np.ndarray], root: int) -> Expected:
+def _reduce_scatter_expected(case: Case) -> Expected:
+    inputs = list(case.inputs)
     whole, length = total(inputs), inputs[0].size
     return [(whole, _only(block, length))
             for block in _blocks(length, len(inputs))]  # fmt: skip
 
 
-def _alltoall_expected(inputs: list[np.ndarray], root: int) -> Expected:
+def _alltoall_expected(case: Case) -> Expected:
+    inputs = list(case.inputs)
     blocks = _blocks(inputs[0].size, len(inputs))
     out: Expected = []
     for rank in range(len(inputs)):
@@ -167,13 +189,13 @@ def _alltoall_expected(inputs: list[np.ndarray], root: int) -> Expected:
     return out
 
 
-def _library_part(name: str) -> Callable[[np.ndarray, Any, int], Any]:
+def _library_part(name: str) -> Callable[[np.ndarray, Any, Case], Any]:
     """syncsgd's own `name` on the lab's one buffer (n a multiple of P, as the timed case)."""
 
-    def run(buf: np.ndarray, comm: Any, root: int) -> Any:
+    def run(buf: np.ndarray, comm: Any, case: Case) -> Any:
         from syncsgd import collectives
 
-        size, rank = comm.Get_size(), comm.Get_rank()
+        root, size, rank = case.root, comm.Get_size(), comm.Get_rank()
         block = buf.size // size
         if name in ("broadcast", "reduce"):
             return getattr(collectives, name)(buf, comm, root)
@@ -187,12 +209,13 @@ def _library_part(name: str) -> Callable[[np.ndarray, Any, int], Any]:
     return run
 
 
-def _mpi_part(name: str) -> Callable[[np.ndarray, Any, int], Any]:
+def _mpi_part(name: str) -> Callable[[np.ndarray, Any, Case], Any]:
     """The MPI library's own `name` on the lab's one buffer, in place where MPI allows it."""
 
-    def run(buf: np.ndarray, comm: Any, root: int) -> Any:
+    def run(buf: np.ndarray, comm: Any, case: Case) -> Any:
         from mpi4py import MPI
 
+        root = case.root
         mine = comm.Get_rank() == root
         if name == "broadcast":
             return comm.Bcast(buf, root)

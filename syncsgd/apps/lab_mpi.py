@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from syncsgd.apps.lab_comm import Answer, Counts, LabComm, load_answer, raised
-from syncsgd.apps.lab_grade import Case, Outcome, slowest, timed
-from syncsgd.apps.lab_kinds import Kind, call
+from syncsgd.apps.lab_grade import Outcome, slowest, timed
+from syncsgd.apps.lab_kinds import Case, Kind, call
 from syncsgd.comm.watchdog import watching
 from syncsgd.util.lines import print_line
 
@@ -73,7 +73,7 @@ class MpiRunner:
         lab = LabComm(comm, self.answer.path, f"{self.answer.name} (n = {case.inputs[0].size})")
         buf = case.inputs[rank].copy()
         try:
-            call(self.kind, self.answer.function, buf, lab, case.root)
+            call(self.kind, self.answer.function, buf, lab, case)
         except Exception as exc:  # noqa: BLE001 - the answer's error: end the job, say where
             print_line(f"syncsgd: error: lab check: rank {rank} raised "
                        f"{raised(exc, self.answer.path)} (P = {case.size}, n = "
@@ -86,10 +86,10 @@ class MpiRunner:
     def _time_part(self, case: Case, repeats: int) -> dict[str, list[float]]:
         comm = self.world.Dup()
         lab = LabComm(comm, self.answer.path, self.answer.name)
-        kind, function, root = self.kind, self.answer.function, case.root
-        ops = {"yours": lambda buf: call(kind, function, buf, lab, root),
-               f"syncsgd's {kind.library_name}": lambda buf: kind.library(buf, comm, root),
-               "the MPI library's": lambda buf: kind.mpi(buf, comm, root)}  # fmt: skip
+        kind, function = self.kind, self.answer.function
+        ops = {"yours": lambda buf: call(kind, function, buf, lab, case),
+               f"syncsgd's {kind.library_name}": lambda buf: kind.library(buf, comm, case),
+               "the MPI library's": lambda buf: kind.mpi(buf, comm, case)}  # fmt: skip
         seconds = timed(comm, ops, case.inputs[self.world.Get_rank()], repeats)
         comm.Free()
         return seconds
