@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from conftest import requires_mpi, run_mpiexec
 
+from syncsgd.apps.lab import kind_of
 from syncsgd.apps.lab_comm import LabComm, load_answer
 from syncsgd.apps.lab_grade import Outcome, judge
-from syncsgd.apps.lab_kinds import KINDS, Case
+from syncsgd.apps.lab_kinds import KINDS, NAMES, Case
 from syncsgd.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -203,7 +204,7 @@ def test_an_off_by_one_chunk_index_fails_with_a_minimal_case(tmp_path, capsys):
     assert "FAIL ring-allreduce: rank 0 holds a wrong value at element 0" in out
     assert "P = 2, n = 1, float64" in out  # shrunk: two ranks, one element
     assert "input     rank 0: [0]\n              rank 1: [1]" in out
-    assert "expected  every rank: [1]" in out and "got       rank 0: [0]" in out
+    assert "expected  every rank: [1]" in out and "got       every rank: [0]" in out
     assert "cost:" not in out  # a wrong answer is not measured
 
 
@@ -368,12 +369,12 @@ def test_a_wrong_reduce_scatter_shows_only_the_elements_that_count(tmp_path, cap
     assert "    expected  rank 0: [" in out and "_" in out  # others' blocks: not compared
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", NAMES)
 def test_every_stub_loads_and_names_its_function(tmp_path, kind):
     assert main(["lab", "new", kind, str(tmp_path)]) == 0
     stub = tmp_path / (kind.replace("-", "_") + ".py")
-    loaded = load_answer(str(stub), KINDS[kind].function)
-    assert loaded.name == KINDS[kind].function
+    loaded = load_answer(str(stub), kind_of(kind).function)
+    assert loaded.name == kind_of(kind).function
     assert f"--kind {kind}" in stub.read_text()
     lines = [line for line in stub.read_text().splitlines() if str(stub) not in line]
     assert max(len(line) for line in lines) <= 100  # the student's editor: no wrapped lines
@@ -387,3 +388,50 @@ def test_the_librarys_own_allreduces_called_as_an_answer(tmp_path, capsys, algor
     got, out, _ = grade(capsys, answer(tmp_path, algorithm, code), "--repeats", "0")
     assert got == status, out
     assert ("PASS" if status == 0 else "NOT bandwidth-optimal") in out
+
+
+# The data-parallel step: the shard, the local sum, the allreduce, divide once by B, the update.
+STEP = '''
+import numpy as np
+
+from syncsgd.collectives import allreduce
+
+
+def ddp_step(params, comm, X, y, lr, local_sum):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    part = np.array_split(np.arange(len(X)), size)[rank]
+    out = np.empty_like(params)
+    local_sum(params, X[part], y[part], out)
+    allreduce(out, comm)
+    out /= len(X)
+    params -= lr * out
+'''
+# Each rank's mean, then the mean of the means: wrong where the parts differ in size.
+MEAN_OF_MEANS = STEP.replace("    allreduce(out, comm)\n    out /= len(X)\n",
+                             "    out /= max(len(part), 1)\n    allreduce(out, comm)\n"
+                             "    out /= size\n")  # fmt: skip
+# lr / B in one factor: the same value, other bits than serial SGD's divide-then-step.
+SCALED = STEP.replace("    out /= len(X)\n    params -= lr * out\n",
+                      "    params -= (lr / len(X)) * out\n")  # fmt: skip
+
+
+def test_the_data_parallel_step_is_graded_against_serial_sgd(tmp_path, capsys):
+    path = answer(tmp_path, "step", STEP)
+    code = main(["lab", "check", path, "--kind", "ddp-step", "--examples", "20", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "float and exact mode: every rank holds serial SGD's step (exact mode: bit" in out
+    assert "PASS ddp-step" in out
+
+
+@pytest.mark.parametrize("code, problem, case", [
+    (MEAN_OF_MEANS, "rank 0 holds a wrong value at element 0", "P = 2, B = 1, float mode"),
+    (SCALED, "rank 0 holds other bits than serial SGD at element", ", exact mode,"),
+])  # fmt: skip
+def test_a_wrong_data_parallel_step_fails_with_a_minimal_case(tmp_path, capsys, code, problem,
+                                                               case):  # fmt: skip
+    path = answer(tmp_path, "step", code)
+    assert main(["lab", "check", path, "--kind", "ddp-step", "--examples", "30"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL ddp-step: {problem}" in out and case in out
+    assert "elements " in out and " of 67:" in out  # a window of the 67 parameters

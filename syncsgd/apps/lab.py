@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from syncsgd.apps.lab_kinds import KINDS, Kind, stub_text
+from syncsgd.apps.lab_kinds import KINDS, NAMES, Kind, stub_text
 from syncsgd.util.argtypes import nonnegative_int, positive_float, positive_int
 
 THREAD_COST_SIZES = (3, 4, 8)  # P of the cost cases on thread ranks
@@ -28,18 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     actions = parser.add_subparsers(dest="lab", metavar="ACTION", parser_class=type(parser))
     actions.required = True
-    kinds = ", ".join(KINDS)
+    kinds = ", ".join(NAMES)
     new = actions.add_parser("new", help="write a stub for a student: signature, contract, hints",
                              description="Write KIND's stub into the directory FOLDER (made if "
                              "its parent exists); an existing file is never replaced.")
-    new.add_argument("kind", metavar="KIND", choices=tuple(KINDS), help=f"one of: {kinds}")
+    new.add_argument("kind", metavar="KIND", choices=NAMES, help=f"one of: {kinds}")
     new.add_argument("folder", metavar="FOLDER", help="where the stub goes (KIND.py, dashes as _)")
     new.set_defaults(run=main_new, command_parser=new)
     check = actions.add_parser("check", help="grade a student's function (exit status 0: it holds)",
                                description=(__doc__ or "").split("\n\n")[2].replace("\n", " "))
     check.add_argument("answer", metavar="SOURCE[:FUNCTION]",
                        help="the student's Python file, and its function (default: the stub's)")
-    check.add_argument("--kind", required=True, choices=tuple(KINDS), help=f"one of: {kinds}")
+    check.add_argument("--kind", required=True, choices=NAMES, help=f"one of: {kinds}")
     check.add_argument("--mpi", action="store_true",
                        help="run on the processes mpiexec started, one rank each (default: P "
                        "thread ranks in this process)")  # fmt: skip
@@ -54,6 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.set_defaults(run=main_check, command_parser=check)
     for sub in (new, check):
         DEBUG.add(sub, default=argparse.SUPPRESS)
+
+
+def kind_of(name: str) -> Kind:
+    """The kind `name` (one of NAMES; ddp-step's module is imported only for it)."""
+    if name == "ddp-step":
+        from syncsgd.apps.lab_ddp import KIND
+
+        return KIND
+    return KINDS[name]
 
 
 def main(options: argparse.Namespace) -> int:
@@ -73,7 +82,7 @@ def main_new(options: argparse.Namespace) -> int:
     """Write the stub; refuse to replace a file."""
     from syncsgd.util.files import check_directory_writable, create_new
 
-    kind, folder = KINDS[options.kind], options.folder
+    kind, folder = kind_of(options.kind), options.folder
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"{folder} is not a directory")
     if not os.path.isdir(folder):
@@ -102,7 +111,7 @@ def main_check(options: argparse.Namespace) -> int:
 
     if not _hypothesis_installed():
         raise ValueError("lab check needs hypothesis: pip install hypothesis (or 'syncsgd[dev]')")
-    kind = KINDS[options.kind]
+    kind = kind_of(options.kind)
     if options.mpi:
         from syncsgd.apps import lab_mpi
         from syncsgd.comm.world import launched_by_mpi

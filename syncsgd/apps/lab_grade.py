@@ -178,7 +178,11 @@ def judge(kind: Kind, case: Case, outcome: Outcome) -> str | None:
     if outcome.error is not None or outcome.results is None:
         return outcome.error or "no result"
     expected = kind.expected(case)
+    bitwise = kind.bitwise is not None and kind.bitwise(case)
     for rank, (got, (want, mask)) in enumerate(zip(outcome.results, expected, strict=True)):
+        if bitwise and got.tobytes() != want.astype(got.dtype).tobytes():
+            element = int(np.flatnonzero(got != want)[0]) if got.shape == want.shape else 0
+            return f"rank {rank} holds other bits than serial SGD at element {element}"
         bad = _wrong_elements(got, want, mask, case)
         if bad.size:
             return f"rank {rank} holds a wrong value at element {int(bad[0])}"
@@ -216,6 +220,8 @@ def make_case(kind: Kind, size: int, length: int, dtype: str, values: list[list[
 def standard_cases(kind: Kind, sizes: tuple[int, ...]) -> list[Case]:
     """Lengths 0, 1, P-1, P, P+1 and 2P+3 (multiples of P where the kind needs them), both
     dtypes, small integers (exact sums) and one row of fractions; the last rank as the root."""
+    if kind.cases:
+        return list(kind.cases.standard(sizes))
     cases = []
     for size in sizes:
         lengths = ((0, size, 2 * size, 3 * size) if kind.multiple
@@ -247,7 +253,7 @@ def search(kind: Kind, runner: Any, examples: int) -> Search:
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               report_multiple_bugs=False, verbosity=Verbosity.quiet,
               suppress_health_check=list(HealthCheck), print_blob=False)  # fmt: skip
-    @given(drawn_cases(kind, runner.sizes))
+    @given(kind.cases.drawn(runner.sizes) if kind.cases else drawn_cases(kind, runner.sizes))
     def property_holds(case: Case) -> None:
         found.cases += 1
         found.sizes.add(case.size)
@@ -319,6 +325,8 @@ def cost_of(kind: Kind, case: Case, outcome: Outcome) -> Cost:
 
 def cost_cases(kind: Kind, sizes: tuple[int, ...]) -> list[Case]:
     """One float64 case per P with COST_LENGTH-ish elements (a multiple of P), integer data."""
+    if kind.cases:
+        return [kind.cases.cost(size) for size in sizes]
     cases = []
     for size in sizes:
         length = COST_LENGTH // size * size

@@ -361,6 +361,10 @@ KINDS: dict[str, Kind] = {
 }  # fmt: skip
 
 
+# Every kind --kind takes: ddp-step's is in lab_ddp (it imports syncsgd.nn: only when used).
+NAMES = (*KINDS, "ddp-step")
+
+
 def stub_text(kind: Kind, file_name: str) -> str:
     """The stub `lab new` writes for `kind` as `file_name`."""
     return kind.stub.format(file=file_name, comm=COMM_CONTRACT)

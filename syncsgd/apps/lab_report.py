@@ -54,9 +54,10 @@ def correct(kind: Kind, runner: Any, examples: int) -> bool:
             print_failure(kind, case, outcome, problem, "a standard case (not shrunk)")
             return False
     sizes = sorted(found.sizes | {case.size for case in standard})
-    print(f"correct: {found.cases} drawn and {len(standard)} standard cases, P = "
-          f"{_span(sizes)}, lengths 0 to {max(c.inputs[0].size for c in standard)}, float32 and "
-          f"float64: every rank holds {_what(kind)}", flush=True)  # fmt: skip
+    cases = ("B from 1 to 3P+2, float and exact mode" if kind.cases else
+             f"lengths 0 to {max(c.inputs[0].size for c in standard)}, float32 and float64")
+    print(f"correct: {found.cases} drawn and {len(standard)} standard cases, P = {_span(sizes)}, "
+          f"{cases}: every rank holds {_what(kind)}", flush=True)  # fmt: skip
     return True
 
 
@@ -66,28 +67,52 @@ def _span(sizes: list[int]) -> str:
 
 def _what(kind: Kind) -> str:
     same = ", the same bits on every rank" if kind.same_bits else ""
+    if kind.bitwise is not None:
+        return f"serial SGD's step (exact mode: bit for bit){same}"
     return f"the true result within float rounding{same}"
 
 
 def print_failure(kind: Kind, case: Any, outcome: Any, problem: str, found: str) -> None:
-    """The failing case as a minimal reproduction: P, n, inputs, expected and got per rank."""
+    """The failing case as a minimal reproduction: P, n, inputs, expected and got per rank
+    (of a long buffer, the elements around the first wrong one)."""
     root = f", root {case.root}" if kind.rooted else ""
-    lines = [f"FAIL {kind.name}: {problem}", f"  {found}:",
-             f"    P = {case.size}, n = {case.inputs[0].size}, {case.dtype}{root}"]
-    lines += _rows("input", [_shown(x) for x in case.inputs])
+    shown = (kind.cases.shown(case) if kind.cases
+             else f"P = {case.size}, n = {case.inputs[0].size}, {case.dtype}{root}")  # fmt: skip
     expected = kind.expected(case)
-    wanted = [_shown(want.astype(case.dtype), mask) for want, mask in expected]
-    lines += (_rows("expected", ["every rank: " + wanted[0]]) if len(set(wanted)) == 1
-              else _rows("expected", wanted))  # fmt: skip
+    where = _window(case.inputs[0].size, expected, outcome.results)
+    lines = [f"FAIL {kind.name}: {problem}", f"  {found}:", f"    {shown}"]
+    if where.stop - where.start < case.inputs[0].size:
+        lines.append(f"    elements {where.start} to {where.stop - 1} of {case.inputs[0].size}:")
+    lines += _rows("input", [_shown(x[where]) for x in case.inputs])
+    lines += _rows("expected", [_shown(want.astype(case.dtype)[where],
+                                       None if mask is None else mask[where])
+                                for want, mask in expected])  # fmt: skip
     if outcome.results is not None:
-        lines += _rows("got", [_shown(x) for x in outcome.results])
+        lines += _rows("got", [_shown(x[where]) for x in outcome.results])
     print("\n".join(lines), flush=True)
 
 
+WINDOW = 8  # elements of a long buffer a failure shows
+
+
+def _window(length: int, expected: Any, results: Any) -> slice:
+    """The elements a failure shows: all of a short buffer, else WINDOW from just before the
+    first element some rank got wrong."""
+    if length <= 2 * WINDOW:
+        return slice(0, length)
+    first = length
+    for got, (want, _) in zip(results or [], expected, strict=False):
+        differ = np.flatnonzero(got.astype(np.float64) != want)
+        if differ.size:
+            first = min(first, int(differ[0]))
+    start = 0 if first == length else max(min(first - 2, length - WINDOW), 0)
+    return slice(start, start + WINDOW)
+
+
 def _rows(label: str, texts: list[str]) -> list[str]:
-    """`label   rank 0: ...`, then one line per further rank, aligned."""
-    if len(texts) == 1 and texts[0].startswith("every rank"):
-        return [f"    {label:<9} {texts[0]}"]
+    """`label   every rank: ...` if every rank's is the same, else a line per rank, aligned."""
+    if len(set(texts)) == 1 and len(texts) > 1:
+        return [f"    {label:<9} every rank: {texts[0]}"]
     return [f"    {label if r == 0 else '':<9} rank {r}: {text}" for r, text in enumerate(texts)]
 
 
@@ -127,13 +152,16 @@ def timing(kind: Kind, runner: Any, size: int, repeats: int) -> None:
     """The answer's time against syncsgd's own (and the MPI library's) at TIME_LENGTH."""
     from syncsgd.apps.lab_grade import make_case
 
-    length = TIME_LENGTH // size * size
-    values = np.random.default_rng(0).integers(-9, 10, (size, length)).tolist()
-    case = make_case(kind, size, length, "float64", values, 0)
+    if kind.cases:
+        case = kind.cases.timed(size)
+    else:
+        length = TIME_LENGTH // size * size
+        values = np.random.default_rng(0).integers(-9, 10, (size, length)).tolist()
+        case = make_case(kind, size, length, "float64", values, 0)
     seconds = runner.time(case, repeats)
     yours = seconds["yours"]
     others = "; ".join(f"{name} {t * 1e3:.2f} ms (yours takes {yours / t:.2f}x)"
                        for name, t in seconds.items() if name != "yours")  # fmt: skip
-    print(f"time: P = {size}, n = {length * 8} bytes, median of {repeats} calls (the slowest "
-          f"rank's): yours {yours * 1e3:.2f} ms; {others}", flush=True)  # fmt: skip
+    print(f"time: P = {size}, n = {case.inputs[0].nbytes} bytes, median of {repeats} calls (the "
+          f"slowest rank's): yours {yours * 1e3:.2f} ms; {others}", flush=True)  # fmt: skip
 
