@@ -20,6 +20,13 @@ from syncsgd.apps.lab_kinds import KINDS, NAMES, Kind, stub_text
 from syncsgd.util.argtypes import nonnegative_int, positive_float, positive_int
 
 THREAD_COST_SIZES = (3, 4, 8)  # P of the cost cases on thread ranks
+CHECK_ABOUT = (
+    "Grade a student's function: property tests (hypothesis: P = 1-9, lengths 0 to 3P+2, "
+    "float32 and float64; the first failure shrunk to a minimal case), standard cases, what "
+    "every rank sends against the fewest bytes any answer moves, the time against syncsgd's own. "
+    "Exit status 0 only when every rank holds the right result (the same bits on every rank) "
+    "and the answer is bandwidth-optimal. docs/lab.md: the two-week lab."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     new.add_argument("folder", metavar="FOLDER", help="where the stub goes (KIND.py, dashes as _)")
     new.set_defaults(run=main_new, command_parser=new)
     check = actions.add_parser("check", help="grade a student's function (exit status 0: it holds)",
-                               description=(__doc__ or "").split("\n\n")[2].replace("\n", " "))
+                               description=CHECK_ABOUT)
     check.add_argument("answer", metavar="SOURCE[:FUNCTION]",
                        help="the student's Python file, and its function (default: the stub's)")
     check.add_argument("--kind", required=True, choices=NAMES, help=f"one of: {kinds}")

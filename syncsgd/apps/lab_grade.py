@@ -241,6 +241,7 @@ class Search:
 
     cases: int = 0
     failure: Wrong | None = None
+    flaky: bool = False  # the failing case passed when hypothesis ran it again
     sizes: set[int] = field(default_factory=set)
 
 
@@ -266,7 +267,23 @@ def search(kind: Kind, runner: Any, examples: int) -> Search:
         property_holds()
     except Wrong as wrong:
         found.failure = wrong
+    except Exception as exc:  # noqa: BLE001 - hypothesis' FlakyFailure: a case failed once
+        found.failure = first_wrong(exc)
+        if found.failure is None:
+            raise
+        found.flaky = True
     return found
+
+
+def first_wrong(exc: BaseException) -> Wrong | None:
+    """The first Wrong inside an exception group (hypothesis' report of a flaky failure)."""
+    if isinstance(exc, Wrong):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = first_wrong(inner)
+        if found is not None:
+            return found
+    return None
 
 
 def drawn_cases(kind: Kind, sizes: tuple[int, ...]) -> Any:

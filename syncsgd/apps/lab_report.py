@@ -43,8 +43,10 @@ def correct(kind: Kind, runner: Any, examples: int) -> bool:
     found = search(kind, runner, examples)
     if found.failure is not None:
         failure = found.failure
+        flaky = (" - flaky: run again, this case passed (a race between the ranks, or "
+                 "randomness)") if found.flaky else ""
         print_failure(kind, failure.case, failure.outcome, failure.problem,
-                      f"the smallest case hypothesis found (after {found.cases} runs)")
+                      f"the smallest case hypothesis found (after {found.cases} runs){flaky}")
         return False
     standard = standard_cases(kind, runner.sizes)
     for case in standard:
