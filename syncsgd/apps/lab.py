@@ -73,8 +73,8 @@ def kind_of(name: str) -> Kind:
 
 
 def main(options: argparse.Namespace) -> int:
-    """Never reached: `new` and `check` set their own `run`."""
-    return int(options.run(options))
+    """`syncsgd lab new` or `syncsgd lab check` (each also sets its own `run`)."""
+    return main_new(options) if options.lab == "new" else main_check(options)
 
 
 # -- lab new ------------------------------------------------------------------------------------
