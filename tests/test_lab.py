@@ -445,3 +445,16 @@ def test_a_flaky_answer_is_reported_without_a_traceback(tmp_path, capsys):
     code, out, err = grade(capsys, answer(tmp_path, "flaky", flaky), "--repeats", "0")
     assert code == 1 and "FAIL ring-allreduce: rank 0 holds a wrong value" in out
     assert "Traceback" not in out + err
+
+
+def test_an_answer_that_fails_only_on_the_long_cost_case_fails(tmp_path, capsys):
+    # Correct on the short drawn and standard cases; a deadlock from 101 elements on.
+    code = ('import numpy as np\n\nfrom syncsgd.collectives import allreduce as ring\n\n\n'
+            'def allreduce(buf, comm):\n    rank, size = comm.Get_rank(), comm.Get_size()\n'
+            '    if buf.size > 100:\n        comm.Send(buf, (rank + 1) % size)\n'
+            '    ring(buf, comm)\n')  # fmt: skip
+    got, out, _ = grade(capsys, answer(tmp_path, "long", code))
+    assert got == 1 and "correct: 30 drawn" in out
+    assert "FAIL ring-allreduce: deadlock: every rank waits for another" in out
+    assert "the cost case (not shrunk):\n    P = 3, n = 480, float64" in out
+    assert "PASS" not in out and "not bandwidth-optimal" not in out

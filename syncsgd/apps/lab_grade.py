@@ -104,13 +104,18 @@ class ThreadRunner:
     def time(self, case: Case, repeats: int) -> dict[str, float]:
         """Seconds per call, the slowest rank's, median over `repeats`: the answer and ours."""
         from syncsgd.comm.threads import run_threads
+        from syncsgd.comm.watchdog import within_timeout
 
         def rank_main(comm: Any) -> dict[str, list[float]]:
             lab = LabComm(comm, self.answer.path, self.answer.name)
             rank = comm.Get_rank()
             return timed(comm, self.ops(lab, comm, case), case.inputs[rank], repeats)
 
-        return slowest(run_threads(case.size, rank_main))
+        try:
+            return slowest(run_threads(case.size, within_timeout(rank_main, self.timeout)))
+        except Exception as exc:  # noqa: BLE001 - a deadlock or a timeout at the timed size
+            raise Hang(f"the timed calls, P = {case.size}, n = {case.inputs[0].size}: "
+                       f"{_failed_rank(exc)}{raised(exc, self.answer.path)}") from None
 
 
 def timed(comm: Any, ops: dict[str, Callable[[np.ndarray], Any]], data: np.ndarray,

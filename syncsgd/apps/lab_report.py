@@ -24,6 +24,8 @@ def grade(kind: Kind, runner: Any, options: argparse.Namespace, cost_sizes: tupl
         if not correct(kind, runner, options.examples):
             return 1
         optimal = bandwidth(kind, runner, cost_sizes)
+        if optimal is None:
+            return 1
         if options.repeats:
             timing(kind, runner, time_size, options.repeats)
     except Hang as hang:
@@ -126,11 +128,19 @@ def _shown(values: np.ndarray, mask: np.ndarray | None = None) -> str:
     return "[" + " ".join(text) + "]"
 
 
-def bandwidth(kind: Kind, runner: Any, sizes: tuple[int, ...]) -> bool:
-    """The busiest rank's bytes on one case per P against the kind's bound; True if optimal."""
-    from syncsgd.apps.lab_grade import cost_cases, cost_of
+def bandwidth(kind: Kind, runner: Any, sizes: tuple[int, ...]) -> bool | None:
+    """The busiest rank's bytes on one case per P against the kind's bound; True if optimal,
+    None if the answer fails on a cost case."""
+    from syncsgd.apps.lab_grade import cost_cases, cost_of, judge
 
-    costs = [cost_of(kind, case, runner.run(case)) for case in cost_cases(kind, sizes)]
+    costs = []
+    for case in cost_cases(kind, sizes):
+        outcome = runner.run(case)
+        problem = judge(kind, case, outcome)
+        if problem is not None:  # as long a buffer as no case before had
+            print_failure(kind, case, outcome, problem, "the cost case (not shrunk)")
+            return None
+        costs.append(cost_of(kind, case, outcome))
     print(f"cost: the busiest rank's bytes, sent or received, against {kind.bound_text} "
           "(the fewest any answer moves)")
     print(f"  {'P':>3} {'n bytes':>9} {'messages':>9} {'busiest':>9} {'bound':>9} {'ratio':>6}")
