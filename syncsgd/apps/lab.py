@@ -117,7 +117,8 @@ def main_check(options: argparse.Namespace) -> int:
     from syncsgd.apps.lab_comm import load_answer
 
     if not _hypothesis_installed():
-        raise ValueError("lab check needs hypothesis: pip install hypothesis (or 'syncsgd[dev]')")
+        raise ValueError("lab check needs hypothesis: pip install hypothesis "
+                         "(or 'syncsgd[test-tools]')")
     kind = kind_of(options.kind)
     if options.mpi:
         from syncsgd.apps import lab_mpi
