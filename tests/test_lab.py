@@ -458,3 +458,12 @@ def test_an_answer_that_fails_only_on_the_long_cost_case_fails(tmp_path, capsys)
     assert "FAIL ring-allreduce: deadlock: every rank waits for another" in out
     assert "the cost case (not shrunk):\n    P = 3, n = 480, float64" in out
     assert "PASS" not in out and "not bandwidth-optimal" not in out
+
+
+def test_without_hypothesis_lab_check_is_one_line(tmp_path, monkeypatch, capsys):
+    from syncsgd.apps import lab
+
+    monkeypatch.setattr(lab, "_hypothesis_installed", lambda: False)
+    assert main(["lab", "check", answer(tmp_path, "ring", RING), *FAST]) == 1
+    assert capsys.readouterr().err == ("syncsgd: error: lab check needs hypothesis: pip install "
+                                       "hypothesis (or 'syncsgd[test-tools]')\n")
