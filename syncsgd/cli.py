@@ -132,13 +132,14 @@ def _version() -> str:
 
 def _add_apps(commands: argparse._SubParsersAction) -> None:
     """The subcommands that the modules of syncsgd.apps implement."""
-    from syncsgd.apps import cluster, costmodel_parts, demo, study
+    from syncsgd.apps import cluster, costmodel_parts, demo, lab, study
     from syncsgd.apps.bench import allreduce, collective, step
 
     for module, name, summary in (
         (demo, "ring-demo", "watch every step of a ring (or another) allreduce on small integers"),
         (costmodel_parts, "model", "the α-β-γ cost model of the collectives; --fit a sweep"),
         (cluster, "cluster", "run an MPI command on N emulated nodes with shaped links (root)"),
+        (lab, "lab", "students write a collective (lab new), syncsgd grades it (lab check)"),
     ):
         module.add_arguments(_command(commands, name, module.main, summary, _first_line(module)))
     studies = commands.add_parser("study", help="studies of the workload (batch size)")

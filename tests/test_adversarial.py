@@ -74,6 +74,19 @@ CASES = [
      "scaler's scale"),
     ("train --checkpoint empty-lock", 1, "has an empty lock file empty-lock/lock"),
     ("train --checkpoint garbled-lock", 1, "lock file garbled-lock/lock that cannot be read"),
+    # lab: the answer's file, the stub's folder, the kinds
+    ("lab check missing.py --kind ring-allreduce", 1, "answer's file missing.py does not exist"),
+    ("lab check data.npz --kind ring-allreduce", 1, "data.npz: the answer must be a Python file"),
+    ("lab check ck --kind ring-allreduce", 1, "the answer's file ck is not a regular file"),
+    ("lab check a.py:f:g --kind ring-allreduce", 1, "a.py:f:g: give SOURCE or SOURCE:FUNCTION"),
+    ("lab check a.py --kind ring-allreduce --mpi", 1, "--mpi runs the answer on the processes "
+     "mpiexec starts"),
+    ("lab check a.py --kind bogus", 2, "argument --kind: invalid choice: 'bogus'"),
+    ("lab check a.py --kind ring-allreduce --timeout 0", 2, "--timeout: must be a positive number"),
+    ("lab new bogus here", 2, "argument KIND: invalid choice: 'bogus'"),
+    ("lab new ring-allreduce missing/dir", 1, "cannot make missing/dir: its parent directory "
+     "does not exist"),
+    ("lab new ring-allreduce data.npz", 1, "data.npz is not a directory"),
 ]  # fmt: skip
 
 
