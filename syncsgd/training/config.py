@@ -418,6 +418,9 @@ def _check_sharding(config: TrainConfig) -> None:
     sharded_pitfall = config.pitfall is not None and VARIANTS[config.pitfall].sharded
     _require(bool(config.zero_stage) or not sharded_pitfall,
              f"--pitfall {config.pitfall} is the sharded step's: it needs --zero-stage 1")
+    float_only = config.pitfall is not None and VARIANTS[config.pitfall].float_only
+    _require(not (config.exact and float_only),
+             f"--pitfall {config.pitfall} shows in float mode only: {float_only}")
     if not config.zero_stage:
         return
     flag = f"--zero-stage {config.zero_stage}"

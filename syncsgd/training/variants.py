@@ -25,6 +25,7 @@ class Variant:
     shows_with: ClassVar[dict[str, Any]] = {}
     shows_at: ClassVar[int] = 2
     sharded: ClassVar[bool] = False  # a pitfall of the sharded step (--zero-stage 1) alone
+    float_only: ClassVar[str] = ""  # why exact mode leaves nothing for it to show, if it does
 
     def __init__(self, clip_norm: float | None = None, optimizer: str = "sgd") -> None:
         """`optimizer`: the run's --optimizer, for a pitfall that needs a particular one."""
@@ -244,6 +245,8 @@ class ShardLocalOverflow(Variant):
     why = "each rank checks only its shard for an overflow: the ranks skip different steps"
     shows_with = {"zero_stage": 1, "precision": "fp16", "loss_scale": "dynamic"}
     sharded = True
+    float_only = ("in exact mode an inf or NaN on any rank makes the agreed peaks infinite and "
+                  "every rank's sums NaN: every shard overflows alike")  # fmt: skip
 
     def shard_finite(self, own: bool, every: bool) -> bool:
         return own
