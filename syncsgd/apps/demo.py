@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=shown_algorithm,
         help="the allreduce to show (default ring; others from syncsgd.collectives)",
     )
-    parser.add_argument("--collective", default="allreduce",
+    parser.add_argument("--collective",
                         choices=("allreduce", "broadcast", "reduce", "allgather", "reduce-scatter",
                                  "alltoall"),
                         help="the collective to show (default allreduce); --algorithm then names "
@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "recursive-doubling (allgather), recursive-halving (reduce-scatter); "
                         "alltoall: pairwise (the default), on a --length that is a multiple of "
                         "--ranks")  # fmt: skip
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, metavar="K",
+                        help="0: the collective alone (the default); 1: one training step of ZeRO "
+                        "stage 1 on its numbers: the gradient sums reduce-scattered by the ring "
+                        "allreduce's first half, each rank's block updated with its own optimizer "
+                        "state, the parameters allgathered by its second half "
+                        "(docs/sharded.md)")  # fmt: skip
     parser.add_argument("--root", type=nonnegative_int,
                         help="broadcast and reduce: the root rank (default 0)")
     writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
@@ -107,8 +113,18 @@ def check_options(options: argparse.Namespace) -> None:
     and figures without matplotlib."""
     from syncsgd.util.figures import require_matplotlib
 
-    if options.root is not None and options.collective not in ("broadcast", "reduce"):
-        raise ValueError(f"--root: {options.collective} has no root (broadcast and reduce "
+    collective = options.collective or "allreduce"
+    if options.zero_stage and options.collective:
+        raise ValueError(f"--zero-stage {options.zero_stage} shows the ring allreduce's two halves "
+                         f"in a training step: drop --collective {options.collective}")  # fmt: skip
+    if options.zero_stage and (options.algorithm or "ring") != "ring":
+        raise ValueError(f"--zero-stage {options.zero_stage} runs the ring allreduce's halves, as "
+                         f"train does: drop --algorithm {options.algorithm}")  # fmt: skip
+    if options.zero_stage and (options.png or options.frames or options.html):
+        raise ValueError(f"--zero-stage {options.zero_stage} is shown as text only: drop --png, "
+                         "--frames and --html")  # fmt: skip
+    if options.root is not None and collective not in ("broadcast", "reduce"):
+        raise ValueError(f"--root: {collective} has no root (broadcast and reduce "
                          "have one)")  # fmt: skip
     if options.html and not options.html.lower().endswith((".html", ".htm")):
         raise ValueError(f"--html {options.html}: the page is HTML, so its name must end in .html "
@@ -125,13 +141,16 @@ def main(options: argparse.Namespace) -> int:
     for path in (options.png, options.html):
         if path:
             check_writable(path)
-    algorithm = options.algorithm or ("pairwise" if options.collective == "alltoall" else "ring")
-    if options.collective == "allreduce":
+    if options.zero_stage:
+        return zero_main(options)
+    collective = options.collective or "allreduce"
+    algorithm = options.algorithm or ("pairwise" if collective == "alltoall" else "ring")
+    if collective == "allreduce":
         demo = run_demo(options.ranks, options.length, algorithm)
     else:
         from syncsgd.apps.demo_parts import run_collective_demo
 
-        demo = run_collective_demo(options.collective, options.ranks, options.length,
+        demo = run_collective_demo(collective, options.ranks, options.length,
                                    algorithm, options.root or 0)  # fmt: skip
     print(render_text(demo, use_color(options.color)))
     if options.png:
@@ -145,5 +164,17 @@ def main(options: argparse.Namespace) -> int:
         print(f"wrote {options.html}")
     if not demo.correct:
         print(f"syncsgd: ring-demo: the {demo.what} result is wrong", file=sys.stderr)
+        return 1
+    return 0
+
+
+def zero_main(options: argparse.Namespace) -> int:
+    """`ring-demo --zero-stage 1`: print one ZeRO-1 step; 1 if it ends unlike the serial step."""
+    from syncsgd.apps.demo_zero import render_zero_text, run_zero_demo
+
+    zero = run_zero_demo(options.ranks, options.length)
+    print(render_zero_text(zero, use_color(options.color)))
+    if not zero.correct:
+        print("syncsgd: ring-demo: the ZeRO-1 step's parameters are wrong", file=sys.stderr)
         return 1
     return 0
