@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=shown_algorithm,
         help="the allreduce to show (default ring; others from syncsgd.collectives)",
     )
-    parser.add_argument("--collective",
+    parser.add_argument("--collective", default="allreduce",
                         choices=("allreduce", "broadcast", "reduce", "allgather", "reduce-scatter",
                                  "alltoall"),
                         help="the collective to show (default allreduce); --algorithm then names "
@@ -113,8 +113,7 @@ def check_options(options: argparse.Namespace) -> None:
     and figures without matplotlib."""
     from syncsgd.util.figures import require_matplotlib
 
-    collective = options.collective or "allreduce"
-    if options.zero_stage and options.collective:
+    if options.zero_stage and options.collective != "allreduce":  # the default
         raise ValueError(f"--zero-stage {options.zero_stage} shows the ring allreduce's two halves "
                          f"in a training step: drop --collective {options.collective}")  # fmt: skip
     if options.zero_stage and (options.algorithm or "ring") != "ring":
@@ -123,8 +122,8 @@ def check_options(options: argparse.Namespace) -> None:
     if options.zero_stage and (options.png or options.frames or options.html):
         raise ValueError(f"--zero-stage {options.zero_stage} is shown as text only: drop --png, "
                          "--frames and --html")  # fmt: skip
-    if options.root is not None and collective not in ("broadcast", "reduce"):
-        raise ValueError(f"--root: {collective} has no root (broadcast and reduce "
+    if options.root is not None and options.collective not in ("broadcast", "reduce"):
+        raise ValueError(f"--root: {options.collective} has no root (broadcast and reduce "
                          "have one)")  # fmt: skip
     if options.html and not options.html.lower().endswith((".html", ".htm")):
         raise ValueError(f"--html {options.html}: the page is HTML, so its name must end in .html "
@@ -143,14 +142,13 @@ def main(options: argparse.Namespace) -> int:
             check_writable(path)
     if options.zero_stage:
         return zero_main(options)
-    collective = options.collective or "allreduce"
-    algorithm = options.algorithm or ("pairwise" if collective == "alltoall" else "ring")
-    if collective == "allreduce":
+    algorithm = options.algorithm or ("pairwise" if options.collective == "alltoall" else "ring")
+    if options.collective == "allreduce":
         demo = run_demo(options.ranks, options.length, algorithm)
     else:
         from syncsgd.apps.demo_parts import run_collective_demo
 
-        demo = run_collective_demo(collective, options.ranks, options.length,
+        demo = run_collective_demo(options.collective, options.ranks, options.length,
                                    algorithm, options.root or 0)  # fmt: skip
     print(render_text(demo, use_color(options.color)))
     if options.png:

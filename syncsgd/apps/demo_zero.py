@@ -163,8 +163,8 @@ def render_zero_text(zero: ZeroDemo, color: bool = False) -> str:
     lines += ["", _half_title(zero, 2, "reduce-scatter", "first", "the gradient sums")]
     lines += _step_lines(scattered, chunk_bounds(zero.length, zero.ranks), width, label, color)
     lines += _scattered_lines(zero)
-    lines += ["", f"3. divide by B = {zero.batch} and update: each rank its own block, with the "
-              "optimizer state of that block alone"]  # fmt: skip
+    lines += ["", f"3. divide by B = {zero.batch} and update: each rank its own block, with that "
+              "block's optimizer state"]  # fmt: skip
     lines += _update_lines(zero, width, label, color)
     lines += ["", _half_title(zero, 4, "allgather", "second", "the updated parameters")]
     lines.append("   (the step sends them in the communication buffer; shown here on θ)")
@@ -223,21 +223,22 @@ def _scattered_lines(zero: ZeroDemo) -> list[str]:
 
 def _update_lines(zero: ZeroDemo, width: int, label: int, color: bool) -> list[str]:
     """Per rank: its optimizer state m (its block only) and its parameters, the block updated."""
-    lines = []
+    total = int(np.stack(zero.scattered.start).sum(axis=0)[0]) if zero.length else 0
+    mean = total // zero.batch
+    lines = [f"  on its block each rank: g/B = {total}/{zero.batch} = {mean}; m = {MOMENTUM}·0 + "
+             f"{mean}; θ = θ - {LR}·{mean}",
+             f"  m: the rank's optimizer state, on its block alone ({ABSENT}: another rank keeps "
+             "it)"]  # fmt: skip
     for rank in range(zero.ranks):
         lo, hi = zero.owned(rank)
         state = np.array([ABSENT] * zero.length, dtype=object)
         state[lo:hi] = zero.momentum[rank]
-        block = f"block {owned_block(rank, zero.ranks)} [{lo}:{hi})"
-        if hi > lo:
-            note = (f"g/B = {int(zero.scattered.final[rank][lo])}/{zero.batch} on {block}: "
-                    f"rank {rank} alone keeps its m ({hi - lo} of {zero.length})")  # fmt: skip
-        else:
-            note = f"{block} is empty: no parameters, no optimizer state"
-        lines.append(f"  {f'rank {rank} m':<{label}}: "
-                     + format_buffer(state, width, (lo, hi), ADDED, color) + "   " + note)
-        lines.append(f"  {f'rank {rank} θ':<{label}}: "
-                     + format_buffer(zero.gathered.start[rank], width, (lo, hi), ADDED, color))
+        empty = "" if hi > lo else (f"   block {owned_block(rank, zero.ranks)} is empty: no "
+                                    "parameters, no optimizer state")  # fmt: skip
+        row = format_buffer(state, width, (lo, hi), ADDED, color)
+        lines.append(f"  {f'rank {rank} m':<{label}}: {row}{empty}")
+        row = format_buffer(zero.gathered.start[rank], width, (lo, hi), ADDED, color)
+        lines.append(f"  {f'rank {rank} θ':<{label}}: {row}")
     return lines
 
 

@@ -1,0 +1,136 @@
+"""ring-demo --zero-stage 1: one ZeRO-1 step on small integers, against a serial step by hand."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from syncsgd.apps.demo_core import ADDED
+from syncsgd.apps.demo_zero import render_zero_text, run_zero_demo
+from syncsgd.cli import main
+from syncsgd.collectives import chunk_bounds
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = [(1, 3), (2, 5), (3, 7), (4, 2), (5, 3), (5, 11), (6, 10), (3, 0)]
+
+
+def by_hand(ranks: int, length: int) -> tuple[np.ndarray, int]:
+    """The serial step: every rank's gradient sum B·10**r added, divided by B = P, momentum 0.9
+    on m = 0, lr = 1, from θ_i = (i + 1)·10**P. (Also the sum every owned block must hold.)"""
+    total = sum(ranks * 10**r for r in range(ranks))  # 33...3: P threes
+    mean = total // ranks  # 11...1
+    theta = np.array([(i + 1) * 10**ranks for i in range(length)], dtype=np.int64)
+    return theta - 1 * (0 + mean), total
+
+
+def rows(text: str, heading: str) -> dict[str, list[int]]:
+    """The '  rank k  : ...' rows (and 'serial') right after the line that starts `heading`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading)) + 1
+    found = {}
+    for line in lines[start:]:
+        match = re.match(r"^  (rank \d+|serial) *: ?(.*)$", line)
+        if not match:
+            break
+        found[match[1]] = [int(v) for v in match[2].split()]
+    return found
+
+
+@pytest.mark.parametrize("ranks, length", SIZES)
+def test_every_rank_ends_with_the_serial_step(ranks, length):
+    zero = run_zero_demo(ranks, length)
+    expected, total = by_hand(ranks, length)
+    assert zero.correct
+    bounds = chunk_bounds(length, ranks)
+    for rank, scattered in enumerate(zero.scattered.final):  # its block (r + 1) mod P, summed
+        block = (rank + 1) % ranks
+        assert np.all(scattered[bounds[block] : bounds[block + 1]] == total)
+    for final in zero.gathered.final:
+        assert final.tolist() == expected.tolist()
+    assert len(zero.scattered.steps) == len(zero.gathered.steps) == ranks - 1
+    # the optimizer state: each rank's block alone, the blocks together every parameter once
+    assert sorted(m.size for m in zero.momentum) == sorted(np.diff(bounds).tolist())
+    text = render_zero_text(zero)
+    result = rows(text, "5. result")
+    assert result == {**{f"rank {r}": expected.tolist() for r in range(ranks)},
+                      "serial": expected.tolist()}  # fmt: skip
+    assert "every rank holds the same parameters, equal to the serial step" in text
+    assert rows(text, "1. local gradient sums") == {
+        f"rank {r}": [ranks * 10**r] * length for r in range(ranks)}  # fmt: skip
+
+
+def test_the_text_marks_each_ranks_block_and_its_state():
+    text = render_zero_text(run_zero_demo(3, 7))
+    assert "  rank 0: block 1; rank 1: block 2; rank 2: block 0" in text
+    assert "blocks (as numpy.array_split): 0 = [0:3)  1 = [3:5)  2 = [5:7)" in text
+    # part 3: m only on the owned block, in brackets; the parameters updated there only
+    assert "  on its block each rank: g/B = 333/3 = 111; m = 0.9·0 + 111; θ = θ - 1·111" in text
+    assert "  rank 0 m:     ·    ·    ·[ 111  111]   ·    ·\n" in text
+    assert "  rank 2 θ: [ 889 1889 2889]4000 5000 6000 7000" in text
+    # the last reduce-scatter round leaves 333 in each rank's own block
+    last = text.split("round 2 of 2: reduce-scatter 2 of 2\n")[1].split("\n\n")[0]
+    assert "  rank 0  :     3    3    3[ 333  333] 303  303" in last
+    assert "  rank 2  : [ 333  333  333] 330  330  300  300" in last
+    assert "sent: each rank about 2(P-1)/P = 4/3 times the buffer's 7 elements" in text
+    assert "  10, 9, 9 elements (rank 0, 1, ...; the allreduce: 10, 9, 9)" in text
+    assert "1/P: 2, 2, 3 of 7 elements" in text
+
+
+def test_fewer_parameters_than_ranks_leave_ranks_without_state():
+    text = render_zero_text(run_zero_demo(4, 2))
+    assert "  rank 1 m:      ·     ·    block 2 is empty: no parameters, no optimizer state" in text
+    assert "1/P: 1, 0, 0, 1 of 2 elements" in text
+
+
+def test_colour_instead_of_brackets():
+    text = render_zero_text(run_zero_demo(2, 4), color=True)
+    update = text.split("3. divide")[1].split("4. allgather")[0]
+    assert update.count(ADDED) == 8  # two elements of m and of θ on each of the two ranks
+    plain = re.sub(r"\x1b\[[0-9;]*m|\[\d+:\d+\)", "", update)  # no colour, no [a:b) ranges
+    assert "[" not in plain and "]" not in plain
+
+
+def test_the_command_prints_the_step_and_stage_0_is_the_allreduce(capsys):
+    assert main(["ring-demo", "--zero-stage", "1", "--ranks", "2", "--length", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ZeRO stage 1: one training step of 3 parameters on 2 thread ranks")
+    assert main(["ring-demo", "--zero-stage", "0", "--ranks", "2", "--length", "3"]) == 0
+    assert capsys.readouterr().out.startswith("ring allreduce of 3 int64 elements")
+
+
+@pytest.mark.parametrize("argv, line", [
+    ("--zero-stage 1 --collective reduce-scatter", "drop --collective reduce-scatter"),
+    ("--zero-stage 1 --collective broadcast --root 1", "drop --collective broadcast"),
+    ("--zero-stage 1 --algorithm tree", "drop --algorithm tree"),
+    ("--zero-stage 1 --png z.png", "is shown as text only"),
+    ("--zero-stage 1 --html z.html", "is shown as text only"),
+])  # fmt: skip
+def test_refusals_are_one_line_and_write_nothing(argv, line, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["ring-demo", *argv.split()]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and line in captured.err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stage_2_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["ring-demo", "--zero-stage", "2"])
+    assert exit_.value.code == 2
+    assert "argument --zero-stage: invalid choice: 2" in capsys.readouterr().err
+
+
+def test_the_excerpts_in_sharded_md_are_what_it_prints():
+    from pathlib import Path
+
+    text = render_zero_text(run_zero_demo(3, 7))
+    page = (Path(__file__).parent.parent / "docs" / "sharded.md").read_text()
+    section = page.split("## See it")[1].split("\n## ")[0]
+    fenced = re.findall(r"```(\w*)\n(.*?)\n```", section, re.S)  # (language, text), in order
+    blocks = [block for language, block in fenced if not language]
+    assert len(blocks) == 2
+    for block in blocks:
+        assert f"\n{block}\n" in f"\n{text}\n", block
