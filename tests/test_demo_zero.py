@@ -105,8 +105,9 @@ def test_the_command_prints_the_step_and_stage_0_is_the_allreduce(capsys):
     ("--zero-stage 1 --collective reduce-scatter", "drop --collective reduce-scatter"),
     ("--zero-stage 1 --collective broadcast --root 1", "drop --collective broadcast"),
     ("--zero-stage 1 --algorithm tree", "drop --algorithm tree"),
-    ("--zero-stage 1 --png z.png", "is shown as text only"),
-    ("--zero-stage 1 --html z.html", "is shown as text only"),
+    ("--zero-stage 1 --frames slides", "is drawn on one slide, --png: drop --frames"),
+    ("--zero-stage 1 --html z.html", "is drawn on one slide, --png: drop --html"),
+    ("--zero-stage 1 --ranks 9 --png z.png", "--png draws 1 to 8 ranks on a slide, got --ranks 9"),
 ])  # fmt: skip
 def test_refusals_are_one_line_and_write_nothing(argv, line, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -134,3 +135,37 @@ def test_the_excerpts_in_sharded_md_are_what_it_prints():
     assert len(blocks) == 2
     for block in blocks:
         assert f"\n{block}\n" in f"\n{text}\n", block
+
+
+@pytest.mark.parametrize("ranks, length", [(1, 3), (3, 4), (3, 7), (4, 0), (6, 10), (8, 64)])
+def test_the_slide_is_legible_and_every_label_fits(ranks, length):
+    pytest.importorskip("matplotlib")
+    from syncsgd.apps import demo_png, demo_zero_png
+    from syncsgd.util import figures
+
+    zero = run_zero_demo(ranks, length)
+    canvas = demo_zero_png.zero_canvas(zero)
+    assert demo_png.overflows(canvas) == []
+    assert figures.legibility(canvas.figure) == []
+    rows = demo_zero_png.zero_rows(zero)
+    rounds = range(1, ranks)
+    assert [row.name for row in rows] == (["gradient sums"]
+                                          + [f"reduce-scatter {k}" for k in rounds]
+                                          + ["m, own block", "θ - lr·m"]
+                                          + [f"allgather {k}" for k in rounds])  # fmt: skip
+    assert all(cells == zero.serial.tolist() for cells in rows[-1].values)
+
+
+def test_the_slide_writes_numbers_where_they_fit(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from syncsgd.apps import demo_zero_png
+
+    zero = run_zero_demo(3, 4)
+    place = demo_zero_png.layout(zero, demo_zero_png.zero_rows(zero))
+    assert place.numbers and place.peers
+    texts = [text.get_text() for text in demo_zero_png.zero_canvas(zero).axes.texts]
+    assert any("2889" in text for text in texts) and "rank 0: block 1" in texts
+    path = tmp_path / "zero.png"
+    assert main(["ring-demo", "--zero-stage", "1", "--ranks", "3", "--length", "4",
+                 "--png", str(path)]) == 0  # fmt: skip
+    assert path.read_bytes().startswith(b"\x89PNG") and f"wrote {path}" in capsys.readouterr().out

@@ -28,6 +28,7 @@ from syncsgd.apps.demo_core import (  # noqa: F401  (the names tests and users r
 )
 from syncsgd.apps.demo_html import write_html
 from syncsgd.apps.demo_png import draw_png, write_frames
+from syncsgd.apps.demo_zero_png import MAX_RANKS as ZERO_SLIDE_RANKS
 from syncsgd.comm.world import launched_by_mpi
 from syncsgd.util.argtypes import nonnegative_int
 from syncsgd.util.figures import figure_path
@@ -62,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="0: the collective alone (the default); 1: one training step of ZeRO "
                         "stage 1 on its numbers: the gradient sums reduce-scattered by the ring "
                         "allreduce's first half, each rank's block updated with its own optimizer "
-                        "state, the parameters allgathered by its second half "
-                        "(docs/sharded.md)")  # fmt: skip
+                        "state, the parameters allgathered by its second half; as text, and "
+                        "with --png on one slide (docs/sharded.md)")  # fmt: skip
     parser.add_argument("--root", type=nonnegative_int,
                         help="broadcast and reduce: the root rank (default 0)")
     writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
@@ -119,9 +120,12 @@ def check_options(options: argparse.Namespace) -> None:
     if options.zero_stage and (options.algorithm or "ring") != "ring":
         raise ValueError(f"--zero-stage {options.zero_stage} runs the ring allreduce's halves, as "
                          f"train does: drop --algorithm {options.algorithm}")  # fmt: skip
-    if options.zero_stage and (options.png or options.frames or options.html):
-        raise ValueError(f"--zero-stage {options.zero_stage} is shown as text only: drop --png, "
-                         "--frames and --html")  # fmt: skip
+    if options.zero_stage and (options.frames or options.html):
+        raise ValueError(f"--zero-stage {options.zero_stage} is drawn on one slide, --png: drop "
+                         f"{'--frames' if options.frames else '--html'}")  # fmt: skip
+    if options.zero_stage and options.png and options.ranks > ZERO_SLIDE_RANKS:
+        raise ValueError(f"--zero-stage {options.zero_stage} --png draws 1 to {ZERO_SLIDE_RANKS} "
+                         f"ranks on a slide, got --ranks {options.ranks}")  # fmt: skip
     if options.root is not None and options.collective not in ("broadcast", "reduce"):
         raise ValueError(f"--root: {options.collective} has no root (broadcast and reduce "
                          "have one)")  # fmt: skip
@@ -172,6 +176,11 @@ def zero_main(options: argparse.Namespace) -> int:
 
     zero = run_zero_demo(options.ranks, options.length)
     print(render_zero_text(zero, use_color(options.color)))
+    if options.png:
+        from syncsgd.apps.demo_zero_png import draw_zero_png
+
+        draw_zero_png(zero, options.png)
+        print(f"wrote {options.png}")
     if not zero.correct:
         print("syncsgd: ring-demo: the ZeRO-1 step's parameters are wrong", file=sys.stderr)
         return 1
