@@ -105,8 +105,8 @@ def test_the_command_prints_the_step_and_stage_0_is_the_allreduce(capsys):
     ("--zero-stage 1 --collective reduce-scatter", "drop --collective reduce-scatter"),
     ("--zero-stage 1 --collective broadcast --root 1", "drop --collective broadcast"),
     ("--zero-stage 1 --algorithm tree", "drop --algorithm tree"),
-    ("--zero-stage 1 --frames slides", "is drawn on one slide, --png: drop --frames"),
-    ("--zero-stage 1 --html z.html", "is drawn on one slide, --png: drop --html"),
+    ("--zero-stage 1 --frames slides", "--frames: --zero-stage 1 is drawn on one slide (--png) "
+     "or a page (--html), not as frames"),
     ("--zero-stage 1 --ranks 9 --png z.png", "--png draws 1 to 8 ranks on a slide, got --ranks 9"),
 ])  # fmt: skip
 def test_refusals_are_one_line_and_write_nothing(argv, line, capsys, tmp_path, monkeypatch):
@@ -169,3 +169,54 @@ def test_the_slide_writes_numbers_where_they_fit(tmp_path, capsys):
     assert main(["ring-demo", "--zero-stage", "1", "--ranks", "3", "--length", "4",
                  "--png", str(path)]) == 0  # fmt: skip
     assert path.read_bytes().startswith(b"\x89PNG") and f"wrote {path}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ranks, length", [(1, 2), (3, 7), (4, 2), (5, 11)])
+def test_the_page_steps_through_the_halves_and_the_update(ranks, length, tmp_path, capsys):
+    import json
+
+    from syncsgd.apps.demo_zero_html import zero_page
+    from syncsgd.collectives.executor import sent_bytes
+
+    zero = run_zero_demo(ranks, length)
+    page = zero_page(zero)
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>',
+                                page, re.S)[1])  # fmt: skip
+    frames = data["frames"]
+    assert len(frames) == 1 + (ranks - 1) + 1 + (ranks - 1)
+    assert [f["title"].split(":")[0] for f in frames] == (
+        ["start"] + [f"round {k} of {2 * (ranks - 1)}" for k in range(1, ranks)] + ["update"]
+        + [f"round {k} of {2 * (ranks - 1)}" for k in range(ranks, 2 * ranks - 1)])  # fmt: skip
+    update = frames[ranks]
+    assert update["received"] == [[*zero.owned(r), True] if zero.owned(r)[1] > zero.owned(r)[0]
+                                  else None for r in range(ranks)]  # fmt: skip
+    assert frames[-1]["buffers"] == [zero.serial.tolist()] * ranks
+    assert frames[-1]["counts"] == [[ranks] * length] * ranks  # every parameter updated
+    assert frames[-1]["sent"] == [sent_bytes("ring", length, 8, ranks, r) for r in range(ranks)]
+    path = tmp_path / "zero.html"
+    argv = ["ring-demo", "--zero-stage", "1", "--ranks", str(ranks), "--length", str(length)]
+    assert main([*argv, "--html", str(path)]) == 0
+    assert path.read_text() == page and f"wrote {path}" in capsys.readouterr().out
+
+
+def test_the_page_shows_the_update_step_in_chromium(tmp_path):
+    from test_demo_html import CHROMIUM, Browser, rank_rows
+
+    from syncsgd.apps.demo_zero_html import write_zero_html, zero_frames
+
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH")
+    zero = run_zero_demo(3, 7)
+    path = tmp_path / "zero.html"
+    write_zero_html(zero, str(path))
+    browser = Browser(tmp_path / "profile")
+    try:
+        browser.open(f"{path.as_uri()}#step=3")
+        dom = browser.value("document.documentElement.outerHTML")
+        title = browser.value("document.getElementById('title').textContent")
+        tip = browser.value("document.querySelector('#rank-2 td.value').title")
+    finally:
+        browser.close()
+    assert rank_rows(dom) == dict(enumerate(zero_frames(zero)[3]["buffers"]))
+    assert title.startswith("update: each rank its own block") and tip == "updated"
+    assert dom.count('class="value received-added"') == 7  # each rank's own block: 2 + 2 + 3

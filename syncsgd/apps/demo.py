@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="0: the collective alone (the default); 1: one training step of ZeRO "
                         "stage 1 on its numbers: the gradient sums reduce-scattered by the ring "
                         "allreduce's first half, each rank's block updated with its own optimizer "
-                        "state, the parameters allgathered by its second half; as text, and "
-                        "with --png on one slide (docs/sharded.md)")  # fmt: skip
+                        "state, the parameters allgathered by its second half; as text, on one "
+                        "slide (--png) or a page (--html) (docs/sharded.md)")  # fmt: skip
     parser.add_argument("--root", type=nonnegative_int,
                         help="broadcast and reduce: the root rank (default 0)")
     writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
@@ -120,9 +120,9 @@ def check_options(options: argparse.Namespace) -> None:
     if options.zero_stage and (options.algorithm or "ring") != "ring":
         raise ValueError(f"--zero-stage {options.zero_stage} runs the ring allreduce's halves, as "
                          f"train does: drop --algorithm {options.algorithm}")  # fmt: skip
-    if options.zero_stage and (options.frames or options.html):
-        raise ValueError(f"--zero-stage {options.zero_stage} is drawn on one slide, --png: drop "
-                         f"{'--frames' if options.frames else '--html'}")  # fmt: skip
+    if options.zero_stage and options.frames:
+        raise ValueError(f"--frames: --zero-stage {options.zero_stage} is drawn on one slide "
+                         "(--png) or a page (--html), not as frames")  # fmt: skip
     if options.zero_stage and options.png and options.ranks > ZERO_SLIDE_RANKS:
         raise ValueError(f"--zero-stage {options.zero_stage} --png draws 1 to {ZERO_SLIDE_RANKS} "
                          f"ranks on a slide, got --ranks {options.ranks}")  # fmt: skip
@@ -181,6 +181,11 @@ def zero_main(options: argparse.Namespace) -> int:
 
         draw_zero_png(zero, options.png)
         print(f"wrote {options.png}")
+    if options.html:
+        from syncsgd.apps.demo_zero_html import write_zero_html
+
+        write_zero_html(zero, options.html)
+        print(f"wrote {options.html}")
     if not zero.correct:
         print("syncsgd: ring-demo: the ZeRO-1 step's parameters are wrong", file=sys.stderr)
         return 1
