@@ -2,8 +2,11 @@
 
     syncsgd ring-demo --ranks 3 --length 7
     syncsgd ring-demo --ranks 4 --length 10 --png ring.png --frames slides/ --html ring.html
+    syncsgd ring-demo --zero-stage 1 --ranks 3 --length 7
 
-The rounds and their text are in `demo_core`, the figures in `demo_png`, the page in `demo_html`.
+The rounds and their text are in `demo_core`, the figures in `demo_png`, the page in `demo_html`;
+`--zero-stage 1`'s training step in `demo_zero`, its slide and page in `demo_zero_png` and
+`demo_zero_html`.
 """
 
 from __future__ import annotations
