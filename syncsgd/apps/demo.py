@@ -2,8 +2,11 @@
 
     syncsgd ring-demo --ranks 3 --length 7
     syncsgd ring-demo --ranks 4 --length 10 --png ring.png --frames slides/ --html ring.html
+    syncsgd ring-demo --zero-stage 1 --ranks 3 --length 7
 
-The rounds and their text are in `demo_core`, the figures in `demo_png`, the page in `demo_html`.
+The rounds and their text are in `demo_core`, the figures in `demo_png`, the page in `demo_html`;
+`--zero-stage 1`'s training step in `demo_zero`, its slide and page in `demo_zero_png` and
+`demo_zero_html`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from syncsgd.apps.demo_core import (  # noqa: F401  (the names tests and users r
 )
 from syncsgd.apps.demo_html import write_html
 from syncsgd.apps.demo_png import draw_png, write_frames
+from syncsgd.apps.demo_zero_png import MAX_RANKS as ZERO_SLIDE_RANKS
 from syncsgd.comm.world import launched_by_mpi
 from syncsgd.util.argtypes import nonnegative_int
 from syncsgd.util.figures import figure_path
@@ -58,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "recursive-doubling (allgather), recursive-halving (reduce-scatter); "
                         "alltoall: pairwise (the default), on a --length that is a multiple of "
                         "--ranks")  # fmt: skip
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, metavar="K",
+                        help="0: the collective alone (the default); 1: one training step of ZeRO "
+                        "stage 1 on its numbers: the gradient sums reduce-scattered by the ring "
+                        "allreduce's first half, each rank's block updated with its own optimizer "
+                        "state, the parameters allgathered by its second half; as text, on one "
+                        "slide (--png) or a page (--html) (docs/sharded.md)")  # fmt: skip
     parser.add_argument("--root", type=nonnegative_int,
                         help="broadcast and reduce: the root rank (default 0)")
     writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
@@ -107,6 +117,18 @@ def check_options(options: argparse.Namespace) -> None:
     and figures without matplotlib."""
     from syncsgd.util.figures import require_matplotlib
 
+    if options.zero_stage and options.collective != "allreduce":  # the default
+        raise ValueError(f"--zero-stage {options.zero_stage} shows the ring allreduce's two halves "
+                         f"in a training step: drop --collective {options.collective}")  # fmt: skip
+    if options.zero_stage and (options.algorithm or "ring") != "ring":
+        raise ValueError(f"--zero-stage {options.zero_stage} runs the ring allreduce's halves, as "
+                         f"train does: drop --algorithm {options.algorithm}")  # fmt: skip
+    if options.zero_stage and options.frames:
+        raise ValueError(f"--frames: --zero-stage {options.zero_stage} is drawn on one slide "
+                         "(--png) or a page (--html), not as frames")  # fmt: skip
+    if options.zero_stage and options.png and options.ranks > ZERO_SLIDE_RANKS:
+        raise ValueError(f"--zero-stage {options.zero_stage} --png draws 1 to {ZERO_SLIDE_RANKS} "
+                         f"ranks on a slide, got --ranks {options.ranks}")  # fmt: skip
     if options.root is not None and options.collective not in ("broadcast", "reduce"):
         raise ValueError(f"--root: {options.collective} has no root (broadcast and reduce "
                          "have one)")  # fmt: skip
@@ -125,6 +147,8 @@ def main(options: argparse.Namespace) -> int:
     for path in (options.png, options.html):
         if path:
             check_writable(path)
+    if options.zero_stage:
+        return zero_main(options)
     algorithm = options.algorithm or ("pairwise" if options.collective == "alltoall" else "ring")
     if options.collective == "allreduce":
         demo = run_demo(options.ranks, options.length, algorithm)
@@ -145,5 +169,27 @@ def main(options: argparse.Namespace) -> int:
         print(f"wrote {options.html}")
     if not demo.correct:
         print(f"syncsgd: ring-demo: the {demo.what} result is wrong", file=sys.stderr)
+        return 1
+    return 0
+
+
+def zero_main(options: argparse.Namespace) -> int:
+    """`ring-demo --zero-stage 1`: print one ZeRO-1 step; 1 if it ends unlike the serial step."""
+    from syncsgd.apps.demo_zero import render_zero_text, run_zero_demo
+
+    zero = run_zero_demo(options.ranks, options.length)
+    print(render_zero_text(zero, use_color(options.color)))
+    if options.png:
+        from syncsgd.apps.demo_zero_png import draw_zero_png
+
+        draw_zero_png(zero, options.png)
+        print(f"wrote {options.png}")
+    if options.html:
+        from syncsgd.apps.demo_zero_html import write_zero_html
+
+        write_zero_html(zero, options.html)
+        print(f"wrote {options.html}")
+    if not zero.correct:
+        print("syncsgd: ring-demo: the ZeRO-1 step's parameters are wrong", file=sys.stderr)
         return 1
     return 0

@@ -246,7 +246,8 @@ function drawBuffers(frame) {
       const cell = row.insertCell();
       cell.className = "value";
       cell.textContent = String(value);
-      cell.title = frame.counts[rank][i] + " of " + P + " ranks summed in";
+      cell.title = frame.tips ? frame.tips[rank][i]
+        : frame.counts[rank][i] + " of " + P + " ranks summed in";
       cell.style.background = data.colours[frame.counts[rank][i]];
       if (received && received[0] <= i && i < received[1])
         cell.classList.add(received[2] ? "received-added" : "received-copied");
@@ -271,8 +272,8 @@ function drawLegend() {
     swatch.textContent = String(count);
     legend.append(swatch);
   }
-  legend.append("; frame: just received (solid: added, dashed: copied); an arrow's colour " +
-    "and label: the chunk it carries (all: the whole buffer)");
+  legend.append(data.legend || "; frame: just received (solid: added, dashed: copied); an " +
+    "arrow's colour and label: the chunk it carries (all: the whole buffer)");
 }
 
 function withCode(node, text) {
