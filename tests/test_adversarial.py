@@ -66,6 +66,37 @@ CASES = [
      "scaler's scale"),
     ("train --checkpoint empty-lock", 1, "has an empty lock file empty-lock/lock"),
     ("train --checkpoint garbled-lock", 1, "lock file garbled-lock/lock that cannot be read"),
+    # --model specs: integers beyond int64, duplicate keys, shapes beyond int64
+    ("verify --model dense(99999999999999999999)", 1,
+     "'dense(99999999999999999999)': 99999999999999999999 is out of range"),
+    ("study batch-size --model conv(4,3,stride=99999999999999999999)", 1, "is out of range"),
+    ("bench step --model avgpool(2,stride=-99999999999999999999)", 1, "is out of range"),
+    ("model --model embed(99999999999999999999) --input-shape 4", 2, "is out of range"),
+    ("verify --data numbers-to-words --model gpt(layers=99999999999999999999,d=8,heads=2)", 1,
+     "at most 10000 layers, got 99999999999999999999"),
+    ("verify --data data.npz --batch-size 16 --input-shape 1,2,2 --model "
+     "conv(4,3,pad=9223372036854775807)", 1,
+     "gives each sample an output of shape (4, 18446744073709551614, 18446744073709551614)"),
+    ("verify --model conv(4,3,stride=1,stride=2)", 1, "stride is given twice"),
+    ("verify --model conv(4,3,kernel=5)", 1, "kernel is given twice"),
+    ("verify --model gpt(layers=1,d=8,heads=2,layers=2)", 1, "layers is given twice"),
+    # work that cannot finish, or that does nothing
+    ("train --accumulate 1000000000000", 1, "give --accumulate at most 16"),
+    ("train --accumulate 9", 1, "--batch-size 16 on 2 rank(s) gives shards of at most 8"),
+    ("verify --batch-size 16 --accumulates 1,1000000000000", 1,
+     "K=1000000000000 sgd: --accumulate 1000000000000 cuts the shards"),
+    ("verify --batch-size 16 --ranks 1,3 --accumulate 8", 1, "on 3 rank(s) gives shards of at "
+     "most 6; give --accumulate at most 6"),
+    ("train --accumulate 8 --batchnorm local", 1, "BatchNorm in training needs more than 1 value "
+     "per channel (as in PyTorch): it normalises each rank's (micro-)batch alone"),
+    ("train --batch-size 1 --ranks 1 --batchnorm sync", 1, "--batch-size 1 on 1 rank(s) leaves "
+     "one of 1 sample"),
+    ("train --pitfall accumulate-means", 1, "changes nothing with one micro-batch"),
+    ("verify --pitfall accumulate-means --accumulates 1,2", 1,
+     "--pitfall accumulate-means changes nothing with one micro-batch"),
+    ("verify --data numbers-to-words --model gpt(layers=1,d=8,heads=2) --classes 5", 1,
+     "--classes 5: on token data --data numbers-to-words the outputs are its vocabulary"),
+    ("train --init p.npz --resume ck", 1, "--init p.npz is not read when --resume ck restarts"),
 ]  # fmt: skip
 
 

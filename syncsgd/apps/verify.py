@@ -83,12 +83,6 @@ LOCAL_BATCHNORM = (
 )
 
 
-ONE_MICRO_BATCH = (
-    "accumulate-means changes nothing with one micro-batch: its mean times the shard's size is "
-    "its sum; give --accumulate K > 1 (uneven micro-batches show it)"
-)
-
-
 def serial(config: TrainConfig) -> TrainConfig:
     """The reference's options: serial SGD, no pitfall, the gradient sums in the model's dtype."""
     return replace(config, pitfall=None, allreduce_dtype=None)
@@ -186,6 +180,7 @@ AT_ONE_RANK = {
 def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
          json_path: str | None) -> int:  # fmt: skip
     """Print the verify table; exit status 1 if a run that should match does not."""
+    check_shards([config], ranks_list)
     tolerance = TOLERANCE[config.dtype] if tolerance is None else tolerance
     mode = "exact mode: bitwise" if config.exact else f"float mode: tolerance {tolerance:g}"
     pitfall = f", pitfall {config.pitfall}" if config.pitfall else ""
@@ -207,8 +202,6 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
         print(comment(COMPRESSED_AT_ONE_RANK))
     if config.batchnorm == "local" and any(ranks > 1 for ranks in failed):
         print(comment(LOCAL_BATCHNORM))
-    if config.pitfall == "accumulate-means" and config.accumulate == 1:
-        print(comment(ONE_MICRO_BATCH))
     if json_path:
         from syncsgd.apps.verify_grid import record
 
@@ -223,12 +216,22 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
     return 0
 
 
+def check_shards(configs: list[TrainConfig], ranks_list: list[int]) -> None:
+    """Before any run: every configuration's --accumulate fits its shards on every P."""
+    from syncsgd.training.run import check_accumulate
+
+    for each in configs:
+        for ranks in ranks_list:
+            check_accumulate(each, ranks)
+
+
 def main_grid(config: TrainConfig, options: argparse.Namespace) -> int:
     """Every configuration against its serial run on every P: the table, the outputs; exit
     status 1 if a run that should match does not."""
     from syncsgd.apps import verify_grid as grid
 
     configs = grid.configurations(config, options)
+    check_shards(configs, options.ranks)
     grid.check_outputs(options)
     if options.png or options.svg or options.pdf:
         from syncsgd.apps.verify_report import check_matplotlib
@@ -382,6 +385,20 @@ def allow_all(parser: Any) -> None:
             action.choices = (*action.choices, ALL)
 
 
+def first_of_grid(options: argparse.Namespace) -> argparse.Namespace:
+    """The options with each grid list's first entry as its one option's value: the grid's
+    first configuration, checked as a whole (--pitfall local-trust-ratio with --optimizers
+    lamb,lars needs no --optimizer)."""
+    from syncsgd.apps.verify_grid import AXES
+
+    first = argparse.Namespace(**vars(options))
+    for flag, field, _, _ in AXES:
+        values = getattr(options, flag, None)
+        if values:
+            setattr(first, field, values[0] == "exact" if field == "exact" else values[0])
+    return first
+
+
 def run_options(options: Any, config_from_options: Any) -> int:
     """`syncsgd verify` from its parsed options: one pitfall's table, or every pitfall's."""
     from syncsgd.apps import verify_grid
@@ -390,7 +407,7 @@ def run_options(options: Any, config_from_options: Any) -> int:
         if options.pitfall == ALL:
             raise ValueError("--pitfall all is a table of its own: leave out the grid's lists "
                              "and --report, --png, --svg, --pdf")  # fmt: skip
-        return main_grid(config_from_options(options), options)
+        return main_grid(config_from_options(first_of_grid(options)), options)
     if options.pitfall == ALL:
         options.pitfall = None
         return main_all(config_from_options(options), options.tolerance, options.json)

@@ -252,6 +252,48 @@ def check_agreement(comm: Any, run: Run) -> None:
             "the ranks were started with different options or data (their configuration "
             "fingerprints differ from rank 0's); start every rank with the same command and files"
         )
+    check_micro_batches(config, run.model, comm.Get_size())
+
+
+def check_micro_batches(config: TrainConfig, model: Network, ranks: int) -> None:
+    """On every rank alike: --accumulate K cuts no shard into more micro-batches than the largest
+    shard has samples, and no BatchNorm layer in training normalises one value per channel
+    (PyTorch refuses that: its output would be all zeros)."""
+    shards = check_accumulate(config, ranks)
+    spatial = [shape_size(layer.in_shape[1:]) for layer in model.layers
+               if layer.kind == "batchnorm"]  # fmt: skip
+    if min(spatial, default=2) > 1:
+        return  # no batchnorm, or each sample gives it more than one value per channel
+    micro = [split_sizes(shard, config.accumulate) for shard in shards]
+    local = config.batchnorm == "local"
+    groups = ([size for sizes in micro for size in sizes] if local
+              else [sum(sizes) for sizes in zip(*micro, strict=True)])  # fmt: skip
+    if 1 in groups:
+        whose = ("each rank's (micro-)batch alone (--batchnorm local)" if local
+                 else "every rank's k-th micro-batch together")  # fmt: skip
+        cut = (f" in --accumulate {config.accumulate} micro-batches" if config.accumulate > 1
+               else "")  # fmt: skip
+        raise AgreedError(f"BatchNorm in training needs more than 1 value per channel (as in "
+                          f"PyTorch): it normalises {whose}, and --batch-size "
+                          f"{config.batch_size} on {ranks} rank(s){cut} leaves one of 1 "
+                          "sample")  # fmt: skip
+
+
+def check_accumulate(config: TrainConfig, ranks: int) -> list[int]:
+    """The shards' sizes on `ranks` ranks; AgreedError if --accumulate K is above the largest."""
+    shards = split_sizes(config.batch_size, ranks)
+    if config.accumulate > shards[0]:
+        raise AgreedError(f"--accumulate {config.accumulate} cuts each rank's shard into more "
+                          f"micro-batches than it has samples: --batch-size {config.batch_size} "
+                          f"on {ranks} rank(s) gives shards of at most {shards[0]}; give "
+                          f"--accumulate at most {shards[0]}")  # fmt: skip
+    return shards
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """The sizes numpy.array_split cuts `total` items into `parts` with: the first ones larger."""
+    size, larger = divmod(total, parts)
+    return [size + (index < larger) for index in range(parts)]
 
 
 def first_params(run: Run) -> np.ndarray:
