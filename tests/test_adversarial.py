@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -80,6 +81,19 @@ CASES = [
     ("verify --model conv(4,3,stride=1,stride=2)", 1, "stride is given twice"),
     ("verify --model conv(4,3,kernel=5)", 1, "kernel is given twice"),
     ("verify --model gpt(layers=1,d=8,heads=2,layers=2)", 1, "layers is given twice"),
+    # empty paths, and outputs named with another format's extension
+    ("verify --json ''", 1, "--json '': an empty path names no file or directory"),
+    ("verify --report ''", 1, "--report '': an empty path names no file or directory"),
+    ("verify --png ''", 1, "--png '': an empty path names no file or directory"),
+    ("train --save ''", 1, "--save '': an empty path names no file or directory"),
+    ("train --checkpoint ''", 1, "--checkpoint '': an empty path names no file or directory"),
+    ("bench allreduce --csv ''", 1, "--csv '': an empty path names no file or directory"),
+    ("study batch-size --json ''", 1, "--json '': an empty path names no file or directory"),
+    ("verify --report x.png", 1, "--report x.png: an HTML page is written to a name ending in "
+     ".html or .htm"),
+    ("verify --png x.svg", 1, "--png x.svg: a PNG figure is written to a name ending in .png"),
+    ("verify --pdf x.txt", 1, "--pdf x.txt: a PDF figure is written to a name ending in .pdf"),
+    ("verify --svg x.png", 1, "--svg x.png: an SVG figure is written to a name ending in .svg"),
     # work that cannot finish, or that does nothing
     ("train --accumulate 1000000000000", 1, "give --accumulate at most 16"),
     ("train --accumulate 9", 1, "--batch-size 16 on 2 rank(s) gives shards of at most 8"),
@@ -159,7 +173,7 @@ def test_adversarial_case(prepared, tmp_path, monkeypatch, capsys, command, stat
     shutil.copytree(prepared, work)
     monkeypatch.chdir(work)
     before = snapshot(work)
-    args = command.split()
+    args = shlex.split(command)
     if args[0] == "train":
         args[1:1] = TINY
     code = run(args)
