@@ -70,6 +70,9 @@ def test_pitfall_all_is_one_row_per_pitfall_with_a_why(tmp_path):
     rows = {line.split()[0]: line.split() for line in lines
             if line.split() and line.split()[0] in VARIANTS}  # fmt: skip
     assert list(rows) == list(VARIANTS)
+    header = next(line for line in lines if line.startswith("pitfall "))
+    aligned = [line for line in lines if line.split() and line.split()[0] in VARIANTS]
+    assert {len(line) for line in aligned} == {len(header)}, aligned  # the longest name too
     for name, kind in VARIANTS.items():
         assert int(rows[name][1]) == kind.shows_at and rows[name][-1] == "yes"
     text = " ".join(line[2:] for line in lines if line.startswith("# "))

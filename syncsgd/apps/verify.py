@@ -24,6 +24,7 @@ from syncsgd.comm.threads import run_threads
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, prepare, train_rank
 from syncsgd.training.result import sha256
+from syncsgd.training.variants import PITFALLS
 from syncsgd.util import jsonout
 
 # Float mode: the relative distance from serial SGD that a correct run stays within (the tolerance
@@ -298,7 +299,8 @@ def comment(text: str) -> str:
 
 ALL = "all"  # --pitfall all: every pitfall, one row each
 
-ALL_HEADER = (f"{'pitfall':<16} {'P':>2} {'loss':>8} {'serial':>8} {'acc':>6} {'serial':>6} "
+PITFALL_WIDTH = max(len(name) for name in PITFALLS)  # local-trust-ratio: 17 columns
+ALL_HEADER = (f"{'pitfall':<{PITFALL_WIDTH}} {'P':>2} {'loss':>8} {'serial':>8} {'acc':>6} {'serial':>6} "
               f"{'relative':>9} {'first diff':>10} {'shows':>5}")  # fmt: skip
 
 
@@ -344,7 +346,7 @@ def format_pitfall(line: PitfallRow) -> str:
 
     first = "-" if line.row.first_difference is None else f"step {line.row.first_difference}"
     return (
-        f"{line.pitfall:<16} {line.ranks:>2} {line.loss:>8.5g} {line.serial_loss:>8.5g} "
+        f"{line.pitfall:<{PITFALL_WIDTH}} {line.ranks:>2} {line.loss:>8.5g} {line.serial_loss:>8.5g} "
         f"{accuracy(line.accuracy):>6} {accuracy(line.serial_accuracy):>6} "
         f"{line.row.relative_diff:>9.3g} {first:>10} {'yes' if line.shows else 'NO':>5}"
     )
