@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from syncsgd.apps.verify import same_sign_ulps
+from syncsgd.apps.verify import same_sign_ulps, ulp_distance
 from syncsgd.training.variants import VARIANTS
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,6 +21,16 @@ SMALL = ["--samples", "150", "--features", "5", "--hidden", "7", "--batch-size",
 def verify(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "syncsgd.cli", "verify", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=240)
+
+
+def test_ulps_are_counted_of_the_larger_value_at_least_one():
+    one, two = np.array([1.0, 2.0]), np.array([np.nextafter(1.0, 2.0), np.nextafter(2.0, 3.0)])
+    assert ulp_distance(one, two) == 1
+    tiny = np.array([1e-20], np.float32)  # near zero: ULPs of 1, not of 1e-20 (about 1e12 of them)
+    assert ulp_distance(tiny, 2 * tiny) == 1
+    relative = 5.8e-14  # reads as the relative column: max |Δθ| / eps
+    ulps = ulp_distance(np.array([0.5, 1e-3]), np.array([0.5, 1e-3 + relative]))
+    assert ulps == int(np.ceil(relative / np.spacing(1.0)))
 
 
 def test_a_sign_flip_is_counted_not_measured_in_ulps():

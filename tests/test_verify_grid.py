@@ -129,3 +129,16 @@ def test_a_pitfall_is_checked_with_the_grids_first_configuration(capsys):
                    "local-trust-ratio", *TINY])  # fmt: skip
     out, err = capsys.readouterr()
     assert status == 1 and err == "" and "K=1 lars" in out and "K=1 lamb" in out, err
+
+
+def test_bf16_is_judged_by_its_own_tolerance_and_a_real_mismatch_in_it_still_fails(capsys):
+    # bf16 float mode moves by about 1e-3 with P (each rank rounds its own sums): within
+    # u sqrt(T) / 4; a shuffle the ranks do not agree on moves by about 1e-2: beyond it
+    assert main(["verify", "--ranks", "1,2,3", "--precisions", "fp32,bf16", "--steps",
+                 "20"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "float mode: tolerance 0.00437 (bf16: u sqrt(T) / 4, u\n# = 2^-8, T = 20" in out, out
+    assert "float mode: tolerance 1e-09 (float64)" in out
+    assert main(["verify", "--ranks", "2", "--precision", "bf16", "--pitfall", "unsynced-shuffle",
+                 "--steps", "20"]) == 1  # fmt: skip
+    assert "MISMATCH: P = 2 differ" in capsys.readouterr().out

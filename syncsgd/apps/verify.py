@@ -14,6 +14,7 @@ digests of the parameters give the first step after which a run differs.
 from __future__ import annotations
 
 import argparse
+import math
 import textwrap
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -24,12 +25,53 @@ from syncsgd.comm.threads import run_threads
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, prepare, train_rank
 from syncsgd.training.result import sha256
+from syncsgd.training.run import DEFAULT_STEPS
 from syncsgd.training.variants import PITFALLS
 from syncsgd.util import jsonout
 
-# Float mode: the relative distance from serial SGD that a correct run stays within (the tolerance
-# the README documents).
+# Float mode with the passes in the model's dtype (--precision fp32): the relative distance from
+# serial SGD that a correct run stays within (the tolerance the README documents).
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+# The passes emulated in a narrow format (--precision bf16|fp16) round each rank's sums with the
+# format's unit roundoff u, differently for each split of the batch; over T steps those
+# differences add up as a random walk: float mode allows u sqrt(T) / 4 (at least the dtype's
+# tolerance); docs/verify.md gives what the default model's runs moved.
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+def float_tolerance(config: TrainConfig, steps: int) -> tuple[float, str]:
+    """Float mode's tolerance for a run of `steps` steps, and how it was derived."""
+    floor = TOLERANCE[config.dtype]
+    unit = UNIT_ROUNDOFF.get(config.precision)
+    if unit is None:
+        return floor, config.dtype
+    derived = unit * math.sqrt(max(steps, 1)) / 4
+    how = (f"{config.precision}: u sqrt(T) / 4, u = 2^{math.log2(unit):.0f}, T = {steps} "
+           "steps")  # fmt: skip
+    return max(floor, derived), how if derived > floor else config.dtype
+
+
+def planned_steps(config: TrainConfig) -> int:
+    """The steps a run of `config` takes (--epochs: counted from the data)."""
+    if config.steps is not None:
+        return config.steps
+    if config.epochs is None:
+        return DEFAULT_STEPS
+    return prepare(config).steps
+
+
+def tolerance_of(config: TrainConfig, given: float | None) -> tuple[float, str]:
+    """--tolerance if given, else float_tolerance's, and how it was chosen."""
+    if given is not None:
+        return given, "--tolerance"
+    return float_tolerance(config, planned_steps(config))
+
+
+def mode_text(config: TrainConfig, tolerance: tuple[float, str]) -> str:
+    """'exact mode: bitwise' or 'float mode: tolerance 0.00977 (bf16: u sqrt(T) / 4, ...)'."""
+    if config.exact:
+        return "exact mode: bitwise"
+    return f"float mode: tolerance {tolerance[0]:.3g} ({tolerance[1]})"
 
 
 @dataclass
@@ -39,7 +81,7 @@ class Row:
     ranks: int
     max_abs_diff: float
     relative_diff: float
-    max_ulps: int  # over the elements whose signs agree (a sign flip has no useful ULP count)
+    max_ulps: int  # ULPs of max(|a|, |b|, 1), over the elements whose signs agree
     sign_flips: int
     bitwise_equal: bool
     sha256: str
@@ -48,26 +90,23 @@ class Row:
     first_parameter: str | None = None  # the first tensor, in buffer order, that differed then
 
 
+ULP_FLOOR = 1.0  # ULPs are counted of max(|a|, |b|, 1), as relative divides by max(1, max |θ|)
+
+
 def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
-    """The largest number of representable floats between a[i] and b[i] over all i."""
+    """The most units in the last place of max(|a[i]|, |b[i]|, ULP_FLOOR) that a[i] and b[i]
+    differ by, rounded up: an element near zero counts the ULPs of 1, not its own tiny ones."""
     if a.size == 0:
         return 0
-    widths: dict[int, type[np.signedinteger[Any]]] = {4: np.int32, 8: np.int64}
-    bits = widths[a.dtype.itemsize]
-    lowest = np.iinfo(bits).min
-
-    def ordered(x: np.ndarray) -> np.ndarray:
-        raw = x.view(bits)  # negative floats count down from the sign bit: mirror them
-        return np.where(raw < 0, lowest - raw, raw).astype(object)  # Python ints: no overflow
-
-    return int(np.max(np.abs(ordered(a) - ordered(b))))
+    wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
+    larger = np.maximum(np.maximum(np.abs(wide_a), np.abs(wide_b)), ULP_FLOOR)
+    units = np.spacing(larger.astype(a.dtype)).astype(np.float64)
+    return int(np.ceil(np.max(np.abs(wide_a - wide_b) / units)))
 
 
 def same_sign_ulps(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
     """(the ULP distance over the elements whose signs agree, how many elements flipped sign)."""
-    # Between -x and +x lie all the floats near zero: about 9e18 ULPs for float64, which says
-    # only that the sign flipped. Zero agrees with either sign.
-    flipped = (np.sign(a) * np.sign(b)) < 0
+    flipped = (np.sign(a) * np.sign(b)) < 0  # zero agrees with either sign
     kept = ~flipped
     return ulp_distance(a[kept], b[kept]), int(np.count_nonzero(flipped))
 
@@ -182,8 +221,8 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
          json_path: str | None) -> int:  # fmt: skip
     """Print the verify table; exit status 1 if a run that should match does not."""
     check_shards([config], ranks_list)
-    tolerance = TOLERANCE[config.dtype] if tolerance is None else tolerance
-    mode = "exact mode: bitwise" if config.exact else f"float mode: tolerance {tolerance:g}"
+    chosen = tolerance_of(config, tolerance)
+    tolerance, mode = chosen[0], mode_text(config, chosen)
     pitfall = f", pitfall {config.pitfall}" if config.pitfall else ""
     if config.allreduce_dtype is not None:
         pitfall += f", allreduce in {config.allreduce_dtype} (the serial run's in {config.dtype})"
@@ -195,7 +234,9 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
                   report=lambda row: print(format_row(row, scale), flush=True))  # fmt: skip
     if scale <= 1:
         print("# relative = max |Δθ| / max(1, max |θ|), the same here ('='): max |θ| <= 1")
-    print("# ULPs: over the elements whose signs agree; flips: elements that changed sign")
+    print(comment("ULPs: units in the last place of max(|θ|, |serial θ|, 1), as relative divides "
+                  "by max(1, max |θ|), over the elements whose signs agree; flips: elements that "
+                  "changed sign"))  # fmt: skip
     failed = [row.ranks for row in rows if not row.matches]
     if 1 in failed and config.pitfall in AT_ONE_RANK:
         print(comment(AT_ONE_RANK[config.pitfall]))
@@ -246,9 +287,9 @@ def main_grid(config: TrainConfig, options: argparse.Namespace) -> int:
     print(HEADER, flush=True)
     runs = []
     for each in configs:
-        tolerance = TOLERANCE[each.dtype] if options.tolerance is None else options.tolerance
-        print(f"# {grid.label(each)}: "
-              f"{'bitwise' if each.exact else f'tolerance {tolerance:g}'}", flush=True)
+        chosen = tolerance_of(each, options.tolerance)
+        tolerance = chosen[0]
+        print(comment(f"{grid.label(each)}: {mode_text(each, chosen)}"), flush=True)
         runs += [grid.record(each, row, tolerance)
                  for row in grid_rows(each, ranks_list, tolerance)]  # fmt: skip
     document = {"runs": runs, "configurations": [grid.label(each) for each in configs],
@@ -300,8 +341,8 @@ def comment(text: str) -> str:
 ALL = "all"  # --pitfall all: every pitfall, one row each
 
 PITFALL_WIDTH = max(len(name) for name in PITFALLS)  # local-trust-ratio: 17 columns
-ALL_HEADER = (f"{'pitfall':<{PITFALL_WIDTH}} {'P':>2} {'loss':>8} {'serial':>8} {'acc':>6} {'serial':>6} "
-              f"{'relative':>9} {'first diff':>10} {'shows':>5}")  # fmt: skip
+ALL_HEADER = (f"{'pitfall':<{PITFALL_WIDTH}} {'P':>2} {'loss':>8} {'serial':>8} {'acc':>6} "
+              f"{'serial':>6} {'relative':>9} {'first diff':>10} {'shows':>5}")  # fmt: skip
 
 
 @dataclass
@@ -346,9 +387,10 @@ def format_pitfall(line: PitfallRow) -> str:
 
     first = "-" if line.row.first_difference is None else f"step {line.row.first_difference}"
     return (
-        f"{line.pitfall:<{PITFALL_WIDTH}} {line.ranks:>2} {line.loss:>8.5g} {line.serial_loss:>8.5g} "
-        f"{accuracy(line.accuracy):>6} {accuracy(line.serial_accuracy):>6} "
-        f"{line.row.relative_diff:>9.3g} {first:>10} {'yes' if line.shows else 'NO':>5}"
+        f"{line.pitfall:<{PITFALL_WIDTH}} {line.ranks:>2} {line.loss:>8.5g} "
+        f"{line.serial_loss:>8.5g} {accuracy(line.accuracy):>6} "
+        f"{accuracy(line.serial_accuracy):>6} {line.row.relative_diff:>9.3g} {first:>10} "
+        f"{'yes' if line.shows else 'NO':>5}"
     )
 
 
@@ -356,8 +398,8 @@ def main_all(config: TrainConfig, tolerance: float | None, json_path: str | None
     """Every pitfall at the P it shows at: exit status 1 if one does not show."""
     from syncsgd.training.variants import VARIANTS
 
-    tolerance = TOLERANCE[config.dtype] if tolerance is None else tolerance
-    mode = "exact mode: bitwise" if config.exact else f"float mode: tolerance {tolerance:g}"
+    chosen = tolerance_of(config, tolerance)
+    tolerance, mode = chosen[0], mode_text(config, chosen)
     print(comment(f"every pitfall on the P and with the options it shows with, against serial "
                   f"SGD (1 rank, no pitfall, the same options); {mode}; relative = max |Δθ| / "
                   f"max(1, max |θ|)"))  # fmt: skip

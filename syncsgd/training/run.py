@@ -24,6 +24,8 @@ from syncsgd.training.variants import variant
 from syncsgd.util.files import check_paths
 from syncsgd.util.machine import check_memory
 
+DEFAULT_STEPS = 100  # the steps of a run given neither --steps nor --epochs
+
 
 class AgreedError(ValueError):
     """An error every rank knows of, agreed on by a collective: rank 0 reports it, once."""
@@ -111,7 +113,7 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     elif config.epochs is not None:
         steps = config.epochs * per_epoch
     else:
-        steps = 100
+        steps = DEFAULT_STEPS
     # class labels: max label + 1, which --classes may raise; token data: the vocabulary's size
     outputs = data.n_outputs(y, config.loss, X)
     if labels and config.classes is not None:
