@@ -111,6 +111,8 @@ CASES = [
     ("verify --data numbers-to-words --model gpt(layers=1,d=8,heads=2) --classes 5", 1,
      "--classes 5: on token data --data numbers-to-words the outputs are its vocabulary"),
     ("train --init p.npz --resume ck", 1, "--init p.npz is not read when --resume ck restarts"),
+    ("train --init stray.npz", 1, "--init stray.npz: 'extra' belongs to no layer of the model "
+     "(dense(8) relu dense(4); its arrays: W0, W1, b0, b1)"),
 ]  # fmt: skip
 
 
@@ -131,6 +133,7 @@ def prepared(tmp_path_factory):
         json.dump({"ranks": 10**30, "rows": [{"size_bytes": 8, "algorithm": "ring",
                    "time_us": 1.0}]}, open("sweep.json", "w"))  # fmt: skip
         assert main(["train", *TINY, "--steps", "0", "--save", "p.npz"]) == 0
+        np.savez("stray.npz", **np.load("p.npz"), extra=np.zeros(3))
         assert main(["train", *TINY, "--steps", "4", "--checkpoint", "ck",
                      "--checkpoint-every", "2"]) == 0  # fmt: skip
         shutil.copytree("ck", "broken")
@@ -234,6 +237,24 @@ def test_every_declared_output_is_guarded(tmp_path, monkeypatch, capsys):
                 tried += 1
     assert open(taken).read() == "kept" and sorted(os.listdir()) == [taken]
     assert tried > 30
+
+
+def test_init_takes_a_pytorch_state_dict_with_batchnorms_batch_count(tmp_path, capsys):
+    spec = "dense(8) batchnorm relu dense"
+    model = ["--samples", "64", "--features", "4", "--batch-size", "16", "--model", spec]
+    saved, again = tmp_path / "saved.npz", tmp_path / "again.npz"
+    assert main(["train", *model, "--steps", "0", "--save", str(saved), "--quiet"]) == 0
+    state_dict = {**np.load(saved), "1.num_batches_tracked": np.array(7)}  # as PyTorch saves it
+    np.savez(tmp_path / "torch.npz", **state_dict)
+    assert main(["train", *model, "--steps", "0", "--init", str(tmp_path / "torch.npz"),
+                 "--save", str(again), "--quiet"]) == 0  # fmt: skip
+    with np.load(saved) as first, np.load(again) as second:
+        assert sorted(second.files) == sorted(first.files)  # the count ignored, not kept
+        assert all(np.array_equal(first[name], second[name]) for name in first.files)
+    state_dict["2.num_batches_tracked"] = np.array(7)  # relu's: no layer has it
+    np.savez(tmp_path / "wrong.npz", **state_dict)
+    assert main(["train", *model, "--steps", "0", "--init", str(tmp_path / "wrong.npz")]) == 1
+    assert "'2.num_batches_tracked' does not belong to --model" in capsys.readouterr().err
 
 
 def test_the_summary_says_what_was_read(capsys):

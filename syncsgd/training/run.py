@@ -131,8 +131,9 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
               fingerprint(config, X, y, steps, sample_shape),
               X_eval=X_eval, y_eval=y_eval, read=f"{read}, {model_outputs(outputs, config)}")
     if config.init is not None:
-        arrays = load_npz(config.init)
+        arrays = without_batch_counts(load_npz(config.init), model)
         run.init, run.init_running = model.from_arrays(arrays), model.running_from_arrays(arrays)
+        refuse_strays(arrays, model, config.init)
     if config.resume is not None:
         run.start = checkpoint.load_latest(config.resume, run.fingerprint, model.n_params,
                                            model.dtype, model.n_running)  # fmt: skip
@@ -141,6 +142,27 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
             f"--resume {config.resume} is at step {run.start.step}, beyond --steps {steps}",
         )
     return run
+
+
+def without_batch_counts(arrays: dict[str, np.ndarray], model: Network) -> dict[str, np.ndarray]:
+    """`arrays` without the "<position>.num_batches_tracked" of the model's batchnorm layers: a
+    PyTorch state_dict holds them, syncsgd's BatchNorm never reads them (its momentum is fixed)."""
+    if model.name_map is not None:
+        return arrays
+    counts = {f"{layer.position}.num_batches_tracked" for layer in model.layers
+              if layer.kind == "batchnorm"}  # fmt: skip
+    return {name: array for name, array in arrays.items() if name not in counts}
+
+
+def refuse_strays(arrays: dict[str, np.ndarray], model: Network, path: str) -> None:
+    """A ValueError naming a key of an --init file that is no array of the model."""
+    known = {*model.param_names(), *(name for name, _, _ in model.running_layout())}
+    strays = sorted(name for name in arrays if name not in known)
+    if strays:
+        names = sorted(known)
+        shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+        raise ValueError(f"--init {path}: {strays[0]!r} belongs to no layer of the model "
+                         f"({model.summary()}; its arrays: {shown})")
 
 
 def describe_data(config: TrainConfig, X: np.ndarray, y: np.ndarray,
