@@ -94,6 +94,9 @@ CASES = [
     ("verify --png x.svg", 1, "--png x.svg: a PNG figure is written to a name ending in .png"),
     ("verify --pdf x.txt", 1, "--pdf x.txt: a PDF figure is written to a name ending in .pdf"),
     ("verify --svg x.png", 1, "--svg x.png: an SVG figure is written to a name ending in .svg"),
+    ("verify --data data.npz --batch-size 16 --input-shape 1,2,2 --model dense", 1,
+     "gives each sample an output of shape (1, 2, 4), for one class label per sample: put a "
+     "flatten before the dense layers"),
     # work that cannot finish, or that does nothing
     ("train --accumulate 1000000000000", 1, "give --accumulate at most 16"),
     ("train --accumulate 9", 1, "--batch-size 16 on 2 rank(s) gives shards of at most 8"),

@@ -118,7 +118,7 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     outputs = data.n_outputs(y, config.loss, X)
     if labels and config.classes is not None:
         outputs = max(outputs, config.classes)
-    model = make_model(config, X, outputs, ranks, sample_shape)
+    model = make_model(config, X, outputs, ranks, sample_shape, y)
     optim = OptimConfig(
         lr=config.lr, schedule=config.schedule,
         warmup_steps=config.warmup_steps, total_steps=max(steps, 1),  # 0 steps: no lr is used
@@ -188,6 +188,7 @@ def make_model(
     outputs: int,
     ranks: int,
     sample_shape: tuple[int, ...] | None = None,
+    y: np.ndarray | None = None,
 ) -> Network:
     """The --model network, or the MLP of --hidden; refused if the memory cannot hold it.
 
@@ -204,6 +205,7 @@ def make_model(
                  f"--input-shape {','.join(map(str, in_shape))} holds {math.prod(in_shape)} "
                  f"values, the data's samples {math.prod(X.shape[1:])}")  # fmt: skip
         network = build(config.model, in_shape, outputs, config.loss, config.dtype)
+        check_flattened(network, config, y)
         per_rank = (5 * network.n_params + 3 * config.batch_size * network.activation_size())
         check_memory((ranks * per_rank + network.n_params) * itemsize,
                      f"--model {network.summary()!r} on {ranks} rank(s)")  # fmt: skip
@@ -212,6 +214,23 @@ def make_model(
     needed = model_bytes(sizes, config.batch_size, itemsize, ranks)
     check_memory(needed, f"a model of layer sizes {','.join(map(str, sizes))} on {ranks} rank(s)")
     return mlp(sizes, config.activation, config.batchnorm, config.loss, np.dtype(config.dtype))
+
+
+def check_flattened(network: Network, config: TrainConfig, y: np.ndarray | None) -> None:
+    """A ValueError if the network gives each sample more dimensions than its targets have: a
+    dense layer on images acts on their last axis until a flatten makes a sample one row."""
+    if y is None:
+        return
+    labels = loss_entry(config.loss).labels
+    wanted = y.ndim if labels else y.ndim - 1  # token data: a label per position
+    shape = network.layers[-1].out_shape
+    if len(shape) > wanted:
+        targets = ("one class label" if labels and y.ndim == 1
+                   else f"targets of shape {tuple(y.shape[1:])}")  # fmt: skip
+        raise ValueError(f"--model {config.model!r} gives each sample an output of shape "
+                         f"{shape}, for {targets} per sample: put a flatten "
+                         "before the dense layers that should see the whole sample (e.g. "
+                         "\"conv(8,3) relu flatten dense\")")  # fmt: skip
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
