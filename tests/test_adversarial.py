@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -97,6 +98,10 @@ CASES = [
     ("verify --data data.npz --batch-size 16 --input-shape 1,2,2 --model dense", 1,
      "gives each sample an output of shape (1, 2, 4), for one class label per sample: put a "
      "flatten before the dense layers"),
+    ("train --data z-idx3-ubyte --labels z-idx1-ubyte", 1, "z-idx3-ubyte holds no image to "
+     "train on: its header says 0 of 28x28 pixels"),
+    ("verify --optimizers lamb,lars --trust-coefficient 0.01", 1, "ring fp32 float K=1 lamb: "
+     "--trust-coefficient does not apply to --optimizer lamb"),
     # work that cannot finish, or that does nothing
     ("train --accumulate 1000000000000", 1, "give --accumulate at most 16"),
     ("train --accumulate 9", 1, "--batch-size 16 on 2 rank(s) gives shards of at most 8"),
@@ -137,6 +142,8 @@ def prepared(tmp_path_factory):
                    "time_us": 1.0}]}, open("sweep.json", "w"))  # fmt: skip
         assert main(["train", *TINY, "--steps", "0", "--save", "p.npz"]) == 0
         np.savez("stray.npz", **np.load("p.npz"), extra=np.zeros(3))
+        open("z-idx3-ubyte", "wb").write(struct.pack(">IIII", 0x803, 0, 28, 28))  # no image
+        open("z-idx1-ubyte", "wb").write(struct.pack(">II", 0x801, 0))
         assert main(["train", *TINY, "--steps", "4", "--checkpoint", "ck",
                      "--checkpoint-every", "2"]) == 0  # fmt: skip
         shutil.copytree("ck", "broken")

@@ -451,7 +451,14 @@ def run_options(options: Any, config_from_options: Any) -> int:
         if options.pitfall == ALL:
             raise ValueError("--pitfall all is a table of its own: leave out the grid's lists "
                              "and --report, --png, --svg, --pdf")  # fmt: skip
-        return main_grid(config_from_options(first_of_grid(options)), options)
+        first = first_of_grid(options)
+        try:
+            config = config_from_options(first)
+        except ValueError as exc:  # named as configurations() names a refused combination
+            from syncsgd.apps.verify_grid import label
+
+            raise ValueError(f"{label(vars(first))}: {exc}") from None
+        return main_grid(config, options)
     if options.pitfall == ALL:
         options.pitfall = None
         return main_all(config_from_options(options), options.tolerance, options.json)
