@@ -361,6 +361,20 @@ def test_ranks_started_differently_end_the_job_with_one_line(first, second, line
 
 
 @requires_mpi
+@pytest.mark.parametrize("args, line", [
+    (["--model", "conv(4,3,stride=99999999999999999999)"], "99999999999999999999 is out of range"),
+    (["--accumulate", "1000000000000"], "give --accumulate at most 16"),
+])  # fmt: skip
+def test_a_refused_spec_or_bound_is_one_line_for_an_mpi_job(args, line):
+    command = [*mpiexec_command(2), sys.executable, "-m", "syncsgd.cli", "train", "--samples",
+               "64", "--features", "4", "--batch-size", "16", "--steps", "1", *args]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    errors = [text for text in done.stderr.splitlines() if "error" in text]
+    assert done.returncode != 0 and len(errors) == 1 and line in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@requires_mpi
 @pytest.mark.parametrize("benchmark", ["allreduce", "collective"])
 def test_a_stopped_rank_ends_a_benchmark_after_its_timeout(benchmark):
     from test_reliability import rank_processes, start
