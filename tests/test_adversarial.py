@@ -107,6 +107,8 @@ CASES = [
     ("train --accumulate 9", 1, "--batch-size 16 on 2 rank(s) gives shards of at most 8"),
     ("verify --batch-size 16 --accumulates 1,1000000000000", 1,
      "K=1000000000000 sgd: --accumulate 1000000000000 cuts the shards"),
+    ("verify --steps 1 --ranks 1,99999999999999999999", 1,
+     "cannot run 99999999999999999999 thread ranks on this machine"),
     ("verify --batch-size 16 --ranks 1,3 --accumulate 8", 1, "on 3 rank(s) gives shards of at "
      "most 6; give --accumulate at most 6"),
     ("train --accumulate 8 --batchnorm local", 1, "BatchNorm in training needs more than 1 value "

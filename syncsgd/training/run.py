@@ -307,36 +307,41 @@ def check_micro_batches(config: TrainConfig, model: Network, ranks: int) -> None
                if layer.kind == "batchnorm"]  # fmt: skip
     if min(spatial, default=2) > 1:
         return  # no batchnorm, or each sample gives it more than one value per channel
-    micro = [split_sizes(shard, config.accumulate) for shard in shards]
-    local = config.batchnorm == "local"
-    groups = ([size for sizes in micro for size in sizes] if local
-              else [sum(sizes) for sizes in zip(*micro, strict=True)])  # fmt: skip
+    count, local = config.accumulate, config.batchnorm == "local"
+    if local:  # the micro-batches' sizes of every shard size
+        groups = {size for shard in shards for size in split_counts(shard, count)}
+    else:  # the k-th micro-batches of every rank together
+        groups = {sum(ranks_of * (shard // count + (k < shard % count))
+                      for shard, ranks_of in shards.items()) for k in range(count)}  # fmt: skip
     if 1 in groups:
         whose = ("each rank's (micro-)batch alone (--batchnorm local)" if local
                  else "every rank's k-th micro-batch together")  # fmt: skip
-        cut = (f" in --accumulate {config.accumulate} micro-batches" if config.accumulate > 1
-               else "")  # fmt: skip
+        cut = f" in --accumulate {count} micro-batches" if count > 1 else ""
         raise AgreedError(f"BatchNorm in training needs more than 1 value per channel (as in "
                           f"PyTorch): it normalises {whose}, and --batch-size "
                           f"{config.batch_size} on {ranks} rank(s){cut} leaves one of 1 "
                           "sample")  # fmt: skip
 
 
-def check_accumulate(config: TrainConfig, ranks: int) -> list[int]:
-    """The shards' sizes on `ranks` ranks; AgreedError if --accumulate K is above the largest."""
-    shards = split_sizes(config.batch_size, ranks)
-    if config.accumulate > shards[0]:
+def check_accumulate(config: TrainConfig, ranks: int) -> dict[int, int]:
+    """The shards' sizes on `ranks` ranks (split_counts); AgreedError if --accumulate K is above
+    the largest."""
+    shards = split_counts(config.batch_size, ranks)
+    largest = max(shards)
+    if config.accumulate > largest:
         raise AgreedError(f"--accumulate {config.accumulate} cuts each rank's shard into more "
                           f"micro-batches than it has samples: --batch-size {config.batch_size} "
-                          f"on {ranks} rank(s) gives shards of at most {shards[0]}; give "
-                          f"--accumulate at most {shards[0]}")  # fmt: skip
+                          f"on {ranks} rank(s) gives shards of at most {largest}; give "
+                          f"--accumulate at most {largest}")  # fmt: skip
     return shards
 
 
-def split_sizes(total: int, parts: int) -> list[int]:
-    """The sizes numpy.array_split cuts `total` items into `parts` with: the first ones larger."""
+def split_counts(total: int, parts: int) -> dict[int, int]:
+    """{size: how many}: the sizes numpy.array_split cuts `total` items into `parts` with (at
+    most two, the larger first), counted rather than listed (`parts` may be large)."""
     size, larger = divmod(total, parts)
-    return [size + (index < larger) for index in range(parts)]
+    counts = {size + 1: larger, size: parts - larger}
+    return {each: many for each, many in counts.items() if many}
 
 
 def first_params(run: Run) -> np.ndarray:
