@@ -120,6 +120,9 @@ CASES = [
      "--pitfall accumulate-means changes nothing with one micro-batch"),
     ("verify --data numbers-to-words --model gpt(layers=1,d=8,heads=2) --classes 5", 1,
      "--classes 5: on token data --data numbers-to-words the outputs are its vocabulary"),
+    ("verify --data numbers-to-words --model gpt(layers=1,d=8,heads=2) --input-shape 1,32", 1,
+     "--input-shape: the samples of token data --data numbers-to-words are windows of --context "
+     "32 token ids: leave --input-shape out"),
     ("train --init p.npz --resume ck", 1, "--init p.npz is not read when --resume ck restarts"),
     ("train --init stray.npz", 1, "--init stray.npz: 'extra' belongs to no layer of the model "
      "(dense(8) relu dense(4); its arrays: W0, W1, b0, b1)"),

@@ -406,6 +406,9 @@ def _check_tokens(config: TrainConfig) -> None:
              "embed, e.g. \"gpt(layers=2,d=32,heads=4)\"")  # fmt: skip
     _require(config.classes is None, f"--classes {config.classes}: on token data --data "
              f"{config.data} the outputs are its vocabulary: leave --classes out")  # fmt: skip
+    _require(config.input_shape is None, f"--input-shape: the samples of token data --data "
+             f"{config.data} are windows of --context {config.context} token ids: leave "
+             "--input-shape out")  # fmt: skip
     _require(not config.noise_scale, "--noise-scale estimates from per-sample gradient means: "
              "not on token data, whose mean is over tokens")  # fmt: skip
 
