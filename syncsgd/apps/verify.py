@@ -91,6 +91,7 @@ class Row:
 
 
 ULP_FLOOR = 1.0  # ULPs are counted of max(|a|, |b|, 1), as relative divides by max(1, max |θ|)
+ULP_MOST = 2.0**63  # the count where an element is not finite in one run only
 
 
 def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
@@ -99,9 +100,11 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
     if a.size == 0:
         return 0
     wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
-    larger = np.maximum(np.maximum(np.abs(wide_a), np.abs(wide_b)), ULP_FLOOR)
-    units = np.spacing(larger.astype(a.dtype)).astype(np.float64)
-    return int(np.ceil(np.max(np.abs(wide_a - wide_b) / units)))
+    with np.errstate(invalid="ignore", over="ignore"):  # an inf or a NaN: as far as can be
+        larger = np.maximum(np.maximum(np.abs(wide_a), np.abs(wide_b)), ULP_FLOOR)
+        units = np.spacing(larger.astype(a.dtype)).astype(np.float64)
+        ratio = np.where(wide_a == wide_b, 0.0, np.abs(wide_a - wide_b) / units)
+    return int(np.ceil(np.max(np.nan_to_num(ratio, nan=ULP_MOST, posinf=ULP_MOST))))
 
 
 def same_sign_ulps(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
