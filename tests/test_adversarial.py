@@ -27,9 +27,10 @@ from syncsgd.util.options import ROLES, declared_paths
 TINY = ["--samples", "64", "--features", "4", "--hidden", "8", "--batch-size", "16", "--quiet"]
 
 # (command, exit status, what the one line on stderr holds). Run in a directory holding
-# data.npz (64 x 4, labels 0..3), p.npz (parameters of that model), ck/ (checkpoints of
-# `train TINY` at steps 2 and 4), sweep.json (a bench sweep claiming 10**30 ranks), and the
-# data sets regression.csv (whole-number targets 20..79), one-based.npz, gaps.npz.
+# data.npz (64 x 4, labels 0..3), p.npz (parameters of that model; stray.npz: with a key of no
+# layer), ck/ (checkpoints of `train TINY` at steps 2 and 4), sweep.json (a bench sweep claiming
+# 10**30 ranks), and the data sets regression.csv (whole-number targets 20..79), one-based.npz,
+# gaps.npz, z-idx3-ubyte with z-idx1-ubyte (IDX files whose headers give no image).
 CASES = [
     # outputs over inputs, over each other, into checkpoint directories, into missing ones
     ("verify --json data.npz --data data.npz", 1, "is the same file as"),
