@@ -239,7 +239,8 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
         "--tolerance",
         type=positive_float,
         default=None,
-        help="relative tolerance in float mode (default 1e-9 float64, 1e-4 float32)",
+        help="relative tolerance in float mode (default 1e-9 float64, 1e-4 float32; "
+        "--precision bf16|fp16: u sqrt(T) / 4 for the format's unit roundoff u over T steps)",
     )
     JSON.add(parser, help="write the table as JSON (default: none)")
     groups = {name: parser.add_argument_group(name) for name in GROUPS if name != "output"}

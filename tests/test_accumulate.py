@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 from conftest import requires_mpi, run_mpiexec
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from oracle import serial_sgd
 
@@ -46,6 +46,11 @@ def oracle(config: TrainConfig, **options) -> dict:
     return expected
 
 
+def largest_shard(batch_size: int, ranks: int) -> int:
+    """The samples of the largest of `ranks` shards: the most micro-batches --accumulate may cut."""
+    return -(-batch_size // ranks)
+
+
 def relative(ours: dict, theirs: dict) -> float:
     """max |ours - theirs| / max(1, max |theirs|) over every array."""
     scale = max(1.0, max(float(np.abs(v).max()) for v in theirs.values()))
@@ -63,8 +68,9 @@ def test_micro_batches_are_array_splits_sizes(shard, count):
        batch_size=st.integers(1, 11), optimizer=st.sampled_from(["sgd", "adam"]))  # fmt: skip
 @settings(max_examples=8)
 def test_accumulation_trains_as_the_serial_oracle(spec, ranks, accumulate, batch_size, optimizer):
+    accumulate = min(accumulate, largest_shard(batch_size, ranks))  # more are refused
     config = small(spec, batch_size=batch_size, accumulate=accumulate, optimizer=optimizer)
-    result = train(config, ranks=ranks)  # accumulate up to 12 > a shard of up to 11: empty ones
+    result = train(config, ranks=ranks)  # a smaller shard than K samples: empty micro-batches
     ours = prepare(config).model.to_arrays(result.params)
     assert relative(ours, oracle(config)) < 1e-9
 
@@ -76,6 +82,7 @@ def test_exact_mode_is_bitwise_for_every_ranks_and_micro_batches(
         spec, ranks, accumulate, batch_size, precision):  # fmt: skip
     config = small(spec, batch_size=batch_size, exact=True, precision=precision)
     serial = train(config, ranks=1)
+    accumulate = min(accumulate, largest_shard(batch_size, ranks))
     accumulated = train(config, ranks=ranks, accumulate=accumulate)
     assert digest(accumulated.params) == digest(serial.params)
 
@@ -111,10 +118,12 @@ def test_one_micro_batch_is_the_step_of_before():
         train(config, ranks=2).params)
 
 
-@given(ranks=st.integers(1, 3), accumulate=st.integers(1, 5), batch_size=st.integers(1, 10))
+@given(ranks=st.integers(1, 3), accumulate=st.integers(2, 5), batch_size=st.integers(2, 10))
 @settings(max_examples=10)
 def test_accumulate_means_differs_exactly_when_micro_batches_are_uneven(ranks, accumulate,
                                                                          batch_size):  # fmt: skip
+    accumulate = min(accumulate, largest_shard(batch_size, ranks))
+    assume(accumulate > 1)  # the pitfall is refused on one micro-batch: it changes nothing
     config = small(SPECS[0], batch_size=batch_size, accumulate=accumulate, exact=True,
                    samples=30, shuffle=False)  # fmt: skip
     shards = [len(shard) for shard in np.array_split(np.arange(batch_size), ranks)]

@@ -8,8 +8,10 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -25,9 +27,10 @@ from syncsgd.util.options import ROLES, declared_paths
 TINY = ["--samples", "64", "--features", "4", "--hidden", "8", "--batch-size", "16", "--quiet"]
 
 # (command, exit status, what the one line on stderr holds). Run in a directory holding
-# data.npz (64 x 4, labels 0..3), p.npz (parameters of that model), ck/ (checkpoints of
-# `train TINY` at steps 2 and 4), sweep.json (a bench sweep claiming 10**30 ranks), and the
-# data sets regression.csv (whole-number targets 20..79), one-based.npz, gaps.npz.
+# data.npz (64 x 4, labels 0..3), p.npz (parameters of that model; stray.npz: with a key of no
+# layer), ck/ (checkpoints of `train TINY` at steps 2 and 4), sweep.json (a bench sweep claiming
+# 10**30 ranks), and the data sets regression.csv (whole-number targets 20..79), one-based.npz,
+# gaps.npz, z-idx3-ubyte with z-idx1-ubyte (IDX files whose headers give no image).
 CASES = [
     # outputs over inputs, over each other, into checkpoint directories, into missing ones
     ("verify --json data.npz --data data.npz", 1, "is the same file as"),
@@ -96,6 +99,64 @@ CASES = [
     ("lab new ring-allreduce missing/dir", 1, "cannot make missing/dir: its parent directory "
      "does not exist"),
     ("lab new ring-allreduce data.npz", 1, "data.npz is not a directory"),
+    # --model specs: integers beyond int64, duplicate keys, shapes beyond int64
+    ("verify --model dense(99999999999999999999)", 1,
+     "'dense(99999999999999999999)': 99999999999999999999 is out of range"),
+    ("study batch-size --model conv(4,3,stride=99999999999999999999)", 1, "is out of range"),
+    ("bench step --model avgpool(2,stride=-99999999999999999999)", 1, "is out of range"),
+    ("model --model embed(99999999999999999999) --input-shape 4", 2, "is out of range"),
+    ("verify --data numbers-to-words --model gpt(layers=99999999999999999999,d=8,heads=2)", 1,
+     "at most 10000 layers, got 99999999999999999999"),
+    ("verify --data data.npz --batch-size 16 --input-shape 1,2,2 --model "
+     "conv(4,3,pad=9223372036854775807)", 1,
+     "gives each sample an output of shape (4, 18446744073709551614, 18446744073709551614)"),
+    ("verify --model conv(4,3,stride=1,stride=2)", 1, "stride is given twice"),
+    ("verify --model conv(4,3,kernel=5)", 1, "kernel is given twice"),
+    ("verify --model gpt(layers=1,d=8,heads=2,layers=2)", 1, "layers is given twice"),
+    # empty paths, and outputs named with another format's extension
+    ("verify --json ''", 1, "--json '': an empty path names no file or directory"),
+    ("verify --report ''", 1, "--report '': an empty path names no file or directory"),
+    ("verify --png ''", 1, "--png '': an empty path names no file or directory"),
+    ("train --save ''", 1, "--save '': an empty path names no file or directory"),
+    ("train --checkpoint ''", 1, "--checkpoint '': an empty path names no file or directory"),
+    ("bench allreduce --csv ''", 1, "--csv '': an empty path names no file or directory"),
+    ("study batch-size --json ''", 1, "--json '': an empty path names no file or directory"),
+    ("verify --report x.png", 1, "--report x.png: an HTML page is written to a name ending in "
+     ".html or .htm"),
+    ("verify --png x.svg", 1, "--png x.svg: a PNG figure is written to a name ending in .png"),
+    ("verify --pdf x.txt", 1, "--pdf x.txt: a PDF figure is written to a name ending in .pdf"),
+    ("verify --svg x.png", 1, "--svg x.png: an SVG figure is written to a name ending in .svg"),
+    ("verify --data data.npz --batch-size 16 --input-shape 1,2,2 --model dense", 1,
+     "gives each sample an output of shape (1, 2, 4), for one class label per sample: put a "
+     "flatten before the dense layers"),
+    ("train --data z-idx3-ubyte --labels z-idx1-ubyte", 1, "z-idx3-ubyte holds no image to "
+     "train on: its header says 0 of 28x28 pixels"),
+    ("verify --optimizers lamb,lars --trust-coefficient 0.01", 1, "ring fp32 float K=1 lamb: "
+     "--trust-coefficient does not apply to --optimizer lamb"),
+    # work that cannot finish, or that does nothing
+    ("train --accumulate 1000000000000", 1, "give --accumulate at most 16"),
+    ("train --accumulate 9", 1, "--batch-size 16 on 2 rank(s) gives shards of at most 8"),
+    ("verify --batch-size 16 --accumulates 1,1000000000000", 1,
+     "K=1000000000000 sgd: --accumulate 1000000000000 cuts the shards"),
+    ("verify --steps 1 --ranks 1,99999999999999999999", 1,
+     "cannot run 99999999999999999999 thread ranks on this machine"),
+    ("verify --batch-size 16 --ranks 1,3 --accumulate 8", 1, "on 3 rank(s) gives shards of at "
+     "most 6; give --accumulate at most 6"),
+    ("train --accumulate 8 --batchnorm local", 1, "BatchNorm in training needs more than 1 value "
+     "per channel (as in PyTorch): it normalises each rank's (micro-)batch alone"),
+    ("train --batch-size 1 --ranks 1 --batchnorm sync", 1, "--batch-size 1 on 1 rank(s) leaves "
+     "one of 1 sample"),
+    ("train --pitfall accumulate-means", 1, "changes nothing with one micro-batch"),
+    ("verify --pitfall accumulate-means --accumulates 1,2", 1,
+     "--pitfall accumulate-means changes nothing with one micro-batch"),
+    ("verify --data numbers-to-words --model gpt(layers=1,d=8,heads=2) --classes 5", 1,
+     "--classes 5: on token data --data numbers-to-words the outputs are its vocabulary"),
+    ("verify --data numbers-to-words --model gpt(layers=1,d=8,heads=2) --input-shape 1,32", 1,
+     "--input-shape: the samples of token data --data numbers-to-words are windows of --context "
+     "32 token ids: leave --input-shape out"),
+    ("train --init p.npz --resume ck", 1, "--init p.npz is not read when --resume ck restarts"),
+    ("train --init stray.npz", 1, "--init stray.npz: 'extra' belongs to no layer of the model "
+     "(dense(8) relu dense(4); its arrays: W0, W1, b0, b1)"),
 ]  # fmt: skip
 
 
@@ -116,6 +177,9 @@ def prepared(tmp_path_factory):
         json.dump({"ranks": 10**30, "rows": [{"size_bytes": 8, "algorithm": "ring",
                    "time_us": 1.0}]}, open("sweep.json", "w"))  # fmt: skip
         assert main(["train", *TINY, "--steps", "0", "--save", "p.npz"]) == 0
+        np.savez("stray.npz", **np.load("p.npz"), extra=np.zeros(3))
+        open("z-idx3-ubyte", "wb").write(struct.pack(">IIII", 0x803, 0, 28, 28))  # no image
+        open("z-idx1-ubyte", "wb").write(struct.pack(">II", 0x801, 0))
         assert main(["train", *TINY, "--steps", "4", "--checkpoint", "ck",
                      "--checkpoint-every", "2"]) == 0  # fmt: skip
         shutil.copytree("ck", "broken")
@@ -158,7 +222,7 @@ def test_adversarial_case(prepared, tmp_path, monkeypatch, capsys, command, stat
     shutil.copytree(prepared, work)
     monkeypatch.chdir(work)
     before = snapshot(work)
-    args = command.split()
+    args = shlex.split(command)
     if args[0] == "train":
         args[1:1] = TINY
     code = run(args)
@@ -219,6 +283,24 @@ def test_every_declared_output_is_guarded(tmp_path, monkeypatch, capsys):
                 tried += 1
     assert open(taken).read() == "kept" and sorted(os.listdir()) == [taken]
     assert tried > 30
+
+
+def test_init_takes_a_pytorch_state_dict_with_batchnorms_batch_count(tmp_path, capsys):
+    spec = "dense(8) batchnorm relu dense"
+    model = ["--samples", "64", "--features", "4", "--batch-size", "16", "--model", spec]
+    saved, again = tmp_path / "saved.npz", tmp_path / "again.npz"
+    assert main(["train", *model, "--steps", "0", "--save", str(saved), "--quiet"]) == 0
+    state_dict = {**np.load(saved), "1.num_batches_tracked": np.array(7)}  # as PyTorch saves it
+    np.savez(tmp_path / "torch.npz", **state_dict)
+    assert main(["train", *model, "--steps", "0", "--init", str(tmp_path / "torch.npz"),
+                 "--save", str(again), "--quiet"]) == 0  # fmt: skip
+    with np.load(saved) as first, np.load(again) as second:
+        assert sorted(second.files) == sorted(first.files)  # the count ignored, not kept
+        assert all(np.array_equal(first[name], second[name]) for name in first.files)
+    state_dict["2.num_batches_tracked"] = np.array(7)  # relu's: no layer has it
+    np.savez(tmp_path / "wrong.npz", **state_dict)
+    assert main(["train", *model, "--steps", "0", "--init", str(tmp_path / "wrong.npz")]) == 1
+    assert "'2.num_batches_tracked' does not belong to --model" in capsys.readouterr().err
 
 
 def test_the_summary_says_what_was_read(capsys):
@@ -312,6 +394,20 @@ def test_ranks_started_differently_end_the_job_with_one_line(first, second, line
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert [text for text in done.stderr.splitlines() if "error" in text] == [line], done.stderr
+
+
+@requires_mpi
+@pytest.mark.parametrize("args, line", [
+    (["--model", "conv(4,3,stride=99999999999999999999)"], "99999999999999999999 is out of range"),
+    (["--accumulate", "1000000000000"], "give --accumulate at most 16"),
+])  # fmt: skip
+def test_a_refused_spec_or_bound_is_one_line_for_an_mpi_job(args, line):
+    command = [*mpiexec_command(2), sys.executable, "-m", "syncsgd.cli", "train", "--samples",
+               "64", "--features", "4", "--batch-size", "16", "--steps", "1", *args]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    errors = [text for text in done.stderr.splitlines() if "error" in text]
+    assert done.returncode != 0 and len(errors) == 1 and line in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @requires_mpi

@@ -126,6 +126,11 @@ def rejected_everywhere(size, call):
     [
         (lambda comm: syncsgd.broadcast(np.zeros(4), comm, comm.Get_rank()), "different roots"),
         (lambda comm: syncsgd.reduce(np.zeros(4), comm, 3), "root 3 is not a rank"),
+        (lambda comm: syncsgd.broadcast(np.zeros(4), comm, None), "not None"),  # not rank 0
+        (lambda comm: syncsgd.broadcast(np.zeros(4), comm, 1.0), "integer from 0 to 2, not 1.0"),
+        (lambda comm: syncsgd.reduce(np.zeros(4), comm, "1"), "integer from 0 to 2, not '1'"),
+        (lambda comm: syncsgd.broadcast(np.zeros(4), comm, 10**30),
+         f"root {10**30} is not a rank"),
         (lambda comm: syncsgd.reduce(np.zeros(4), comm, algorithm="tree"), "unknown algorithm"),
         (lambda comm: syncsgd.reduce_scatter(np.zeros(4), comm), "equal blocks"),
         (lambda comm: syncsgd.allgather(np.zeros(2), comm, np.zeros(5)), "recvbuf holds"),

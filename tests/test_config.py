@@ -97,7 +97,7 @@ def test_every_flag_is_read_into_its_field():
             "--batch-size", "10", "--epochs", "2", "--lr", "0.5", "--momentum", "0.5",
             "--nesterov", "--weight-decay", "0.01", "--clip-norm", "2", "--schedule", "warmup",
             "--warmup-steps", "3", "--lr-scaling", "sqrt", "--base-batch", "5", "--seed", "4",
-            "--no-shuffle", "--dtype", "float32", "--init", "a.npz", "--bucket-bytes", "0",
+            "--no-shuffle", "--dtype", "float32", "--bucket-bytes", "0",
             "--algorithm", "tree", "--timeout", "7", "--exact", "--pitfall", "mean-of-means",
             "--checkpoint", "d",
             "--checkpoint-every", "2", "--resume", "r", "--skip-nonfinite", "--holdout", "0.2",
@@ -110,7 +110,7 @@ def test_every_flag_is_read_into_its_field():
         data="synthetic-regression", samples=50, features=3, classes=2, hidden=(7, 5),
         activation="tanh", loss="mse", batch_size=10, epochs=2, lr=0.5, momentum=0.5,
         nesterov=True, weight_decay=0.01, clip_norm=2.0, schedule="warmup", warmup_steps=3,
-        lr_scaling="sqrt", base_batch=5, seed=4, shuffle=False, dtype="float32", init="a.npz",
+        lr_scaling="sqrt", base_batch=5, seed=4, shuffle=False, dtype="float32",
         bucket_bytes=0, algorithm="tree", exact=True, pitfall="mean-of-means", checkpoint="d",
         checkpoint_every=2, resume="r", skip_nonfinite=True, holdout=0.2, eval_every=1,
         target_loss=0.1, noise_scale=True, precision="bf16",
@@ -123,11 +123,13 @@ def test_every_flag_is_read_into_its_field():
     # --target-accuracy: xent only; --epochs instead of --steps; --allreduce-dtype: not with
     # --exact; --optimizer: sgd is the only one yet; --model, --input-shape: not with --hidden;
     # --labels: with IDX --data only (tests/test_image_data.py); --context: with token data only
-    # (tests/test_transformer.py); --zero-stage: with --algorithm ring and no pitfall of the
-    # replicated step (tests/test_sharded.py)
+    # (tests/test_transformer.py); --init: not with --resume (below); --zero-stage: with
+    # --algorithm ring and no pitfall of the replicated step (tests/test_sharded.py)
     assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype", "optimizer",
                                      "model", "input_shape", "labels", "context",
-                                     "zero_stage"}  # fmt: skip
+                                     "init", "zero_stage"}  # fmt: skip
+    init = config_from_options(build_parser().parse_args(["train", "--init", "a.npz"]))
+    assert init == TrainConfig(init="a.npz")
 
 
 def test_the_model_flags_are_read_into_their_fields():

@@ -61,11 +61,12 @@ def test_a_save_path_without_npz_suffix_holds_the_parameters(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["again", "params"]
 
 
-@pytest.mark.parametrize("path", ["", "newdir/"])
+@pytest.mark.parametrize("path, says", [("", "--save '': an empty path names no file"),
+                                         ("newdir/", "not a file name")])  # fmt: skip
 def test_a_save_path_naming_no_file_is_refused_and_leaves_nothing(tmp_path, capsys, monkeypatch,
-                                                                  path):  # fmt: skip
+                                                                  path, says):  # fmt: skip
     monkeypatch.chdir(tmp_path)
-    fails_with(capsys, ["train", *TINY, "--save", path], "not a file name")
+    fails_with(capsys, ["train", *TINY, "--save", path], says)
     assert os.listdir(tmp_path) == [] and strays(tmp_path.parent) == []
 
 

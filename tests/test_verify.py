@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from syncsgd.apps.verify import same_sign_ulps
+from syncsgd.apps.verify import same_sign_ulps, ulp_distance
 from syncsgd.training.variants import VARIANTS
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,6 +21,16 @@ SMALL = ["--samples", "150", "--features", "5", "--hidden", "7", "--batch-size",
 def verify(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "syncsgd.cli", "verify", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=240)
+
+
+def test_ulps_are_counted_of_the_larger_value_at_least_one():
+    one, two = np.array([1.0, 2.0]), np.array([np.nextafter(1.0, 2.0), np.nextafter(2.0, 3.0)])
+    assert ulp_distance(one, two) == 1
+    tiny = np.array([1e-20], np.float32)  # near zero: ULPs of 1, not of 1e-20 (about 1e12 of them)
+    assert ulp_distance(tiny, 2 * tiny) == 1
+    relative = 5.8e-14  # reads as the relative column: max |Δθ| / eps
+    ulps = ulp_distance(np.array([0.5, 1e-3]), np.array([0.5, 1e-3 + relative]))
+    assert ulps == int(np.ceil(relative / np.spacing(1.0)))
 
 
 def test_a_sign_flip_is_counted_not_measured_in_ulps():
@@ -70,6 +80,9 @@ def test_pitfall_all_is_one_row_per_pitfall_with_a_why(tmp_path):
     rows = {line.split()[0]: line.split() for line in lines
             if line.split() and line.split()[0] in VARIANTS}  # fmt: skip
     assert list(rows) == list(VARIANTS)
+    header = next(line for line in lines if line.startswith("pitfall "))
+    aligned = [line for line in lines if line.split() and line.split()[0] in VARIANTS]
+    assert {len(line) for line in aligned} == {len(header)}, aligned  # the longest name too
     for name, kind in VARIANTS.items():
         assert int(rows[name][1]) == kind.shows_at and rows[name][-1] == "yes"
     text = " ".join(line[2:] for line in lines if line.startswith("# "))

@@ -14,6 +14,7 @@ digests of the parameters give the first step after which a run differs.
 from __future__ import annotations
 
 import argparse
+import math
 import textwrap
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -24,11 +25,53 @@ from syncsgd.comm.threads import run_threads
 from syncsgd.training.config import TrainConfig
 from syncsgd.training.loop import TrainResult, prepare, train_rank
 from syncsgd.training.result import sha256
+from syncsgd.training.run import DEFAULT_STEPS
+from syncsgd.training.variants import PITFALLS
 from syncsgd.util import jsonout
 
-# Float mode: the relative distance from serial SGD that a correct run stays within (the tolerance
-# the README documents).
+# Float mode with the passes in the model's dtype (--precision fp32): the relative distance from
+# serial SGD that a correct run stays within (the tolerance the README documents).
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+# The passes emulated in a narrow format (--precision bf16|fp16) round each rank's sums with the
+# format's unit roundoff u, differently for each split of the batch; over T steps those
+# differences add up as a random walk: float mode allows u sqrt(T) / 4 (at least the dtype's
+# tolerance); docs/verify.md gives what the default model's runs moved.
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+def float_tolerance(config: TrainConfig, steps: int) -> tuple[float, str]:
+    """Float mode's tolerance for a run of `steps` steps, and how it was derived."""
+    floor = TOLERANCE[config.dtype]
+    unit = UNIT_ROUNDOFF.get(config.precision)
+    if unit is None:
+        return floor, config.dtype
+    derived = unit * math.sqrt(max(steps, 1)) / 4
+    how = (f"{config.precision}: u sqrt(T) / 4, u = 2^{math.log2(unit):.0f}, T = {steps} "
+           "steps")  # fmt: skip
+    return max(floor, derived), how if derived > floor else config.dtype
+
+
+def planned_steps(config: TrainConfig) -> int:
+    """The steps a run of `config` takes (--epochs: counted from the data)."""
+    if config.steps is not None:
+        return config.steps
+    if config.epochs is None:
+        return DEFAULT_STEPS
+    return prepare(config).steps
+
+
+def tolerance_of(config: TrainConfig, given: float | None) -> tuple[float, str]:
+    """--tolerance if given, else float_tolerance's, and how it was chosen."""
+    if given is not None:
+        return given, "--tolerance"
+    return float_tolerance(config, planned_steps(config))
+
+
+def mode_text(config: TrainConfig, tolerance: tuple[float, str]) -> str:
+    """'exact mode: bitwise' or 'float mode: tolerance 0.00977 (bf16: u sqrt(T) / 4, ...)'."""
+    if config.exact:
+        return "exact mode: bitwise"
+    return f"float mode: tolerance {tolerance[0]:.3g} ({tolerance[1]})"
 
 
 @dataclass
@@ -38,7 +81,7 @@ class Row:
     ranks: int
     max_abs_diff: float
     relative_diff: float
-    max_ulps: int  # over the elements whose signs agree (a sign flip has no useful ULP count)
+    max_ulps: int  # ULPs of max(|a|, |b|, 1), over the elements whose signs agree
     sign_flips: int
     bitwise_equal: bool
     sha256: str
@@ -47,26 +90,26 @@ class Row:
     first_parameter: str | None = None  # the first tensor, in buffer order, that differed then
 
 
+ULP_FLOOR = 1.0  # ULPs are counted of max(|a|, |b|, 1), as relative divides by max(1, max |θ|)
+ULP_MOST = 2.0**63  # the count where an element is not finite in one run only
+
+
 def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
-    """The largest number of representable floats between a[i] and b[i] over all i."""
+    """The most units in the last place of max(|a[i]|, |b[i]|, ULP_FLOOR) that a[i] and b[i]
+    differ by, rounded up: an element near zero counts the ULPs of 1, not its own tiny ones."""
     if a.size == 0:
         return 0
-    widths: dict[int, type[np.signedinteger[Any]]] = {4: np.int32, 8: np.int64}
-    bits = widths[a.dtype.itemsize]
-    lowest = np.iinfo(bits).min
-
-    def ordered(x: np.ndarray) -> np.ndarray:
-        raw = x.view(bits)  # negative floats count down from the sign bit: mirror them
-        return np.where(raw < 0, lowest - raw, raw).astype(object)  # Python ints: no overflow
-
-    return int(np.max(np.abs(ordered(a) - ordered(b))))
+    wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # an inf or a NaN: as far as can be
+        larger = np.maximum(np.maximum(np.abs(wide_a), np.abs(wide_b)), ULP_FLOOR)
+        units = np.spacing(larger.astype(a.dtype)).astype(np.float64)
+        ratio = np.where(wide_a == wide_b, 0.0, np.abs(wide_a - wide_b) / units)
+    return int(np.ceil(np.max(np.nan_to_num(ratio, nan=ULP_MOST, posinf=ULP_MOST))))
 
 
 def same_sign_ulps(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
     """(the ULP distance over the elements whose signs agree, how many elements flipped sign)."""
-    # Between -x and +x lie all the floats near zero: about 9e18 ULPs for float64, which says
-    # only that the sign flipped. Zero agrees with either sign.
-    flipped = (np.sign(a) * np.sign(b)) < 0
+    flipped = (np.sign(a) * np.sign(b)) < 0  # zero agrees with either sign
     kept = ~flipped
     return ulp_distance(a[kept], b[kept]), int(np.count_nonzero(flipped))
 
@@ -80,12 +123,6 @@ COMPRESSED_AT_ONE_RANK = (
 LOCAL_BATCHNORM = (
     "P > 1 differs: --batchnorm local normalises each rank's samples with the statistics of its "
     "own shard, not of the global batch (--batchnorm sync allreduces them)"
-)
-
-
-ONE_MICRO_BATCH = (
-    "accumulate-means changes nothing with one micro-batch: its mean times the shard's size is "
-    "its sum; give --accumulate K > 1 (uneven micro-batches show it)"
 )
 
 
@@ -186,8 +223,9 @@ AT_ONE_RANK = {
 def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
          json_path: str | None) -> int:  # fmt: skip
     """Print the verify table; exit status 1 if a run that should match does not."""
-    tolerance = TOLERANCE[config.dtype] if tolerance is None else tolerance
-    mode = "exact mode: bitwise" if config.exact else f"float mode: tolerance {tolerance:g}"
+    check_shards([config], ranks_list)
+    chosen = tolerance_of(config, tolerance)
+    tolerance, mode = chosen[0], mode_text(config, chosen)
     pitfall = f", pitfall {config.pitfall}" if config.pitfall else ""
     if config.allreduce_dtype is not None:
         pitfall += f", allreduce in {config.allreduce_dtype} (the serial run's in {config.dtype})"
@@ -199,7 +237,9 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
                   report=lambda row: print(format_row(row, scale), flush=True))  # fmt: skip
     if scale <= 1:
         print("# relative = max |Δθ| / max(1, max |θ|), the same here ('='): max |θ| <= 1")
-    print("# ULPs: over the elements whose signs agree; flips: elements that changed sign")
+    print(comment("ULPs: units in the last place of max(|θ|, |serial θ|, 1), as relative divides "
+                  "by max(1, max |θ|), over the elements whose signs agree; flips: elements that "
+                  "changed sign"))  # fmt: skip
     failed = [row.ranks for row in rows if not row.matches]
     if 1 in failed and config.pitfall in AT_ONE_RANK:
         print(comment(AT_ONE_RANK[config.pitfall]))
@@ -207,8 +247,6 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
         print(comment(COMPRESSED_AT_ONE_RANK))
     if config.batchnorm == "local" and any(ranks > 1 for ranks in failed):
         print(comment(LOCAL_BATCHNORM))
-    if config.pitfall == "accumulate-means" and config.accumulate == 1:
-        print(comment(ONE_MICRO_BATCH))
     if json_path:
         from syncsgd.apps.verify_grid import record
 
@@ -223,12 +261,22 @@ def main(config: TrainConfig, ranks_list: list[int], tolerance: float | None,
     return 0
 
 
+def check_shards(configs: list[TrainConfig], ranks_list: list[int]) -> None:
+    """Before any run: every configuration's --accumulate fits its shards on every P."""
+    from syncsgd.training.run import check_accumulate
+
+    for each in configs:
+        for ranks in ranks_list:
+            check_accumulate(each, ranks)
+
+
 def main_grid(config: TrainConfig, options: argparse.Namespace) -> int:
     """Every configuration against its serial run on every P: the table, the outputs; exit
     status 1 if a run that should match does not."""
     from syncsgd.apps import verify_grid as grid
 
     configs = grid.configurations(config, options)
+    check_shards(configs, options.ranks)
     grid.check_outputs(options)
     if options.png or options.svg or options.pdf:
         from syncsgd.apps.verify_report import check_matplotlib
@@ -242,9 +290,9 @@ def main_grid(config: TrainConfig, options: argparse.Namespace) -> int:
     print(HEADER, flush=True)
     runs = []
     for each in configs:
-        tolerance = TOLERANCE[each.dtype] if options.tolerance is None else options.tolerance
-        print(f"# {grid.label(each)}: "
-              f"{'bitwise' if each.exact else f'tolerance {tolerance:g}'}", flush=True)
+        chosen = tolerance_of(each, options.tolerance)
+        tolerance = chosen[0]
+        print(comment(f"{grid.label(each)}: {mode_text(each, chosen)}"), flush=True)
         runs += [grid.record(each, row, tolerance)
                  for row in grid_rows(each, ranks_list, tolerance)]  # fmt: skip
     document = {"runs": runs, "configurations": [grid.label(each) for each in configs],
@@ -295,8 +343,9 @@ def comment(text: str) -> str:
 
 ALL = "all"  # --pitfall all: every pitfall, one row each
 
-ALL_HEADER = (f"{'pitfall':<23} {'P':>2} {'loss':>7} {'serial':>7} {'acc':>6} {'serial':>6} "
-              f"{'relative':>8} {'1st diff':>8} {'shows':>5}")  # fmt: skip
+PITFALL_WIDTH = max(len(name) for name in PITFALLS)  # shard-local-trust-ratio: 23 columns
+ALL_HEADER = (f"{'pitfall':<{PITFALL_WIDTH}} {'P':>2} {'loss':>7} {'serial':>7} {'acc':>6} "
+              f"{'serial':>6} {'relative':>8} {'1st diff':>8} {'shows':>5}")  # fmt: skip
 
 
 @dataclass
@@ -341,9 +390,10 @@ def format_pitfall(line: PitfallRow) -> str:
 
     first = "-" if line.row.first_difference is None else f"step {line.row.first_difference}"
     return (
-        f"{line.pitfall:<23} {line.ranks:>2} {line.loss:>7.5g} {line.serial_loss:>7.5g} "
-        f"{accuracy(line.accuracy):>6} {accuracy(line.serial_accuracy):>6} "
-        f"{line.row.relative_diff:>8.3g} {first:>8} {'yes' if line.shows else 'NO':>5}"
+        f"{line.pitfall:<{PITFALL_WIDTH}} {line.ranks:>2} {line.loss:>7.5g} "
+        f"{line.serial_loss:>7.5g} {accuracy(line.accuracy):>6} "
+        f"{accuracy(line.serial_accuracy):>6} {line.row.relative_diff:>8.3g} {first:>8} "
+        f"{'yes' if line.shows else 'NO':>5}"
     )
 
 
@@ -351,8 +401,8 @@ def main_all(config: TrainConfig, tolerance: float | None, json_path: str | None
     """Every pitfall at the P it shows at: exit status 1 if one does not show."""
     from syncsgd.training.variants import VARIANTS
 
-    tolerance = TOLERANCE[config.dtype] if tolerance is None else tolerance
-    mode = "exact mode: bitwise" if config.exact else f"float mode: tolerance {tolerance:g}"
+    chosen = tolerance_of(config, tolerance)
+    tolerance, mode = chosen[0], mode_text(config, chosen)
     print(comment(f"every pitfall on the P and with the options it shows with, against serial "
                   f"SGD (1 rank, no pitfall, the same options); {mode}; relative = max |Δθ| / "
                   f"max(1, max |θ|)"))  # fmt: skip
@@ -382,6 +432,20 @@ def allow_all(parser: Any) -> None:
             action.choices = (*action.choices, ALL)
 
 
+def first_of_grid(options: argparse.Namespace) -> argparse.Namespace:
+    """The options with each grid list's first entry as its one option's value: the grid's
+    first configuration, checked as a whole (--pitfall local-trust-ratio with --optimizers
+    lamb,lars needs no --optimizer)."""
+    from syncsgd.apps.verify_grid import AXES
+
+    first = argparse.Namespace(**vars(options))
+    for flag, field, _, _ in AXES:
+        values = getattr(options, flag, None)
+        if values:
+            setattr(first, field, values[0] == "exact" if field == "exact" else values[0])
+    return first
+
+
 def run_options(options: Any, config_from_options: Any) -> int:
     """`syncsgd verify` from its parsed options: one pitfall's table, or every pitfall's."""
     from syncsgd.apps import verify_grid
@@ -390,7 +454,14 @@ def run_options(options: Any, config_from_options: Any) -> int:
         if options.pitfall == ALL:
             raise ValueError("--pitfall all is a table of its own: leave out the grid's lists "
                              "and --report, --png, --svg, --pdf")  # fmt: skip
-        return main_grid(config_from_options(options), options)
+        first = first_of_grid(options)
+        try:
+            config = config_from_options(first)
+        except ValueError as exc:  # named as configurations() names a refused combination
+            from syncsgd.apps.verify_grid import label
+
+            raise ValueError(f"{label(vars(first))}: {exc}") from None
+        return main_grid(config, options)
     if options.pitfall == ALL:
         options.pitfall = None
         return main_all(config_from_options(options), options.tolerance, options.json)

@@ -68,11 +68,12 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     writes(grid.add_argument("--report", metavar="PATH.html", default=None,
                              help="a self-contained page: the heatmap, where each run first "
                              "left serial SGD, the command, the versions and the machine "
-                             "(default: none)"))  # fmt: skip
+                             "(default: none)"), (".html", ".htm"), "an HTML page")  # fmt: skip
     for kind in FIGURES:
         writes(grid.add_argument(f"--{kind}", metavar=f"PATH.{kind}", default=None,
                                  help=f"the heatmap alone, as {kind.upper()} (default: "
-                                 "none)"))  # fmt: skip
+                                 "none)"), (f".{kind}",),
+               f"{'an' if kind == 'svg' else 'a'} {kind.upper()} figure")  # fmt: skip
 
 
 def wants_grid(options: argparse.Namespace) -> bool:

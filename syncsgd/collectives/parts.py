@@ -38,27 +38,40 @@ def _output_defect(buf: Any, dtype: np.dtype, count: int, name: str) -> str:
     return ""
 
 
+NO_ROOT = object()  # a collective without a root (allgather, ...), unlike a root of None
+
+
 def _agreed(name: str, algorithm: str, buf: Any, comm: Any, check: bool, defect: str,
-            root: Any = None) -> Collective:  # fmt: skip
+            root: Any = NO_ROOT) -> Collective:  # fmt: skip
     """The schedule's key, after every rank agreed on buffers, algorithm and root (or raised)."""
     function, size = name.replace("-", "_"), comm.Get_size()
     known = COLLECTIVES[name]
     if algorithm not in known and not defect:
         defect = f"{function}: unknown algorithm {algorithm!r} (choose one of {', '.join(known)})"
     alike = [("algorithm", known.index(algorithm) if algorithm in known else -1)]
-    if root is not None:
-        try:
-            root = operator.index(root)
-        except TypeError:
-            root = -1
-        if not 0 <= root < size and not defect:
-            defect = f"{function}: root {root} is not a rank of a communicator of size {size}"
-        alike.append(("root", root))
+    rank = 0
+    if root is not NO_ROOT:
+        rank, wrong = _root(function, root, size)
+        defect = defect or wrong
+        alike.append(("root", rank))
     if check:
         _agree(buf, comm, function, defect, tuple(alike))
     elif defect:
         raise ValueError(defect)
-    return Collective(name, algorithm, root or 0)
+    return Collective(name, algorithm, rank)
+
+
+def _root(function: str, root: Any, size: int) -> tuple[int, str]:
+    """(the root as a rank, or -1; why it is not one of the `size` ranks, or "")."""
+    try:
+        rank = operator.index(root)
+    except TypeError:
+        rank = None
+    if rank is None or isinstance(root, bool):  # None, 1.0, "1", True: no rank
+        return -1, f"{function}: root must be a rank, an integer from 0 to {size - 1}, not {root!r}"
+    if not 0 <= rank < size:
+        return -1, f"{function}: root {rank} is not a rank of a communicator of size {size}"
+    return rank, ""
 
 
 def _flat(buf: np.ndarray) -> np.ndarray:

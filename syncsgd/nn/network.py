@@ -120,6 +120,20 @@ def parse_spec(spec: str) -> list[Token]:
     return tokens
 
 
+SPEC_INTEGER_MAX = 2**63 - 1  # the largest integer a spec may hold: NumPy's and Numba's int64
+
+
+def spec_integer(text: str, value: str) -> int:
+    """An integer argument of a spec, at most SPEC_INTEGER_MAX; ValueError naming `text`."""
+    if not re.fullmatch(r"-?\d+", value):
+        raise ValueError(f"--model: {text!r}: arguments are integers, got {value!r}")
+    number = int(value)
+    if abs(number) > SPEC_INTEGER_MAX:
+        raise ValueError(f"--model: {text!r}: {value} is out of range (at most 2**63-1 in "
+                         "magnitude)")  # fmt: skip
+    return number
+
+
 def _arguments(entry: Entry, text: str, inside: str | None) -> Token:
     """The token's arguments, checked against its signature."""
     args: list[int] = []
@@ -131,17 +145,18 @@ def _arguments(entry: Entry, text: str, inside: str | None) -> Token:
             if inside is not None and inside.strip():
                 raise ValueError(f"--model: empty argument in {text!r}")
             continue
-        if not re.fullmatch(r"-?\d+", value.strip()):
-            raise ValueError(f"--model: {text!r}: arguments are integers, got {value.strip()!r}")
+        number = spec_integer(text, value.strip())
         if equals:
             if key.strip() not in names:
                 raise ValueError(f"--model: {text!r}: {entry.kind} has no argument "
                                  f"{key.strip()!r} ({entry.signature})")  # fmt: skip
-            kwargs[key.strip()] = int(value)
+            if key.strip() in kwargs or key.strip() in names[: len(args)]:
+                raise ValueError(f"--model: {text!r}: {key.strip()} is given twice")
+            kwargs[key.strip()] = number
         elif kwargs:
             raise ValueError(f"--model: {text!r}: positional argument after key=value")
         else:
-            args.append(int(value))
+            args.append(number)
     if len(args) > len(names):
         raise ValueError(f"--model: {text!r}: too many arguments ({entry.signature})")
     return Token(entry.kind, tuple(args), tuple(kwargs.items()), text)
@@ -212,6 +227,9 @@ class Network:
         shape = tuple(self.in_shape)
         for position, layer in enumerate(self.layers):
             shape = layer.build(position, shape, self.outputs, position == len(self.layers) - 1)
+            if shape_size(shape) > SPEC_INTEGER_MAX:
+                raise ValueError(f"--model {self.spec!r}: {layer.describe()} gives each sample an "
+                                 f"output of shape {shape}, more than 2**63-1 values")  # fmt: skip
         if shape[-1:] != (self.outputs,):
             raise ValueError(f"--model {self.spec!r} ends in shape {shape}: its last layer must "
                              f"give the {self.outputs} outputs of the loss")  # fmt: skip

@@ -26,6 +26,7 @@ PRESETS = {
 
 _GPT = re.compile(r"\bgpt\(([^()]*)\)")
 GPT_ARGUMENTS = ("layers", "d", "heads")
+MAX_GPT_LAYERS = 10_000  # the expansion writes one block per layer: a bound on the spec's length
 
 
 def gpt(arguments: str) -> str:
@@ -35,11 +36,16 @@ def gpt(arguments: str) -> str:
         key, equals, value = part.partition("=")
         if not equals or key.strip() not in GPT_ARGUMENTS or not value.strip().isdigit():
             raise ValueError(f"--model: gpt({arguments}): write gpt(layers=L, d=D, heads=H)")
+        if key.strip() in given:
+            raise ValueError(f"--model: gpt({arguments}): {key.strip()} is given twice")
         given[key.strip()] = int(value)
     missing = [name for name in GPT_ARGUMENTS if name not in given]
     if missing:
         raise ValueError(f"--model: gpt({arguments}) needs {', '.join(missing)} "
                          "(gpt(layers=L, d=D, heads=H))")  # fmt: skip
+    if given["layers"] > MAX_GPT_LAYERS:
+        raise ValueError(f"--model: gpt({arguments}): at most {MAX_GPT_LAYERS} layers, got "
+                         f"{given['layers']}")  # fmt: skip
     d, heads = given["d"], given["heads"]
     blocks = [f"block({d},{heads})"] * given["layers"]
     return " ".join([f"embed({d})", *blocks, "layernorm", "dense"])

@@ -316,7 +316,11 @@ class TrainConfig:
         # its options together (--nesterov, --momentum), and none of another optimizer's
         optimizer_options(self.optimizer, self)
         _require(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
+        _require(self.accumulate <= self.batch_size, f"--accumulate {self.accumulate} cuts the "
+                 f"shards of --batch-size {self.batch_size} into more micro-batches than they "
+                 f"have samples: give --accumulate at most {self.batch_size}")  # fmt: skip
         variant(self.pitfall, self.clip_norm, self.optimizer)  # a pitfall may need other options
+        _check_pitfall_and_start(self)
         _require(self.precision != "fp32" or self.loss_scale in (None, "none"),
                  "--loss-scale guards a narrow format's range: it needs --precision bf16|fp16")
         _require(not (self.exact and self.allreduce_dtype is not None),
@@ -396,6 +400,16 @@ def _check_model(config: TrainConfig) -> None:
              "has none")
 
 
+def _check_pitfall_and_start(config: TrainConfig) -> None:
+    """Options that would do nothing: accumulate-means on one micro-batch, --init on a resume."""
+    _require(config.pitfall != "accumulate-means" or config.accumulate > 1,
+             "--pitfall accumulate-means changes nothing with one micro-batch (its mean times "
+             "the shard's size is its sum): give --accumulate K > 1")  # fmt: skip
+    _require(config.init is None or config.resume is None,
+             f"--init {config.init} is not read when --resume {config.resume} restarts from a "
+             "checkpoint: give one of them")  # fmt: skip
+
+
 def _check_tokens(config: TrainConfig) -> None:
     """Token data goes with a --model that starts with embed, and it with token data."""
     embeds = config.model is not None and parse_spec(config.model)[0].kind == "embed"
@@ -407,6 +421,11 @@ def _check_tokens(config: TrainConfig) -> None:
         return
     _require(embeds, f"--data {config.data} is token data: give a --model that starts with "
              "embed, e.g. \"gpt(layers=2,d=32,heads=4)\"")  # fmt: skip
+    _require(config.classes is None, f"--classes {config.classes}: on token data --data "
+             f"{config.data} the outputs are its vocabulary: leave --classes out")  # fmt: skip
+    _require(config.input_shape is None, f"--input-shape: the samples of token data --data "
+             f"{config.data} are windows of --context {config.context} token ids: leave "
+             "--input-shape out")  # fmt: skip
     _require(not config.noise_scale, "--noise-scale estimates from per-sample gradient means: "
              "not on token data, whose mean is over tokens")  # fmt: skip
 

@@ -532,6 +532,10 @@ def _read_idx(path: str, labels: str | None) -> tuple[np.ndarray, np.ndarray, tu
     if len(images) != len(targets):
         raise ValueError(f"{path} holds {len(images)} images but {labels} holds {len(targets)} "
                          "labels")  # fmt: skip
+    if len(images) == 0 or images[0].size == 0:
+        raise ValueError(f"{path} holds no image to train on: its header says "
+                         f"{len(images)} of {'x'.join(map(str, images.shape[1:]))} "
+                         "pixels")  # fmt: skip
     shape = (1, *images.shape[1:])
     return images.reshape(len(images), -1) / 255.0, targets, shape
 

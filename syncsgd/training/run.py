@@ -24,6 +24,8 @@ from syncsgd.training.variants import variant
 from syncsgd.util.files import check_paths
 from syncsgd.util.machine import check_memory
 
+DEFAULT_STEPS = 100  # the steps of a run given neither --steps nor --epochs
+
 
 class AgreedError(ValueError):
     """An error every rank knows of, agreed on by a collective: rank 0 reports it, once."""
@@ -111,12 +113,12 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
     elif config.epochs is not None:
         steps = config.epochs * per_epoch
     else:
-        steps = 100
+        steps = DEFAULT_STEPS
     # class labels: max label + 1, which --classes may raise; token data: the vocabulary's size
     outputs = data.n_outputs(y, config.loss, X)
     if labels and config.classes is not None:
         outputs = max(outputs, config.classes)
-    model = make_model(config, X, outputs, ranks, sample_shape)
+    model = make_model(config, X, outputs, ranks, sample_shape, y)
     optim = OptimConfig(
         lr=config.lr, schedule=config.schedule,
         warmup_steps=config.warmup_steps, total_steps=max(steps, 1),  # 0 steps: no lr is used
@@ -130,8 +132,9 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
               fingerprint(config, X, y, steps, sample_shape),
               X_eval=X_eval, y_eval=y_eval, read=f"{read}, {model_outputs(outputs, config)}")
     if config.init is not None:
-        arrays = load_npz(config.init)
+        arrays = without_batch_counts(load_npz(config.init), model)
         run.init, run.init_running = model.from_arrays(arrays), model.running_from_arrays(arrays)
+        refuse_strays(arrays, model, config.init)
     if config.resume is not None:
         run.start = checkpoint.load_latest(config.resume, run.fingerprint, model.n_params,
                                            model.dtype, model.n_running)  # fmt: skip
@@ -140,6 +143,27 @@ def prepare(config: TrainConfig, ranks: int = 1) -> Run:
             f"--resume {config.resume} is at step {run.start.step}, beyond --steps {steps}",
         )
     return run
+
+
+def without_batch_counts(arrays: dict[str, np.ndarray], model: Network) -> dict[str, np.ndarray]:
+    """`arrays` without the "<position>.num_batches_tracked" of the model's batchnorm layers: a
+    PyTorch state_dict holds them, syncsgd's BatchNorm never reads them (its momentum is fixed)."""
+    if model.name_map is not None:
+        return arrays
+    counts = {f"{layer.position}.num_batches_tracked" for layer in model.layers
+              if layer.kind == "batchnorm"}  # fmt: skip
+    return {name: array for name, array in arrays.items() if name not in counts}
+
+
+def refuse_strays(arrays: dict[str, np.ndarray], model: Network, path: str) -> None:
+    """A ValueError naming a key of an --init file that is no array of the model."""
+    known = {*model.param_names(), *(name for name, _, _ in model.running_layout())}
+    strays = sorted(name for name in arrays if name not in known)
+    if strays:
+        names = sorted(known)
+        shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+        raise ValueError(f"--init {path}: {strays[0]!r} belongs to no layer of the model "
+                         f"({model.summary()}; its arrays: {shown})")
 
 
 def describe_data(config: TrainConfig, X: np.ndarray, y: np.ndarray,
@@ -165,6 +189,7 @@ def make_model(
     outputs: int,
     ranks: int,
     sample_shape: tuple[int, ...] | None = None,
+    y: np.ndarray | None = None,
 ) -> Network:
     """The --model network, or the MLP of --hidden; refused if the memory cannot hold it.
 
@@ -181,6 +206,7 @@ def make_model(
                  f"--input-shape {','.join(map(str, in_shape))} holds {math.prod(in_shape)} "
                  f"values, the data's samples {math.prod(X.shape[1:])}")  # fmt: skip
         network = build(config.model, in_shape, outputs, config.loss, config.dtype)
+        check_flattened(network, config, y)
         per_rank = (5 * network.n_params + 3 * config.batch_size * network.activation_size())
         check_memory((ranks * per_rank + network.n_params) * itemsize,
                      f"--model {network.summary()!r} on {ranks} rank(s)")  # fmt: skip
@@ -189,6 +215,23 @@ def make_model(
     needed = model_bytes(sizes, config.batch_size, itemsize, ranks)
     check_memory(needed, f"a model of layer sizes {','.join(map(str, sizes))} on {ranks} rank(s)")
     return mlp(sizes, config.activation, config.batchnorm, config.loss, np.dtype(config.dtype))
+
+
+def check_flattened(network: Network, config: TrainConfig, y: np.ndarray | None) -> None:
+    """A ValueError if the network gives each sample more dimensions than its targets have: a
+    dense layer on images acts on their last axis until a flatten makes a sample one row."""
+    if y is None:
+        return
+    labels = loss_entry(config.loss).labels
+    wanted = y.ndim if labels else y.ndim - 1  # token data: a label per position
+    shape = network.layers[-1].out_shape
+    if len(shape) > wanted:
+        targets = ("one class label" if labels and y.ndim == 1
+                   else f"targets of shape {tuple(y.shape[1:])}")  # fmt: skip
+        raise ValueError(f"--model {config.model!r} gives each sample an output of shape "
+                         f"{shape}, for {targets} per sample: put a flatten "
+                         "before the dense layers that should see the whole sample (e.g. "
+                         "\"conv(8,3) relu flatten dense\")")  # fmt: skip
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
@@ -253,6 +296,53 @@ def check_agreement(comm: Any, run: Run) -> None:
             "the ranks were started with different options or data (their configuration "
             "fingerprints differ from rank 0's); start every rank with the same command and files"
         )
+    check_micro_batches(config, run.model, comm.Get_size())
+
+
+def check_micro_batches(config: TrainConfig, model: Network, ranks: int) -> None:
+    """On every rank alike: --accumulate K cuts no shard into more micro-batches than the largest
+    shard has samples, and no BatchNorm layer in training normalises one value per channel
+    (PyTorch refuses that: its output would be all zeros)."""
+    shards = check_accumulate(config, ranks)
+    spatial = [shape_size(layer.in_shape[1:]) for layer in model.layers
+               if layer.kind == "batchnorm"]  # fmt: skip
+    if min(spatial, default=2) > 1:
+        return  # no batchnorm, or each sample gives it more than one value per channel
+    count, local = config.accumulate, config.batchnorm == "local"
+    if local:  # the micro-batches' sizes of every shard size
+        groups = {size for shard in shards for size in split_counts(shard, count)}
+    else:  # the k-th micro-batches of every rank together
+        groups = {sum(ranks_of * (shard // count + (k < shard % count))
+                      for shard, ranks_of in shards.items()) for k in range(count)}  # fmt: skip
+    if 1 in groups:
+        whose = ("each rank's (micro-)batch alone (--batchnorm local)" if local
+                 else "every rank's k-th micro-batch together")  # fmt: skip
+        cut = f" in --accumulate {count} micro-batches" if count > 1 else ""
+        raise AgreedError(f"BatchNorm in training needs more than 1 value per channel (as in "
+                          f"PyTorch): it normalises {whose}, and --batch-size "
+                          f"{config.batch_size} on {ranks} rank(s){cut} leaves one of 1 "
+                          "sample")  # fmt: skip
+
+
+def check_accumulate(config: TrainConfig, ranks: int) -> dict[int, int]:
+    """The shards' sizes on `ranks` ranks (split_counts); AgreedError if --accumulate K is above
+    the largest."""
+    shards = split_counts(config.batch_size, ranks)
+    largest = max(shards)
+    if config.accumulate > largest:
+        raise AgreedError(f"--accumulate {config.accumulate} cuts each rank's shard into more "
+                          f"micro-batches than it has samples: --batch-size {config.batch_size} "
+                          f"on {ranks} rank(s) gives shards of at most {largest}; give "
+                          f"--accumulate at most {largest}")  # fmt: skip
+    return shards
+
+
+def split_counts(total: int, parts: int) -> dict[int, int]:
+    """{size: how many}: the sizes numpy.array_split cuts `total` items into `parts` with (at
+    most two, the larger first), counted rather than listed (`parts` may be large)."""
+    size, larger = divmod(total, parts)
+    counts = {size + 1: larger, size: parts - larger}
+    return {each: many for each, many in counts.items() if many}
 
 
 def first_params(run: Run) -> np.ndarray:

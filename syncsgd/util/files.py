@@ -65,8 +65,11 @@ def check_paths(
         for role, paths in (("reads", reads), ("writes", writes), ("writes_into", writes_into),
                             ("checkpoints", checkpoints))
         for flag, path in paths.items()
-        if path is not None and os.fspath(path) != ""
+        if path is not None
     ]  # fmt: skip
+    for _, flag, path in given:
+        if path == "":
+            raise ValueError(f"{flag} '': an empty path names no file or directory")
     seen: list[tuple[str, str, str]] = []
     for role, flag, path in given:
         for other_role, other_flag, other in seen:
@@ -78,6 +81,15 @@ def check_paths(
             check_writable(path)
         elif role == "writes_into":
             check_directory_writable(path)
+
+
+def check_suffix(flag: str, path: str | None, suffixes: tuple[str, ...], what: str) -> None:
+    """Refuse an output named `path` whose extension is not one of `suffixes` (its format's):
+    e.g. a PNG written as x.svg would be read as what its name says."""
+    if path is None or path == "" or path.lower().endswith(tuple(suffixes)):
+        return
+    named = " or ".join(suffixes)
+    raise ValueError(f"{flag} {path}: {what} is written to a name ending in {named}")
 
 
 def _check_apart(first: tuple[str, str, str], second: tuple[str, str, str]) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 from syncsgd.util.argtypes import nonnegative_float, positive_int, rank_list
-from syncsgd.util.files import check_paths
+from syncsgd.util.files import check_paths, check_suffix
 
 Check = Callable[[str, Any], "str | None"]  # (flag, value) -> what is wrong, or None if fine
 
@@ -242,10 +242,15 @@ def one_of(choices: Sequence[str], *, listed: bool = False, optional: bool = Fal
 ROLES = ("reads", "writes", "writes_into", "checkpoints")
 
 
-def path_role(action: argparse.Action, role: str) -> argparse.Action:
-    """Declare that the option of `action` names a path the command uses as `role`."""
+def path_role(action: argparse.Action, role: str,
+              suffixes: tuple[str, ...] = (), what: str = "") -> argparse.Action:  # fmt: skip
+    """Declare that the option of `action` names a path the command uses as `role`; an output
+    in one format declares its `suffixes` (".html",) and `what` it is ("an HTML page"): a name
+    ending otherwise is refused before any work (check_declared_paths)."""
     assert role in ROLES, role
+    assert not suffixes or role == "writes", "a suffix names the format of a file written"
     action.path_role = role  # type: ignore[attr-defined]
+    action.path_suffixes = (tuple(suffixes), what)  # type: ignore[attr-defined]
     return action
 
 
@@ -254,9 +259,11 @@ def reads(action: argparse.Action) -> argparse.Action:
     return path_role(action, "reads")
 
 
-def writes(action: argparse.Action) -> argparse.Action:
-    """Declare an option that names a file the command writes (atomically, replacing it)."""
-    return path_role(action, "writes")
+def writes(action: argparse.Action, suffixes: tuple[str, ...] = (),
+           what: str = "") -> argparse.Action:  # fmt: skip
+    """Declare an option that names a file the command writes (atomically, replacing it); with
+    `suffixes`, a file in one format whose name must end in one of them (path_role)."""
+    return path_role(action, "writes", suffixes, what)
 
 
 def writes_into(action: argparse.Action) -> argparse.Action:
@@ -276,8 +283,14 @@ def declared_paths(parser: argparse.ArgumentParser,
 
 
 def check_declared_paths(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
-    """Before any work: the paths of every declared option are safe to use (files.check_paths)."""
+    """Before any work: the paths of every declared option are safe to use (files.check_paths),
+    and every output in one format is named with its extension."""
     check_paths(**declared_paths(parser, options))
+    for action in parser._actions:
+        suffixes, what = getattr(action, "path_suffixes", ((), ""))
+        if suffixes:
+            check_suffix(action.option_strings[0], getattr(options, action.dest, None),
+                         suffixes, what)  # fmt: skip
 
 
 # -- options that several subcommands take, declared once ---------------------------------------

@@ -82,7 +82,11 @@ def train_config(options: argparse.Namespace, batch_size: int) -> TrainConfig:
     """The benchmark's training run (train's options as given) at one global batch size."""
     # With --model, the spec is the whole network: --hidden and --activation do not apply.
     network = ("hidden", "activation") if options.model else ()
-    return config_of(options, exclude={*NOT_TAKEN, *network}, batch_size=batch_size)
+    # token data: the outputs are the vocabulary, and the benchmark's --classes default is no
+    # choice of the user's (train refuses a --classes given on token data)
+    untaken = data.is_text(options.data) and options.classes == CHANGES["classes"]["default"]
+    return config_of(options, exclude={*NOT_TAKEN, *network}, batch_size=batch_size,
+                     **({"classes": None} if untaken else {}))  # fmt: skip
 
 
 # The train options that the overhead check's bare loop follows (plain SGD, as train_rank at
