@@ -239,3 +239,16 @@ def test_each_rank_holds_the_optimizer_state_of_its_blocks_alone():
     for kept in ("parameters", "gradients"):  # stage 1 keeps the whole of both
         assert sharded.memory_bytes[kept] == replicated.memory_bytes[kept]
     assert replicated.memory_bytes["parameters"] == 4 * n
+
+
+def test_a_verify_grid_over_the_stages_has_one_sha256_in_exact_mode(tmp_path):
+    report = tmp_path / "grid.json"
+    assert main(["verify", "--exact", "--zero-stages", "0,1", "--optimizers", "sgd,adamw",
+                 "--ranks", "1,2,3,5", "--samples", "64", "--features", "6", "--hidden", "5",
+                 "--batch-size", "12", "--steps", "3", "--json", str(report)]) == 0  # fmt: skip
+    import json
+
+    runs = json.loads(report.read_text())["runs"]
+    assert {run["zero_stage"] for run in runs} == {0, 1} and len(runs) == 16
+    for optimizer in ("sgd", "adamw"):  # one SHA-256 per network and update, every P and stage
+        assert len({run["sha256"] for run in runs if run["optimizer"] == optimizer}) == 1

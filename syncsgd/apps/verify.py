@@ -436,11 +436,11 @@ def first_of_grid(options: argparse.Namespace) -> argparse.Namespace:
     """The options with each grid list's first entry as its one option's value: the grid's
     first configuration, checked as a whole (--pitfall local-trust-ratio with --optimizers
     lamb,lars needs no --optimizer)."""
-    from syncsgd.apps.verify_grid import AXES
+    from syncsgd.apps.verify_grid import AXES, dest
 
     first = argparse.Namespace(**vars(options))
     for flag, field, _, _ in AXES:
-        values = getattr(options, flag, None)
+        values = getattr(options, dest(flag), None)
         if values:
             setattr(first, field, values[0] == "exact" if field == "exact" else values[0])
     return first

@@ -24,7 +24,7 @@ from typing import Any
 from syncsgd.collectives import ALGORITHMS
 from syncsgd.nn.optim import OPTIMIZERS
 from syncsgd.training.config import PRECISIONS, TrainConfig
-from syncsgd.util.argtypes import comma_list, positive_int
+from syncsgd.util.argtypes import comma_list, nonnegative_int, positive_int
 from syncsgd.util.options import writes
 
 MODES = ("float", "exact")
@@ -35,6 +35,7 @@ AXES = (
     ("modes", "exact", MODES, "float,exact"),
     ("accumulates", "accumulate", None, "1,4"),
     ("optimizers", "optimizer", tuple(OPTIMIZERS), "sgd,adam"),
+    ("zero-stages", "zero_stage", None, "0,1"),
 )
 FIGURES = ("png", "svg", "pdf")  # --png/--svg/--pdf: the heatmap alone
 
@@ -59,10 +60,11 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     grid = parser.add_argument_group("grid (each list replaces its one option; every "
                                      "combination runs)")  # fmt: skip
     for flag, field, choices, example in AXES:
+        number = nonnegative_int if field == "zero_stage" else positive_int  # stage 0: replicated
         kind = choices_list(choices, example) if choices else (
-            lambda text, example=example: list(dict.fromkeys(
-                comma_list(text, positive_int, example))))  # fmt: skip
-        single = "--exact" if field == "exact" else f"--{field}"
+            lambda text, example=example, number=number: list(dict.fromkeys(
+                comma_list(text, number, example))))  # fmt: skip
+        single = "--exact" if field == "exact" else f"--{field.replace('_', '-')}"
         grid.add_argument(f"--{flag}", type=kind, default=None, metavar=example.upper(),
                           help=f"comma list, e.g. {example} (default: {single}'s)")  # fmt: skip
     writes(grid.add_argument("--report", metavar="PATH.html", default=None,
@@ -76,9 +78,14 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
                f"{'an' if kind == 'svg' else 'a'} {kind.upper()} figure")  # fmt: skip
 
 
+def dest(flag: str) -> str:
+    """Where argparse keeps a grid list: --zero-stages in zero_stages."""
+    return flag.replace("-", "_")
+
+
 def wants_grid(options: argparse.Namespace) -> bool:
     """Whether verify runs the grid: a list or a report output was given."""
-    given = [getattr(options, flag, None) for flag, *_ in AXES]
+    given = [getattr(options, dest(flag), None) for flag, *_ in AXES]
     outputs = [getattr(options, name, None) for name in ("report", *FIGURES)]
     return any(value is not None for value in given + outputs)
 
@@ -88,7 +95,7 @@ def configurations(config: TrainConfig, options: argparse.Namespace) -> list[Tra
     ValueError naming the first combination the options refuse."""
     axes = []
     for flag, field, _, _ in AXES:
-        values = getattr(options, flag, None)
+        values = getattr(options, dest(flag), None)
         if values is None:
             values = [mode_of(config)] if field == "exact" else [getattr(config, field)]
         if field == "exact":
@@ -118,10 +125,12 @@ def mode_of(config: TrainConfig | dict[str, Any]) -> str:
 
 
 def label(config: TrainConfig | dict[str, Any]) -> str:
-    """A configuration's row name: algorithm, precision, mode, K, optimizer."""
+    """A configuration's row name: algorithm, precision, mode, K, optimizer (and the ZeRO
+    stage, when sharded)."""
     fields = config if isinstance(config, dict) else asdict(config)
+    stage = f" ZeRO-{fields['zero_stage']}" if fields.get("zero_stage") else ""
     return (f"{fields['algorithm']} {fields['precision']} {mode_of(fields)} "
-            f"K={fields['accumulate']} {fields['optimizer']}")  # fmt: skip
+            f"K={fields['accumulate']} {fields['optimizer']}{stage}")  # fmt: skip
 
 
 def record(config: TrainConfig, row: Any, tolerance: float) -> dict[str, Any]:
@@ -129,7 +138,8 @@ def record(config: TrainConfig, row: Any, tolerance: float) -> dict[str, Any]:
     return {
         "ranks": row.ranks, "algorithm": config.algorithm, "precision": config.precision,
         "mode": mode_of(config), "accumulate": config.accumulate,
-        "optimizer": config.optimizer, "bitwise": row.bitwise_equal, "max_ulp": row.max_ulps,
+        "optimizer": config.optimizer, "zero_stage": config.zero_stage,
+        "bitwise": row.bitwise_equal, "max_ulp": row.max_ulps,
         "rel_diff": row.relative_diff, "sha256": row.sha256,
         "first_diff_step": row.first_difference, "first_diff_param": row.first_parameter,
         "max_abs_diff": row.max_abs_diff, "sign_flips": row.sign_flips,
