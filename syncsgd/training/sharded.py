@@ -53,6 +53,8 @@ class ShardedUpdate:
         self.stepper, self.comm = stepper, comm
         self.n_params = n_params = run.model.n_params
         self.owned = owned_slices(buckets, n_params, comm.Get_rank(), comm.Get_size())
+        edges = [0, *(edge for part in self.owned for edge in (part.start, part.stop)), n_params]
+        self.others = [slice(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if b > a]
         self.buckets = stepper.buckets  # views of the communication buffer
         self.rider_bucket = self.buckets[-1]  # the riders ride in the last bucket
         self.width = width = sum(part.stop - part.start for part in self.owned)
@@ -177,25 +179,37 @@ class ShardedUpdate:
     def update_(self, step: int, finite: bool) -> tuple[float, float]:
         """The optimizer's step on the owned blocks, then every bucket's parameters allgathered;
         a non-finite step changes nothing. (lr, grad norm)."""
-        stepper, start = self.stepper, 0
+        params_shard, grad_shard = self.shards()
+        if not finite:  # unchanged, but allgathered: a pitfall may make the ranks disagree
+            self.allgather_params_(params_shard)
+            return learning_rate(self.stepper.optim, step), math.nan
+        if self.optim.clip_norm is not None:  # the replicated step's first move, the same norm
+            clip_(grad_shard, self.optim.clip_norm, self.grad_norm)
+        info = self.optimizer.step_(params_shard, grad_shard, step, want_norm=False)
+        self.allgather_params_(params_shard)
+        return info["lr"], self.grad_norm
+
+    def shards(self) -> tuple[np.ndarray, np.ndarray]:
+        """The owned parameters and mean gradient, each one contiguous array: views when the
+        rank owns one block (one bucket), else copies."""
+        stepper = self.stepper
         params, grad_mean = stepper.params, stepper.grad_mean
-        for part in self.owned:  # the shard as one contiguous array: the optimizer's
+        if len(self.owned) == 1:
+            return params[self.owned[0]], grad_mean[self.owned[0]]
+        start = 0
+        for part in self.owned:
             stop = start + part.stop - part.start
             self.params_shard[start:stop] = params[part]
             self.grad_shard[start:stop] = grad_mean[part]
             start = stop
-        if not finite:  # unchanged, but allgathered: a pitfall may make the ranks disagree
-            self.allgather_params_()
-            return learning_rate(stepper.optim, step), math.nan
-        if self.optim.clip_norm is not None:  # the replicated step's first move, the same norm
-            clip_(self.grad_shard, self.optim.clip_norm, self.grad_norm)
-        info = self.optimizer.step_(self.params_shard, self.grad_shard, step, want_norm=False)
-        self.allgather_params_()
-        return info["lr"], self.grad_norm
+        return self.params_shard, self.grad_shard
 
-    def allgather_params_(self) -> None:
-        """Every rank's updated blocks to every rank, through the communication buffer."""
-        self.stepper.params[...] = self.gathered(self.params_shard)
+    def allgather_params_(self, shard: np.ndarray) -> None:
+        """Every rank's updated blocks to every rank, through the communication buffer: the
+        others' blocks copied into the parameters, and ours when they were updated apart."""
+        params, whole = self.stepper.params, self.gathered(shard)
+        for part in self.others if len(self.owned) == 1 else [slice(0, self.n_params)]:
+            params[part] = whole[part]
 
     def gathered(self, shard: np.ndarray) -> np.ndarray:
         """Every rank's blocks of an array of the parameters' layout, whole (a view of the
