@@ -96,10 +96,14 @@ def page(demo: Demo) -> str:
         "correct": demo.correct, "bounds": demo_chunks(demo),
         "colours": [hex_colour(count_colour(c, demo.ranks)) for c in range(demo.ranks + 1)],
     }  # fmt: skip
+    return filled(document, f"{demo.what} on {demo.ranks} ranks")
+
+
+def filled(document: dict[str, Any], title: str) -> str:
+    """The page's template around `document` and `title`."""
     # "</" escaped: the payload never ends its <script>
     payload = jsonout.dumps(document, ensure_ascii=False).replace("</", "<\\/")
-    title = html.escape(f"{demo.what} on {demo.ranks} ranks")
-    return TEMPLATE.replace("@TITLE@", title).replace("@DATA@", payload)
+    return TEMPLATE.replace("@TITLE@", html.escape(title)).replace("@DATA@", payload)
 
 
 def write_html(demo: Demo, path: str) -> None:

@@ -9,15 +9,13 @@ reduce-scatter through the allgather, beside the ring allreduce's 2(P-1)/P·n.
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
 from syncsgd.apps.demo_core import _count, count_colour, hex_colour
-from syncsgd.apps.demo_html import TEMPLATE, links, rounds_data
+from syncsgd.apps.demo_html import filled, links, rounds_data
 from syncsgd.apps.demo_zero import LR, MOMENTUM, ZeroDemo
 from syncsgd.collectives import chunk_bounds
 from syncsgd.collectives.schedules import owned_block
-from syncsgd.util import jsonout
 from syncsgd.util.files import write_text
 
 OLD = "#e0e0e0"  # a parameter not yet updated (the slide's grey)
@@ -89,9 +87,7 @@ def zero_page(zero: ZeroDemo) -> str:
         "legend": "; parameters: teal once updated, grey while old; frame: just received "
                   "(solid: added, dashed: copied), or the block a rank updates",
     }  # fmt: skip
-    payload = jsonout.dumps(document, ensure_ascii=False).replace("</", "<\\/")
-    title = html.escape(f"ZeRO stage 1, one step on {p} ranks")
-    return TEMPLATE.replace("@TITLE@", title).replace("@DATA@", payload)
+    return filled(document, f"ZeRO stage 1, one step on {p} ranks")
 
 
 def write_zero_html(zero: ZeroDemo, path: str) -> None:
