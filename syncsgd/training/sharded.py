@@ -72,7 +72,10 @@ class ShardedUpdate:
             inner.shared_norms = self.tensor_norms
         self.n_tensors = len(run.model.layout())
         self.optimizer = ShardOptimizer(inner, self)
-        self.params_shard, self.grad_shard = np.empty(width, dtype), np.empty(width, dtype)
+        # One contiguous array each for the optimizer: views when the rank owns one block
+        many = len(self.owned) > 1
+        self.params_shard = np.empty(width if many else 0, dtype)
+        self.grad_shard = np.empty(width if many else 0, dtype)
         buffer = stepper.comm_buffer
         self.riders = buffer[n_params:]  # the loss sum and the hooks' slots
         # Agreed in one small allreduce: the riders, kept before the reduce-scatter sums them in
@@ -104,9 +107,7 @@ class ShardedUpdate:
         """The owned blocks' sums become the mean, once; the riders and the verdict agreed by
         every rank: (mean loss, loss and the whole gradient finite)."""
         stepper = self.stepper
-        terms = batch_size * stepper.local_gradient.passes.positions
-        scale = stepper.local_gradient.scale
-        divisor = stepper.grad_sum.dtype.type(terms if scale == 1.0 else terms * scale)
+        terms, divisor = stepper.divisors(batch_size)
         finite = True
         for part in self.owned:  # the same division, element by element, as the replicated one
             finite &= stepper.divide_finite_(stepper.grad_sum[part], divisor,

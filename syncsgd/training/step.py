@@ -226,15 +226,19 @@ class DataParallelStep:
         """The one place where the sum becomes the mean: (mean loss, loss and gradient finite)."""
         # After the allreduce, once: averaging per-rank means instead would weigh uneven shards
         # wrongly. Every rank holds the same sums, so every rank decides alike on finiteness.
+        terms, divisor = self.divisors(batch_size)
+        loss = float(self.comm_buffer[self.loss_slot]) / terms
+        gradient_finite = self.divide_finite_(self.grad_sum, divisor, self.grad_mean)
+        return loss, math.isfinite(loss) and gradient_finite
+
+    def divisors(self, batch_size: int) -> tuple[int, Any]:
+        """(what the loss sum is divided by, what the gradient sums are divided by)."""
         # The loss's terms: B, or B x T for sequences (a loss term per position).
         terms = batch_size * self.local_gradient.passes.positions
-        loss = float(self.comm_buffer[self.loss_slot]) / terms
         # The terms in the sums' dtype, as NumPy would; times the loss scale S when the sums are
         # scaled (terms * S: one division unscales and averages; exact for S a power of two).
         scale = self.local_gradient.scale
-        divisor = self.grad_sum.dtype.type(terms if scale == 1.0 else terms * scale)
-        gradient_finite = self.divide_finite_(self.grad_sum, divisor, self.grad_mean)
-        return loss, math.isfinite(loss) and gradient_finite
+        return terms, self.grad_sum.dtype.type(terms if scale == 1.0 else terms * scale)
 
     def update_(self, step: int, finite: bool) -> tuple[float, float]:
         """The same update on every rank; a non-finite step changes nothing. (lr, grad norm)."""
