@@ -1,4 +1,5 @@
-"""--zero-stage 1: the sharded step gives the replicated step's bits, and refuses what it cannot."""
+"""--zero-stage 1, 2, 3: the sharded steps give the replicated step's bits, and refuse what they
+cannot."""
 
 from __future__ import annotations
 
@@ -31,27 +32,28 @@ def digest(result) -> str:
     return hashlib.sha256(np.asarray(result.params).tobytes() + running).hexdigest()
 
 
-def both_stages(ranks: int, **options) -> tuple[str, str]:
-    """The digests of stage 0 and stage 1 of the same run on `ranks` thread ranks."""
-    return tuple(digest(train(ranks=ranks, backend="threads", zero_stage=stage, **options))
-                 for stage in (0, 1))  # type: ignore[return-value]
+def both_stages(ranks: int, stage: int = 1, **options) -> tuple[str, str]:
+    """The digests of stage 0 and a sharded stage of the same run on `ranks` thread ranks."""
+    return tuple(digest(train(ranks=ranks, backend="threads", zero_stage=zero_stage, **options))
+                 for zero_stage in (0, stage))  # type: ignore[return-value]
 
 
-@settings(max_examples=12)
-@given(ranks=st.integers(1, 9), update=st.sampled_from(UPDATES), batch=st.integers(1, 13),
-       exact=st.booleans(), overlap=st.booleans(), buckets=st.sampled_from([None, 0, 96]),
-       accumulate=st.integers(1, 3), precision=st.sampled_from(["fp32", "bf16", "fp16"]))
-def test_stage_1_is_bitwise_stage_0_for_any_p(ranks, update, batch, exact, overlap, buckets,
-                                               accumulate, precision):  # fmt: skip
+@settings(max_examples=16)
+@given(ranks=st.integers(1, 9), stage=st.integers(1, 3), update=st.sampled_from(UPDATES),
+       batch=st.integers(1, 13), exact=st.booleans(), overlap=st.booleans(),
+       buckets=st.sampled_from([None, 0, 96, 1]), accumulate=st.integers(1, 3),
+       precision=st.sampled_from(["fp32", "bf16", "fp16"]))  # fmt: skip
+def test_every_stage_is_bitwise_stage_0_for_any_p(ranks, stage, update, batch, exact, overlap,
+                                                  buckets, accumulate, precision):  # fmt: skip
     # P > B and P up to 9 on 73 parameters: ranks with empty shards or empty blocks included;
-    # K at most the largest shard (more is refused)
+    # K at most the largest shard (more is refused); 1-byte buckets: a bucket per tensor
     accumulate = min(accumulate, -(-batch // ranks))
     options = dict(MLP, **update, batch_size=batch, exact=exact, overlap=overlap,
                    bucket_bytes=buckets, accumulate=accumulate, precision=precision)
-    replicated, sharded = both_stages(ranks, **options)
+    replicated, sharded = both_stages(ranks, stage, **options)
     assert sharded == replicated
-    if exact:  # and exact mode's bits are those of one rank, at either stage
-        assert sharded == both_stages(1, **options)[1]
+    if exact:  # and exact mode's bits are those of one rank, at every stage
+        assert sharded == both_stages(1, stage, **options)[1]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 5])
@@ -63,11 +65,13 @@ def test_norms_over_every_shard_clip_and_scale_as_the_whole_gradients(ranks, upd
     # blocks of several ranks); exact mode: the squares summed exactly and rounded once, so one
     # SHA-256 at every P and stage; float mode: the parts' sums, within the float tolerance
     options = dict(MLP, batch_size=10, **update)
-    exact = both_stages(ranks, **options, exact=True)
-    assert exact[0] == exact[1] == both_stages(1, **options, exact=True)[0]
+    exact = {digest(train(ranks=P, backend="threads", zero_stage=stage, exact=True, **options))
+             for P, stage in ((ranks, 0), (ranks, 1), (ranks, 2), (ranks, 3), (1, 3))}
+    assert len(exact) == 1
     replicated = train(ranks=ranks, backend="threads", **options)
-    sharded = train(ranks=ranks, backend="threads", zero_stage=1, **options)
-    assert np.max(np.abs(sharded.params - replicated.params)) <= 1e-12
+    for stage in (1, 2, 3):
+        sharded = train(ranks=ranks, backend="threads", zero_stage=stage, **options)
+        assert np.max(np.abs(sharded.params - replicated.params)) <= 1e-12
 
 
 def test_the_exact_square_sum_is_the_rational_sum_rounded_once_however_split():
@@ -90,12 +94,16 @@ def test_the_exact_square_sum_is_the_rational_sum_rounded_once_however_split():
         Fraction(5e-324 * 5e-324) + Fraction(1e-160 * 1e-160) + Fraction(1.3e154 * 1.3e154))
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize(("net", "ranks"), [(CONV, 3), (GPT, 2)])
-def test_stage_1_of_a_conv_net_and_a_gpt_is_bitwise_stage_0(net, ranks):
-    options = dict(net, batch_size=6)
-    assert both_stages(ranks, **options)[0] == both_stages(ranks, **options)[1]
-    exact = both_stages(ranks, **options, exact=True)
-    assert exact[0] == exact[1] == both_stages(1, **options, exact=True)[1]
+def test_every_stage_of_a_conv_net_and_a_gpt_is_bitwise_stage_0(net, ranks, stage):
+    # a bucket per layer: stage 2 writes each layer's sums into its bucket's buffer, stage 3
+    # gathers each layer's parameters (BatchNorm's statistics summed over the ranks between)
+    options = dict(net, batch_size=6, bucket_bytes=0)
+    replicated, sharded = both_stages(ranks, stage, **options)
+    assert sharded == replicated
+    exact = both_stages(ranks, stage, **options, exact=True)
+    assert exact[0] == exact[1] == both_stages(1, stage, **options, exact=True)[1]
 
 
 def test_each_rank_owns_the_block_the_reduce_scatter_completes_on_it():
@@ -138,7 +146,7 @@ def test_the_json_and_the_summary_are_the_replicated_runs(tmp_path):
 
 
 @pytest.mark.parametrize(("options", "line"), [
-    (["--zero-stage", "2"], "--zero-stage must be one of 0, 1"),
+    (["--zero-stage", "4"], "--zero-stage must be one of 0, 1, 2, 3"),
     (["--zero-stage", "1", "--algorithm", "tree"], "needs --algorithm ring, not tree"),
     (["--zero-stage", "1", "--pitfall", "mean-of-means"], "changes a seam of the replicated"),
 ])  # fmt: skip
@@ -150,14 +158,16 @@ def test_what_the_sharded_step_cannot_do_is_one_line(options, line, capsys):
 
 
 @requires_mpi
-def test_stage_1_under_mpiexec_is_bitwise_the_thread_ranks(tmp_path):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_every_stage_under_mpiexec_is_bitwise_the_thread_ranks(tmp_path, stage):
     options = ["--samples", "40", "--features", "5", "--hidden", "6,4", "--classes", "3",
                "--steps", "3", "--seed", "4", "--optimizer", "adamw", "--lr", "0.01",
-               "--batch-size", "7"]  # fmt: skip
+               "--batch-size", "7", "--bucket-bytes", "0"]  # fmt: skip
     threads = train(ranks=3, backend="threads", samples=40, features=5, hidden=(6, 4),
-                    classes=3, steps=3, seed=4, optimizer="adamw", lr=0.01, batch_size=7)
+                    classes=3, steps=3, seed=4, optimizer="adamw", lr=0.01, batch_size=7,
+                    bucket_bytes=0)  # fmt: skip
     ours = tmp_path / "ours.npz"
-    done = run_mpiexec(3, ["-m", "syncsgd.cli", "train", *options, "--zero-stage", "1",
+    done = run_mpiexec(3, ["-m", "syncsgd.cli", "train", *options, "--zero-stage", str(stage),
                            "--save", str(ours)])  # fmt: skip
     assert done.returncode == 0, done.stderr
     expected = threads.arrays()
@@ -168,12 +178,12 @@ def test_stage_1_under_mpiexec_is_bitwise_the_thread_ranks(tmp_path):
 @pytest.mark.parametrize("exact", [False, True])
 def test_a_sharded_checkpoint_resumes_at_another_p_and_stage_as_the_run_that_never_stopped(
         exact, tmp_path):  # fmt: skip
-    options = dict(MLP, batch_size=10, optimizer="adamw", lr=0.01, exact=exact)
+    options = dict(MLP, batch_size=10, optimizer="adamw", lr=0.01, exact=exact, bucket_bytes=0)
     whole = digest(train(ranks=3, backend="threads", **{**options, "steps": 4}))
-    train(ranks=3, backend="threads", zero_stage=1, checkpoint=str(tmp_path),
+    train(ranks=3, backend="threads", zero_stage=3, checkpoint=str(tmp_path),
           **{**options, "steps": 2})  # the whole state, gathered: what stage 0 writes
-    # float mode sums by P: the same P at the other stage; exact mode: any P, any stage
-    resumed = [(3, 0), (3, 1)] + ([(2, 1), (5, 0), (1, 1)] if exact else [])
+    # float mode sums by P: the same P at another stage; exact mode: any P, any stage
+    resumed = [(3, 0), (3, 1), (3, 2)] + ([(2, 1), (5, 3), (1, 2)] if exact else [])
     for ranks, stage in resumed:
         again = train(ranks=ranks, backend="threads", zero_stage=stage, resume=str(tmp_path),
                       **{**options, "steps": 4})  # fmt: skip
@@ -214,7 +224,65 @@ def test_each_sharded_pitfall_breaks_what_it_should(pitfall, options):
 
 def test_a_sharded_pitfall_needs_the_sharded_step(capsys):
     assert main(["train", "--steps", "1", "--pitfall", "shard-local-overflow"]) == 1
-    assert "needs --zero-stage 1" in capsys.readouterr().err
+    assert "needs --zero-stage 1, 2 or 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_bytes_sent_per_step_are_the_halves_and_stage_3s_gathers(stage):
+    # stage 2 sends what stage 1 sends; stage 3 no allgather after the update, but each pass's
+    # gathers of the buckets its layers read: forward and again backward, but for the buckets
+    # still held when the backward pass begins (the top layer's)
+    from syncsgd.collectives.executor import sent_bytes
+    from syncsgd.training.sharded import ALLGATHER
+    from syncsgd.training.windows import layer_buckets
+
+    options = dict(MLP, batch_size=12, bucket_bytes=0, steps=2)
+    first = train(ranks=3, backend="threads", zero_stage=1, **options)
+    sharded = train(ranks=3, backend="threads", zero_stage=stage, **options)
+    if stage == 2:
+        assert sharded.bytes_sent_per_step == first.bytes_sent_per_step
+        return
+    model = first.model
+    buckets = [(b.start, b.stop) for b in _buckets(model)]  # one per dense layer
+    assert len(buckets) == 3 and buckets[-1][1] == model.n_params + 6  # riders with the last
+    per_layer = [layer for layer in layer_buckets(model, _buckets(model)) if layer]
+    gathers = [*range(len(buckets)), *range(len(buckets) - 2, -1, -1)]  # the top one is held
+    assert [index for layer in per_layer for index in layer] == list(range(len(buckets)))
+
+    def sent(collective, length):
+        return sent_bytes(collective, length, 8, 3, 0)
+
+    halves = sum(sent(ALLGATHER, stop - start) for start, stop in buckets)
+    gathered = sum(sent(ALLGATHER, buckets[i][1] - buckets[i][0]) for i in gathers)
+    assert sharded.bytes_sent_per_step == first.bytes_sent_per_step - halves + gathered
+
+
+def _buckets(model):
+    """The per-layer buckets of `model`'s communication buffer (6 riders' slots)."""
+    from syncsgd.training.step import bucket_slices
+
+    return bucket_slices(model, np.zeros(model.n_params + 6), 0)
+
+
+def test_the_memory_of_each_stage_is_zeros_table():
+    # Adam in float32 on 4 ranks, a bucket per layer: parameters, gradient and the optimizer's
+    # two moments at 4 bytes an element are Ψ(4 + 4 + 8/4) at stage 1, Ψ(4 + 4/4 + 8/4) at
+    # stage 2 and 16Ψ/4 at stage 3, plus the buffers of the buckets under way (the largest
+    # layer's, at most) and a few bytes (Adam's step count, the riders)
+    options = dict(model=" ".join(["dense(32) relu"] * 11 + ["dense"]), samples=64,
+                   features=32, classes=4, batch_size=16, steps=1, optimizer="adam", lr=0.01,
+                   dtype="float32", bucket_bytes=0)  # fmt: skip
+    held = {stage: train(ranks=4, backend="threads", zero_stage=stage, **options)
+            for stage in (1, 2, 3)}  # fmt: skip
+    n = held[1].model.n_params
+    largest = 32 * 32 + 32  # a hidden layer's tensors: its bucket
+    expected = {1: n * (4 + 4 + 8 / 4), 2: n * (4 + 4 / 4 + 8 / 4) + 4 * largest,
+                3: 16 * n / 4 + 2 * 4 * largest}  # fmt: skip
+    for stage, result in held.items():
+        total = sum(result.memory_bytes.values())
+        assert abs(total - expected[stage]) <= 0.1 * expected[stage], (stage, total, expected)
+    assert held[3].memory_bytes["parameters"] < 0.4 * 4 * n  # its blocks and one layer's
+    assert held[2].memory_bytes["gradients"] < 0.4 * 4 * n
 
 
 def test_the_noise_scale_takes_the_norm_over_every_shard():

@@ -9,7 +9,8 @@ its sums after the whole pass, from the values it left there). One instance per 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -20,6 +21,19 @@ from syncsgd.nn.network import Network
 from syncsgd.nn.numerics import Float, LocalGroup, Numerics
 
 EVALUATE_CHUNK = 1024  # samples per forward pass in `evaluate`
+
+
+class Placed(NamedTuple):
+    """A network's arrays in buffers of their own rather than one flat buffer: per layer, its
+    arrays' views, and what makes a layer's ready before the passes read it (a sharded step's
+    buckets under way: parameters gathered, gradient sums written)."""
+
+    views: list[dict[str, np.ndarray]]
+    ready_: Callable[[int], None]
+
+
+def no_wait(position: int) -> None:
+    """Every layer's arrays are always there."""
 
 
 class Backprop:
@@ -37,7 +51,7 @@ class Backprop:
         # (buffer, running, views) by the buffers' ids: the step hands the same buffers each time
         self._views: dict[tuple, tuple[Any, Any, list[dict[str, np.ndarray]]]] = {}
         self._plans: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-        self._weights: np.ndarray | None = None
+        self._weights: np.ndarray | Placed | None = None
         self._running: np.ndarray | None = None
         self._plan: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.m = 0  # samples of the pass under way
@@ -57,21 +71,23 @@ class Backprop:
             grads.append(np.zeros_like(outputs[-1]))
         return outputs, grads
 
-    def forward_loss_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+    def forward_loss_(self, params: np.ndarray | Placed, X: np.ndarray, y: np.ndarray,
                       running: np.ndarray | None = None) -> tuple[float, int]:  # fmt: skip
         """The forward pass and the per-sample losses; (loss sum, hits); the logits' delta.
 
         `running`: the running statistics, which batchnorm layers update (training) or use."""
         X, y = self.checked(params, X, y)
         self.m = m = X.shape[0]
-        weights = self.nx.weights(params)
+        weights = params if isinstance(params, Placed) else self.nx.weights(params)
         self._weights, self._running = weights, running
         views = self.views(weights, running)
+        ready_ = weights.ready_ if isinstance(weights, Placed) else no_wait
         self._plan = plan = self._plan_for(m, self.inputs_(X))
         absorbed = self.network.absorbed
         for layer, (x, out, _) in zip(self.network.layers, plan, strict=True):
             if layer.position in absorbed:  # the layer before it applied it
                 continue
+            ready_(layer.position)
             if first_load.armed is None:
                 layer.forward_(self.nx, views[layer.position], x, out)
                 continue
@@ -91,18 +107,23 @@ class Backprop:
         tokens[...] = X
         return tokens
 
-    def backward_(self, grads: np.ndarray, top: int, bottom: int) -> None:
+    def backward_(self, grads: np.ndarray | Placed, top: int, bottom: int) -> None:
         """Layers top down to bottom: each takes the gradient at its output from the layer above,
         then adds its sums into `grads`; a call ends with the bottom layer's sums."""
         assert self._weights is not None, "backward_ follows forward_loss_"
         views, grad_views = self.views(self._weights, self._running), self.views(grads)
+        ready_ = self._weights.ready_ if isinstance(self._weights, Placed) else no_wait
+        sums_ready_ = grads.ready_ if isinstance(grads, Placed) else no_wait
         layers, plan, nx = self.network.layers, self._plan, self.nx
         absorbed = self.network.absorbed
         for position in range(top, bottom - 1, -1):
             above = position + 1
             # the loss gave the last layer's; an absorbed layer's is its absorber's to take
             if above < len(layers) and above not in absorbed:
+                ready_(above)
                 layers[above].backward_input_(nx, views[above], *plan[above], plan[position][2])
+            ready_(position)
+            sums_ready_(position)
             layers[position].backward_sums_(nx, views[position], grad_views[position],
                                             *plan[position])  # fmt: skip
 
@@ -123,7 +144,7 @@ class Backprop:
             plan[0] = (inputs, *plan[0][1:])
         return plan
 
-    def views(self, flat: np.ndarray,
+    def views(self, flat: np.ndarray | Placed,
               running: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:  # fmt: skip
         """Per layer, the views of its arrays in `flat` (and `running`), made once per buffer."""
         key = (id(flat), id(running))
@@ -131,15 +152,29 @@ class Backprop:
         if made is None or made[0] is not flat or made[1] is not running:  # a new buffer
             if len(self._views) > 8:  # a caller handing fresh buffers: keep none of the old
                 self._views.clear()
-            made = self._views[key] = (flat, running, self.network.layer_views(flat, running))
+            made = self._views[key] = (flat, running, self._layer_views(flat, running))
         return made[2]
 
+    def _layer_views(self, flat: np.ndarray | Placed,
+                     running: np.ndarray | None) -> list[dict[str, np.ndarray]]:  # fmt: skip
+        """Per layer, its arrays' views: in the flat buffer, or where they are placed."""
+        if not isinstance(flat, Placed):
+            return self.network.layer_views(flat, running)
+        per_layer = [dict(views) for views in flat.views]
+        if running is not None:  # the running statistics stay in their own flat buffer
+            for views, statistics in zip(per_layer, self.network.running_layer_views(running),
+                                         strict=True):  # fmt: skip
+                views.update(statistics)
+        return per_layer
 
-    def checked(self, params: np.ndarray, X: np.ndarray,
+
+    def checked(self, params: np.ndarray | Placed, X: np.ndarray,
                 y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """X and y as the passes need them, or a ValueError."""
         network = self.network
-        if not isinstance(params, np.ndarray) or params.shape != (network.n_params,) or (
+        if isinstance(params, Placed):  # a sharded step's buckets: its own to get right
+            pass
+        elif not isinstance(params, np.ndarray) or params.shape != (network.n_params,) or (
                 params.dtype != network.dtype):  # fmt: skip
             raise ValueError(f"params must be a {network.dtype} array of shape "
                              f"({network.n_params},), got {describe(params)}")  # fmt: skip

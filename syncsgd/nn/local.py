@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from syncsgd.nn.arrays import describe
-from syncsgd.nn.backprop import Backprop
+from syncsgd.nn.backprop import Backprop, Placed
 from syncsgd.nn.kernels import check_count
 from syncsgd.nn.network import Network
 from syncsgd.nn.numerics import Group, Numerics, numerics
@@ -30,6 +30,10 @@ from syncsgd.nn.numerics import Group, Numerics, numerics
 # What a micro-batch's loss is multiplied by, from (its size, the shard's, K): 1, so that its
 # gradient SUM is added; a pitfall changes it (training/variants.py).
 MicroBatchWeight = Callable[[int, int, int], float]
+
+
+# What float mode's lifecycle is handed for sums placed apart: it never touches the flat buffer.
+NO_FLAT = np.zeros(0)
 
 
 def unweighted(size: int, shard: int, count: int) -> float:
@@ -54,15 +58,21 @@ class LocalGradient:
         """Loss terms per sample: 1, or the positions of a sequence."""
         return self.passes.positions
 
-    def forward_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray, grads: np.ndarray,
-                 loss: np.ndarray, scale: float = 1.0, running: np.ndarray | None = None,
+    def forward_(self, params: np.ndarray | Placed, X: np.ndarray, y: np.ndarray,
+                 grads: np.ndarray | Placed, loss: np.ndarray, scale: float = 1.0,
+                 running: np.ndarray | None = None,
                  global_batch: int | None = None) -> int:  # fmt: skip
         """Every micro-batch's forward pass; loss[0] = the shard's loss sum; the argmax hits.
 
         `scale`: the loss scale (the sums are of scale times the loss's gradients); `running`:
-        BatchNorm's running statistics; `global_batch`: B, of which X is a shard (default X's)."""
+        BatchNorm's running statistics; `global_batch`: B, of which X is a shard (default X's).
+        Sums placed in buffers of the buckets under way are written once, layer by layer, in
+        `backward_`: float mode, one micro-batch (the others write every layer's sums here)."""
         nx, count = self.nx, self.micro_batches
-        nx.begin_step_(grads, global_batch or max(len(X), 1))
+        if isinstance(grads, Placed) and (nx.exact or count > 1):
+            raise ValueError("placed gradient sums need float mode and one micro-batch")
+        nx.begin_step_(grads if isinstance(grads, np.ndarray) else NO_FLAT,
+                       global_batch or max(len(X), 1))  # fmt: skip
         bounds = micro_batch_bounds(len(X), count)
         hits = 0
         for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
@@ -74,10 +84,10 @@ class LocalGradient:
             hits += correct
             nx.end_forward_(functools.partial(self.passes.backward_, grads, self.top, 0),
                             index == count - 1)  # fmt: skip
-        nx.agree_(grads, loss)
+        nx.agree_(grads if isinstance(grads, np.ndarray) else NO_FLAT, loss)
         return hits
 
-    def backward_(self, grads: np.ndarray, top: int, bottom: int) -> None:
+    def backward_(self, grads: np.ndarray | Placed, top: int, bottom: int) -> None:
         """The gradient sums of layers top down to bottom, into grads."""
         self.nx.layers_(functools.partial(self.passes.backward_, grads), top, bottom)
 

@@ -17,7 +17,7 @@ import ast
 import functools
 import importlib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -308,6 +308,24 @@ class Network:
         for name, view in views.items():
             position, _, short = name.partition(".")
             per_layer[int(position)][short] = view
+        return per_layer
+
+    def running_layer_views(self, running: np.ndarray) -> list[dict[str, np.ndarray]]:
+        """Per layer, its running statistics' views by their PyTorch names."""
+        per_layer: list[dict[str, np.ndarray]] = [{} for _ in self.layers]
+        for name, view in _views(self._checked_running(running), self._own_running).items():
+            position, _, short = name.partition(".")
+            per_layer[int(position)][short] = view
+        return per_layer
+
+    def placed_layer_views(self, place: Callable[[int, int], np.ndarray]
+                           ) -> list[dict[str, np.ndarray]]:  # fmt: skip
+        """Per layer, its parameter arrays' views where `place(offset, size)` puts each tensor
+        of the flat layout (a sharded step's buffers of the buckets under way)."""
+        per_layer: list[dict[str, np.ndarray]] = [{} for _ in self.layers]
+        for name, shape, offset in self._own_layout:
+            position, _, short = name.partition(".")
+            per_layer[int(position)][short] = place(offset, shape_size(shape)).reshape(shape)
         return per_layer
 
     def init_params(self, seed: int) -> np.ndarray:

@@ -206,6 +206,8 @@ def magics(peaks: np.ndarray, count: int) -> np.ndarray:
 class Numerics(Primitives, Protocol):
     """The primitives of a mode, and the lifecycle of a step the local gradient drives."""
 
+    exact: bool  # whether every sum is extracted after the passes (exact mode)
+
     def weights(self, params: np.ndarray) -> np.ndarray: ...
 
     def inputs_(self, X: np.ndarray, workspace: np.ndarray) -> np.ndarray: ...
@@ -388,10 +390,13 @@ class Narrow(Float):
                  group: Group | None = None) -> None:  # fmt: skip
         super().__init__(np.dtype(np.float32), max_weights, group)
         self.fmt = fmt
-        self._weights = np.zeros(n_params, np.float32)
+        self._weights = np.zeros(0, self.dtype)  # made at the first call: a sharded step's
+        # passes read the parameters of the buckets under way, rounded where they are gathered
 
     def weights(self, params: np.ndarray) -> np.ndarray:
         """The parameters rounded to the format (autocast's cast of the weights)."""
+        if self._weights.size != params.size:
+            self._weights = np.zeros(params.size, self.dtype)
         pr.narrow_copy_(params, self._weights, self.fmt)
         return self._weights
 
@@ -685,7 +690,7 @@ class ExactNarrow(Exact):
                  ranks: Group | None = None) -> None:  # fmt: skip
         super().__init__(dtype, max_weights, max_block, group, ranks)
         self.fmt = fmt
-        self._weights = np.zeros(n_params, self.dtype)
+        self._weights = np.zeros(0, self.dtype)
 
     weights = Narrow.weights
     inputs_ = Narrow.inputs_

@@ -109,7 +109,7 @@ def _fraction(flag: str, value: float) -> str | None:
     return None if 0 <= value < 1 else f"{flag} must be in [0, 1), got {value}"
 
 
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _zero_stage(flag: str, value: int) -> str | None:
@@ -259,7 +259,9 @@ class TrainConfig:
     zero_stage: int = option(
         0, "ZeRO stage: 0 the replicated step; 1 each rank keeps the optimizer state of its "
         "shard of the parameters and updates it: the gradient sums reduce-scattered, the "
-        "parameters allgathered (docs/sharded.md)", group=RANKS, type=nonnegative_int,
+        "parameters allgathered; 2 also only its shard of the gradient; 3 also only its shard "
+        "of the parameters, each bucket gathered when a pass needs it (docs/sharded.md)",
+        group=RANKS, type=nonnegative_int,
         check=_zero_stage, metavar="K", fingerprint=False,
     )  # fmt: skip
     timeout: float = option(
@@ -436,7 +438,7 @@ def _check_sharding(config: TrainConfig) -> None:
     reduce-scatter and a pitfall's seams."""
     sharded_pitfall = config.pitfall is not None and VARIANTS[config.pitfall].sharded
     _require(bool(config.zero_stage) or not sharded_pitfall,
-             f"--pitfall {config.pitfall} is the sharded step's: it needs --zero-stage 1")
+             f"--pitfall {config.pitfall} is the sharded step's: it needs --zero-stage 1, 2 or 3")
     float_only = config.pitfall is not None and VARIANTS[config.pitfall].float_only
     _require(not (config.exact and float_only),
              f"--pitfall {config.pitfall} shows in float mode only: {float_only}")

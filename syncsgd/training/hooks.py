@@ -168,11 +168,12 @@ class Digests(Hook):
         self.result, self.spans = result, spans
 
     def attach(self, stepper: DataParallelStep) -> None:
-        self.params = stepper.params
+        self.stepper = stepper
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
+        params = self.stepper.whole_params()  # (ZeRO-3: gathered, on every rank)
         self.result.digests.append(b"".join(
-            hashlib.blake2b(self.params[span].tobytes(), digest_size=DIGEST_BYTES).digest()
+            hashlib.blake2b(params[span].tobytes(), digest_size=DIGEST_BYTES).digest()
             for span in self.spans))  # fmt: skip
         return False
 
@@ -279,8 +280,7 @@ class Checkpointing(Hook):
     def attach(self, stepper: DataParallelStep) -> None:
         from syncsgd.training.batchnorm import running_of
 
-        self.params, self.optimizer = stepper.params, stepper.optimizer
-        self.running = running_of(stepper)
+        self.stepper, self.running = stepper, running_of(stepper)
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
         config, steps_done = self.run.config, record.step + 1
@@ -289,8 +289,8 @@ class Checkpointing(Hook):
         if due or stopping:
             assert config.checkpoint is not None  # the hook is made for --checkpoint only
             scaler = self.scaler.state() if self.scaler is not None else {}
-            state = Checkpoint(steps_done, self.params, self.optimizer.state_arrays(), scaler,
-                               self.running)  # fmt: skip
+            state = Checkpoint(steps_done, self.stepper.whole_params(),
+                               self.stepper.optimizer_state(), scaler, self.running)  # fmt: skip
             if self.writes:  # (a sharded optimizer's state_arrays: every rank gathers)
                 checkpoint.save(config.checkpoint, state, self.run.fingerprint)
         return False
@@ -308,7 +308,7 @@ class Evaluation(Hook):
     def attach(self, stepper: DataParallelStep) -> None:
         from syncsgd.training.batchnorm import running_of
 
-        self.params, self.running = stepper.params, running_of(stepper)
+        self.stepper, self.running = stepper, running_of(stepper)
 
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
         steps_done = record.step + 1
@@ -316,20 +316,21 @@ class Evaluation(Hook):
         if stopping or not due:
             return False
         met = np.zeros(1)
+        params = self.stepper.whole_params()  # (ZeRO-3: gathered, on every rank)
         if self.comm.Get_rank() == 0:
-            met[0] = self.evaluate(steps_done)
+            met[0] = self.evaluate(steps_done, params)
         if not self.has_target:
             return False
         self.comm.Bcast(met, root=0)  # rank 0 decides for everyone
         return bool(met[0])
 
-    def evaluate(self, steps_done: int) -> bool:
+    def evaluate(self, steps_done: int, params: np.ndarray) -> bool:
         """Evaluate on the held-out samples; True if a target is met."""
         from syncsgd.training.batchnorm import evaluate  # BatchNorm: its running statistics
 
         config, run, result = self.run.config, self.run, self.result
         assert run.X_eval is not None and run.y_eval is not None  # made with --holdout only
-        loss, accuracy = evaluate(run.model, self.params, self.running, config.bn_eps, run.X_eval,
+        loss, accuracy = evaluate(run.model, params, self.running, config.bn_eps, run.X_eval,
                                   run.y_eval)  # fmt: skip
         result.evals.append((steps_done, loss,
                              accuracy if loss_entry(config.loss).labels else math.nan))

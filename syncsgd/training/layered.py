@@ -19,6 +19,7 @@ import numpy as np
 from syncsgd.collectives import allreduce as collective_allreduce
 from syncsgd.comm.watchdog import watching
 from syncsgd.comm.world import constants
+from syncsgd.nn.backprop import Placed
 from syncsgd.nn.network import Network
 from syncsgd.nn.numerics import LocalGroup
 
@@ -48,6 +49,8 @@ class RankGradient:
         self.loss_slot = buffer.register("loss sum").start
         self.scale = 1.0  # the loss scale: the sums are of `scale` times the loss's gradients
         self._buffer: np.ndarray | None = None  # the buffer the views below are of
+        # ZeRO-2: the sums placed in the buffers of the buckets under way, and the loss slot
+        self.placed: tuple[Placed, np.ndarray] | None = None
         self._gradient, self._loss = np.zeros(0), np.zeros(0)
 
     @property
@@ -64,26 +67,30 @@ class RankGradient:
         """Whether the backward pass allreduces sums of its own (BatchNorm's, over the ranks)."""
         return self.running is not None and self.local.nx.sums_in_layers
 
-    def __call__(self, params: np.ndarray, X: np.ndarray, y: np.ndarray,
+    def __call__(self, params: np.ndarray | Placed, X: np.ndarray, y: np.ndarray,
                  sums: np.ndarray) -> None:  # fmt: skip
         """Fill `sums` with this shard's gradient sum and loss sum."""
         self.begin_(params, X, y, sums)
         self.layers_(params, X, sums, self.n_layers - 1, 0)
 
-    def begin_(self, params: np.ndarray, X: np.ndarray, y: np.ndarray, sums: np.ndarray) -> None:
+    def begin_(self, params: np.ndarray | Placed, X: np.ndarray, y: np.ndarray,
+               sums: np.ndarray) -> None:  # fmt: skip
         """The forward passes and the loss sum (exact mode: the backward pass and the peaks)."""
         self.calls += 1
         grads, loss = self.views_of(sums)
         self.local.forward_(params, X, y, grads, loss, self.scale, self.running,
                             self.global_batch)  # fmt: skip
 
-    def layers_(self, params: np.ndarray, X: np.ndarray, sums: np.ndarray, top: int,
+    def layers_(self, params: np.ndarray | Placed, X: np.ndarray, sums: np.ndarray, top: int,
                 bottom: int) -> None:  # fmt: skip
         """The gradient sums of layers top down to bottom."""
         self.local.backward_(self.views_of(sums)[0], top, bottom)
 
-    def views_of(self, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The gradient part and the loss slot of the buffer the allreduce sums (made once)."""
+    def views_of(self, sums: np.ndarray) -> tuple[np.ndarray | Placed, np.ndarray]:
+        """The gradient part and the loss slot of the buffer the allreduce sums (made once), or
+        where they are placed."""
+        if self.placed is not None:
+            return self.placed
         if self._buffer is not sums:
             self._buffer, self._gradient = sums, sums[: self.n_params]
             self._loss = sums[self.loss_slot : self.loss_slot + 1]

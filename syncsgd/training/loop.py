@@ -99,10 +99,13 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
         config = run.config
         chosen = variant(config.pitfall, config.clip_norm, config.optimizer)  # or the correct run
         stepper = DataParallelStep(comm, run, params, optimizer, chosen, riders, trace=trace)
+        result.params = stepper.params  # ZeRO-3: none, each rank keeps its blocks
+        del params
         result.running = start_running(comm, run, stepper)  # BatchNorm's; None without
         started = time.perf_counter()
         result.steps = take_steps(stepper, hooks, range(first_step, run.steps))
         result.seconds = time.perf_counter() - started
+        result.params = stepper.whole_params()
         record_comm(result, stepper)  # BatchNorm's allreduces, if any
         result.bytes_sent_per_step = stepper.bytes_per_step
         result.memory_bytes = stepper.memory_bytes()

@@ -229,11 +229,15 @@ class Overlap:
         if sums_between_layers and not waits_in_two_threads(comm):
             local = stepper.local_gradient  # thread ranks: BatchNorm's sums join the queue
             self.unrelayed, local.allreduce_ = local.allreduce_, self.relayed(local.allreduce_)
+        sharded = stepper.sharded
+        if sharded is not None and sharded.placed_params is not None:
+            # ZeRO-3: the passes' gathers join the queue, after the buckets handed before them
+            sharded.passes_allgather_ = self.relayed(sharded.allgather_)
 
     def exchange_(self, X: np.ndarray, y: np.ndarray, shard_size: int, batch_size: int) -> float:
         """Fill the buffer and allreduce it, bucket by bucket; when the local work ended."""
         stepper, phases = self.stepper, self.phases
-        params, sums = stepper.params, stepper.comm_buffer
+        params, sums = stepper.pass_params, stepper.comm_buffer
         self.shard = (shard_size, batch_size)
         phases.begin_(params, X, y, sums)
         self.backward_started = time.perf_counter()  # the forward pass (exact: and the bounds)

@@ -1,11 +1,14 @@
-"""ZeRO stage 1: each rank keeps the optimizer state of its shard of the parameters and updates it.
+"""ZeRO stages 1-3: each rank keeps the optimizer state (1), the gradient (2) and the parameters
+(3) of its shard of the parameters, and updates its shard.
 
     reduce-scatter   every bucket of gradient sums: the ring allreduce's first half, so the block
-                     each rank ends with holds the allreduce's bits
+                     each rank ends with holds the allreduce's bits (stage 2: each bucket as soon
+                     as the backward pass has written it, into a buffer reused bucket after bucket)
     agree            the riders (loss sum, flags), a finite flag and the shard's squares in one
                      small allreduce: every rank skips, stops and logs alike
     divide, update   the owned blocks' mean gradient, the optimizer's step on them alone
     allgather        every bucket's updated parameters: the ring allreduce's second half
+                     (stage 3: none here; a pass gathers the buckets of a layer as it reads them)
 A rank owns, in every bucket, the block the ring's reduce-scatter completes on it (block (r + 1)
 mod P of numpy.array_split's P blocks of the bucket): the same elements, summed in the same
 order, as the replicated step. docs/sharded.md shows the partition and what it sends.
@@ -15,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -27,6 +31,14 @@ from syncsgd.nn.exact import SQUARE_LIMBS, add_square_limbs_, exact_square_sum, 
 from syncsgd.nn.optim import learning_rate, make_optimizer
 from syncsgd.nn.optim.schedule import clip_
 from syncsgd.nn.optim.tensors import FlatOptimizer, tensor_slices
+from syncsgd.nn.precision import narrow_copy_
+from syncsgd.training.windows import PlacedParams, PlacedSums
+
+Gather = Callable[[np.ndarray, Any], Any]  # an allgather of a buffer over a communicator
+
+# What the passes are handed for a buffer of the whole gradient when the sums are placed in the
+# buckets' buffers: they never touch it.
+NO_SUMS = np.zeros(0)
 
 REDUCE_SCATTER = Collective("reduce-scatter", "ring-allreduce")
 ALLGATHER = Collective("allgather", "ring-allreduce")
@@ -34,29 +46,50 @@ ALLGATHER = Collective("allgather", "ring-allreduce")
 
 def owned_slices(buckets: list[slice], n_params: int, rank: int, size: int) -> list[slice]:
     """The parameters this rank owns: per bucket, its block of the bucket, without the riders."""
-    owned = []
-    for bucket in buckets:
+    return [slice(start, stop) for _, start, stop, _ in owned_parts(buckets, n_params, rank, size)]
+
+
+def owned_parts(buckets: list[slice], n_params: int, rank: int,
+                size: int) -> list[tuple[int, int, int, int]]:  # fmt: skip
+    """(bucket, start, stop, offset in the shard) of every block of parameters this rank owns."""
+    owned, offset = [], 0
+    for index, bucket in enumerate(buckets):
         bounds = chunk_bounds(bucket.stop - bucket.start, size)
         block = owned_block(rank, size)
         start = min(bucket.start + bounds[block], n_params)
         stop = min(bucket.start + bounds[block + 1], n_params)
         if stop > start:
-            owned.append(slice(start, stop))
+            owned.append((index, start, stop, offset))
+            offset += stop - start
     return owned
+
+
+def places_sums(config: Any, variant: Any, riders: list[Any]) -> bool:
+    """Whether a sharded step writes the gradient sums into the buffers of the buckets under way
+    (stages 2 and 3), not into one buffer of the whole gradient. It cannot where a later pass
+    adds into every bucket (exact mode's extraction after every pass; the micro-batches of
+    --accumulate), a bucket waits on a communication thread (--overlap), or something reads the
+    whole local gradient (the loss scaler's overflow check, the noise scale, a pitfall)."""
+    from syncsgd.training.overlap import changes_contribution
+
+    return (config.zero_stage >= 2 and not config.exact and config.accumulate == 1
+            and not config.overlap and not changes_contribution(variant)
+            and not any(rider.needs_gradient for rider in riders))  # fmt: skip
 
 
 class ShardedUpdate:
     """The sharded end of a step: built once per run, used in place of the replicated one."""
 
-    def __init__(self, stepper: Any, buckets: list[slice], run: Any, trace: Any = None) -> None:
+    def __init__(self, stepper: Any, buckets: list[slice], run: Any, trace: Any = None,
+                 placed: PlacedSums | None = None) -> None:  # fmt: skip
         config, comm = run.config, stepper.comm
-        self.stepper, self.comm = stepper, comm
+        self.stepper, self.comm, self.stage = stepper, comm, config.zero_stage
         self.n_params = n_params = run.model.n_params
-        self.owned = owned_slices(buckets, n_params, comm.Get_rank(), comm.Get_size())
+        self.bucket_slices, self.placed_sums = buckets, placed
+        self.owned_at = owned_parts(buckets, n_params, comm.Get_rank(), comm.Get_size())
+        self.owned = [slice(start, stop) for _, start, stop, _ in self.owned_at]
         edges = [0, *(edge for part in self.owned for edge in (part.start, part.stop)), n_params]
         self.others = [slice(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if b > a]
-        self.buckets = stepper.buckets  # views of the communication buffer
-        self.rider_bucket = self.buckets[-1]  # the riders ride in the last bucket
         self.width = width = sum(part.stop - part.start for part in self.owned)
         dtype = run.model.dtype
         # It clips by the norm over every shard, which this step reduces: not by its own.
@@ -64,38 +97,91 @@ class ShardedUpdate:
         # Its tensors are the pieces of the model's tensors in the blocks it owns, their norms
         # (LAMB's, LARS's trust ratios) summed over the ranks.
         self.pieces = pieces(self.owned, tensor_slices(run.model.layout(), n_params))
-        layout = [(f"piece {index}", (stop - start,), offset) for index, (_, start, stop, offset)
-                  in enumerate(self.pieces)]  # fmt: skip
-        inner = make_optimizer(config.optimizer, replace(run.optim, clip_norm=None), width, dtype,
-                               config, layout)  # fmt: skip
-        if isinstance(inner, FlatOptimizer):  # the Adam family: LAMB's, LARS's norms
-            inner.shared_norms = self.tensor_norms
         self.n_tensors = len(run.model.layout())
-        self.optimizer = ShardOptimizer(inner, self)
-        # One contiguous array each for the optimizer: views when the rank owns one block
-        many = len(self.owned) > 1
-        self.params_shard = np.empty(width if many else 0, dtype)
-        self.grad_shard = np.empty(width if many else 0, dtype)
-        buffer = stepper.comm_buffer
-        self.riders = buffer[n_params:]  # the loss sum and the hooks' slots
+        # An update element by element steps each block where it lies, one optimizer per block;
+        # LAMB's and LARS's norms of tensors take one over the blocks copied into one array.
+        self.per_block = config.optimizer not in ("lamb", "lars")
+        self.optimizer = self.make_optimizer(run, dtype)
+        self.sums_, self.means_ = self.gradient_blocks(stepper, width)
+        from syncsgd.training.overlap import ready_layers
+
+        self.bottoms = ready_layers(run.model, buckets)  # a bucket is written after these layers
+        # The parameters' blocks as one contiguous array (stage 3: the parameters themselves, the
+        # only copy this rank keeps; else only for LAMB, LARS over several blocks), and the
+        # gradient's (those two, the sums not placed).
+        copies = not self.per_block and len(self.owned) > 1
+        self.params_shard = np.empty(width if self.stage == 3 or copies else 0, dtype)
+        self.grad_shard = np.empty(width if copies and placed is None else 0, dtype)
+        self.placed_params = None
+        if self.stage == 3:
+            self.params_shard[...] = self.taken(stepper.params)
+            # The passes read the parameters in their dtype: float32 for bf16/fp16 (autocast's)
+            passes = stepper.local_gradient.local.nx.dtype
+            self.placed_params = PlacedParams(run.model, buckets, passes, self.gather_bucket_)
+            longest = max(bucket.stop - bucket.start for bucket in buckets)
+            self.carrier = np.empty(longest if passes != dtype else 0, dtype)
         # Agreed in one small allreduce: the riders, kept before the reduce-scatter sums them in
         # part; then the ranks whose blocks are not finite; then the blocks' sum of squares.
-        self.agreed = np.zeros(self.riders.size + 2, buffer.dtype)
+        self.agreed = np.zeros(self.riders.size + 2, self.riders.dtype)
         self.reduce_scatter_ = functools.partial(execute, REDUCE_SCATTER, trace=trace)
         self.allgather_ = functools.partial(execute, ALLGATHER, trace=trace)
         self.allreduce_ = functools.partial(execute, "ring", trace=trace)
+        # The passes' gathers (stage 3); --overlap relays them to its communication thread.
+        self.passes_allgather_ = self.allgather_
         self.limbs = np.zeros(SQUARE_LIMBS, np.int64)  # exact mode's squares, summed exactly
         self.grad_norm = math.nan
+        self.steps, self.gathered_bytes = 0, 0  # stage 3: what the passes' gathers sent
         if run.start is not None:  # resumed: this rank's blocks of the whole run's state
             self.optimizer.load_state_arrays(run.start.optimizer)
 
+    def make_optimizer(self, run: Any, dtype: np.dtype) -> ShardOptimizer:
+        """The optimizers of this rank's blocks: one per block, or one over them all."""
+        config = run.config
+        spans = ([(offset, offset + stop - start) for _, start, stop, offset in self.owned_at]
+                 if self.per_block and self.owned_at else [(0, self.width)])  # fmt: skip
+        inners = []
+        for low, high in spans:
+            layout = [(f"piece {index}", (stop - start,), offset - low) for index,
+                      (_, start, stop, offset) in enumerate(self.pieces) if low <= offset < high]
+            inner = make_optimizer(config.optimizer, replace(run.optim, clip_norm=None),
+                                   high - low, dtype, config, layout)  # fmt: skip
+            if isinstance(inner, FlatOptimizer):  # the Adam family: LAMB's, LARS's norms
+                inner.shared_norms = self.tensor_norms
+            inners.append(inner)
+        return ShardOptimizer(inners, spans, self)
+
+    def gradient_blocks(self, stepper: Any, width: int) -> tuple[list[np.ndarray],
+                                                                 list[np.ndarray]]:  # fmt: skip
+        """The owned blocks of the gradient sums and of the mean, and where the buckets and the
+        riders are: in the buffer of the whole gradient, or (placed) in the buckets' buffers."""
+        placed = self.placed_sums
+        if placed is None:
+            self.buckets = stepper.buckets  # views of the communication buffer
+            self.riders = stepper.comm_buffer[self.n_params :]  # the loss sum, the hooks' slots
+            return ([stepper.grad_sum[part] for part in self.owned],
+                    [stepper.grad_mean[part] for part in self.owned])  # fmt: skip
+        self.buckets = [placed.buffers.of(index) for index in range(len(self.bucket_slices))]
+        self.riders = placed.riders
+        # Float mode: the sums are in the model's dtype, and divided in place.
+        self.grad_sums = np.empty(width, placed.buffers.own.dtype)
+        blocks = [self.grad_sums[offset : offset + stop - start]
+                  for _, start, stop, offset in self.owned_at]  # fmt: skip
+        return blocks, blocks
+
+    @property
+    def rider_bucket(self) -> np.ndarray:
+        """The bucket the riders ride in: the last."""
+        return self.buckets[-1]
+
     def bytes_per_step(self) -> int:
-        """What this rank sends in a step: every bucket's two halves and the agreement."""
+        """What this rank sends in a step: every bucket's reduce-scatter, the agreement, and the
+        parameters' allgathers (stage 3: what the passes gathered, per step taken)."""
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         agreement = sent_bytes("ring", self.agreed.size, self.agreed.itemsize, size, rank)
-        return agreement + sum(sent_bytes(half, bucket.size, bucket.itemsize, size, rank)
-                               for bucket in self.buckets
-                               for half in (REDUCE_SCATTER, ALLGATHER))  # fmt: skip
+        halves = (REDUCE_SCATTER,) if self.stage == 3 else (REDUCE_SCATTER, ALLGATHER)
+        sent = agreement + sum(sent_bytes(half, bucket.size, bucket.itemsize, size, rank)
+                               for bucket in self.buckets for half in halves)  # fmt: skip
+        return sent + (self.gathered_bytes // self.steps if self.steps else 0)
 
     def reduce_(self, bucket: np.ndarray, comm: Any) -> None:
         """A bucket's reduce-scatter (the step's `allreduce_`, on whichever thread runs it)."""
@@ -103,20 +189,50 @@ class ShardedUpdate:
             self.agreed[: self.riders.size] = self.riders
         self.reduce_scatter_(bucket, comm)
 
+    def exchange_(self, X: np.ndarray, y: np.ndarray, shard_size: int) -> float:
+        """Placed sums: the passes, each bucket reduce-scattered as soon as the backward pass has
+        written it, its owned block kept; when the local work ended."""
+        stepper, gradient = self.stepper, self.stepper.local_gradient
+        params = stepper.pass_params
+        gradient.begin_(params, X, y, NO_SUMS)
+        for rider in stepper.riders:  # the stop flag: riders that read no gradient
+            rider.fill_(rider.slots, NO_SUMS, shard_size)
+        bottoms = self.bottoms
+        top, computed = gradient.n_layers - 1, time.perf_counter()
+        for index in range(len(bottoms) - 1, -1, -1):  # from the last layer back
+            if bottoms[index] <= top:
+                gradient.layers_(params, X, NO_SUMS, top, bottoms[index])
+                top, computed = bottoms[index] - 1, time.perf_counter()
+            self.reduce_bucket_(index)
+        return computed
+
+    def reduce_bucket_(self, index: int) -> None:
+        """Bucket `index`'s reduce-scatter from its buffer; its owned block kept (with
+        --allreduce-dtype: the gradient cast before, the narrow sum restored after)."""
+        stepper, bucket, start = self.stepper, self.buckets[index], self.bucket_slices[index].start
+        gradient = bucket[: self.n_params - start]
+        if stepper.wire_format:
+            stepper.round_flat_(gradient, stepper.wire_format)
+        self.reduce_(bucket, self.comm)
+        for (owner, low, high, _), block in zip(self.owned_at, self.sums_, strict=True):
+            if owner == index:
+                block[...] = bucket[low - start : high - start]
+                if stepper.wire_format:
+                    stepper.round_flat_(block, stepper.wire_format)
+
     def divide_once_(self, batch_size: int) -> tuple[float, bool]:
         """The owned blocks' sums become the mean, once; the riders and the verdict agreed by
         every rank: (mean loss, loss and the whole gradient finite)."""
         stepper = self.stepper
         terms, divisor = stepper.divisors(batch_size)
         finite = True
-        for part in self.owned:  # the same division, element by element, as the replicated one
-            finite &= stepper.divide_finite_(stepper.grad_sum[part], divisor,
-                                             stepper.grad_mean[part])  # fmt: skip
+        for sums, mean in zip(self.sums_, self.means_, strict=True):  # as the replicated step
+            finite &= stepper.divide_finite_(sums, divisor, mean)
         own_squares = self.squares_()
         self.agreed[-2:] = (0.0 if finite else 1.0), own_squares
         self.allreduce_(self.agreed, self.comm)
         self.riders[...] = self.agreed[: self.riders.size]
-        loss = float(stepper.comm_buffer[stepper.loss_slot]) / terms
+        loss = float(self.riders[stepper.loss_slot - self.n_params]) / terms
         every = math.isfinite(loss) and self.agreed[-2] == 0
         finite = stepper.variant.shard_finite(math.isfinite(loss) and finite, every)
         own = self.own_norm(own_squares)  # (exact mode: from the limbs, before they are summed)
@@ -131,16 +247,13 @@ class ShardedUpdate:
     def squares_(self) -> float:
         """This rank's part of the squared norm, summed in float64 (float mode); exact mode adds
         its squares to the limbs instead (0 here)."""
-        grad_mean = self.stepper.grad_mean
         if not self.needs_norm or self.optim.exact_norm:
             self.limbs[...] = 0
             if self.needs_norm:
-                for part in self.owned:
-                    add_square_limbs_(grad_mean[part], self.limbs)
+                for mean in self.means_:
+                    add_square_limbs_(mean, self.limbs)
             return 0.0
-        return sum(float(np.dot(grad_mean[part].astype(np.float64), grad_mean[part]))
-                   for part in self.owned)  # fmt: skip
-
+        return sum(float(np.dot(mean.astype(np.float64), mean)) for mean in self.means_)
     def tensor_norms(self, values: np.ndarray, slices: list[slice]) -> list[float]:
         """Every piece's tensor's norm: the pieces' squares summed per tensor over the ranks
         (exact mode: exactly, in limbs; else in float64)."""
@@ -180,49 +293,137 @@ class ShardedUpdate:
     def update_(self, step: int, finite: bool) -> tuple[float, float]:
         """The optimizer's step on the owned blocks, then every bucket's parameters allgathered;
         a non-finite step changes nothing. (lr, grad norm)."""
-        params_shard, grad_shard = self.shards()
+        self.steps += 1
         if not finite:  # unchanged, but allgathered: a pitfall may make the ranks disagree
-            self.allgather_params_(params_shard)
+            self.allgather_params_()
             return learning_rate(self.stepper.optim, step), math.nan
+        params, grads = self.blocks()
         if self.optim.clip_norm is not None:  # the replicated step's first move, the same norm
-            clip_(grad_shard, self.optim.clip_norm, self.grad_norm)
-        info = self.optimizer.step_(params_shard, grad_shard, step, want_norm=False)
-        self.allgather_params_(params_shard)
+            for grad in grads:
+                clip_(grad, self.optim.clip_norm, self.grad_norm)
+        info = self.optimizer.step_(params, grads, step)
+        if not self.per_block and len(self.owned) > 1 and self.stage < 3:  # copies, back
+            for (_, start, stop, offset) in self.owned_at:
+                self.stepper.params[start:stop] = self.params_shard[offset : offset + stop - start]
+        self.allgather_params_()
         return info["lr"], self.grad_norm
 
-    def shards(self) -> tuple[np.ndarray, np.ndarray]:
-        """The owned parameters and mean gradient, each one contiguous array: views when the
-        rank owns one block (one bucket), else copies."""
-        stepper = self.stepper
-        params, grad_mean = stepper.params, stepper.grad_mean
-        if len(self.owned) == 1:
-            return params[self.owned[0]], grad_mean[self.owned[0]]
+    def blocks(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The owned parameters and mean gradient as the optimizer steps them: block by block,
+        where they lie; or (LAMB, LARS) each one contiguous array, a view of a rank's one block
+        or a copy of its blocks (stage 3: the parameters are one array already)."""
+        stage, owned_at = self.stage, self.owned_at
+        if self.per_block and owned_at:
+            if stage == 3:  # the blocks, one after the other in the one array kept
+                return ([self.params_shard[offset : offset + stop - start]
+                         for _, start, stop, offset in owned_at], list(self.means_))  # fmt: skip
+            return [self.stepper.params[part] for part in self.owned], list(self.means_)
+        whole = self.params_shard if stage == 3 else self.contiguous(self.stepper.params,
+                                                                     self.params_shard)
+        if self.placed_sums is not None:
+            return [whole], [self.grad_sums]
+        return [whole], [self.contiguous_blocks(self.means_, self.grad_shard)]
+
+    def contiguous(self, whole: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """This rank's blocks of `whole`: a view of its one block, or copied into `out`."""
+        return self.contiguous_blocks([whole[part] for part in self.owned], out)
+
+    @staticmethod
+    def contiguous_blocks(blocks: list[np.ndarray], out: np.ndarray) -> np.ndarray:
+        """One block as it is; several copied one after the other into `out`."""
+        if len(blocks) == 1:
+            return blocks[0]
         start = 0
-        for part in self.owned:
-            stop = start + part.stop - part.start
-            self.params_shard[start:stop] = params[part]
-            self.grad_shard[start:stop] = grad_mean[part]
-            start = stop
-        return self.params_shard, self.grad_shard
+        for block in blocks:
+            out[start : start + block.size] = block
+            start += block.size
+        return out[:start]
 
-    def allgather_params_(self, shard: np.ndarray) -> None:
-        """Every rank's updated blocks to every rank, through the communication buffer: the
-        others' blocks copied into the parameters, and ours when they were updated apart."""
-        params, whole = self.stepper.params, self.gathered(shard)
-        for part in self.others if len(self.owned) == 1 else [slice(0, self.n_params)]:
-            params[part] = whole[part]
+    def allgather_params_(self) -> None:
+        """Every rank's updated blocks to every rank (stage 3: to none; the passes gather what
+        they read, afresh)."""
+        if self.placed_params is not None:
+            self.placed_params.forget_()
+            return
+        params = self.stepper.params
+        if self.placed_sums is None:  # through the communication buffer, spent
+            whole = self.gathered_in_buffer(params)
+            for part in self.others:
+                params[part] = whole[part]
+            return
+        last = len(self.bucket_slices) - 1
+        for index, bucket in enumerate(self.bucket_slices):
+            if index < last:  # the parameters carry their own bucket
+                self.allgather_(params[bucket], self.comm)
+                continue
+            carrier = self.buckets[last]  # with the riders' slots: its buffer, spent
+            carrier[: self.n_params - bucket.start] = params[bucket.start :]
+            self.allgather_(carrier, self.comm)
+            params[bucket.start :] = carrier[: self.n_params - bucket.start]
 
-    def gathered(self, shard: np.ndarray) -> np.ndarray:
-        """Every rank's blocks of an array of the parameters' layout, whole (a view of the
-        communication buffer, in its dtype: until the next step)."""
-        buffer, start = self.stepper.comm_buffer, 0
+    def gathered_in_buffer(self, whole: np.ndarray) -> np.ndarray:
+        """Every rank's blocks of an array of the parameters' layout (this rank's in `whole`),
+        whole: a view of the communication buffer, in its dtype, until the next step."""
+        buffer = self.stepper.comm_buffer
         for part in self.owned:  # the gradient sums are spent: the buffer carries these
-            stop = start + part.stop - part.start
-            buffer[part] = shard[start:stop]
-            start = stop
+            buffer[part] = whole[part]
         for bucket in self.buckets:
             self.allgather_(bucket, self.comm)
         return buffer[: self.n_params]
+
+    def gathered(self, shard: np.ndarray) -> np.ndarray:
+        """Every rank's blocks of an array of the parameters' layout, whole: a new array."""
+        whole = np.zeros(self.n_params, shard.dtype)
+        if self.placed_sums is None and self.stage < 3:
+            for (_, start, stop, offset) in self.owned_at:
+                whole[start:stop] = shard[offset : offset + stop - start]
+            return self.gathered_in_buffer(whole).astype(shard.dtype)
+        for index, bucket in enumerate(self.bucket_slices):
+            carrier = np.zeros(bucket.stop - bucket.start, shard.dtype)
+            self.fill_bucket_(index, shard, carrier)
+            stop = min(bucket.stop, self.n_params)
+            whole[bucket.start : stop] = carrier[: stop - bucket.start]
+        return whole
+
+    def fill_bucket_(self, index: int, shard: np.ndarray, carrier: np.ndarray,
+                     allgather_: Gather | None = None) -> None:  # fmt: skip
+        """Bucket `index` of an array of the parameters' layout, gathered into `carrier` from
+        every rank's blocks of it."""
+        start = self.bucket_slices[index].start
+        for owner, low, high, offset in self.owned_at:
+            if owner == index:
+                carrier[low - start : high - start] = shard[offset : offset + high - low]
+        (allgather_ or self.allgather_)(carrier, self.comm)
+
+    def gather_bucket_(self, index: int, out: np.ndarray) -> None:
+        """Stage 3: bucket `index`'s parameters for a pass, as the passes read them (rounded
+        to a narrow --precision from the parameters' own values, as the replicated step's)."""
+        nx = self.stepper.local_gradient.local.nx
+        carrier = out if out.dtype == self.params_shard.dtype else self.carrier[: out.size]
+        self.fill_bucket_(index, self.params_shard, carrier, self.passes_allgather_)
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        self.gathered_bytes += sent_bytes(ALLGATHER, carrier.size, carrier.itemsize, size, rank)
+        if carrier is out:
+            nx.round_(out)
+        else:  # float64 parameters, float32 passes: rounded once, to the format
+            narrow_copy_(carrier, out, nx.fmt)
+
+    def whole_params(self) -> np.ndarray:
+        """The whole parameters: a collective at stage 3 (every rank calls it at the same step)."""
+        if self.stage < 3:
+            return self.stepper.params  # type: ignore[no-any-return]
+        return self.gathered(self.params_shard)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The bytes of the arrays this step keeps beside the replicated step's: its blocks of
+        the parameters and gradient, and the buffers of the buckets under way."""
+        params = self.params_shard.nbytes + (self.placed_params.buffers.nbytes
+                                             + self.carrier.nbytes
+                                             if self.placed_params is not None else 0)  # fmt: skip
+        grads = self.grad_shard.nbytes
+        if self.placed_sums is not None:
+            grads += self.grad_sums.nbytes + self.placed_sums.buffers.nbytes
+        return {"parameters": params, "gradients": grads, "optimizer_state": 0}
 
     def taken(self, whole: np.ndarray) -> np.ndarray:
         """This rank's blocks of an array of the parameters' layout, as one array."""
@@ -243,31 +444,45 @@ def pieces(owned: list[slice], tensors: list[slice]) -> list[tuple[int, int, int
 
 
 class ShardOptimizer:
-    """The optimizer of this rank's blocks; its state read and written as the whole run's (every
-    array of the parameters' length gathered, or taken apart), so that a checkpoint holds what
-    the replicated step's would, and resumes at any P and stage."""
+    """The optimizers of this rank's blocks (one per block, or one over them all); their state
+    read and written as the whole run's (every array of the parameters' length gathered, or
+    taken apart), so that a checkpoint holds what the replicated step's would, and resumes at
+    any P and stage."""
 
-    def __init__(self, inner: Any, sharded: ShardedUpdate) -> None:
-        self.inner, self.sharded = inner, sharded
+    def __init__(self, inners: list[Any], spans: list[tuple[int, int]],
+                 sharded: ShardedUpdate) -> None:  # fmt: skip
+        self.inners, self.spans, self.sharded = inners, spans, sharded
 
-    def step_(self, params: np.ndarray, grad: np.ndarray, step: int, *,
-              want_norm: bool = True) -> dict[str, float]:  # fmt: skip
-        """The inner optimizer's step on the blocks."""
-        return self.inner.step_(params, grad, step, want_norm=want_norm)  # type: ignore[no-any-return]
+    def step_(self, params: list[np.ndarray], grads: list[np.ndarray],
+              step: int) -> dict[str, float]:  # fmt: skip
+        """Every inner optimizer's step on its blocks."""
+        info: dict[str, float] = {}
+        for inner, block, grad in zip(self.inners, params, grads, strict=True):
+            info = inner.step_(block, grad, step, want_norm=False)
+        return info
+
+    def own_state(self) -> list[dict[str, np.ndarray]]:
+        """Every inner optimizer's state, of its blocks alone (not a collective)."""
+        return [inner.state_arrays() for inner in self.inners]
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """The whole run's state: a collective (every rank calls it at the same step)."""
-        sharded, arrays = self.sharded, {}
-        for name, value in self.inner.state_arrays().items():
-            per_parameter = value.shape == (sharded.width,)
-            arrays[name] = (sharded.gathered(value).astype(value.dtype) if per_parameter
-                            else value)  # fmt: skip
+        own, arrays = self.own_state(), {}
+        for name, value in own[0].items():
+            if value.shape == (self.spans[0][1] - self.spans[0][0],):  # one per parameter
+                blocks = np.concatenate([state[name] for state in own])
+                arrays[name] = self.sharded.gathered(blocks.astype(value.dtype))
+            else:
+                arrays[name] = value
         return arrays
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """This rank's blocks of the whole run's state."""
         sharded = self.sharded
-        self.inner.load_state_arrays({
-            name: sharded.taken(np.asarray(value))
-            if np.shape(value) == (sharded.n_params,) else value
-            for name, value in arrays.items()})  # fmt: skip
+        taken = {name: sharded.taken(np.asarray(value))
+                 if np.shape(value) == (sharded.n_params,) else value
+                 for name, value in arrays.items()}  # fmt: skip
+        for inner, (low, high) in zip(self.inners, self.spans, strict=True):
+            inner.load_state_arrays({
+                name: value[low:high] if np.shape(value) == (sharded.width,) else value
+                for name, value in taken.items()})  # fmt: skip

@@ -22,6 +22,8 @@ from syncsgd.training.variants import Variant
 
 if TYPE_CHECKING:
     from syncsgd.training.layered import RankGradient
+    from syncsgd.training.sharded import ShardedUpdate
+    from syncsgd.training.windows import PlacedSums
 
 # The ring's chunk boundaries depend on the buffer's length, and with them the order in which a
 # gradient element's float sum is taken: the buffer keeps at least as many slots for the values
@@ -46,9 +48,18 @@ class CommBuffer:
 
     def build(self) -> np.ndarray:
         """Allocate the buffer, zeroed: the gradient, the riders, and unused slots."""
-        riders = sum(s.stop - s.start for s in self.riders.values())
-        self.array = np.zeros(self.n_params + max(riders, MIN_RIDER_SLOTS), self.dtype)
+        self.array = np.zeros(self.length, self.dtype)
         return self.array
+
+    @property
+    def length(self) -> int:
+        """The buffer's elements: the gradient, the riders, and unused slots."""
+        riders = sum(s.stop - s.start for s in self.riders.values())
+        return self.n_params + max(riders, MIN_RIDER_SLOTS)
+
+    def stand_in(self) -> np.ndarray:
+        """An array of the buffer's length and dtype that holds no memory: to cut buckets by."""
+        return np.broadcast_to(np.zeros(1, self.dtype), (self.length,))
 
 
 class StepRecord(NamedTuple):
@@ -110,19 +121,12 @@ class DataParallelStep:
         self.local_gradient = local_gradient(config, model, comm, largest_shard, buffer, trace)
         self.local_gradient.micro_batch_weight = variant.micro_batch_weight
         riders = [*riders, *(Rider(*fields) for fields in variant.riders(self))]  # a pitfall's
-        spans = [buffer.register(rider.name, rider.count) for rider in riders]
-        self.comm_buffer = buffer.build()
-        self.grad_sum = self.comm_buffer[: model.n_params]
-        self.loss_slot = self.local_gradient.loss_slot
-        for rider, span in zip(riders, spans, strict=True):
-            rider.slots = self.comm_buffer[span]
-        self.riders = riders
+        buckets, placed = self.buffers_(config, model, buffer, riders)
         # The mean gradient: divided in place, unless exact mode's float64 sums are rounded to a
         # float32 model.
         self.grad_mean = (self.grad_sum if self.grad_sum.dtype == model.dtype
                           else np.empty(model.n_params, model.dtype))  # fmt: skip
-        buckets = bucket_slices(model, self.comm_buffer, config.bucket_bytes)
-        self.buckets = [self.comm_buffer[bucket] for bucket in buckets]
+        self.buckets = [self.comm_buffer[bucket] for bucket in buckets] if placed is None else []
         # check=False: every rank built the same buffer from options and data that the start-up
         # fingerprint showed to be the same on every rank; no agreement round per call.
         self.allreduce_ = variant.allreduce(functools.partial(
@@ -141,18 +145,66 @@ class DataParallelStep:
         self.wire_format = ALLREDUCE_CODES.get(config.allreduce_dtype or "", 0)
         # How the step ends: replicated (every rank divides and updates everything), or sharded
         self.end: StepEnd = self
+        self.pass_params: Any = params  # what the passes read the parameters from
+        self.sharded: ShardedUpdate | None = None
         if config.zero_stage:
-            from syncsgd.training.sharded import ShardedUpdate
-
-            sharded = ShardedUpdate(self, buckets, run, trace)
-            self.end, self.allreduce_, self.optimizer = sharded, sharded.reduce_, sharded.optimizer
-        self.bytes_per_step = (exchange_bytes(config.algorithm, self.buckets, self.rank, self.size)
-                               if not config.zero_stage else sharded.bytes_per_step())  # fmt: skip
+            self.shard_(run, buckets, placed, trace)
+        self._exchange_bytes = exchange_bytes(config.algorithm, self.buckets, self.rank, self.size)
         self.overlap = None  # --overlap on one rank: nothing to hide, the plain step
         if config.overlap and self.size > 1:
             from syncsgd.training.overlap import Overlap
 
             self.overlap = Overlap(self, buckets, self.doing)
+
+    def buffers_(self, config: Any, model: Network, buffer: CommBuffer,
+                 riders: list[Rider]) -> tuple[list[slice], PlacedSums | None]:  # fmt: skip
+        """The buffer the exchange sums, its buckets, and every rider's slots in it: the whole
+        gradient, or (ZeRO-2's sums placed in the buffers of the buckets under way) none, the
+        riders in the last bucket's buffer."""
+        spans = [buffer.register(rider.name, rider.count) for rider in riders]
+        self.loss_slot = self.local_gradient.loss_slot
+        buckets = bucket_slices(model, buffer.stand_in(), config.bucket_bytes)
+        placed = placed_sums(config, model, buckets, self.variant, riders, buffer.dtype)
+        self.comm_buffer = buffer.build() if placed is None else np.zeros(0, buffer.dtype)
+        rider_slots = self.comm_buffer[model.n_params :] if placed is None else placed.riders
+        for rider, span in zip(riders, spans, strict=True):
+            rider.slots = rider_slots[span.start - model.n_params : span.stop - model.n_params]
+        self.riders = riders
+        self.grad_sum = self.comm_buffer[: model.n_params]
+        return buckets, placed
+
+    def shard_(self, run: Run, buckets: list[slice], placed: PlacedSums | None,
+               trace: Any) -> None:  # fmt: skip
+        """The sharded end of the step in place of the replicated one (stage 3: the parameters
+        too, which the passes read from the buckets they gather)."""
+        from syncsgd.training.sharded import ShardedUpdate
+
+        self.sharded = sharded = ShardedUpdate(self, buckets, run, trace, placed)
+        self.end, self.allreduce_ = sharded, sharded.reduce_
+        if placed is not None:  # the passes write each bucket's sums into its buffer
+            loss = placed.riders[self.loss_slot - run.model.n_params :][:1]
+            self.local_gradient.placed = (placed.placed, loss)
+        if sharded.placed_params is not None:  # no rank keeps the whole parameters
+            self.pass_params = sharded.placed_params.placed
+            self.params = np.empty(0, run.model.dtype)
+
+    @property
+    def bytes_per_step(self) -> int | None:
+        """The bytes this rank sends per step, as the executor's messages carry them (None: the
+        library's own allreduce, whose messages it does not see)."""
+        if self.sharded is not None:
+            return self.sharded.bytes_per_step()
+        return self._exchange_bytes
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        """The optimizer's state as a checkpoint holds it (sharded: gathered, a collective)."""
+        if self.sharded is not None:
+            return self.sharded.optimizer.state_arrays()
+        return self.optimizer.state_arrays()
+
+    def whole_params(self) -> np.ndarray:
+        """The whole parameters (ZeRO-3: gathered, a collective: every rank calls it alike)."""
+        return self.params if self.sharded is None else self.sharded.whole_params()
 
     def take_(self, step: int) -> StepRecord:
         """Shard -> local gradient SUM -> allreduce (sum of sums) -> divide once by B -> update."""
@@ -161,7 +213,9 @@ class DataParallelStep:
         global_batch = self.variant.global_batch(self.order.batch(step), self.size)
         shard = data.contiguous_shard(global_batch, self.rank, self.size)
         backward = math.nan
-        if self.overlap is None:
+        if self.sharded is not None and self.sharded.placed_sums is not None:
+            computed = self.sharded.exchange_(*self.gather_(shard), len(shard))
+        elif self.overlap is None:
             computed = self.sum_then_reduce_(shard, len(global_batch))
         else:  # the buckets' allreduces start while the backward pass goes on
             X, y = self.gather_(shard)
@@ -190,9 +244,15 @@ class DataParallelStep:
         gradient (the buffer the exchange sums, the mean where it is apart) and the optimizer's
         state (a sharded step's: its blocks' alone)."""
         mean = 0 if self.grad_mean.base is self.comm_buffer else self.grad_mean.nbytes
-        state = getattr(self.optimizer, "inner", self.optimizer).state_arrays()  # not gathered
-        return {"parameters": self.params.nbytes, "gradients": self.comm_buffer.nbytes + mean,
-                "optimizer_state": sum(np.asarray(array).nbytes for array in state.values())}
+        states = ([self.optimizer.state_arrays()] if self.sharded is None
+                  else self.sharded.optimizer.own_state())  # (not gathered)  # fmt: skip
+        held = {"parameters": self.params.nbytes, "gradients": self.comm_buffer.nbytes + mean,
+                "optimizer_state": sum(np.asarray(array).nbytes for state in states
+                                       for array in state.values())}  # fmt: skip
+        if self.sharded is not None:  # its blocks, and the buffers of the buckets under way
+            for category, nbytes in self.sharded.memory_bytes().items():
+                held[category] += nbytes
+        return held
 
     def close(self) -> None:
         """End the communication thread of --overlap, if any."""
@@ -213,7 +273,7 @@ class DataParallelStep:
     def local_sum_(self, shard: np.ndarray) -> None:
         """This shard's gradient sum and loss sum, into the communication buffer."""
         X, y = self.gather_(shard)
-        self.local_gradient(self.params, X, y, self.comm_buffer)
+        self.local_gradient(self.pass_params, X, y, self.comm_buffer)
 
     def gather_(self, shard: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The shard's samples and targets, gathered into buffers allocated once."""
@@ -247,6 +307,18 @@ class DataParallelStep:
         info = self.optimizer.step_(self.params, self.grad_mean, step,
                                     want_norm=self.want_grad_norm)  # fmt: skip
         return info["lr"], info["grad_norm"]
+
+
+def placed_sums(config: Any, model: Network, buckets: list[slice], variant: Variant,
+                riders: list[Rider], dtype: np.dtype) -> PlacedSums | None:  # fmt: skip
+    """ZeRO-2 and -3's gradient sums in the buffers of the buckets under way, where the run
+    allows it (training/sharded.py: places_sums); else None: one buffer of the whole gradient."""
+    from syncsgd.training.sharded import places_sums
+    from syncsgd.training.windows import PlacedSums
+
+    if len(buckets) == 1 or not places_sums(config, variant, riders):  # one: the whole gradient
+        return None
+    return PlacedSums(model, buckets, dtype)
 
 
 def local_gradient(config: Any, network: Network, comm: Any, largest_shard: int,
