@@ -163,7 +163,7 @@ def measure(options: argparse.Namespace) -> dict[Key, dict[str, Any]]:
     try:
         for net, ranks, dtype in keys:
             for tree in TREES:
-                extra = options.new_options if tree == "new" else {}
+                extra = options.new_options if tree == "new" else options.before_options
                 servers[net, ranks, dtype, tree] = Tree(roots[tree], net, ranks, dtype, extra)
         for server in servers.values():
             server.ask(options.warmup)
@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-options", type=json.loads, default={}, metavar="JSON",
                         help='TrainConfig fields of the new side only, e.g. \'{"zero_stage": 1}\' '
                         "with --before . (this tree): a sharded step against the replicated one")
+    parser.add_argument("--before-options", type=json.loads, default={}, metavar="JSON",
+                        help="TrainConfig fields of the before side only (none)")
     parser.add_argument("--bar", type=float, default=BAR, help=f"the bar of new/before ({BAR})")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)

@@ -212,8 +212,9 @@ def test_the_bytes_sent_per_step_are_the_rings_at_both_stages(ranks):
     ("shard-local-trust-ratio", dict(optimizer="lamb", lr=0.01)),
     ("shard-local-overflow", dict(precision="fp16")),
 ])  # fmt: skip
-def test_each_sharded_pitfall_breaks_what_it_should(pitfall, options):
-    base = dict(MLP, batch_size=12, zero_stage=1, steps=6, **options)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_each_sharded_pitfall_breaks_what_it_should(pitfall, options, stage):
+    base = dict(MLP, batch_size=12, zero_stage=stage, steps=6, bucket_bytes=0, **options)
     correct = train(ranks=3, backend="threads", **base)
     broken = train(ranks=3, backend="threads", pitfall=pitfall, **base)
     assert np.max(np.abs(broken.params - correct.params)) > 1e-6
