@@ -21,6 +21,12 @@ from syncsgd.collectives.executor import (
     ring_allreduce,
     tree_allreduce,
 )
+from syncsgd.collectives.hierarchy import (
+    hierarchical_allreduce,
+    hierarchy,
+    hierarchy_of,
+    set_hierarchy,
+)
 from syncsgd.collectives.parts import (
     COLLECTIVES,
     allgather,
@@ -33,6 +39,7 @@ from syncsgd.collectives.schedules import (
     COPY,
     Collective,
     CollectiveStep,
+    Hierarchical,
     chunk_bounds,
     schedule,
 )
@@ -46,6 +53,7 @@ __all__ = [
     "SHORT_MESSAGE_BYTES",
     "Collective",
     "CollectiveStep",
+    "Hierarchical",
     "Trace",
     "TraceEvent",
     "allgather",
@@ -57,6 +65,9 @@ __all__ = [
     "buffer_defect",
     "choose_algorithm",
     "chunk_bounds",
+    "hierarchical_allreduce",
+    "hierarchy",
+    "hierarchy_of",
     "naive_allreduce",
     "rabenseifner_allreduce",
     "recursive_doubling_allreduce",
@@ -64,5 +75,6 @@ __all__ = [
     "reduce_scatter",
     "ring_allreduce",
     "schedule",
+    "set_hierarchy",
     "tree_allreduce",
 ]
