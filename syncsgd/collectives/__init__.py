@@ -4,6 +4,7 @@ library's own; broadcast, reduce, allgather, reduce-scatter and alltoall by the 
 from syncsgd.collectives.api import (
     ALGORITHMS,
     AUTO_LIBRARY_BELOW,
+    INTER_ALGORITHMS,
     LATENCY_BYTES,
     SHORT_MESSAGE_BYTES,
     allreduce,
@@ -49,6 +50,7 @@ __all__ = [
     "AUTO_LIBRARY_BELOW",
     "COLLECTIVES",
     "COPY",
+    "INTER_ALGORITHMS",
     "LATENCY_BYTES",
     "SHORT_MESSAGE_BYTES",
     "Collective",

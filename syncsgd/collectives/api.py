@@ -33,6 +33,8 @@ from syncsgd.comm.world import constants
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree", "hierarchical", "mpi",
               "auto")
+# The flat algorithms "hierarchical" may run between the nodes.
+INTER_ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
 # MPICH 3.x (MPIR_Allreduce_intra_auto) uses recursive doubling up to this many bytes, the default
 # of MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE, and Rabenseifner above it.
 SHORT_MESSAGE_BYTES = 2048

@@ -37,7 +37,14 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.collectives import ALGORITHMS, Trace, allreducer, ring_allreduce
+from syncsgd.collectives import (
+    ALGORITHMS,
+    INTER_ALGORITHMS,
+    Trace,
+    allreducer,
+    ring_allreduce,
+    set_hierarchy,
+)
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.watchdog import watching, within_timeout
 from syncsgd.comm.world import constants, launch, resolve_backend
@@ -290,9 +297,12 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
     master_process = comm.Get_rank() == 0
     backend = "threads" if isinstance(comm, ThreadComm) else "mpi"
     baseline = THREADS_BASELINE if backend == "threads" else BASELINE
+    nodes = hierarchy_line(comm, options)
     if master_process:
         print(f"# allreduce sweep: {comm.Get_size()} ranks, {backend} backend, {options.dtype}")
         print(f"# baseline '{baseline}': {library_name(comm)}")
+        if nodes:
+            print(f"# {nodes}")
         print(f"# time: median over {options.batches} rounds of the slowest rank's per-op time")
         print(f"# {PAIRED}\n# {MEDIANS}")
         print(HEADER, flush=True)
@@ -340,6 +350,20 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
     if options.png:
         draw_png(rows, options.png, f"allreduce, {comm.Get_size()} ranks, {backend} backend")
     return {"rows": rows, "bar": bar}
+
+
+def hierarchy_line(comm: Any, options: argparse.Namespace) -> str | None:
+    """With "hierarchical" among the algorithms: find and keep the nodes (a collective call);
+    what they are, in one line."""
+    if "hierarchical" not in options.algorithms:
+        return None
+    spec = set_hierarchy(comm, options.ranks_per_node, options.inter_algorithm)
+    nodes, per_node = len(spec.nodes), len(spec.nodes[0])
+    found = ("--ranks-per-node" if options.ranks_per_node else
+             "threads: one process" if isinstance(comm, ThreadComm) else "MPI's shared-memory split")
+    alone = "; one node: the ring" if nodes == 1 else ""
+    return (f"hierarchical: {nodes} node(s) x {per_node} rank(s) ({found}), {spec.inter} between "
+            f"the nodes{alone}")  # fmt: skip
 
 
 def traced_calls(comm: Any, options: argparse.Namespace) -> None:
@@ -428,8 +452,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=algorithm_list,
         default=["ring"],
         help="hand-written algorithms to time against the library's, e.g. "
-        "ring,recursive-doubling,rabenseifner,tree,naive,auto (default ring)",
+        "ring,recursive-doubling,rabenseifner,tree,naive,hierarchical,auto (default ring)",
     )
+    parser.add_argument("--ranks-per-node", type=positive_int, metavar="R",
+                        help="--algorithms hierarchical: nodes of R consecutive ranks (default: "
+                        "MPI's shared-memory split; thread ranks are one node)")  # fmt: skip
+    parser.add_argument("--inter-algorithm", choices=INTER_ALGORITHMS, default="ring",
+                        help="--algorithms hierarchical: the allreduce among the nodes (ring)")
     writes(parser.add_argument("--timeline", metavar="PATH",
                                help="after the sweep, one traced call per algorithm and size as "
                                "a Chrome trace (one row per rank, a span per step)"))  # fmt: skip
