@@ -118,7 +118,7 @@ def test_the_bar_is_printed_only_with_check(monkeypatch, capsys):
     for check in (False, True):
         options = argparse.Namespace(dtype="float64", batches=3, timeline=None, json=None,
                                      timeline_png=None, csv=None, png=None,
-                                     check=check)  # fmt: skip
+                                     check=check, algorithms=["ring"])  # fmt: skip
         allreduce.run(FakeMpiComm(), options)
         printed = capsys.readouterr().out
         assert ("# bar:" in printed) == check and ("MISSED" in printed) == check

@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mpi_hierarchical_check import INTER, check_layouts, check_sums, two_level_reference
 
-from syncsgd import run_threads
+from syncsgd import TrainConfig, run_threads, train
+from syncsgd.cli import main
 from syncsgd.collectives import (
     Hierarchical,
     allreduce,
@@ -192,3 +193,46 @@ def test_nodes_that_do_not_divide_the_ranks_fail_on_every_rank_under_mpiexec():
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "does not divide" in line]
     assert sorted(line.split(":")[0] for line in lines) == ["rank 0", "rank 1", "rank 2"]
+
+
+# -- on the command line ---------------------------------------------------------------------------
+
+
+def test_train_with_two_levels_is_bitwise_the_ring_in_exact_mode():
+    quick = {"exact": True, "steps": 3, "features": 8, "hidden": (6,), "samples": 64,
+             "batch_size": 16}  # fmt: skip
+    ring = train(ranks=4, algorithm="ring", **quick).params
+    for per_node, inter in ((2, "ring"), (1, "tree"), (4, "ring"), (2, "rabenseifner")):
+        mine = train(ranks=4, algorithm="hierarchical", ranks_per_node=per_node,
+                     inter_algorithm=inter, **quick).params  # fmt: skip
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(mine, ring, strict=True))
+
+
+def test_train_refuses_nodes_that_do_not_divide_the_ranks(capsys):
+    assert main(["train", "--ranks", "3", "--algorithm", "hierarchical", "--ranks-per-node",
+                 "2", "--steps", "1"]) != 0  # fmt: skip
+    assert "--ranks-per-node 2 does not divide the 3 ranks" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="shape --algorithm hierarchical"):
+        TrainConfig(ranks_per_node=2)
+
+
+def test_bench_names_the_nodes(capsys):
+    argv = ["bench", "allreduce", "--ranks", "4", "--max-bytes", "64", "--algorithms",
+            "ring,hierarchical", "--ranks-per-node", "2", "--inter-algorithm", "tree",
+            "--batches", "2", "--batch-seconds", "0.001", "--warmup", "1", "--max-iters", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "# hierarchical: 2 node(s) x 2 rank(s) (--ranks-per-node), tree between the nodes" in out
+    assert sum(" hierarchical " in line for line in out.splitlines()) == 4  # 8 .. 64 B
+
+
+def test_ring_demo_shows_the_three_phases(capsys):
+    argv = ["ring-demo", "--ranks", "6", "--length", "12", "--algorithm", "hierarchical",
+            "--ranks-per-node", "3", "--color", "never"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes x 3 ranks, ring between the nodes" in out
+    assert "round 3 of 6: inter-node reduce-scatter" in out
+    assert "equal to the NumPy sum on every rank" in out
+    assert main(["ring-demo", "--ranks", "4", "--ranks-per-node", "2"]) != 0
+    assert "give it too" in capsys.readouterr().err

@@ -254,12 +254,12 @@ class TrainConfig:
                             list_choices=True, fingerprint=False)  # fmt: skip
     ranks_per_node: int | None = option(
         None, "--algorithm hierarchical: nodes of this many consecutive ranks", group=RANKS,
-        type=positive_int, check=at_least(1), metavar="R", fingerprint=False,
+        type=positive_int, check=at_least(1), metavar="R", fingerprint=False, verify=False,
         shown="MPI's shared-memory split; thread ranks are one node",
     )  # fmt: skip
     inter_algorithm: str = option(
         "ring", "--algorithm hierarchical: the allreduce among the nodes", group=RANKS,
-        choices=INTER_ALGORITHMS, fingerprint=False,
+        choices=INTER_ALGORITHMS, fingerprint=False, verify=False,
     )  # fmt: skip
     allreduce_dtype: str | None = option(
         None, "compress the gradient sums to this format for the allreduce (Horovod's fp16)",

@@ -299,13 +299,7 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
     baseline = THREADS_BASELINE if backend == "threads" else BASELINE
     nodes = hierarchy_line(comm, options)
     if master_process:
-        print(f"# allreduce sweep: {comm.Get_size()} ranks, {backend} backend, {options.dtype}")
-        print(f"# baseline '{baseline}': {library_name(comm)}")
-        if nodes:
-            print(f"# {nodes}")
-        print(f"# time: median over {options.batches} rounds of the slowest rank's per-op time")
-        print(f"# {PAIRED}\n# {MEDIANS}")
-        print(HEADER, flush=True)
+        print_header(comm, options, baseline, nodes)
 
     def report(row: dict) -> None:
         if master_process:
@@ -352,6 +346,19 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
     return {"rows": rows, "bar": bar}
 
 
+def print_header(comm: Any, options: argparse.Namespace, baseline: str, nodes: str | None
+                 ) -> None:  # fmt: skip
+    """The lines above the table: the run, the baseline, the nodes, what the columns hold."""
+    backend = "threads" if isinstance(comm, ThreadComm) else "mpi"
+    print(f"# allreduce sweep: {comm.Get_size()} ranks, {backend} backend, {options.dtype}")
+    print(f"# baseline '{baseline}': {library_name(comm)}")
+    if nodes:
+        print(f"# {nodes}")
+    print(f"# time: median over {options.batches} rounds of the slowest rank's per-op time")
+    print(f"# {PAIRED}\n# {MEDIANS}")
+    print(HEADER, flush=True)
+
+
 def hierarchy_line(comm: Any, options: argparse.Namespace) -> str | None:
     """With "hierarchical" among the algorithms: find and keep the nodes (a collective call);
     what they are, in one line."""
@@ -359,8 +366,11 @@ def hierarchy_line(comm: Any, options: argparse.Namespace) -> str | None:
         return None
     spec = set_hierarchy(comm, options.ranks_per_node, options.inter_algorithm)
     nodes, per_node = len(spec.nodes), len(spec.nodes[0])
-    found = ("--ranks-per-node" if options.ranks_per_node else
-             "threads: one process" if isinstance(comm, ThreadComm) else "MPI's shared-memory split")
+    found = "MPI's shared-memory split"
+    if options.ranks_per_node:
+        found = "--ranks-per-node"
+    elif isinstance(comm, ThreadComm):
+        found = "threads: one process"
     alone = "; one node: the ring" if nodes == 1 else ""
     return (f"hierarchical: {nodes} node(s) x {per_node} rank(s) ({found}), {spec.inter} between "
             f"the nodes{alone}")  # fmt: skip
