@@ -30,21 +30,24 @@ def test_the_alpha_terms_are_the_schedules_rounds(inter, nodes, per_node):
 
 
 @pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 4), (4, 2)])
-def test_the_bytes_between_nodes_are_the_inter_node_ring_on_a_chunk(nodes, per_node):
+def test_the_bytes_over_a_nodes_link_are_the_inter_node_rings_on_its_chunks(nodes, per_node):
     size, length = nodes * per_node, 55440
     spec = layout(nodes, per_node, "ring")
-    for rank in range(size):
-        across = sum(step.send.stop - step.send.start for step in schedule(spec, length, size, rank)
-                     if step.send_to // per_node != rank // per_node)  # fmt: skip
-        assert across == cost("ring", nodes).b * length / per_node
+    for node in range(nodes):  # what the node's ranks send over its link: the model's n·b
+        across = sum(step.send.stop - step.send.start
+                     for rank in range(node * per_node, (node + 1) * per_node)
+                     for step in schedule(spec, length, size, rank)
+                     if step.send_to // per_node != node)  # fmt: skip
+        assert across == pytest.approx(cost("ring", nodes).b * length)
 
 
 def test_predictions_by_hand():
-    # 2 nodes x 2 ranks, 1 MB: inside 2(1)α + 1·nβ + nγ/2; between (ring on N=2, n/2 bytes):
-    # 2α + (n/2)(β + γ/2); the flat ring on 4: 6(α + nβ/4) + 3nγ/4 at the slow link.
+    # 2 nodes x 2 ranks, 1 MB: inside 2(1)α + 1·nβ + nγ/2; between (ring on N=2, n/2 bytes on
+    # each of the node's 2 ranks, over one link): 2α + 2·(n/2)β + (n/2)γ/2; the flat ring on 4:
+    # 6(α + nβ/4) + 3nγ/4 at the slow link.
     n = 1e6
     two = (2 * FAST.alpha + n * FAST.beta + n * FAST.gamma / 2
-           + 2 * SLOW.alpha + n / 2 * (SLOW.beta + SLOW.gamma / 2))  # fmt: skip
+           + 2 * SLOW.alpha + n * SLOW.beta + n / 2 * SLOW.gamma / 2)  # fmt: skip
     flat = 6 * SLOW.alpha + 6 * n / 4 * SLOW.beta + 3 * n / 4 * SLOW.gamma
     assert levels.hierarchical_seconds(2, 2, n, FAST, SLOW) == pytest.approx(two)
     assert levels.flat_ring_seconds(2, 2, n, FAST, SLOW) == pytest.approx(flat)

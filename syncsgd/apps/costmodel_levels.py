@@ -2,14 +2,16 @@
 separate α, β for the links inside a node and between nodes.
 
     hierarchical  2(R-1)α_in + 2(R-1)/R·nβ_in + (R-1)/R·nγ        the ring inside each node
-                  + a·α_out + (n/R)(b·β_out + c·γ)                  the inter-node algorithm's
-                                                                    a, b, c on N ranks, chunk n/R
+                  + a·α_out + n·b·β_out + (n/R)·c·γ                 the inter-node algorithm's
+                                                                    a, b, c on N ranks: R chunks
+                                                                    of n/R share the node's link
     flat ring     2(P-1)(α_out + n/P·β_out) + (P-1)/P·nγ            P = NR: with N > 1 every step
                                                                     waits for a link between nodes
 
 (With N = 1 the flat ring is the hierarchical one: α_in, β_in.) The ring's steps run in lockstep,
 so each of its 2(P-1) steps takes as long as its slowest link, one between nodes; the two-level
-allreduce crosses between nodes in 2(N-1) steps of n/(NR) bytes. docs/cost-model.md.
+allreduce crosses between nodes in 2(N-1) steps, in which the R ranks of a node each send n/(NR)
+bytes over the node's one link. docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ def hierarchical_seconds(nodes: int, per_node: int, nbytes: float, inside: Param
                          between: Params, inter: str = "ring") -> float:  # fmt: skip
     """The two-level allreduce's predicted time on N nodes of R ranks."""
     within = intra_cost(per_node).seconds(nbytes, inside)
-    return within + cost(inter, nodes).seconds(nbytes / per_node, between)
+    a, b, c = cost(inter, nodes)
+    # The R ranks of a node share its link: R inter-node allreduces of n/R bytes cross it at once.
+    return within + a * between.alpha + nbytes * b * between.beta + nbytes / per_node * c * (
+        between.gamma)
 
 
 def flat_ring_seconds(nodes: int, per_node: int, nbytes: float, inside: Params,
