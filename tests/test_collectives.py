@@ -445,6 +445,11 @@ class TestTree(SumContract, AgreementContract, ScheduleContract):
     ALGORITHM = "tree"
 
 
+class TestHierarchical(SumContract, AgreementContract):
+    # Thread ranks are one node: the ring inside it (other nodes: test_hierarchical.py).
+    ALGORITHM = "hierarchical"
+
+
 class TestLibrary(SumContract, AgreementContract):
     ALGORITHM = "mpi"
 

@@ -17,8 +17,10 @@ FIELDS = [field.name for field in dataclasses.fields(TrainConfig)]
 NOT_FINGERPRINTED = {"steps", "epochs", "init", "checkpoint", "checkpoint_every", "resume",
                      "bucket_bytes", "algorithm", "skip_nonfinite", "eval_every", "target_loss",
                      "target_accuracy", "noise_scale", "timeout", "overlap",
-                     "zero_stage"}  # fmt: skip  (a checkpoint resumes at any stage)
-NOT_VERIFIED = {"checkpoint", "checkpoint_every", "resume", "skip_nonfinite"}
+                     "zero_stage", "ranks_per_node",
+                     "inter_algorithm"}  # fmt: skip  (a checkpoint resumes at any stage)
+NOT_VERIFIED = {"checkpoint", "checkpoint_every", "resume", "skip_nonfinite", "ranks_per_node",
+                "inter_algorithm"}  # fmt: skip
 
 
 def subparser(*names: str) -> argparse.ArgumentParser:
@@ -124,10 +126,16 @@ def test_every_flag_is_read_into_its_field():
     # --exact; --optimizer: sgd is the only one yet; --model, --input-shape: not with --hidden;
     # --labels: with IDX --data only (tests/test_image_data.py); --context: with token data only
     # (tests/test_transformer.py); --init: not with --resume (below); --zero-stage: with
-    # --algorithm ring and no pitfall of the replicated step (tests/test_sharded.py)
+    # --algorithm ring and no pitfall of the replicated step (tests/test_sharded.py);
+    # --ranks-per-node, --inter-algorithm: with --algorithm hierarchical (below)
     assert changed == set(FIELDS) - {"steps", "target_accuracy", "allreduce_dtype", "optimizer",
                                      "model", "input_shape", "labels", "context",
-                                     "init", "zero_stage"}  # fmt: skip
+                                     "init", "zero_stage", "ranks_per_node",
+                                     "inter_algorithm"}  # fmt: skip
+    nodes = ["train", "--algorithm", "hierarchical", "--ranks-per-node", "4",
+             "--inter-algorithm", "rabenseifner"]  # fmt: skip
+    assert config_from_options(build_parser().parse_args(nodes)) == TrainConfig(
+        algorithm="hierarchical", ranks_per_node=4, inter_algorithm="rabenseifner")
     init = config_from_options(build_parser().parse_args(["train", "--init", "a.npz"]))
     assert init == TrainConfig(init="a.npz")
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.apps import costmodel
+from syncsgd.apps import costmodel, costmodel_levels
 from syncsgd.apps.costmodel import (
     Cost,
     Params,
@@ -190,6 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--scaling: bytes for time against P (default 64M)")  # fmt: skip
     parser.add_argument("--scaling-ranks", type=positive_int,
                         help="--scaling: ranks for time against size (default 64)")  # fmt: skip
+    costmodel_levels.add_arguments(parser)
 
 
 def scaling_size(text: str) -> float:
@@ -216,10 +217,11 @@ def main(options: argparse.Namespace) -> int:
     def collectives(options: argparse.Namespace, params: Params, result: dict[str, Any]
                     ) -> list[str]:  # fmt: skip
         drawn.append(params)
+        levels = costmodel_levels.describe(options, params, result)
         if not options.collectives:
-            return []
+            return levels
         result["collectives"] = parts_json(options.ranks, options.sizes, params)
-        return describe_parts(options.ranks, options.sizes, params)
+        return describe_parts(options.ranks, options.sizes, params) + levels
 
     status = costmodel.main(options, collectives)
     if options.scaling and drawn:

@@ -32,8 +32,10 @@ from syncsgd.apps.demo_core import (  # noqa: F401  (the names tests and users r
 from syncsgd.apps.demo_html import write_html
 from syncsgd.apps.demo_png import draw_png, write_frames
 from syncsgd.apps.demo_zero_png import MAX_RANKS as ZERO_SLIDE_RANKS
+from syncsgd.collectives import INTER_ALGORITHMS, Hierarchical
+from syncsgd.collectives.hierarchy import blocks
 from syncsgd.comm.world import launched_by_mpi
-from syncsgd.util.argtypes import nonnegative_int
+from syncsgd.util.argtypes import nonnegative_int, positive_int
 from syncsgd.util.figures import figure_path
 from syncsgd.util.options import RANKS, writes, writes_into
 
@@ -54,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=shown_algorithm,
         help="the allreduce to show (default ring; others from syncsgd.collectives)",
     )
+    parser.add_argument("--ranks-per-node", type=positive_int, metavar="R",
+                        help="--algorithm hierarchical: nodes of R consecutive ranks (default: "
+                        "one node)")  # fmt: skip
+    parser.add_argument("--inter-algorithm", choices=INTER_ALGORITHMS, default="ring",
+                        help="--algorithm hierarchical: the allreduce among the nodes (ring)")
     parser.add_argument("--collective", default="allreduce",
                         choices=("allreduce", "broadcast", "reduce", "allgather", "reduce-scatter",
                                  "alltoall"),
@@ -139,6 +146,18 @@ def check_options(options: argparse.Namespace) -> None:
         require_matplotlib("--png" if options.png else "--frames")
 
 
+def layout(options: argparse.Namespace) -> Hierarchical | None:
+    """--algorithm hierarchical's nodes: --ranks-per-node consecutive ranks (None: one node)."""
+    hierarchical = options.algorithm == "hierarchical" and options.collective == "allreduce"
+    if not hierarchical:
+        if options.ranks_per_node is not None or options.inter_algorithm != "ring":
+            raise ValueError("--ranks-per-node and --inter-algorithm shape --algorithm "
+                             "hierarchical: give it too")  # fmt: skip
+        return None
+    per_node = options.ranks_per_node or options.ranks
+    return Hierarchical(blocks(options.ranks, per_node), options.inter_algorithm)
+
+
 def main(options: argparse.Namespace) -> int:
     """`syncsgd ring-demo`: print every round; 1 if the result is not the NumPy sum."""
     from syncsgd.util.files import check_writable
@@ -151,7 +170,7 @@ def main(options: argparse.Namespace) -> int:
         return zero_main(options)
     algorithm = options.algorithm or ("pairwise" if options.collective == "alltoall" else "ring")
     if options.collective == "allreduce":
-        demo = run_demo(options.ranks, options.length, algorithm)
+        demo = run_demo(options.ranks, options.length, algorithm, layout=layout(options))
     else:
         from syncsgd.apps.demo_parts import run_collective_demo
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from syncsgd import collectives
 from syncsgd.collectives import chunk_bounds, ring_allreduce
+from syncsgd.collectives.executor import execute
 from syncsgd.comm.threads import run_threads
 
 MAX_RANKS = 16  # a demo: 2(P-1) steps of P lines each
@@ -147,8 +148,10 @@ def _rank_run(comm: Any, allreduce: Callable[..., Any], length: int
 
 
 def run_demo(ranks: int, length: int, algorithm: str = "ring",
-             allreduce: Callable[..., Any] | None = None) -> Demo:  # fmt: skip
-    """Run `algorithm` (or the given `allreduce(buf, comm, *, trace)`) on thread ranks."""
+             allreduce: Callable[..., Any] | None = None,
+             layout: collectives.Hierarchical | None = None) -> Demo:  # fmt: skip
+    """Run `algorithm` (or the given `allreduce(buf, comm, *, trace)`) on thread ranks;
+    "hierarchical" on the nodes of `layout` (default: one node)."""
     if not 1 <= ranks <= MAX_RANKS:
         raise ValueError(f"ring-demo shows 1 to {MAX_RANKS} ranks, got {ranks}")
     if not 0 <= length <= MAX_LENGTH:
@@ -164,16 +167,23 @@ def run_demo(ranks: int, length: int, algorithm: str = "ring",
                 f"it chooses {chosen} for them on {_count(ranks, 'rank')}, shown here"
             )
         algorithm = chosen
+    scheduled: Any = algorithm
+    if algorithm == "hierarchical" and allreduce is None:
+        scheduled = layout or collectives.Hierarchical((tuple(range(ranks)),))
+        allreduce = functools.partial(execute, scheduled)
+        nodes, per_node = len(scheduled.nodes), len(scheduled.nodes[0])
+        note = (f"{_count(nodes, 'node')} x {_count(per_node, 'rank')}, {scheduled.inter} "
+                "between the nodes" + ("; one node: the ring" if nodes == 1 else ""))  # fmt: skip
     function = allreduce if allreduce is not None else resolve_allreduce(algorithm)
     results = run_threads(ranks, _rank_run, function, length)
     start = [result[0] for result in results]
     per_rank = [
-        _annotate(algorithm, length, ranks, rank, result[1]) for rank, result in enumerate(results)
+        _annotate(scheduled, length, ranks, rank, result[1]) for rank, result in enumerate(results)
     ]
     final = [result[2] for result in results]
     expected = np.stack(start).sum(axis=0, dtype=np.int64)
     try:
-        rounds = schedule_rounds([collectives.schedule(algorithm, length, ranks, r)
+        rounds = schedule_rounds([collectives.schedule(scheduled, length, ranks, r)
                                   for r in range(ranks)])  # fmt: skip
     except ValueError:  # an allreduce without a schedule: one group per (phase, step)
         rounds = None
@@ -466,6 +476,8 @@ def what_moves(demo: Demo, event: Any, chunk: int, span: tuple[int, int]) -> str
             return "the buffer" + empty
         name = f"block {first}" if count == 1 else f"blocks {first}-{first + count - 1}"
         return f"{name} [{span[0]}:{span[1]}){empty}"
+    if demo.algorithm == "hierarchical":  # chunks of the node's chunk: by their elements
+        return f"elements [{span[0]}:{span[1]}){empty}"
     if bounds is None or event.phase in ("fold", "unfold"):
         return "the buffer" + empty
     count = chunk_count(demo.algorithm, demo.ranks, event.phase, event.step)

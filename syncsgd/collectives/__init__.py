@@ -4,6 +4,7 @@ library's own; broadcast, reduce, allgather, reduce-scatter and alltoall by the 
 from syncsgd.collectives.api import (
     ALGORITHMS,
     AUTO_LIBRARY_BELOW,
+    INTER_ALGORITHMS,
     LATENCY_BYTES,
     SHORT_MESSAGE_BYTES,
     allreduce,
@@ -21,6 +22,12 @@ from syncsgd.collectives.executor import (
     ring_allreduce,
     tree_allreduce,
 )
+from syncsgd.collectives.hierarchy import (
+    hierarchical_allreduce,
+    hierarchy,
+    hierarchy_of,
+    set_hierarchy,
+)
 from syncsgd.collectives.parts import (
     COLLECTIVES,
     allgather,
@@ -33,6 +40,7 @@ from syncsgd.collectives.schedules import (
     COPY,
     Collective,
     CollectiveStep,
+    Hierarchical,
     chunk_bounds,
     schedule,
 )
@@ -42,10 +50,12 @@ __all__ = [
     "AUTO_LIBRARY_BELOW",
     "COLLECTIVES",
     "COPY",
+    "INTER_ALGORITHMS",
     "LATENCY_BYTES",
     "SHORT_MESSAGE_BYTES",
     "Collective",
     "CollectiveStep",
+    "Hierarchical",
     "Trace",
     "TraceEvent",
     "allgather",
@@ -57,6 +67,9 @@ __all__ = [
     "buffer_defect",
     "choose_algorithm",
     "chunk_bounds",
+    "hierarchical_allreduce",
+    "hierarchy",
+    "hierarchy_of",
     "naive_allreduce",
     "rabenseifner_allreduce",
     "recursive_doubling_allreduce",
@@ -64,5 +77,6 @@ __all__ = [
     "reduce_scatter",
     "ring_allreduce",
     "schedule",
+    "set_hierarchy",
     "tree_allreduce",
 ]

@@ -27,10 +27,14 @@ from syncsgd.collectives.executor import (
     ring_allreduce,
     tree_allreduce,
 )
+from syncsgd.collectives.hierarchy import hierarchy_of
 from syncsgd.comm.watchdog import records, watching
 from syncsgd.comm.world import constants
 
-ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree", "mpi", "auto")
+ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree", "hierarchical", "mpi",
+              "auto")
+# The flat algorithms "hierarchical" may run between the nodes.
+INTER_ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
 # MPICH 3.x (MPIR_Allreduce_intra_auto) uses recursive doubling up to this many bytes, the default
 # of MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE, and Rabenseifner above it.
 SHORT_MESSAGE_BYTES = 2048
@@ -151,10 +155,13 @@ def allreduce(
     """Sum `buf` over all ranks of `comm` in place with one of ALGORITHMS and return it.
 
     `check=False` skips the agreement round of "mpi" and "auto". Every rank must pass the same
-    `algorithm` and `check`.
+    `algorithm` and `check`. "hierarchical" runs on the nodes `set_hierarchy` kept on `comm`
+    (by default: found now, MPI's shared-memory split; thread ranks are one node).
     """
     if algorithm in _HAND_WRITTEN:
         return execute(algorithm, buf, comm, trace)
+    if algorithm == "hierarchical":  # on the nodes kept on comm (collectives.set_hierarchy)
+        return execute(hierarchy_of(comm), buf, comm, trace)
     if algorithm == "mpi":
         return _library_allreduce(buf, comm, trace, check)
     if algorithm == "auto":
@@ -181,6 +188,8 @@ def allreducer(
         raise _unknown(algorithm)
     if algorithm in _HAND_WRITTEN:  # straight to the executor: two Python calls less per use
         return functools.partial(execute, algorithm, comm=comm)
+    if algorithm == "hierarchical":
+        return functools.partial(execute, hierarchy_of(comm), comm=comm)
     if algorithm != "auto" or check:
         return functools.partial(allreduce, comm=comm, algorithm=algorithm, check=check)
     library_sum, mpi = comm.Allreduce, constants(comm)  # looked up here, once, not per call

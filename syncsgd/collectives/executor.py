@@ -18,8 +18,10 @@ from syncsgd.collectives.schedules import (
     ADD_OWN_FIRST,
     COPY,
     SCHEDULES,
+    Algorithm,
     Collective,
     CollectiveStep,
+    Hierarchical,
     schedule,
 )
 from syncsgd.comm.threads import MessageTruncated, ThreadComm
@@ -35,8 +37,10 @@ _COPIED = -1  # `arriving` of a step whose data lands straight in its place: not
 FUNCTION_NAMES = {name: name.replace("-", "_") + "_allreduce" for name in SCHEDULES}
 
 
-def function_name(algorithm: str | Collective) -> str:
+def function_name(algorithm: Algorithm) -> str:
     """The function the user called to run `algorithm`: `ring_allreduce`, `broadcast`, ..."""
+    if isinstance(algorithm, Hierarchical):
+        return "hierarchical_allreduce"
     if isinstance(algorithm, Collective):
         return algorithm.name.replace("-", "_")
     return FUNCTION_NAMES[algorithm]
@@ -133,7 +137,7 @@ _MAX_PLANS = 64  # plans kept per thread; more distinct buffer sizes start the c
 
 
 def plan_for(
-    algorithm: str | Collective, length: int, dtype: np.dtype, size: int, rank: int, comm: Any
+    algorithm: Algorithm, length: int, dtype: np.dtype, size: int, rank: int, comm: Any
 ) -> Plan:
     """This thread's plan for `algorithm` on `length` x `dtype` on `comm`; built once."""
     key = algorithm, length, dtype, size, rank, type(comm)
@@ -158,7 +162,7 @@ def plan_for(
     return result
 
 
-def sent_bytes(algorithm: str | Collective, length: int, itemsize: int, size: int,
+def sent_bytes(algorithm: Algorithm, length: int, itemsize: int, size: int,
                rank: int) -> int:  # fmt: skip
     """The bytes `rank` sends in `algorithm` on `length` elements: its messages as it posts them."""
     if size == 1:
@@ -169,7 +173,7 @@ def sent_bytes(algorithm: str | Collective, length: int, itemsize: int, size: in
 
 
 def execute(
-    algorithm: str | Collective, buf: np.ndarray, comm: Any, trace: Trace | None = None
+    algorithm: Algorithm, buf: np.ndarray, comm: Any, trace: Trace | None = None
 ) -> np.ndarray:
     """Sum `buf` over all ranks of `comm` in place by `algorithm`'s schedule and return it (or
     run another collective's schedule on it: `Collective`)."""

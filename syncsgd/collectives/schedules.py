@@ -187,6 +187,66 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
 }
 
 
+
+# -- the two-level allreduce -----------------------------------------------------------------------
+# Inside each node the ring's reduce-scatter leaves local rank l with chunk (l + 1) mod R of R
+# (summed over the node); the ranks of local index l on every node allreduce that chunk by a flat
+# schedule among themselves; the ring's allgather then spreads the finished chunks in the node.
+
+
+class Hierarchical(NamedTuple):
+    """The two-level allreduce on `nodes` (each the ranks of one node, all of one size), with the
+    flat algorithm `inter` between the nodes."""
+
+    nodes: tuple[tuple[int, ...], ...]
+    inter: str = "ring"
+
+
+def _renumbered(step: CollectiveStep, ranks: tuple[int, ...], phase: str, offset: int
+                ) -> CollectiveStep:  # fmt: skip
+    """A step of a schedule among `ranks` (numbered 0, 1, ...), on a part of the buffer that
+    starts at element `offset`."""
+    send, recv = step.send, step.recv
+    return step._replace(
+        phase=phase, send_to=ranks[step.send_to] if step.send_to >= 0 else -1,
+        recv_from=ranks[step.recv_from] if step.recv_from >= 0 else -1,
+        send=slice(send.start + offset, send.stop + offset) if step.send_to >= 0 else _NONE,
+        recv=slice(recv.start + offset, recv.stop + offset) if step.recv_from >= 0 else _NONE,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def hierarchical_schedule(spec: Hierarchical, length: int, size: int, rank: int) -> Schedule:
+    """Ring reduce-scatter inside the node, `spec.inter` among the ranks of the same local index
+    on every node, ring allgather inside the node."""
+    node = next(n for n, members in enumerate(spec.nodes) if rank in members)
+    members = spec.nodes[node]
+    local, per_node = members.index(rank), len(members)
+    inside = ring_schedule(length, per_node, local)
+    bounds = chunk_bounds(length, per_node)
+    owned = (local + 1) % per_node  # the chunk the node's reduce-scatter completes here
+    start, stop = bounds[owned], bounds[owned + 1]
+    peers = tuple(ranks[local] for ranks in spec.nodes)  # the same local index on every node
+    across = tuple(_renumbered(step, peers, "inter-node " + step.phase, start)
+                   for step in SCHEDULES[spec.inter](stop - start, len(spec.nodes), node))
+    within = [_renumbered(step, members, step.phase, 0) for step in inside]
+    half = len(within) // 2  # the ring: P-1 reduce-scatter steps, then P-1 allgather steps
+    return (*within[:half], *across, *within[half:])
+
+
+def hierarchy_defect(spec: Hierarchical, size: int) -> str | None:
+    """Why `spec` cannot run on `size` ranks, or None if it can."""
+    if spec.inter not in SCHEDULES:
+        return (f"no inter-node algorithm {spec.inter!r} (choose "
+                f"{', '.join(SCHEDULES)})")  # fmt: skip
+    sizes = sorted({len(ranks) for ranks in spec.nodes})
+    if len(sizes) != 1 or sizes[0] == 0:
+        return (f"the nodes hold {', '.join(str(len(r)) for r in spec.nodes)} ranks: the "
+                "hierarchical allreduce needs the same number of ranks on every node")
+    if sorted(rank for ranks in spec.nodes for rank in ranks) != list(range(size)):
+        return f"the nodes {spec.nodes} are not the ranks 0 to {size - 1}, each once"
+    return None
+
 # -- the other collectives, each on one buffer of P blocks -----------------------------------------
 # Block b is chunk_bounds(length, P)'s chunk b. Broadcast and reduce move the whole buffer (the
 # ring: block by block); allgather starts with rank r's data in block r and ends with every block;
@@ -425,13 +485,22 @@ def part_schedule(collective: Collective, length: int, size: int, rank: int) -> 
     return _rooted(steps_of(length, size, relative), root, size)
 
 
-def schedule(algorithm: str | Collective, length: int, size: int, rank: int) -> Schedule:
+# What the executor runs: an allreduce by name, another collective, or the two-level allreduce.
+Algorithm = str | Collective | Hierarchical
+
+
+def schedule(algorithm: Algorithm, length: int, size: int, rank: int) -> Schedule:
     """The steps `rank` takes in a hand-written allreduce (or another collective) of `length`
     elements on `size` ranks."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not in a communicator of size {size}")
     if isinstance(algorithm, Collective):
         return part_schedule(algorithm, length, size, rank)
+    if isinstance(algorithm, Hierarchical):
+        defect = hierarchy_defect(algorithm, size)
+        if defect:
+            raise ValueError(defect)
+        return hierarchical_schedule(algorithm, length, size, rank)
     try:
         steps_of = SCHEDULES[algorithm]
     except KeyError:

@@ -618,6 +618,7 @@ class ThreadComm:
         self._buf: Any = None  # the caller's array of the last claim, its memory's owner, and
         self._owner: Any = None  # the world's epoch when this rank last found no sharing
         self._epoch = -1
+        self.attributes: dict[str, Any] = {}  # MPI's attribute caching: kept on Dup
 
     def __repr__(self) -> str:
         return f"ThreadComm(rank={self._rank}, size={self._world.size})"
@@ -651,7 +652,9 @@ class ThreadComm:
         self._check_caller()
         made = self._world.__dict__.setdefault("duplicates", [0] * self._world.size)
         made[self._rank] += 1
-        return _Duplicate(self._world, self._rank, 2 * made[self._rank])
+        duplicate = _Duplicate(self._world, self._rank, 2 * made[self._rank])
+        duplicate.attributes = dict(self.attributes)
+        return duplicate
 
     def _check_caller(self) -> None:
         """Refuse a call from a rank of another world (an inner run_threads' rank calling its

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.collectives import ALGORITHMS
+from syncsgd.collectives import ALGORITHMS, INTER_ALGORITHMS
 from syncsgd.nn.losses import loss_entry
 from syncsgd.nn.losses import names as loss_names
 from syncsgd.nn.mlp import ACTIVATIONS, BATCHNORMS
@@ -252,6 +252,15 @@ class TrainConfig:
     )  # fmt: skip
     algorithm: str = option("ring", "the allreduce algorithm", group=RANKS, choices=ALGORITHMS,
                             list_choices=True, fingerprint=False)  # fmt: skip
+    ranks_per_node: int | None = option(
+        None, "--algorithm hierarchical: nodes of this many consecutive ranks", group=RANKS,
+        type=positive_int, check=at_least(1), metavar="R", fingerprint=False, verify=False,
+        shown="MPI's shared-memory split; thread ranks are one node",
+    )  # fmt: skip
+    inter_algorithm: str = option(
+        "ring", "--algorithm hierarchical: the allreduce among the nodes", group=RANKS,
+        choices=INTER_ALGORITHMS, fingerprint=False, verify=False,
+    )  # fmt: skip
     allreduce_dtype: str | None = option(
         None, "compress the gradient sums to this format for the allreduce (Horovod's fp16)",
         group=RANKS, choices=ALLREDUCE_DTYPES, shown="the model's dtype",
@@ -329,6 +338,10 @@ class TrainConfig:
                  "--allreduce-dtype rounds the sums by how the batch is split: not with --exact")
         _check_batchnorm(self)
         _check_sharding(self)
+        _require(self.algorithm == "hierarchical" or (self.ranks_per_node is None
+                                                       and self.inter_algorithm == "ring"),
+                 "--ranks-per-node and --inter-algorithm shape --algorithm hierarchical: give "
+                 "it too")  # fmt: skip
         _check_model(self)
         _check_tokens(self)
         _check_labels(self)

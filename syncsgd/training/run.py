@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.comm.watchdog import Watched
+from syncsgd.collectives import set_hierarchy
+from syncsgd.comm.watchdog import Watched, watching
 from syncsgd.comm.world import constants
 from syncsgd.nn.arrays import shape_size
 from syncsgd.nn.losses import loss_entry
@@ -283,8 +284,10 @@ def check_agreement(comm: Any, run: Run) -> None:
     buckets - which the fingerprint leaves out (a checkpoint may be resumed with others): each
     step's allreduce trusts that every rank passes the same buffers (check=False).
     """
-    config, comm = run.config, Watched(comm, "the start-up agreement")
-    agreed = f"{run.fingerprint} {config.algorithm} {config.bucket_bytes}"
+    config, world = run.config, comm
+    comm = Watched(world, "the start-up agreement")
+    agreed = (f"{run.fingerprint} {config.algorithm} {config.bucket_bytes} "
+              f"{config.ranks_per_node} {config.inter_algorithm}")  # fmt: skip
     mine = np.frombuffer(hashlib.sha256(agreed.encode()).digest(), np.uint8).copy()
     root = mine.copy()
     comm.Bcast(root, root=0)
@@ -297,6 +300,12 @@ def check_agreement(comm: Any, run: Run) -> None:
             "fingerprints differ from rank 0's); start every rank with the same command and files"
         )
     check_micro_batches(config, run.model, comm.Get_size())
+    if config.algorithm == "hierarchical":  # the nodes, kept on the communicator for every step
+        with watching("the hierarchical allreduce's split into nodes"):
+            try:
+                set_hierarchy(world, config.ranks_per_node, config.inter_algorithm)
+            except ValueError as exc:  # the same layout, so the same error, on every rank
+                raise AgreedError(str(exc)) from None
 
 
 def check_micro_batches(config: TrainConfig, model: Network, ranks: int) -> None:

@@ -37,7 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.collectives import ALGORITHMS, Trace, allreducer, ring_allreduce
+from syncsgd.apps.bench import stats
+from syncsgd.collectives import (
+    ALGORITHMS,
+    INTER_ALGORITHMS,
+    Trace,
+    allreducer,
+    ring_allreduce,
+    set_hierarchy,
+)
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.watchdog import watching, within_timeout
 from syncsgd.comm.world import constants, launch, resolve_backend
@@ -130,20 +138,27 @@ def slowest(comm: Any, seconds: float) -> float:
 
 
 def time_batch(comm: Any, op: Callable[[np.ndarray], Any], buf: np.ndarray, iters: int,
-               what: str = "a timed batch of allreduces") -> float:  # fmt: skip
-    """Per-op seconds of `iters` back-to-back calls, as seen by the slowest rank.
+               what: str = "a timed batch of allreduces",
+               laps: list[float] | None = None) -> float:  # fmt: skip
+    """Per-op seconds of `iters` back-to-back calls, as seen by the slowest rank; `laps` gets
+    this rank's time of each call.
 
     One untimed call first: the batches of different algorithms alternate, and the first call
     after another algorithm's pays for bringing this one's buffers back into the caches (at 8 MiB,
     with a few calls per batch, that alone moved the ratio of two identical library calls by 10%).
     """
+    clock = time.perf_counter
     with watching(what):  # what --timeout names if the library's call hangs
         op(buf)
         comm.Barrier()
-        start = time.perf_counter()
+        start = lap = clock()
         for _ in range(iters):
             op(buf)
-        return slowest(comm, (time.perf_counter() - start) / iters)
+            if laps is not None:
+                now = clock()
+                laps.append(now - lap)
+                lap = now
+        return slowest(comm, (clock() - start) / iters)
 
 
 def check_agreement(comm: Any, ops: dict[str, Callable], count: int, dtype: np.dtype) -> None:
@@ -174,11 +189,13 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
         warm = max(time_batch(comm, op, buf, options.warmup) for op in ops.values())
         iters = int(min(max(options.batch_seconds / max(warm, 1e-9), 1), options.max_iters))
         times: dict[str, list[float]] = {name: [] for name in ops}
+        laps: dict[str, list[float]] = {name: [] for name in ops}  # this rank's, per call
         for batch in range(options.batches):
             order = list(ops) if batch % 2 == 0 else list(reversed(ops))  # ABBA interleaving
             for name in order:
-                times[name].append(time_batch(comm, ops[name], buf, iters))
+                times[name].append(time_batch(comm, ops[name], buf, iters, laps=laps[name]))
         for name in ops:
+            spread = stats.summarize(stats.gathered(comm, laps[name]))
             seconds = statistics.median(times[name])
             paired = [base / mine for base, mine in zip(times[BASELINE], times[name], strict=True)]
             algbw = nbytes / seconds / 1e9
@@ -189,12 +206,13 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
                 "algorithm": name,
                 "time_us": seconds * 1e6,
                 "algbw_GBps": algbw,
-                "busbw_GBps": algbw * 2 * (size - 1) / size,
+                "busbw_GBps": stats.busbw("allreduce", algbw, size),
                 # busbw / busbw_mpi, round by round (and defined at P = 1 too)
                 "vs_mpi": statistics.median(paired),
                 "vs_mpi_of_medians": statistics.median(times[BASELINE]) / seconds,
                 "iters": iters,
                 "batches": options.batches,
+                **spread,
                 "batch_us": [t * 1e6 for t in times[name]],  # JSON only
             }
             rows.append(row)
@@ -204,10 +222,11 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
 
 COLUMNS = ("size_bytes", "count", "dtype", "algorithm", "time_us", "algbw_GBps", "busbw_GBps",
            "vs_mpi", "vs_mpi_of_medians")  # fmt: skip
-CSV_COLUMNS = [*COLUMNS, "iters", "batches"]
+CSV_COLUMNS = [*COLUMNS, *stats.FIELDS, "iters", "batches"]
 HEADER = (
     f"{'size (B)':>10} {'count':>9} {'dtype':>7} {'algorithm':>18} {'time (us)':>10} "
-    f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'paired':>7} {'medians':>7}"
+    f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'paired':>7} {'medians':>7} {'min':>9} "
+    f"{'p99':>9} {'max':>9} {'cv':>5} {'ranks avg':>9} {'min':>9} {'max':>9}"
 )
 
 
@@ -217,7 +236,9 @@ def format_row(row: dict, baseline: str = BASELINE) -> str:
     return (
         f"{row['size_bytes']:>10} {row['count']:>9} {row['dtype']:>7} {name:>18} "
         f"{row['time_us']:>10.2f} {row['algbw_GBps']:>10.3f} {row['busbw_GBps']:>10.3f} "
-        f"{row['vs_mpi']:>7.2f} {row['vs_mpi_of_medians']:>7.2f}"
+        f"{row['vs_mpi']:>7.2f} {row['vs_mpi_of_medians']:>7.2f} {row['iter_min_us']:>9.2f} "
+        f"{row['iter_p99_us']:>9.2f} {row['iter_max_us']:>9.2f} {row['iter_cv']:>5.2f} "
+        f"{row['rank_avg_us']:>9.2f} {row['rank_min_us']:>9.2f} {row['rank_max_us']:>9.2f}"
     )
 
 
@@ -290,18 +311,17 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
     master_process = comm.Get_rank() == 0
     backend = "threads" if isinstance(comm, ThreadComm) else "mpi"
     baseline = THREADS_BASELINE if backend == "threads" else BASELINE
+    nodes = hierarchy_line(comm, options)
     if master_process:
-        print(f"# allreduce sweep: {comm.Get_size()} ranks, {backend} backend, {options.dtype}")
-        print(f"# baseline '{baseline}': {library_name(comm)}")
-        print(f"# time: median over {options.batches} rounds of the slowest rank's per-op time")
-        print(f"# {PAIRED}\n# {MEDIANS}")
-        print(HEADER, flush=True)
+        print_header(comm, options, baseline, nodes)
 
     def report(row: dict) -> None:
         if master_process:
             print(format_row(row, baseline), flush=True)
 
     rows = sweep(comm, options, report)
+    if master_process:
+        print("\n".join(stats.definitions("allreduce")), flush=True)
     if baseline != BASELINE:  # the rows name the baseline as the table does
         rows = [{**row, "algorithm": baseline} if row["algorithm"] == BASELINE else row
                 for row in rows]  # fmt: skip
@@ -329,6 +349,13 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
         "rows": rows,
         "bar": bar,
     }
+    write_outputs(options, result, f"allreduce, {comm.Get_size()} ranks, {backend} backend")
+    return {"rows": rows, "bar": bar}
+
+
+def write_outputs(options: argparse.Namespace, result: dict, title: str) -> None:
+    """--json (everything), --csv (the rows, CSV_COLUMNS) and --png, those asked for."""
+    rows = result["rows"]
     if options.json:
         jsonout.write(options.json, result)
     if options.csv:
@@ -338,8 +365,37 @@ def run(comm: Any, options: argparse.Namespace) -> dict | None:
         writer.writerows(rows)
         write_text(options.csv, text.getvalue())
     if options.png:
-        draw_png(rows, options.png, f"allreduce, {comm.Get_size()} ranks, {backend} backend")
-    return {"rows": rows, "bar": bar}
+        draw_png(rows, options.png, title)
+
+
+def print_header(comm: Any, options: argparse.Namespace, baseline: str, nodes: str | None
+                 ) -> None:  # fmt: skip
+    """The lines above the table: the run, the baseline, the nodes, what the columns hold."""
+    backend = "threads" if isinstance(comm, ThreadComm) else "mpi"
+    print(f"# allreduce sweep: {comm.Get_size()} ranks, {backend} backend, {options.dtype}")
+    print(f"# baseline '{baseline}': {library_name(comm)}")
+    if nodes:
+        print(f"# {nodes}")
+    print(f"# time: median over {options.batches} rounds of the slowest rank's per-op time")
+    print(f"# {PAIRED}\n# {MEDIANS}")
+    print(HEADER, flush=True)
+
+
+def hierarchy_line(comm: Any, options: argparse.Namespace) -> str | None:
+    """With "hierarchical" among the algorithms: find and keep the nodes (a collective call);
+    what they are, in one line."""
+    if "hierarchical" not in options.algorithms:
+        return None
+    spec = set_hierarchy(comm, options.ranks_per_node, options.inter_algorithm)
+    nodes, per_node = len(spec.nodes), len(spec.nodes[0])
+    found = "MPI's shared-memory split"
+    if options.ranks_per_node:
+        found = "--ranks-per-node"
+    elif isinstance(comm, ThreadComm):
+        found = "threads: one process"
+    alone = "; one node: the ring" if nodes == 1 else ""
+    return (f"hierarchical: {nodes} node(s) x {per_node} rank(s) ({found}), {spec.inter} between "
+            f"the nodes{alone}")  # fmt: skip
 
 
 def traced_calls(comm: Any, options: argparse.Namespace) -> None:
@@ -428,8 +484,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=algorithm_list,
         default=["ring"],
         help="hand-written algorithms to time against the library's, e.g. "
-        "ring,recursive-doubling,rabenseifner,tree,naive,auto (default ring)",
+        "ring,recursive-doubling,rabenseifner,tree,naive,hierarchical,auto (default ring)",
     )
+    parser.add_argument("--ranks-per-node", type=positive_int, metavar="R",
+                        help="--algorithms hierarchical: nodes of R consecutive ranks (default: "
+                        "MPI's shared-memory split; thread ranks are one node)")  # fmt: skip
+    parser.add_argument("--inter-algorithm", choices=INTER_ALGORITHMS, default="ring",
+                        help="--algorithms hierarchical: the allreduce among the nodes (ring)")
     writes(parser.add_argument("--timeline", metavar="PATH",
                                help="after the sweep, one traced call per algorithm and size as "
                                "a Chrome trace (one row per rank, a span per step)"))  # fmt: skip
