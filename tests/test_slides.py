@@ -239,3 +239,28 @@ def test_figures_say_microseconds_not_us():
     figure = bench_allreduce.sweep_figure(sweep_rows(3), "3 ranks")
     texts = [artist.get_text() for artist, _, _ in figures.drawn_texts(figure) if artist]
     assert "time (µs)" in texts and not any("(us)" in text for text in texts)
+
+
+@pytest.mark.parametrize(("algorithm", "expected"), [
+    ("ring", "sends, round 1-30: r → r+1 mod 16"),
+    ("rabenseifner", "sends, round 1: r ↔ r xor 1; 2: r ↔ r xor 2; 3: r ↔ r xor 4; 4-5: r ↔ "
+                     "r xor 8"),
+    ("naive", "sends, round 1: 1→0; 2: 2→0; 3: 3→0;"),
+])  # fmt: skip
+def test_the_compact_grid_says_who_sends_to_whom(algorithm, expected):
+    canvas = demo_png.grid_canvas(demo.run_demo(16, 16, algorithm))
+    texts = [artist.get_text() for artist, _ in canvas.boxes]
+    assert any(text.startswith(expected) for text in texts), texts[-6:]
+
+
+def test_every_round_of_every_rank_has_its_peer_in_the_rule():
+    for algorithm in ("ring", "recursive-doubling", "tree"):
+        run = demo.run_demo(5, 8, algorithm)
+        for _, group in run.steps:
+            rule = demo_png.peer_rule(group, 5)
+            sent = [(s.event.rank, s.send_to) for s in group if s.send_to >= 0]
+            if "r → r+" in rule:
+                shift = int(rule.split("+")[1].split()[0])
+                assert all(to == (r + shift) % 5 for r, to in sent)
+            elif "xor" not in rule:
+                assert rule == ", ".join(f"{r}→{to}" for r, to in sorted(sent))
