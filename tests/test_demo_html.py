@@ -280,3 +280,23 @@ def test_screenshots_at_projector_sizes(tmp_path, browser, width, height):
     # the round's title, the buffers and the counters are on screen, not scrolled away
     bottom = browser.value("document.getElementById('rank-7').getBoundingClientRect().bottom")
     assert bottom <= height
+
+
+@needs_chromium
+@pytest.mark.parametrize("ranks", [3, 8])
+def test_the_page_is_legible_at_1920_by_1080(tmp_path, browser, ranks):
+    path = tmp_path / "demo.html"
+    demo_html.write_html(demo.run_demo(ranks, 8, "ring"), str(path))
+    browser.open(f"{path.as_uri()}#step=3", 1920, 1080)
+    smallest = browser.value(
+        "Math.min(...[...document.querySelectorAll('h1, #title, #explain, td, .legend, p, "
+        ".controls')].filter(e => e.offsetParent !== null && e.textContent.trim())"
+        ".map(e => parseFloat(getComputedStyle(e).fontSize)))")  # fmt: skip
+    assert smallest >= 24
+    graph = browser.value("document.getElementById('topology').getBoundingClientRect().width")
+    assert graph >= 500  # not squeezed into a corner
+    side = "document.querySelector('.layout > div')"
+    assert browser.value(f"{side}.scrollWidth <= {side}.clientWidth + 1")
+    bottom = browser.value(f"document.getElementById('rank-{ranks - 1}')"
+                           ".getBoundingClientRect().bottom")  # fmt: skip
+    assert bottom <= 1080

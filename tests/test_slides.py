@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from syncsgd.apps import costmodel, demo, demo_png  # noqa: E402
+from syncsgd.apps import costmodel, costmodel_parts, demo, demo_png, study  # noqa: E402
+from syncsgd.apps.bench import allreduce as bench_allreduce  # noqa: E402
 from syncsgd.apps.demo_core import ranks_summed  # noqa: E402
 from syncsgd.cli import main  # noqa: E402
 from syncsgd.training import timeline  # noqa: E402
@@ -64,14 +65,36 @@ def demo_figures(ranks: int) -> dict[str, object]:
     }
 
 
+def sweep_rows(ranks: int) -> list[dict]:
+    """Rows like bench allreduce's: every algorithm and its baseline, sizes 8 B to 64 MiB."""
+    return [{"algorithm": name, "size_bytes": size, "time_us": 10 + size * ranks / 1e3,
+             "busbw_GBps": size / (10 + size / 1e3) / 1e3}
+            for name in ("ring", "recursive-doubling", "rabenseifner", "tree", "naive",
+                         "numpy-sum")
+            for size in (8, 1 << 10, 1 << 20, 64 << 20)]  # fmt: skip
+
+
+def study_rows(ranks: int) -> tuple[list, study.Knee]:
+    """A batch-size study of `ranks` batch sizes: steps halve until the knee."""
+    rows = [study.Row(16 << k, max(4, 200 >> k), 0.1, 0.9, noise_scale=60.0 + k)
+            for k in range(ranks)]  # fmt: skip
+    return rows, study.Knee(4.0, 800.0, 200.0)
+
+
 @pytest.mark.parametrize("ranks", RANKS)
-def test_every_figure_is_legible_on_a_slide(ranks):
+def test_every_figure_is_legible_on_a_slide(ranks, tmp_path):
+    params = costmodel.Params(costmodel.DEFAULT_ALPHA, costmodel.DEFAULT_BETA,
+                              costmodel.DEFAULT_GAMMA)  # fmt: skip
     drawn = {**demo_figures(ranks),
              "timeline": timeline.gantt_figure(train_trace(ranks), "train"),
-             "calls": timeline.gantt_figure(calls_trace(ranks), "bench")}  # fmt: skip
+             "20 steps": timeline.gantt_figure(train_trace(ranks, 20), "train"),
+             "calls": timeline.gantt_figure(calls_trace(ranks), "bench"),
+             "bench": bench_allreduce.sweep_figure(sweep_rows(ranks), f"{ranks} ranks"),
+             "study": study.study_figure(*study_rows(ranks), "batch-size study"),
+             "why the ring": costmodel_parts.draw_scaling(str(tmp_path / "ring.png"), 64 << 20,
+                                                          8 * ranks, params, costmodel.ALGORITHMS),
+             }  # fmt: skip
     if ranks == RANKS[-1]:  # one model figure has a panel per P
-        params = costmodel.Params(costmodel.DEFAULT_ALPHA, costmodel.DEFAULT_BETA,
-                                  costmodel.DEFAULT_GAMMA)  # fmt: skip
         drawn["model"] = costmodel.model_figure(RANKS, [1024], costmodel.ALGORITHMS, params)
     for name, figure in drawn.items():
         assert figures.slide_scale(figure) == pytest.approx(1.0, abs=1e-3), name
@@ -175,3 +198,69 @@ def test_other_extensions_are_refused_in_one_line(tmp_path, monkeypatch, capsys,
     assert re.fullmatch(r"syncsgd \S+: error: argument [-a-z]+: .*\.png, \.svg or \.pdf.*\n",
                         capsys.readouterr().err)  # fmt: skip
     assert list(tmp_path.iterdir()) == []
+
+
+def line_styles(figure) -> dict[str, tuple]:
+    """Each labelled line's colour, marker and dashes, by label."""
+    from matplotlib.colors import to_hex
+
+    return {line.get_label(): (to_hex(line.get_color()), line.get_marker(), line.get_linestyle())
+            for axes in figure.axes for line in axes.get_lines()
+            if not line.get_label().startswith("_")}  # fmt: skip
+
+
+def test_an_algorithm_has_one_colour_marker_and_dashes_in_every_figure(tmp_path):
+    params = costmodel.Params(costmodel.DEFAULT_ALPHA, costmodel.DEFAULT_BETA,
+                              costmodel.DEFAULT_GAMMA)  # fmt: skip
+    model = line_styles(costmodel.model_figure([8], [1024], costmodel.ALGORITHMS, params))
+    ring = line_styles(costmodel_parts.draw_scaling(str(tmp_path / "r.png"), 64 << 20, 64,
+                                                    params, ["ring", "rabenseifner", "tree"]))
+    bench = line_styles(bench_allreduce.sweep_figure(sweep_rows(4), "4 ranks"))
+    for name in ("ring", "rabenseifner", "tree"):
+        assert model[name] == ring[name] == bench[name], name
+    assert model["recursive-doubling"] == bench["recursive-doubling"]
+    assert len({model[name] for name in costmodel.ALGORITHMS}) == len(costmodel.ALGORITHMS)
+    assert len({model[name][0] for name in costmodel.ALGORITHMS}) == len(
+        costmodel.ALGORITHMS)  # a colour each, not only a marker each
+
+
+def test_a_long_timeline_shows_a_few_steps_with_labels_apart():
+    figure = timeline.gantt_figure(train_trace(4, 20), "train")
+    labels = [artist for artist, _, _ in figures.drawn_texts(figure)
+              if artist is not None and artist.get_text().startswith("step ")]  # fmt: skip
+    renderer = figure.canvas.get_renderer()
+    assert [t.get_text() for t in labels] == ["step 1", "step 2", "step 3", "step 4"]
+    boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda box: box.x0)
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:], strict=False))
+    assert "steps 1-4 of the timed 1-19" in figure.axes[0].get_title()
+
+
+def test_figures_say_microseconds_not_us():
+    figure = bench_allreduce.sweep_figure(sweep_rows(3), "3 ranks")
+    texts = [artist.get_text() for artist, _, _ in figures.drawn_texts(figure) if artist]
+    assert "time (µs)" in texts and not any("(us)" in text for text in texts)
+
+
+@pytest.mark.parametrize(("algorithm", "expected"), [
+    ("ring", "sends, round 1-30: r → r+1 mod 16"),
+    ("rabenseifner", "sends, round 1: r ↔ r xor 1; 2: r ↔ r xor 2; 3: r ↔ r xor 4; 4-5: r ↔ "
+                     "r xor 8"),
+    ("naive", "sends, round 1: 1→0; 2: 2→0; 3: 3→0;"),
+])  # fmt: skip
+def test_the_compact_grid_says_who_sends_to_whom(algorithm, expected):
+    canvas = demo_png.grid_canvas(demo.run_demo(16, 16, algorithm))
+    texts = [artist.get_text() for artist, _ in canvas.boxes]
+    assert any(text.startswith(expected) for text in texts), texts[-6:]
+
+
+def test_every_round_of_every_rank_has_its_peer_in_the_rule():
+    for algorithm in ("ring", "recursive-doubling", "tree"):
+        run = demo.run_demo(5, 8, algorithm)
+        for _, group in run.steps:
+            rule = demo_png.peer_rule(group, 5)
+            sent = [(s.event.rank, s.send_to) for s in group if s.send_to >= 0]
+            if "r → r+" in rule:
+                shift = int(rule.split("+")[1].split()[0])
+                assert all(to == (r + shift) % 5 for r, to in sent)
+            elif "xor" not in rule:
+                assert rule == ", ".join(f"{r}→{to}" for r, to in sorted(sent))

@@ -142,3 +142,12 @@ def test_bf16_is_judged_by_its_own_tolerance_and_a_real_mismatch_in_it_still_fai
     assert main(["verify", "--ranks", "2", "--precision", "bf16", "--pitfall", "unsynced-shuffle",
                  "--steps", "20"]) == 1  # fmt: skip
     assert "MISMATCH: P = 2 differ" in capsys.readouterr().out
+
+
+def test_the_figure_is_a_legible_slide(report):
+    from syncsgd.apps import verify_report
+    from syncsgd.util import figures
+
+    figure = verify_report.heatmap_figure(report[1])
+    assert figures.slide_scale(figure) == pytest.approx(1.0, abs=1e-3)
+    assert figures.legibility(figure) == []

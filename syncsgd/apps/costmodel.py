@@ -64,6 +64,7 @@ from syncsgd.util.files import check_writable
 from syncsgd.util.options import JSON, RANK_COUNTS, reads, writes
 
 if TYPE_CHECKING:
+    from syncsgd.apps.costmodel_buckets import RingLine
     from syncsgd.nn.network import Network
 
 ALGORITHMS = ("ring", "naive", "recursive-doubling", "rabenseifner", "tree")
@@ -636,6 +637,8 @@ def main(options: argparse.Namespace, extra: Extra | None = None) -> int:
         table = overlap_table(network, options.shard, options.flops, options.itemsize,
                               options.ranks, params)  # fmt: skip
         lines += describe_overlap(table, network, options.shard, options.flops)
+        lines += describe_derivation(table, network, options.shard, options.flops,
+                                     options.itemsize, params)  # fmt: skip
         result["overlap"] = table
     if extra is not None:
         lines += extra(options, params, result)
@@ -848,16 +851,83 @@ def overlap_table(network: Network, shard: int, flops: float, itemsize: int,
     rows = []
     for p in ranks:
         seen = set()
-        for choice in bucket_choices(network, itemsize):
+        derived = derived_bucket_bytes(network, shard, flops, itemsize, p, params)
+        for choice in with_derived(bucket_choices(network, itemsize), derived):
             parts = step_parts(network, shard, flops, itemsize, p, choice, params)
-            if parts.comms in seen:  # the same cut as a smaller choice
+            if parts.comms in seen and choice != derived:  # the same cut as a smaller choice
                 continue
             seen.add(parts.comms)
             rows.append({"ranks": p, "bucket_bytes": choice, "buckets": len(parts.comms),
                          "compute_s": parts.forward + parts.backward + parts.update,
                          "comm_s": sum(parts.comms), "plain_s": plain_step(parts),
-                         "overlap_s": overlapped_step(parts)})  # fmt: skip
+                         "overlap_s": queued_overlap_step(network, parts, choice),
+                         "derived": choice == derived})  # fmt: skip
     return rows
+
+
+def with_derived(choices: list[int | None], derived: int) -> list[int | None]:
+    """The bucket sizes to compare with the derived optimum among them, in increasing order."""
+    sizes = sorted({*(c for c in choices if c is not None), derived})
+    return [*sizes, None] if None in choices else [*sizes]
+
+
+def ring_line(ranks: int, params: Params) -> RingLine:
+    """One ring allreduce as a + s·b: a = 2(P-1)α per bucket, s per byte."""
+    from syncsgd.apps.costmodel_buckets import RingLine
+
+    ring = cost("ring", ranks)
+    return RingLine(ring.a * params.alpha, ring.b * params.beta + ring.c * params.gamma)
+
+
+def derived_bucket_bytes(network: Network, shard: int, flops: float, itemsize: int, ranks: int,
+                         params: Params) -> int:  # fmt: skip
+    """The bucket size that minimises the exposed tail (docs/overlap.md derives it)."""
+    from syncsgd.apps.costmodel_buckets import optimal_bucket_bytes
+
+    backward = shard * network.step_multiply_adds()[1] / flops
+    best = optimal_bucket_bytes(network.n_params * itemsize, backward, ring_line(ranks, params))
+    return max(1, round(best))
+
+
+def queued_overlap_step(network: Network, parts: StepParts, bucket_bytes: int | None) -> float:
+    """The overlapped step, each bucket sent once the backward pass has completed it."""
+    from syncsgd.apps.costmodel_buckets import queued_step, ready_seconds
+    from syncsgd.training.step import MIN_RIDER_SLOTS, bucket_slices
+
+    buffer = np.empty(network.n_params + MIN_RIDER_SLOTS, network.dtype)
+    ready = ready_seconds(network, bucket_slices(network, buffer, bucket_bytes), parts.backward)
+    return queued_step(parts.forward, parts.backward, parts.comms, ready, parts.update)
+
+
+def describe_derivation(table: list[dict[str, Any]], network: Network, shard: int, flops: float,
+                        itemsize: int, params: Params) -> list[str]:  # fmt: skip
+    """Per P, the derived bucket size with the terms it comes from, and its predicted step."""
+    backward = shard * network.step_multiply_adds()[1] / flops
+    nbytes = network.n_params * itemsize
+    lines = [f"# the derived bucket size b* = min(n·sqrt(a/T_b), a/(T_b/n - s)) (docs/overlap.md): "
+             f"n = {format_bytes(nbytes)} of gradient, backward T_b = {format_seconds(backward)}, "
+             "a = 2(P-1)α per bucket, s = 2(P-1)/P·β + (P-1)/P·γ per byte"]  # fmt: skip
+    for p in sorted({row["ranks"] for row in table}):
+        line = ring_line(p, params)
+        rows = [row for row in table if row["ranks"] == p]
+        derived = next(row for row in rows if row["derived"])
+        best = min(rows, key=lambda row: row["overlap_s"])
+        agrees = ("the best of the table" if derived is best else
+                  f"the table's best is {_bucket_shown(best['bucket_bytes'])}, "
+                  f"{format_seconds(best['overlap_s'])}: b* takes equal buckets of a gradient "
+                  "produced evenly; the table, whole tensors complete layer by layer")  # fmt: skip
+        size = derived_bucket_bytes(network, shard, flops, itemsize, p, params)
+        lines.append(f"#   P = {p}: a = {format_seconds(line.latency)}, s = {line.per_byte:.3g} "
+                     f"s/B: b* = {format_bytes(size)}, step {format_seconds(derived['overlap_s'])}"
+                     f" ({agrees})")  # fmt: skip
+    return lines
+
+
+def _bucket_shown(bucket_bytes: int | None) -> str:
+    """--bucket-bytes as the table shows it."""
+    if bucket_bytes is None:
+        return "one"
+    return "per layer" if bucket_bytes == 0 else format_bytes(bucket_bytes)
 
 
 def describe_overlap(table: list[dict[str, Any]], network: Network, shard: int,
@@ -868,16 +938,15 @@ def describe_overlap(table: list[dict[str, Any]], network: Network, shard: int,
              f"inputs: {network.n_params} parameters, {forward:,} multiply-adds per sample "
              f"forward, {backward:,} backward",
              f"# {shard} samples per rank at "
-             f"{flops:g} multiply-adds/s, ring allreduce; overlapped = forward + max(backward, "
-             "comm of all but the first bucket) + comm of the first bucket + update",
+             f"{flops:g} multiply-adds/s, ring allreduce; overlapped: each bucket sent once the "
+             "backward pass has completed it, one at a time, the first layer's last",
              f"{'P':>6} {'--bucket-bytes':>14} {'buckets':>7} {'compute':>10} {'comm':>10} "
              f"{'plain':>10} {'overlap':>10}"]  # fmt: skip
     for p in sorted({row["ranks"] for row in table}):
         rows = [row for row in table if row["ranks"] == p]
         best = min(rows, key=lambda row: row["overlap_s"])
         for row in rows:
-            shown = "one" if row["bucket_bytes"] is None else (
-                "per layer" if row["bucket_bytes"] == 0 else format_bytes(row["bucket_bytes"]))
+            shown = ("b* " if row.get("derived") else "") + _bucket_shown(row["bucket_bytes"])
             lines.append(
                 f"{p:>6} {shown:>14} {row['buckets']:>7} {format_seconds(row['compute_s']):>10} "
                 f"{format_seconds(row['comm_s']):>10} {format_seconds(row['plain_s']):>10} "
@@ -1059,11 +1128,9 @@ def model_figure(ranks: Sequence[int], sizes: Sequence[int], algorithms: Sequenc
 
 def _styles(algorithms: Sequence[str]) -> dict[str, dict[str, Any]]:
     """An Okabe-Ito colour, a dash pattern and a marker per algorithm: told apart without colour."""
-    from syncsgd.util.figures import DASHES, LINE_COLOURS, MARKERS
+    from syncsgd.util.figures import algorithm_style
 
-    return {name: {"color": LINE_COLOURS[i % len(LINE_COLOURS)],
-                   "linestyle": DASHES[i % len(DASHES)], "marker": MARKERS[i % len(MARKERS)]}
-            for i, name in enumerate(algorithms)}  # fmt: skip
+    return {name: algorithm_style(name, i) for i, name in enumerate(algorithms)}
 
 
 def _legend_entries(figure: Any) -> tuple[list[Any], list[str]]:

@@ -52,7 +52,14 @@ from syncsgd.apps.costmodel import (
     predict,
 )
 from syncsgd.util.argtypes import positive_int
-from syncsgd.util.figures import SLIDE_DPI, figure_path, new_figure, save
+from syncsgd.util.figures import (
+    ALGORITHM_STYLES,
+    SLIDE_DPI,
+    algorithm_style,
+    figure_path,
+    new_figure,
+    save,
+)
 from syncsgd.util.options import writes
 
 PARTS = (
@@ -164,15 +171,8 @@ def parts_json(ranks: Sequence[int], sizes: Sequence[int], params: Params) -> li
 
 # -- why the ring: time against P and against size ----------------------------------------------
 
-# Okabe and Ito's colour-blind-safe palette; every line also has its own marker and dashes.
-STYLES = {
-    "ring": ("#000000", "o", "-"),
-    "naive": ("#CC79A7", "v", (0, (1, 1))),
-    "recursive-doubling": ("#E69F00", "s", "--"),
-    "rabenseifner": ("#0072B2", "D", "-."),
-    "tree": ("#D55E00", "^", (0, (5, 1, 1, 1, 1, 1))),
-}
 FONT_POINTS = 16  # on a 1920 x 1080 slide
+RING_COLOUR = ALGORITHM_STYLES["ring"][0]  # the ring's own lines: its latency and its floor
 SCALING_RANKS = 2 ** np.arange(1, 13)  # P = 2 .. 4096
 
 
@@ -260,9 +260,8 @@ def draw_scaling(path: str, nbytes: float, ranks: int, params: Params,
 
 def _style(axes: Any, name: str, x: np.ndarray, y: np.ndarray, label: str) -> None:
     """One algorithm's line in its colour, marker and dashes."""
-    colour, marker, dashes = STYLES.get(name, ("#56B4E9", "P", ":"))
-    axes.plot(x, y, color=colour, marker=marker, linestyle=dashes, linewidth=2.5, markersize=9,
-              label=label, markevery=max(len(x) // 12, 1))  # fmt: skip
+    axes.plot(x, y, linewidth=2.5, markersize=9, label=label, markevery=max(len(x) // 12, 1),
+              **algorithm_style(name))  # fmt: skip
 
 
 def _against_ranks(axes: Any, nbytes: float, params: Params, algorithms: Sequence[str]) -> None:
@@ -272,14 +271,14 @@ def _against_ranks(axes: Any, nbytes: float, params: Params, algorithms: Sequenc
         _style(axes, name, ranks, np.array([predict(name, int(p), nbytes, params) for p in ranks]),
                name)  # fmt: skip
     latency = 2 * (ranks - 1) * params.alpha
-    axes.plot(ranks, latency, color="#009E73", linestyle="-", linewidth=1.5,
+    axes.plot(ranks, latency, color=RING_COLOUR, linestyle="-", linewidth=1.2,
               label="ring's latency 2(P-1)α")  # fmt: skip
     floor = 2 * nbytes * params.beta + nbytes * params.gamma
-    axes.axhline(floor, color="#009E73", linestyle=":", linewidth=2.5,
+    axes.axhline(floor, color=RING_COLOUR, linestyle=":", linewidth=2.5,
                  label="ring's floor 2nβ + nγ")  # fmt: skip
     turn = bandwidth_bound_from(nbytes, params)
     if ranks[0] <= turn <= ranks[-1]:
-        axes.axvline(turn, color="#56B4E9", linestyle="--", linewidth=2.5,
+        axes.axvline(turn, color="#000000", linestyle="--", linewidth=1.5,
                      label=f"P = nβ/α = {turn:.3g}")  # fmt: skip
     _finish(axes, "ranks P", f"against P at n = {format_bytes(nbytes)}: bandwidth-bound\nleft of "
                              "nβ/α, latency-bound right")  # fmt: skip
@@ -292,7 +291,7 @@ def _against_size(axes: Any, ranks: int, params: Params, algorithms: Sequence[st
         _style(axes, name, n, np.array([predict(name, ranks, x, params) for x in n]), name)
     turn = ranks * params.alpha / params.beta
     if n[0] <= turn <= n[-1]:
-        axes.axvline(turn, color="#56B4E9", linestyle="--", linewidth=2.5,
+        axes.axvline(turn, color="#000000", linestyle="--", linewidth=1.5,
                      label=f"n = Pα/β = {format_bytes(turn)}")  # fmt: skip
     _finish(axes, "message size n (bytes)",
             f"against n at P = {ranks}: latency-bound\n"

@@ -115,13 +115,13 @@ TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>@TITLE@</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>
-body { font-family: sans-serif; margin: .8em 1.2em; color: #111; font-size: 18px; }
+body { font-family: sans-serif; margin: .5em 1em; color: #111; font-size: 24px; }
 @media (max-width: 1400px) {  /* a 1024 x 768 projector: the notes move into the rows' tooltips */
   body { font-size: 15px; } td.note { display: none; }
   #topology { width: min(380px, 40vh) !important; height: min(380px, 40vh) !important; } }
-h1 { font-size: 1.4em; margin: 0 0 .3em; }
-#title { font-size: 1.3em; font-weight: bold; margin: .4em 0 .1em; }
-#explain { font-size: 1.1em; margin: 0 0 .5em; min-height: 1.3em; }
+h1 { font-size: 1.25em; margin: 0 0 .2em; }
+#title { font-size: 1.15em; font-weight: bold; margin: .3em 0 .1em; }
+#explain { font-size: 1em; margin: 0 0 .4em; min-height: 1.3em; }
 table.buffers { border-collapse: collapse; }
 table.buffers td { padding: .1em .35em; text-align: right; font-family: monospace;
   font-size: 1.05em; border: 1px solid #fff; color: #000; }
@@ -137,11 +137,17 @@ td.sent { white-space: nowrap; }
 svg line.link { stroke: #999; stroke-width: 1.5; }
 svg line.message { stroke-width: 3.5; }
 svg circle { fill: #fff; stroke: #000; stroke-width: 1.5; }
-svg text { font-size: 16px; text-anchor: middle; dominant-baseline: central; fill: #000; }
-svg text.label { font-size: 14px; font-weight: bold; paint-order: stroke; stroke: #fff;
+svg text { font-size: 17px; text-anchor: middle; dominant-baseline: central; fill: #000; }
+svg text.label { font-size: 17px; font-weight: bold; paint-order: stroke; stroke: #fff;
   stroke-width: 4px; }
 .layout { display: flex; gap: 1.5em; align-items: flex-start; flex-wrap: wrap; }
-#topology { width: min(380px, 45vh); height: min(380px, 45vh); flex: none; }
+/* the graph fills the height left under the title lines, up to half the width */
+#topology { width: min(29vw, calc(100vh - 8em)); height: min(29vw, calc(100vh - 8em));
+  flex: none; }
+@media (min-width: 1401px) { .layout { flex-wrap: nowrap; }
+  .layout > div { flex: 1 1 auto; min-width: 0; overflow-x: auto; }
+  table.buffers td { font-size: 1em; padding: .05em .25em; }
+  td.note { display: none; } }  /* the graph takes the notes' room: they are the rows' tooltips */
 code { font-size: 1em; }
 </style></head>
 <body>

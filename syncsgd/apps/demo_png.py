@@ -39,6 +39,7 @@ MONO = "DejaVu Sans Mono"  # matplotlib's own: every character the same width
 MONO_EM = 0.6021  # a DejaVu Sans Mono character's advance, in ems
 LEGEND = 2 * LINE + 14  # the legend's two lines at the bottom
 FRAME = "black"  # the range just received; never a cell colour
+MAX_PEER_LINES = 4  # who sends to whom, under the compact grid: at most this many lines
 
 
 def text_width(text: str, size: float, mono: bool = False) -> float:
@@ -302,6 +303,9 @@ def compact_canvas(demo: Demo) -> Canvas:
     rows = _rows(demo)
     names = text_width(f"rank {demo.ranks - 1}", TEXT) + 16
     phases = _phase_lines(rows, WIDTH - 16)
+    peers = _peer_lines(rows, demo.ranks, WIDTH - 16)
+    phases += peers if len(peers) <= MAX_PEER_LINES else [
+        "sends: too many pairs for this slide; --frames shows each round's"]
     top = 40 + LINE
     bottom = HEIGHT - LEGEND - len(phases) * LINE - 6
     pitch = (bottom - top) / max(demo.ranks, 1)
@@ -341,6 +345,41 @@ def _phase_lines(rows: Sequence[tuple[str, Any, Any]], width: float) -> list[str
     parts = [f"{first}: {what}" if first == last else f"{first}-{last}: {what}"
              for first, last, what in spans]  # fmt: skip
     parts[0] = "round " + parts[0]
+    return _fill(parts, "; ", width)
+
+
+def peer_rule(taken: Sequence[Snapshot | None], ranks: int) -> str:
+    """Who sends to whom in one round: 'r → r+1 mod P', 'r ↔ r xor 2', else the pairs '1→0, 3→2'."""
+    pairs = [(s.event.rank, s.send_to) for s in taken if s is not None and s.send_to >= 0]
+    if not pairs:
+        return "no messages"
+    senders = {sender for sender, _ in pairs}
+    if len(senders) == ranks:
+        masks = {sender ^ to for sender, to in pairs}
+        if len(masks) == 1:
+            return f"r ↔ r xor {masks.pop()}"
+        shifts = {(to - sender) % ranks for sender, to in pairs}
+        if len(shifts) == 1:
+            shift = shifts.pop()
+            step = f"+{shift}" if shift <= ranks // 2 else f"-{ranks - shift}"
+            return f"r → r{step} mod {ranks}"
+    return ", ".join(f"{sender}→{to}" for sender, to in sorted(pairs))
+
+
+def _peer_lines(rows: Sequence[tuple[str, Any, Any]], ranks: int, width: float) -> list[str]:
+    """'sends, round 1-14: r → r+1 mod P', consecutive rounds of one rule together, wrapped."""
+    spans: list[list[Any]] = []  # [first, last, rule]
+    for number, (_, _, taken) in enumerate(rows[1:], start=1):
+        rule = peer_rule(taken, ranks)
+        if spans and spans[-1][2] == rule:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number, rule])
+    parts = [f"{first}: {rule}" if first == last else f"{first}-{last}: {rule}"
+             for first, last, rule in spans]  # fmt: skip
+    if not parts:
+        return []
+    parts[0] = "sends, round " + parts[0]
     return _fill(parts, "; ", width)
 
 

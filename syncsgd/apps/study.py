@@ -551,38 +551,46 @@ def time_model_lines(table: Sequence[TimeRow], costs: StepCosts, gradient_bytes:
 
 def draw_png(rows: Sequence[Row], knee: Knee | None, path: str, title: str) -> None:
     """Log-log steps to target against B, perfect scaling, the fitted knee and B_simple."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     from syncsgd.util import figures
 
-    figure = Figure(figsize=(7, 4.5), layout="constrained")
-    FigureCanvasAgg(figure)
+    figures.save(study_figure(rows, knee, title), path)
+
+
+def study_figure(rows: Sequence[Row], knee: Knee | None, title: str) -> Any:
+    """The slide: steps to target against B, each series in its colour, marker and dashes."""
+    from syncsgd.util import figures
+    from syncsgd.util.figures import OKABE_ITO
+
+    figure = figures.new_figure(layout="constrained")
     axes = figure.subplots()
     met = reached(rows)
     if met:
         sizes = np.array([batch for batch, _ in met], dtype=float)
-        axes.plot(sizes, [steps for _, steps in met], "o-", label="measured (best lr per B)")
+        axes.plot(sizes, [steps for _, steps in met], linewidth=2.5, markersize=10,
+                  label="measured (best lr per B)", **figures.series_style(0))  # fmt: skip
         span = np.geomspace(sizes[0], sizes[-1], 100)
         ideal = met[0][1] * met[0][0] / span
-        axes.plot(span, ideal, ":", color="grey", label="perfect scaling (steps ∝ 1/B)")
+        axes.plot(span, ideal, ":", color="black", linewidth=2,
+                  label="perfect scaling (steps ∝ 1/B)")  # fmt: skip
         if knee is not None and knee.b_crit is not None:
             fitted = knee.s_min + knee.e_min / span
-            axes.plot(span, fitted, "--", color="C2", alpha=0.7, label="fit S_min (1 + B_crit/B)")
+            axes.plot(span, fitted, "--", color=OKABE_ITO["bluish green"], linewidth=2.5,
+                      label="fit S_min (1 + B_crit/B)")  # fmt: skip
             outside = not sizes[0] <= knee.b_crit <= sizes[-1]
             label = f"knee B_crit = {knee.b_crit:.3g}" + (" (extrapolated)" if outside else "")
-            axes.axvline(knee.b_crit, color="C2", label=label)
+            axes.axvline(knee.b_crit, color=OKABE_ITO["bluish green"], linewidth=2, label=label)
     quoted, spread = quoted_noise_scale(rows), noise_scale_range(rows)
     if quoted is not None and spread is not None and spread[0] > 0:
         label = f"noise scale B_simple = {quoted[1]:.3g} (run at B = {quoted[0]})"
-        axes.axvline(quoted[1], color="C3", linestyle="-.", label=label)
+        axes.axvline(quoted[1], color=OKABE_ITO["vermillion"], linestyle="-.", linewidth=2,
+                     label=label)  # fmt: skip
         label = f"B_simple over all B: {spread[0]:.3g} .. {spread[1]:.3g}"
-        axes.axvspan(*spread, color="C3", alpha=0.1, label=label)
+        axes.axvspan(*spread, color=OKABE_ITO["vermillion"], alpha=0.1, label=label)
     axes.set(xscale="log", yscale="log", xlabel="global batch size B", ylabel="steps to target")
-    axes.set_title(title, fontsize="medium")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize="small")
-    figures.save(figure, path)
+    axes.set_title(title)
+    axes.legend(loc="upper right")
+    figures.slide_axes(axes)
+    return figure
 
 
 def study_json(rows: Sequence[Row], knee: Knee | None, base: Any, settings: StudySettings,

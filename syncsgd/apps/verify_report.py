@@ -46,8 +46,12 @@ def colour(at: float) -> str:
 
 
 def ink(at: float) -> str:
-    """Text colour readable on viridis at `at`: white on the dark half, black on the light."""
-    return "#ffffff" if at < 0.55 else "#000000"
+    """Text colour readable on viridis at `at`: white or black, whichever contrasts more."""
+    from syncsgd.util.figures import contrast
+
+    back = [int(colour(at)[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    white = contrast(back, (1.0, 1.0, 1.0))
+    return "#ffffff" if white >= contrast(back, (0.0, 0.0, 0.0)) else "#000000"
 
 
 def cell_text(run: dict[str, Any]) -> list[str]:
@@ -195,36 +199,51 @@ def check_matplotlib() -> None:
 
 
 def write_figure(document: dict[str, Any], path: str, kind: str) -> None:
-    """The heatmap alone, as `kind` (png, svg or pdf), atomically."""
+    """The heatmap alone, as `kind` (png, svg or pdf), atomically, on a 16:9 slide."""
+    from syncsgd.util import figures
+
+    if kind not in figures.FORMATS:
+        raise ValueError(f"cannot write {path}: a figure is written as .png, .svg or .pdf")
+    figure = heatmap_figure(document)
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format=kind, dpi=figures.SLIDE_DPI)
+
+
+def heatmap_figure(document: dict[str, Any]) -> Any:
+    """The slide: a cell per configuration and P, viridis by the distance, 14-point text or more."""
     import numpy as np
     from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import Normalize
-    from matplotlib.figure import Figure
+
+    from syncsgd.util import figures
 
     rows = grid(document)
     columns = document["ranks"]
     shade = np.array([[np.nan if run is None else position(run) for run in runs]
                       for _, runs in rows])  # fmt: skip
-    figure = Figure(figsize=(2.0 + 1.25 * len(columns), 1.2 + 0.5 * len(rows)))
-    FigureCanvasAgg(figure)
+    figure = figures.new_figure(layout="constrained")
     axes = figure.add_subplot()
     scale = Normalize(FLOOR, CEILING)
-    image = axes.imshow(FLOOR + shade * (CEILING - FLOOR), cmap=colormaps["viridis"], norm=scale,
-                        aspect="auto")  # fmt: skip
+    # cells as a mesh, not an image: the legibility check sees what is behind each text
+    values = np.ma.masked_invalid(FLOOR + shade * (CEILING - FLOOR))
+    image = axes.pcolormesh(np.arange(len(columns) + 1) - 0.5, np.arange(len(rows) + 1) - 0.5,
+                            values, cmap=colormaps["viridis"], norm=scale)  # fmt: skip
+    axes.invert_yaxis()
+    axes.patch.set_visible(False)  # every cell is drawn: nothing shows of the axes behind them
+    points = figures.MIN_POINTS if len(rows) > 8 or len(columns) > 6 else figures.TEXT_POINTS
     for row, (_, runs) in enumerate(rows):
         for column, run in enumerate(runs):
             if run is None:
                 continue
             lines = cell_text(run)[:2] + (["✗"] if not run["matches"] else [])
-            axes.text(column, row, "\n".join(lines), ha="center", va="center", fontsize=7,
+            axes.text(column, row, "\n".join(lines), ha="center", va="center", fontsize=points,
                       color=ink(position(run)), fontweight="normal" if run["matches"] else "bold")
     axes.set_xticks(range(len(columns)), [f"P = {ranks}" for ranks in columns])
-    axes.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
+    axes.set_yticks(range(len(rows)), [name for name, _ in rows])
     axes.xaxis.tick_top()
+    axes.tick_params(labelsize=points)
     bar = figure.colorbar(image, ax=axes, fraction=0.05)
     bar.set_label("log10 relative distance from serial SGD\n(dark: bitwise or below 1e-18)",
-                  fontsize=8)
-    figure.tight_layout()
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format=kind, dpi=110)
+                  fontsize=points)  # fmt: skip
+    bar.ax.tick_params(labelsize=points)
+    return figure

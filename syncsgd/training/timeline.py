@@ -101,6 +101,7 @@ COLOURS = {  # by category, then by the phase of an allreduce step: Okabe & Ito'
 }  # fmt: skip
 OTHER = "#000000"
 TEXT = 14  # points, on a 16:9 slide (syncsgd.util.figures)
+SHOWN_STEPS = 4  # steps drawn: more turn a slide's bars into a barcode
 
 
 def _kind(event: dict) -> str:
@@ -127,14 +128,17 @@ def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
     axes = figure.add_subplot()
     steps = _step_starts(spans)
     origin = _steady_start(spans)
-    shown = _shown(spans, origin)
+    shown, last = _window(_shown(spans, origin))
     if origin is None:
         origin = min((e["ts"] for e in spans), default=0.0)
     else:  # the first step loads the kernels: it would squeeze the rest to a line
         first = origin - min(e["ts"] for e in spans)
-        title += f"\nfrom step {min(s for s in steps if steps[s] >= origin)}, the first timed " \
-                 f"(the first, start-up included, took {first / 1e6:.2f} s)"
-    end = max((e["ts"] + e["dur"] for e in spans), default=origin + 1.0)
+        timed = min(s for s in steps if steps[s] >= origin)
+        shown_steps = (f"steps {timed}-{last} of the timed {timed}-{max(steps)}"
+                       if last < max(steps) else f"from step {timed}, the first timed")
+        title += f"\n{shown_steps} (the first, start-up included, took {first / 1e6:.2f} s)"
+        steps = {step: start for step, start in steps.items() if step <= last}
+    end = max((e["ts"] + e["dur"] for e in shown), default=origin + 1.0)
     unit, scale = ("ms", 1e-3) if end - origin < 2e6 else ("s", 1e-6)
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (row, kind): the spans
     for event in shown:
@@ -244,6 +248,23 @@ def _shown(spans: list[dict], origin: float | None) -> list[dict]:
             rank = int(e["tid"]) % COMM_ROW
             starts[rank] = min(starts.get(rank, math.inf), float(e["ts"]))
     return [e for e in spans if e["ts"] >= starts.get(int(e["tid"]) % COMM_ROW, origin)]
+
+
+def _window(spans: list[dict]) -> tuple[list[dict], int]:
+    """The spans of the first SHOWN_STEPS steps among `spans` (a bar per span stays wide enough
+    to see on a slide), and the last step shown; all of them for a trace without steps."""
+    steps = sorted({int(e["args"]["step"]) for e in spans
+                    if e.get("cat") == "compute" and "step" in e.get("args", {})})  # fmt: skip
+    if len(steps) <= SHOWN_STEPS:
+        return spans, steps[-1] if steps else 0
+    beyond = steps[SHOWN_STEPS]
+    ends: dict[int, float] = {}  # by rank: when its first step beyond the window began
+    for e in spans:
+        if e.get("cat") == "compute" and e.get("args", {}).get("step") == beyond:
+            rank = int(e["tid"]) % COMM_ROW
+            ends[rank] = min(ends.get(rank, math.inf), float(e["ts"]))
+    return ([e for e in spans if e["ts"] < ends.get(int(e["tid"]) % COMM_ROW, math.inf)],
+            steps[SHOWN_STEPS - 1])  # fmt: skip
 
 
 def draw_gantt_file(trace_path: str, path: str, title: str = "timeline") -> None:

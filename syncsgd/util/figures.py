@@ -27,6 +27,46 @@ OKABE_ITO = {
 LINE_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 DASHES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 2)), (0, (1, 1)))
+# One colour, marker and dash pattern per algorithm, the same in every figure that draws it
+# (the model's, why-the-ring, bench allreduce's): a slide's ring is the next slide's ring.
+ALGORITHM_STYLES = {
+    "ring": ("#0072B2", "o", "-"),
+    "recursive-doubling": ("#E69F00", "s", "--"),
+    "rabenseifner": ("#009E73", "D", "-."),
+    "tree": ("#D55E00", "^", (0, (5, 1, 1, 1, 1, 1))),
+    "naive": ("#CC79A7", "v", (0, (1, 1))),
+    "mpi": ("#000000", "X", (0, (8, 2))),
+    "numpy-sum": ("#000000", "X", (0, (8, 2))),  # the threads backend's baseline, in mpi's place
+    "auto": ("#56B4E9", "P", ":"),
+}  # fmt: skip
+TEXT_POINTS = 16.0  # the figures' text on a slide: above the 14-point floor
+
+
+def algorithm_style(name: str, index: int = 0) -> dict[str, Any]:
+    """Matplotlib's color, marker and linestyle of an algorithm; others by their index."""
+    colour, marker, dashes = ALGORITHM_STYLES.get(
+        name, (LINE_COLOURS[index % len(LINE_COLOURS)], MARKERS[index % len(MARKERS)],
+               DASHES[index % len(DASHES)]))  # fmt: skip
+    return {"color": colour, "marker": marker, "linestyle": dashes}
+
+
+def series_style(index: int) -> dict[str, Any]:
+    """The index-th series of a figure: an Okabe-Ito colour, a marker and dashes of its own."""
+    return {"color": LINE_COLOURS[index % len(LINE_COLOURS)],
+            "marker": MARKERS[index % len(MARKERS)], "linestyle": DASHES[index % len(DASHES)]}
+
+
+def slide_axes(axes: Any, points: float = TEXT_POINTS) -> None:
+    """Axis labels, ticks, title and legend of `axes` at `points`, a light grid."""
+    axes.xaxis.label.set_size(points)
+    axes.yaxis.label.set_size(points)
+    axes.title.set_size(points)
+    axes.tick_params(which="both", labelsize=points - 2)
+    axes.grid(True, which="major", alpha=0.3)
+    legend = axes.get_legend()
+    if legend is not None:
+        for text in legend.get_texts():
+            text.set_fontsize(points - 2)
 
 
 def figure_path(text: str) -> str:

@@ -422,26 +422,32 @@ def traced_calls(comm: Any, options: argparse.Namespace) -> None:
 
 def draw_png(rows: list[dict], path: str, title: str) -> None:
     """Time and busbw against message size, one line per algorithm, written to `path`."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     from syncsgd.util import figures
 
-    figure = Figure(figsize=(10, 4), layout="constrained")
-    FigureCanvasAgg(figure)
+    figures.save(sweep_figure(rows, title), path)
+
+
+def sweep_figure(rows: list[dict], title: str) -> Any:
+    """The slide: time and busbw against size, each algorithm in its colour, marker and dashes."""
+    from syncsgd.util import figures
+
+    figure = figures.new_figure(layout="constrained")
     time_axes, busbw_axes = figure.subplots(1, 2)
-    for name in dict.fromkeys(row["algorithm"] for row in rows):
+    for index, name in enumerate(dict.fromkeys(row["algorithm"] for row in rows)):
         mine = [row for row in rows if row["algorithm"] == name]
         sizes = [row["size_bytes"] for row in mine]
-        time_axes.plot(sizes, [row["time_us"] for row in mine], marker=".", label=name)
-        busbw_axes.plot(sizes, [row["busbw_GBps"] for row in mine], marker=".", label=name)
-    time_axes.set(xscale="log", yscale="log", xlabel="size (bytes)", ylabel="time (us)")
-    busbw_axes.set(xscale="log", xlabel="size (bytes)", ylabel="busbw (GB/s)")
+        style = {"linewidth": 2.2, "markersize": 8, **figures.algorithm_style(name, index)}
+        time_axes.plot(sizes, [row["time_us"] for row in mine], label=name, **style)
+        busbw_axes.plot(sizes, [row["busbw_GBps"] for row in mine], label=name, **style)
+    time_axes.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="time (µs)")
+    busbw_axes.set(xscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)")
+    handles, labels = time_axes.get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4),
+                  fontsize=figures.TEXT_POINTS, frameon=False)  # fmt: skip
     for axes in (time_axes, busbw_axes):
-        axes.grid(True, which="both", alpha=0.3)
-        axes.legend()
-    figure.suptitle(title)
-    figures.save(figure, path)
+        figures.slide_axes(axes)
+    figure.suptitle(title, fontsize=figures.TEXT_POINTS + 2)
+    return figure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

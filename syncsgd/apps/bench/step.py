@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from syncsgd.apps.bench.buckets import bucket_list, bucket_section
 from syncsgd.comm.threads import run_threads
 from syncsgd.comm.watchdog import within_timeout
 from syncsgd.comm.world import constants, launched_by_mpi, mpi_world, resolve_backend
@@ -519,7 +520,7 @@ NOT_TAKEN = {
     "epochs": "a timed run is --steps steps",
     "loss": "xent: the overhead check's bare loop is softmax cross-entropy's",
     "overlap": "bench step's own --overlap times the step with it against the step without",
-    "bucket_bytes": "bench step's own --bucket-bytes: the --overlap section's buckets only",
+    "bucket_bytes": "bench step's own --bucket-bytes: the --overlap section's buckets, or a sweep",
     "checkpoint": "a benchmark writes no checkpoints",
     "checkpoint_every": "a benchmark writes no checkpoints",
     "resume": "a benchmark writes no checkpoints",
@@ -561,8 +562,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="interleaved runs of each side of the overhead check (15)")  # fmt: skip
     add("--overlap", action="store_true",
         help="also time the step with --overlap against the step without, interleaved, per P")
-    add("--bucket-bytes", type=nonnegative_int, default=0,
-        help="the --overlap section's buckets; 0: one per layer (0)")  # fmt: skip
+    add("--bucket-bytes", type=bucket_list, default=[0], metavar="LIST",
+        help="the --overlap section's buckets; 0: one per layer (0); several (e.g. "
+        "0,16K,256K,one): a sweep of the --overlap step over them, measured beside the bucket "
+        "model's prediction")  # fmt: skip
     add("--no-overhead", dest="overhead", action="store_false",
         help="skip the P = 1 overhead check")  # fmt: skip
     add("--cli-runs", type=nonnegative_int, default=5,
@@ -600,6 +603,9 @@ def main(options: argparse.Namespace) -> int:
     load_before = load_average()
     jit, rows = scaling_section(options, call, rank_counts, say)
     overlap_rows = overlap_section(options, call, rank_counts, say)
+    bucket_rows = bucket_section(options, call, rank_counts, say,
+                                 lambda p: train_config(options, p * options.per_rank_batch),
+                                 per_step_seconds)  # fmt: skip
     overhead_rows = overhead_section(options, call, rank_counts, say, master_process)
     cli_rows = cli_section(options, backend) if options.cli_runs and master_process else []
     if master_process:
@@ -612,7 +618,7 @@ def main(options: argparse.Namespace) -> int:
             "samples": options.samples, "cores": os.cpu_count(),
             "load_average": {"start": load_before, "end": load_average()},
             "command": sys.argv, "first_step": jit, "scaling": rows, "overhead": overhead_rows,
-            "cli": cli_rows, "overlap": overlap_rows,
+            "cli": cli_rows, "overlap": overlap_rows, "bucket_sweep": bucket_rows,
         })  # fmt: skip
     return 0
 
@@ -733,9 +739,9 @@ def format_overlap(row: dict) -> str:
 def overlap_section(options: argparse.Namespace, call: Callable, rank_counts: list[int],
                     say: Callable) -> list[dict]:  # fmt: skip
     """Per P: the step with --overlap against the step without, weak scaling, interleaved."""
-    if not options.overlap:
+    if not options.overlap or len(options.bucket_bytes) > 1:  # several: the sweep instead
         return []
-    say(f"# --overlap, --bucket-bytes {options.bucket_bytes} (weak scaling, "
+    say(f"# --overlap, --bucket-bytes {options.bucket_bytes[0]} (weak scaling, "
         f"{options.per_rank_batch} per rank): ms per step, medians of {options.repeats} "
         "interleaved runs each; 'ovl wait': the allreduce time left exposed; ratio: paired "
         f"overlap/plain steps (bars: <= {OVERLAP_GAIN_BAR} where the network is slow, <= "
@@ -745,7 +751,7 @@ def overlap_section(options: argparse.Namespace, call: Callable, rank_counts: li
     rows = []
     for ranks in rank_counts:
         config = train_config(options, ranks * options.per_rank_batch)
-        plain = prepare(replace(config, bucket_bytes=options.bucket_bytes))
+        plain = prepare(replace(config, bucket_bytes=options.bucket_bytes[0]))
         overlapped = replace(plain, config=replace(plain.config, overlap=True))
         rows.append(call(overlap_pair, ranks, plain, overlapped))
         say(format_overlap(rows[-1]), flush=True)
