@@ -321,3 +321,17 @@ def test_a_verify_grid_over_the_stages_has_one_sha256_in_exact_mode(tmp_path):
     assert {run["zero_stage"] for run in runs} == {0, 1} and len(runs) == 16
     for optimizer in ("sgd", "adamw"):  # one SHA-256 per network and update, every P and stage
         assert len({run["sha256"] for run in runs if run["optimizer"] == optimizer}) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("buckets", [None, 1])
+def test_more_ranks_than_parameters_at_every_stage(stage, buckets):
+    # dense on 1 feature to 2 classes: 4 parameters (and 6 riders' slots) over 7 ranks, most of
+    # whom own no parameter; a bucket per tensor (buckets of 2 elements) too
+    options = dict(model="dense", features=1, classes=2, samples=21, batch_size=9, steps=3,
+                   seed=2, optimizer="adam", lr=0.05, bucket_bytes=buckets)  # fmt: skip
+    assert train(ranks=1, backend="threads", **options).model.n_params == 4
+    replicated, sharded = both_stages(7, stage, **options)
+    assert sharded == replicated
+    exact = both_stages(7, stage, **options, exact=True)
+    assert exact[0] == exact[1] == both_stages(1, stage, **options, exact=True)[1]
