@@ -231,8 +231,7 @@ class Overlap:
             self.unrelayed, local.allreduce_ = local.allreduce_, self.relayed(local.allreduce_)
         sharded = stepper.sharded
         if sharded is not None and sharded.placed_params is not None:
-            # ZeRO-3: the passes' gathers join the queue, after the buckets handed before them
-            sharded.passes_allgather_ = self.relayed(sharded.allgather_)
+            self.prefetch_gathers(sharded)
 
     def exchange_(self, X: np.ndarray, y: np.ndarray, shard_size: int, batch_size: int) -> float:
         """Fill the buffer and allreduce it, bucket by bucket; when the local work ended."""
@@ -266,6 +265,21 @@ class Overlap:
         # shared record naming one as under way; none is now.
         self.stepper.doing.what, self.stepper.doing.peer = None, None
         return computed
+
+    def prefetch_gathers(self, sharded: Any) -> None:
+        """ZeRO-3: the passes' gathers join the queue, after the buckets handed before them; the
+        next layer's start while this one computes."""
+        sharded.passes_allgather_ = self.relayed(sharded.allgather_)
+        placed = sharded.placed_params
+
+        def on_the_duplicate_(values: np.ndarray, comm: Any) -> None:
+            sharded.allgather_(values, self.dup)
+
+        def start_(index: int, out: np.ndarray) -> None:
+            self.thread.hand(functools.partial(sharded.gather_bucket_, index, out,
+                                               on_the_duplicate_))  # fmt: skip
+
+        placed.start_, placed.wait_ = start_, self.thread.wait_all
 
     def relayed(self, allreduce_: Callable[[np.ndarray, Any], Any]) -> Callable[..., None]:
         """`allreduce_` on the communication thread and its duplicate, after the buckets handed

@@ -117,7 +117,8 @@ class ShardedUpdate:
             self.params_shard[...] = self.taken(stepper.params)
             # The passes read the parameters in their dtype: float32 for bf16/fp16 (autocast's)
             passes = stepper.local_gradient.local.nx.dtype
-            self.placed_params = PlacedParams(run.model, buckets, passes, self.gather_bucket_)
+            self.placed_params = PlacedParams(run.model, buckets, passes, self.gather_bucket_,
+                                              prefetch=config.overlap and comm.Get_size() > 1)
             longest = max(bucket.stop - bucket.start for bucket in buckets)
             self.carrier = np.empty(longest if passes != dtype else 0, dtype)
         # Agreed in one small allreduce: the riders, kept before the reduce-scatter sums them in
@@ -395,12 +396,12 @@ class ShardedUpdate:
                 carrier[low - start : high - start] = shard[offset : offset + high - low]
         (allgather_ or self.allgather_)(carrier, self.comm)
 
-    def gather_bucket_(self, index: int, out: np.ndarray) -> None:
+    def gather_bucket_(self, index: int, out: np.ndarray, allgather_: Gather | None = None) -> None:
         """Stage 3: bucket `index`'s parameters for a pass, as the passes read them (rounded
         to a narrow --precision from the parameters' own values, as the replicated step's)."""
         nx = self.stepper.local_gradient.local.nx
         carrier = out if out.dtype == self.params_shard.dtype else self.carrier[: out.size]
-        self.fill_bucket_(index, self.params_shard, carrier, self.passes_allgather_)
+        self.fill_bucket_(index, self.params_shard, carrier, allgather_ or self.passes_allgather_)
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         self.gathered_bytes += sent_bytes(ALLGATHER, carrier.size, carrier.itemsize, size, rank)
         if carrier is out:

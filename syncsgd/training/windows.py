@@ -91,32 +91,75 @@ class PlacedSums:
         self.riders = self.buffers.own[network.n_params - buckets[last].start :]
 
 
+Fill = Callable[[int, np.ndarray], None]  # (bucket, its buffer): its parameters gathered into it
+
+
 class PlacedParams:
     """The parameters of the buckets under way, gathered from every rank's blocks just before a
-    layer's pass reads them; `forget_` after the update, which changed them."""
+    layer's pass reads them; `forget_` after the update, which changed them. With a `start_`
+    (--overlap: a gather handed to the communication thread), the next layer's buckets are
+    gathered while this layer computes, in the direction the passes go."""
 
     def __init__(self, network: Network, buckets: list[slice], dtype: np.dtype,
-                 fill_: Callable[[int, np.ndarray], None]) -> None:  # fmt: skip
+                 fill_: Fill, prefetch: bool = False) -> None:  # fmt: skip
         self.layer_buckets = layer_buckets(network, buckets)
-        count = max((len(indices) for indices in self.layer_buckets), default=1)
-        self.buffers = BucketBuffers(buckets, count, dtype)
+        self.with_params = [layer for layer, indices in enumerate(self.layer_buckets) if indices]
+        # a layer's buckets at once, or (prefetching) two neighbours' together
+        together = [set(self.layer_buckets[layer]) for layer in self.with_params]
+        if prefetch:
+            together = [a | b for a, b in zip(together, together[1:], strict=False)] or together
+        self.buffers = BucketBuffers(buckets, max(map(len, together), default=1), dtype)
         self.fill_ = fill_  # (bucket, its buffer): every rank's blocks of it, gathered
-        self.held = [-1] * self.buffers.count  # the bucket each buffer holds
+        self.start_: Fill | None = None  # the same, not waited for
+        self.wait_: Callable[[], None] = no_gathers  # until every gather started is done
+        self.held = [-1] * self.buffers.count  # the bucket each buffer holds (or will)
+        self.pending: set[int] = set()  # buckets started and not yet waited for
+        self.last, self.direction = -1, 1  # the layer read last; the passes' direction
         self.placed = Placed(network.placed_layer_views(self.buffers.place), self.ready_)
         self.gathers = 0  # buckets gathered this run
 
     def ready_(self, layer: int) -> None:
-        """Gather the buckets of a layer's tensors, unless their buffers hold them already."""
+        """Gather the buckets of a layer's tensors, unless their buffers hold them already (or
+        are being filled); then start on the next layer's."""
+        if not self.layer_buckets[layer]:
+            return
+        if layer != self.last:
+            self.direction = 1 if layer > self.last else -1
+        self.last = layer
         for index in self.layer_buckets[layer]:
             slot = index % self.buffers.count
             if self.held[slot] != index:
                 self.fill_(index, self.buffers.of(index))
                 self.held[slot] = index
                 self.gathers += 1
+            if index in self.pending:
+                self.wait_()
+                self.pending.clear()
+        if self.start_ is not None:
+            self.prefetch_(layer)
+
+    def prefetch_(self, layer: int) -> None:
+        """Start gathering the buckets of the next layer with parameters, the passes' way."""
+        position = self.with_params.index(layer) + self.direction
+        if not 0 <= position < len(self.with_params):
+            return
+        assert self.start_ is not None
+        for index in self.layer_buckets[self.with_params[position]]:
+            slot = index % self.buffers.count
+            if self.held[slot] != index:
+                self.start_(index, self.buffers.of(index))
+                self.held[slot] = index
+                self.pending.add(index)
+                self.gathers += 1
 
     def forget_(self) -> None:
         """The parameters changed: gather every bucket afresh."""
         self.held = [-1] * self.buffers.count
+        self.pending.clear()
+
+
+def no_gathers() -> None:
+    """Nothing was started: nothing to wait for."""
 
 
 __all__ = ["BucketBuffers", "PlacedParams", "PlacedSums", "bucket_spans", "layer_buckets"]
