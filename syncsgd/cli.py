@@ -23,6 +23,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "syncsgd":  # the 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import io  # noqa: E402
+import re  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -58,6 +59,12 @@ class UniformError(ValueError):
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (no usage dump) and exits with status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A value that starts with '-' and a digit (-1,4 or -1e-3) is a value, not an unknown
+        # option: its option's type then names what is wrong with it.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         text = f"{message} (see --help)"

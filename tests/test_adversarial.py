@@ -74,6 +74,10 @@ CASES = [
     ("study --debug batch-size --bogus", 2, "unrecognized arguments: --bogus"),
     ("bench --debug allreduce --bogus", 2, "unrecognized arguments: --bogus"),
     ("bench collective --timeout -1", 2, "argument --timeout: must be >= 0, got -1"),
+    ("train --input-shape -1,4", 2, "argument --input-shape: a shape is positive integers "
+     "separated by commas (e.g. 3,8,8), got '-1,4'"),
+    ("verify --ranks -1,2", 2, "argument --ranks: must be positive, got -1"),
+    ("train --lr -1e-3", 2, "argument --lr: must be a positive number, got -1e-3"),
     # inputs that are not what they claim
     ("model --fit sweep.json", 1, "'ranks' must be an integer from 1 to 2**31"),
     ("train --data regression.csv", 1, "regression.csv: integer targets 20..79 make 80 classes "
