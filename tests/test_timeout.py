@@ -114,6 +114,20 @@ def test_collective_timeout_restores_the_previous_setting():
     assert run_threads(2, rank) == [(5.0, None), (5.0, None)]
 
 
+@pytest.mark.parametrize("seconds", [float("nan"), -1, "5", True])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused_when_set(seconds):
+    def rank(comm):
+        with pytest.raises(ValueError) as refused:
+            comm.set_timeout(seconds)
+        with pytest.raises(ValueError, match="collective_timeout: a timeout is None or a number"):
+            with collective_timeout(comm, seconds):
+                pass
+        return str(refused.value)
+
+    assert run_threads(2, rank) == [f"set_timeout: a timeout is None or a number of seconds >= "
+                                    f"0, not {seconds!r}"] * 2  # fmt: skip
+
+
 def test_timeout_is_checked():
     with pytest.raises(ValueError, match="--timeout must be >= 0"):
         train(ranks=1, timeout=-1, **SMALL)

@@ -98,8 +98,8 @@ def _agree(
         raise ValueError(defect)
     mine_text = f"rank {comm.Get_rank()} has {buf.dtype} of length {buf.size}"
     if unusable:  # that rank says why; its values in `alike` are no choice to compare
-        *listed, last = ["buffer", *(what for what, _ in alike)]
-        refused = f"{', '.join(listed)} or {last}" if listed else last
+        *listed, final = ["buffer", *(what for what, _ in alike)]
+        refused = f"{', '.join(listed)} or {final}" if listed else final
         raise ValueError(f"{name}: another rank passed an unusable {refused} ({mine_text}); "
                          "the result is not a sum")  # fmt: skip
     for index, (what, value) in enumerate(alike):

@@ -13,6 +13,7 @@ calls `Abort`: docs/thread-backend.md.
 from __future__ import annotations
 
 import atexit
+import math
 import sys
 import threading
 import time
@@ -329,6 +330,20 @@ def within_timeout(fn: Callable[..., Any], seconds: float | None) -> Callable[..
     return timed
 
 
+def timeout_seconds(seconds: Any, where: str) -> float | None:
+    """`seconds` as a timeout (None, or a number >= 0; 0 and None: never), or ValueError."""
+    if seconds is None:
+        return None
+    try:
+        value = float(seconds) if not isinstance(seconds, (bool, str)) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not value >= 0:  # NaN too
+        raise ValueError(f"{where}: a timeout is None or a number of seconds >= 0, not "
+                         f"{seconds!r}")  # fmt: skip
+    return value
+
+
 @contextmanager
 def collective_timeout(comm: Any, seconds: float | None) -> Iterator[None]:
     """Within: a collective that makes no progress for `seconds` (0 or None: never) fails.
@@ -336,6 +351,7 @@ def collective_timeout(comm: Any, seconds: float | None) -> Iterator[None]:
     Thread ranks: every rank raises `CollectiveTimeout`, naming each waiting rank's collective
     and peer. MPI: the lowest waiting rank prints one line naming them, and the job is aborted.
     """
+    seconds = timeout_seconds(seconds, "collective_timeout")
     if not seconds:
         yield
         return
