@@ -29,8 +29,9 @@ TINY = ["--samples", "64", "--features", "4", "--hidden", "8", "--batch-size", "
 # (command, exit status, what the one line on stderr holds). Run in a directory holding
 # data.npz (64 x 4, labels 0..3), p.npz (parameters of that model; stray.npz: with a key of no
 # layer), ck/ (checkpoints of `train TINY` at steps 2 and 4), sweep.json (a bench sweep claiming
-# 10**30 ranks), and the data sets regression.csv (whole-number targets 20..79), one-based.npz,
-# gaps.npz, z-idx3-ubyte with z-idx1-ubyte (IDX files whose headers give no image).
+# 10**30 ranks), nested.json (arrays 100,000 deep), and the data sets regression.csv
+# (whole-number targets 20..79), one-based.npz, gaps.npz, z-idx3-ubyte with z-idx1-ubyte (IDX
+# files whose headers give no image).
 CASES = [
     # outputs over inputs, over each other, into checkpoint directories, into missing ones
     ("verify --json data.npz --data data.npz", 1, "is the same file as"),
@@ -80,6 +81,7 @@ CASES = [
     ("train --lr -1e-3", 2, "argument --lr: must be a positive number, got -1e-3"),
     # inputs that are not what they claim
     ("model --fit sweep.json", 1, "'ranks' must be an integer from 1 to 2**31"),
+    ("model --fit nested.json", 1, "nested.json: its arrays or objects nest deeper than the"),
     ("train --data regression.csv", 1, "regression.csv: integer targets 20..79 make 80 classes "
      "for 60 samples (more than a tenth of them): for regression targets pass --loss mse"),
     ("train --data one-based.npz", 1, "labels start at 1 (1..4): subtract 1 or pass --classes 5"),
@@ -180,6 +182,7 @@ def prepared(tmp_path_factory):
                    delimiter=",")  # fmt: skip
         json.dump({"ranks": 10**30, "rows": [{"size_bytes": 8, "algorithm": "ring",
                    "time_us": 1.0}]}, open("sweep.json", "w"))  # fmt: skip
+        open("nested.json", "w").write("[" * 100_000 + "]" * 100_000)
         assert main(["train", *TINY, "--steps", "0", "--save", "p.npz"]) == 0
         np.savez("stray.npz", **np.load("p.npz"), extra=np.zeros(3))
         open("z-idx3-ubyte", "wb").write(struct.pack(">IIII", 0x803, 0, 28, 28))  # no image
