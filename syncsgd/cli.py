@@ -25,7 +25,6 @@ import contextlib  # noqa: E402
 import io  # noqa: E402
 import re  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
@@ -610,9 +609,9 @@ def _abort_mpi_job() -> None:
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         world = mpi.COMM_WORLD
         if world.Get_size() > 1:
-            sys.stderr.flush()
-            time.sleep(0.2)  # let the launcher forward our error line before it kills the job
-            world.Abort(1)
+            from syncsgd.comm.watchdog import end_job
+
+            end_job(world)
 
 
 if __name__ == "__main__":

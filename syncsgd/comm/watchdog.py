@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 import sys
 import threading
 import time
@@ -273,8 +274,16 @@ class Watchdog:
                 return
         silent = [] if self.channel is None else sorted(set(range(size)) - set(heard))
         print_line(timeout_line(self.seconds, heard, silent))
-        time.sleep(0.2)  # let the launcher forward the line before it kills the job
-        self.comm.Abort(1)
+        end_job(self.comm)
+
+
+def end_job(comm: Any, code: int = 1) -> None:
+    """End every rank of `comm`'s MPI job, once this rank has said why in its one line."""
+    sys.stderr.flush()
+    time.sleep(0.2)  # let the launcher forward the line before it kills the job
+    # MPICH's MPI_Abort prints a line of its own ("Abort(1) on node 0 ..."): it goes nowhere.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    comm.Abort(code)
 
 
 _ABORT_LATENCY = 3.0  # seconds within which another rank's Abort ends this process
