@@ -356,23 +356,40 @@ def _draw_timeline(trace: str, png: str, quiet: bool) -> None:
         print(f"wrote {png}")
 
 
+STOP_GRACE = 1.0  # seconds a step may take to end after a stop was requested
+
+
 @contextlib.contextmanager
-def graceful_stop() -> Iterator[None]:
-    """First Ctrl-C or SIGTERM: every rank finishes its step, then all stop. Second: stop now."""
-    from syncsgd.training.hooks import stop_requested
+def graceful_stop(grace: float = STOP_GRACE) -> Iterator[None]:
+    """First Ctrl-C or SIGTERM: every rank finishes its step, then all stop; a step that has not
+    ended `grace` seconds later (many micro-batches), or a second signal: stop now."""
+    from syncsgd.training.hooks import stop_agreed, stop_requested
+
+    timers: list[threading.Timer] = []
+
+    def stop_now_unless_agreed(signum: int) -> None:
+        if not stop_agreed.is_set():
+            os.kill(os.getpid(), signum)  # as a second signal (handled in the main thread)
 
     def request_stop(signum: int, frame: object) -> None:
         if stop_requested.is_set():
             raise KeyboardInterrupt
         stop_requested.set()
+        timers.append(threading.Timer(grace, stop_now_unless_agreed, (signum,)))
+        timers[-1].daemon = True
+        timers[-1].start()
         if launcher_rank() == 0:
-            print("syncsgd: stopping after this step (again to stop at once)", file=sys.stderr)
+            print(f"syncsgd: stopping after this step, or in {grace:g} s if it is not over by then "
+                  "(again to stop at once)", file=sys.stderr)  # fmt: skip
 
     try:
         with handling((signal.SIGINT, signal.SIGTERM), request_stop):
             yield
     finally:
+        for timer in timers:
+            timer.cancel()
         stop_requested.clear()
+        stop_agreed.clear()
 
 
 def launcher_rank() -> int:
