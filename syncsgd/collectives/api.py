@@ -102,14 +102,7 @@ def _agree(
         refused = f"{', '.join(listed)} or {final}" if listed else final
         raise ValueError(f"{name}: another rank passed an unusable {refused} ({mine_text}); "
                          "the result is not a sum")  # fmt: skip
-    for index, (what, value) in enumerate(alike):
-        largest, minus_smallest = every[5 + 2 * index : 7 + 2 * index].tolist()
-        if largest != -minus_smallest:
-            other = largest if value != largest else -minus_smallest
-            shown = [names[v] for v in (value, other)] if index == 0 and names else [value, other]
-            raise ValueError(f"{name}: the ranks passed different {what}s: {shown[0]} on rank "
-                             f"{comm.Get_rank()}, {shown[1]} on another; every rank must pass "
-                             f"the same {what}")  # fmt: skip
+    _check_alike(name, alike, every[5:].tolist(), names, comm.Get_rank())
     differences = []
     if -minus_shortest != longest:
         differences.append(f"lengths from {-minus_shortest} to {longest}")
@@ -121,6 +114,20 @@ def _agree(
             f"{name}: the ranks' buffers differ ({' and '.join(differences)}; {mine_text}); "
             "every rank must pass the same length and dtype"
         )
+
+
+def _check_alike(name: str, alike: tuple[tuple[str, int], ...], bounds: list[int],
+                 names: Sequence[str], rank: int) -> None:  # fmt: skip
+    """ValueError if the ranks passed different values in `alike`: `bounds` holds each one's
+    largest and minus its smallest over the ranks; the first is shown as one of `names`."""
+    for index, (what, value) in enumerate(alike):
+        largest, minus_smallest = bounds[2 * index : 2 * index + 2]
+        if largest != -minus_smallest:
+            other = largest if value != largest else -minus_smallest
+            shown = [names[v] for v in (value, other)] if index == 0 and names else [value, other]
+            raise ValueError(f"{name}: the ranks passed different {what}s: {shown[0]} on rank "
+                             f"{rank}, {shown[1]} on another; every rank must pass the same "
+                             f"{what}")  # fmt: skip
 
 
 def _library_allreduce(
