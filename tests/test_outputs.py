@@ -154,7 +154,7 @@ def test_an_unwritable_output_is_found_before_training(tmp_path, capsys, monkeyp
 
     # Root may write into a mode 0555 directory: the check's own file creation is made to fail.
     monkeypatch.setattr(files, "_probe", refuse)
-    monkeypatch.setattr("syncsgd.training.run.prepare", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr("syncsgd.training.loop.prepare", lambda *a, **k: pytest.fail("trained"))
     fails_with(capsys, ["train", *TINY, "--save", str(tmp_path / "p.npz")], "Permission denied")
 
 

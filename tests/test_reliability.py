@@ -60,6 +60,52 @@ def test_a_signal_stops_all_ranks_after_a_step_with_a_checkpoint(tmp_path, signu
     assert not [name for name in os.listdir(ckpt) if name.startswith(".tmp")]
 
 
+# Each micro-batch takes 50 ms more: a step of 500 micro-batches per rank takes 25 s.
+SLOW_MICRO_BATCHES = """
+import sys, time
+from syncsgd.nn.numerics import Float
+original = Float.begin_micro_batch_
+def begin_micro_batch_(self, index, scale):
+    if not getattr(sys, "announced", False):
+        sys.announced = True
+        print("in a step", file=sys.stderr, flush=True)
+    time.sleep(0.05)
+    return original(self, index, scale)
+Float.begin_micro_batch_ = begin_micro_batch_
+from syncsgd.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def stops_mid_step(tmp_path, launcher: list[str]) -> None:
+    """SIGTERM to a run in a 25 s step ends it 1 s later, without finishing the step."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_MICRO_BATCHES)
+    command = [*launcher, sys.executable, str(script), "train", "--samples", "1000", "--features",
+               "4", "--batch-size", "1000", "--accumulate", "500", "--steps", "3", "--quiet"]
+    job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert job.stderr.readline() == "in a step\n"
+        job.send_signal(signal.SIGTERM)  # under mpiexec: to the launcher, which forwards it
+        signalled = time.monotonic()
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert time.monotonic() - signalled < 10, err
+    assert job.returncode != 0 and "syncsgd: interrupted\n" in err and "Traceback" not in err, err
+    assert "stopping after this step, or in 1 s if it is not over by then" in err
+
+
+def test_a_signal_mid_step_ends_the_run_between_micro_batches(tmp_path):
+    stops_mid_step(tmp_path, [])
+
+
+@requires_mpi
+def test_a_signal_mid_step_ends_an_mpi_job_between_micro_batches(tmp_path):
+    stops_mid_step(tmp_path, mpiexec_command(2))
+
+
 def test_non_finite_training_stops_with_the_step_or_skips_it():
     config = TrainConfig(samples=200, features=4, hidden=(8,), batch_size=20, steps=30,
                          lr=1e6, loss="mse", data="synthetic-regression")  # fmt: skip

@@ -11,7 +11,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import mpiexec_flags, mpiexec_path, requires_mpi
+from conftest import mpiexec_flags, mpiexec_flavour, mpiexec_path, requires_mpi
 
 from syncsgd import train
 from syncsgd.comm import threads
@@ -114,6 +114,20 @@ def test_collective_timeout_restores_the_previous_setting():
     assert run_threads(2, rank) == [(5.0, None), (5.0, None)]
 
 
+@pytest.mark.parametrize("seconds", [float("nan"), -1, "5", True])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused_when_set(seconds):
+    def rank(comm):
+        with pytest.raises(ValueError) as refused:
+            comm.set_timeout(seconds)
+        with pytest.raises(ValueError, match="collective_timeout: a timeout is None or a number"):
+            with collective_timeout(comm, seconds):
+                pass
+        return str(refused.value)
+
+    assert run_threads(2, rank) == [f"set_timeout: a timeout is None or a number of seconds >= "
+                                    f"0, not {seconds!r}"] * 2  # fmt: skip
+
+
 def test_timeout_is_checked():
     with pytest.raises(ValueError, match="--timeout must be >= 0"):
         train(ranks=1, timeout=-1, **SMALL)
@@ -181,6 +195,8 @@ def test_a_stopped_mpi_rank_ends_the_job_with_one_line():
                                "(--timeout): rank 0 in ring_allreduce "), stderr  # fmt: skip
     assert ("; rank 2 in ring_allreduce (reduce-scatter step 0) at training step 3, waiting for "
             "rank 1; no report from rank 1; ending the job") in lines[0], stderr  # fmt: skip
+    if mpiexec_flavour(str(mpiexec_path()))[0] == "MPICH":  # and not MPICH's own Abort line
+        assert [line for line in stderr.splitlines() if "stalling" not in line] == lines, stderr
 
 
 @requires_mpi

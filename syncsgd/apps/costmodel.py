@@ -45,6 +45,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -439,6 +440,10 @@ def _read_json(path: str) -> Any:
         raise ValueError(f"cannot read {path}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: its arrays or objects nest deeper than the "
+                         f"{sys.getrecursionlimit()} levels Python's JSON reader takes; a sweep "
+                         "of bench allreduce nests 3") from None  # fmt: skip
 
 
 def _row_algorithm(path: str, number: int, row: Any) -> Any:

@@ -37,7 +37,7 @@ from syncsgd.collectives.hierarchy import blocks
 from syncsgd.comm.world import launched_by_mpi
 from syncsgd.util.argtypes import nonnegative_int, positive_int
 from syncsgd.util.figures import figure_path
-from syncsgd.util.options import RANKS, writes, writes_into
+from syncsgd.util.options import RANKS, draws, writes, writes_into
 
 # -- the command line -----------------------------------------------------------------------------
 
@@ -79,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="broadcast and reduce: the root rank (default 0)")
     writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
                                help="also draw every round on one slide: .png, .svg or .pdf"))
-    writes_into(parser.add_argument("--frames", metavar="DIR",
-                                    help="also write one 1920x1080 PNG slide per round into DIR"))
+    draws(writes_into(parser.add_argument("--frames", metavar="DIR", help="also write one "
+                                          "1920x1080 PNG slide per round into DIR")))
     writes(parser.add_argument("--html", metavar="PATH",
                                help="also write a self-contained HTML page that steps through "
                                "the rounds (arrow keys, PageUp/PageDown, space, buttons, "

@@ -11,7 +11,6 @@ on a rank ends the job too, after one line naming it, the case and the answer's 
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,7 @@ import numpy as np
 from syncsgd.apps.lab_comm import Answer, Counts, LabComm, load_answer, raised
 from syncsgd.apps.lab_grade import Outcome, slowest, timed
 from syncsgd.apps.lab_kinds import Case, Kind, call
-from syncsgd.comm.watchdog import watching
+from syncsgd.comm.watchdog import end_job, watching
 from syncsgd.util.lines import print_line
 
 
@@ -78,8 +77,7 @@ class MpiRunner:
             print_line(f"syncsgd: error: lab check: rank {rank} raised "
                        f"{raised(exc, self.answer.path)} (P = {case.size}, n = "
                        f"{case.inputs[0].size}, {case.dtype}); ending the job")  # fmt: skip
-            time.sleep(0.2)  # let the launcher forward the line
-            self.world.Abort(1)
+            end_job(self.world)
         comm.Free()
         return buf, lab.counts
 

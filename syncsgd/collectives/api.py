@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,12 +76,13 @@ def auto_choice(nbytes: int, count: int, size: int) -> str:
 
 def _agree(
     buf: Any, comm: Any, name: str, defect: str | None = None,
-    alike: tuple[tuple[str, int], ...] = (),
+    alike: tuple[tuple[str, int], ...] = (), names: Sequence[str] = (),
 ) -> None:  # fmt: skip
     """Raise ValueError on every rank unless all buffers are usable and of one length and dtype.
 
     `defect`: why this rank cannot take part ("" for nothing) if the caller checked, else None
-    (then `buffer_defect` tells); `alike`: (what, value) pairs every rank must pass alike.
+    (then `buffer_defect` tells); `alike`: (what, value) pairs every rank must pass alike, the
+    first a position in `names` if given (what the message shows).
     """
     if defect is None:
         defect = buffer_defect(buf, name)
@@ -99,16 +100,13 @@ def _agree(
     unusable, longest, minus_shortest, last_dtype, minus_first_dtype = every[:5].tolist()
     if defect:
         raise ValueError(defect)
-    for index, (what, value) in enumerate(alike):
-        largest, minus_smallest = every[5 + 2 * index : 7 + 2 * index].tolist()
-        if largest != -minus_smallest:
-            raise ValueError(f"{name}: the ranks passed different {what}s ({-minus_smallest} to "
-                             f"{largest}; rank {comm.Get_rank()} passed {value})")  # fmt: skip
     mine_text = f"rank {comm.Get_rank()} has {buf.dtype} of length {buf.size}"
-    if unusable:
-        raise ValueError(
-            f"{name}: another rank passed an unusable buffer ({mine_text}); the result is not a sum"
-        )
+    if unusable:  # that rank says why; its values in `alike` are no choice to compare
+        *listed, final = ["buffer", *(what for what, _ in alike)]
+        refused = f"{', '.join(listed)} or {final}" if listed else final
+        raise ValueError(f"{name}: another rank passed an unusable {refused} ({mine_text}); "
+                         "the result is not a sum")  # fmt: skip
+    _check_alike(name, alike, every[5:].tolist(), names, comm.Get_rank())
     differences = []
     if -minus_shortest != longest:
         differences.append(f"lengths from {-minus_shortest} to {longest}")
@@ -120,6 +118,20 @@ def _agree(
             f"{name}: the ranks' buffers differ ({' and '.join(differences)}; {mine_text}); "
             "every rank must pass the same length and dtype"
         )
+
+
+def _check_alike(name: str, alike: tuple[tuple[str, int], ...], bounds: list[int],
+                 names: Sequence[str], rank: int) -> None:  # fmt: skip
+    """ValueError if the ranks passed different values in `alike`: `bounds` holds each one's
+    largest and minus its smallest over the ranks; the first is shown as one of `names`."""
+    for index, (what, value) in enumerate(alike):
+        largest, minus_smallest = bounds[2 * index : 2 * index + 2]
+        if largest != -minus_smallest:
+            other = largest if value != largest else -minus_smallest
+            shown = [names[v] for v in (value, other)] if index == 0 and names else [value, other]
+            raise ValueError(f"{name}: the ranks passed different {what}s: {shown[0]} on rank "
+                             f"{rank}, {shown[1]} on another; every rank must pass the same "
+                             f"{what}")  # fmt: skip
 
 
 def _library_allreduce(

@@ -236,7 +236,7 @@ def _take_steps(
             except Exception as exc:
                 count = _truncated(exc)
             if status.Get_tag() != tag or count != expected:  # disagreement, or a flag
-                tag, mismatch = _disagree(tag, status, count == expected, source, mismatch)
+                tag, mismatch = _disagree(tag, status, count, expected, source, mismatch)
             if arriving <= 0 or tag & 1:  # a copy, nothing to add, or the sum is void (we raise)
                 pass
             elif arriving == 1:  # NumPy's ufuncs take a slow path (~3x) for one-element outputs
@@ -307,14 +307,19 @@ def _truncated(exc: Exception) -> int:
 
 
 def _disagree(
-    tag: int, status: Any, count_agrees: bool, source: int, mismatch: str
+    tag: int, status: Any, count: int, expected: int, source: int, mismatch: str
 ) -> tuple[int, str]:
-    """Our next tag and mismatch note, after the message from `source` showed a problem."""
+    """Our next tag and mismatch note, after the message from `source` showed a problem
+    (`count`: the bytes that came, -1 if more than the `expected` ones)."""
     received = status.Get_tag()
     mine, theirs = tag >> 1, received >> 1
-    wrong = theirs != mine or not count_agrees
+    wrong = theirs != mine or count != expected
     if wrong and not mismatch:
         mismatch = f"rank {source} has " + _describe_signature(theirs, mine)
+        if theirs == mine:  # the same length mod 4096 and dtype: the sizes tell it
+            sent = "more than" if count < 0 else f"{count} bytes, not"
+            mismatch += (f" or called another algorithm (it sent {sent} the {expected} bytes "
+                         "this rank's schedule expects)")  # fmt: skip
     return tag | (received & 1) | wrong, mismatch
 
 
@@ -333,8 +338,8 @@ def _disagreement(buf: np.ndarray, rank: int, mismatch: str, name: str) -> str:
     mine = f"rank {rank} has {buf.dtype} of length {buf.size}"
     if mismatch:
         return (
-            f"{name}: the ranks' buffers differ: {mine}, {mismatch}; "
-            "every rank must pass the same length and dtype"
+            f"{name}: the ranks' calls differ: {mine}, {mismatch}; "
+            "every rank must call the same algorithm with the same length and dtype"
         )
     return (
         f"{name}: another rank passed a different or unusable buffer ({mine}); "

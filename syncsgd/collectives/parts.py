@@ -55,7 +55,7 @@ def _agreed(name: str, algorithm: str, buf: Any, comm: Any, check: bool, defect:
         defect = defect or wrong
         alike.append(("root", rank))
     if check:
-        _agree(buf, comm, function, defect, tuple(alike))
+        _agree(buf, comm, function, defect, tuple(alike), known)
     elif defect:
         raise ValueError(defect)
     return Collective(name, algorithm, rank)

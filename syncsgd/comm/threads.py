@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.comm.watchdog import Doing, bind, current_frames, describe
+from syncsgd.comm.watchdog import Doing, bind, current_frames, describe, timeout_seconds
 from syncsgd.util.machine import cgroup, meminfo, memory_rooms, numbers
 
 ANY_SOURCE = -1
@@ -640,9 +640,10 @@ class ThreadComm:
     def set_timeout(self, seconds: float | None) -> float | None:
         """Fail the world when this rank waits longer than `seconds` (None or 0: never); the
         previous setting."""
+        seconds = timeout_seconds(seconds, "set_timeout")
         timeouts = self._world.timeouts
         previous = None if timeouts[self._rank] < 0 else timeouts[self._rank]
-        timeouts[self._rank] = min(float(seconds), threading.TIMEOUT_MAX) if seconds else -1.0
+        timeouts[self._rank] = min(seconds, threading.TIMEOUT_MAX) if seconds else -1.0
         return previous
 
     def Dup(self) -> ThreadComm:

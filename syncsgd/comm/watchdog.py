@@ -13,6 +13,8 @@ calls `Abort`: docs/thread-backend.md.
 from __future__ import annotations
 
 import atexit
+import math
+import os
 import sys
 import threading
 import time
@@ -272,8 +274,16 @@ class Watchdog:
                 return
         silent = [] if self.channel is None else sorted(set(range(size)) - set(heard))
         print_line(timeout_line(self.seconds, heard, silent))
-        time.sleep(0.2)  # let the launcher forward the line before it kills the job
-        self.comm.Abort(1)
+        end_job(self.comm)
+
+
+def end_job(comm: Any, code: int = 1) -> None:
+    """End every rank of `comm`'s MPI job, once this rank has said why in its one line."""
+    sys.stderr.flush()
+    time.sleep(0.2)  # let the launcher forward the line before it kills the job
+    # MPICH's MPI_Abort prints a line of its own ("Abort(1) on node 0 ..."): it goes nowhere.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    comm.Abort(code)
 
 
 _ABORT_LATENCY = 3.0  # seconds within which another rank's Abort ends this process
@@ -329,6 +339,20 @@ def within_timeout(fn: Callable[..., Any], seconds: float | None) -> Callable[..
     return timed
 
 
+def timeout_seconds(seconds: Any, where: str) -> float | None:
+    """`seconds` as a timeout (None, or a number >= 0; 0 and None: never), or ValueError."""
+    if seconds is None:
+        return None
+    try:
+        value = float(seconds) if not isinstance(seconds, (bool, str)) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not value >= 0:  # NaN too
+        raise ValueError(f"{where}: a timeout is None or a number of seconds >= 0, not "
+                         f"{seconds!r}")  # fmt: skip
+    return value
+
+
 @contextmanager
 def collective_timeout(comm: Any, seconds: float | None) -> Iterator[None]:
     """Within: a collective that makes no progress for `seconds` (0 or None: never) fails.
@@ -336,6 +360,7 @@ def collective_timeout(comm: Any, seconds: float | None) -> Iterator[None]:
     Thread ranks: every rank raises `CollectiveTimeout`, naming each waiting rank's collective
     and peer. MPI: the lowest waiting rank prints one line naming them, and the job is aborted.
     """
+    seconds = timeout_seconds(seconds, "collective_timeout")
     if not seconds:
         yield
         return

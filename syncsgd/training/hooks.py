@@ -31,6 +31,7 @@ INITIAL_LOSS_SCALE = 2.0**16  # torch.cuda.amp.GradScaler's init_scale
 
 # Set by the command line's SIGINT/SIGTERM handlers; the ranks agree through the allreduce.
 stop_requested = threading.Event()
+stop_agreed = threading.Event()  # set once the ranks agreed to stop after the step just taken
 
 
 class Hook:
@@ -218,6 +219,7 @@ class StopRequest(Hook):
     def after_step(self, record: StepRecord, stopping: bool) -> bool:
         if self.stop:
             self.result.stopped_after = record.step + 1
+            stop_agreed.set()
         return self.stop
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 from syncsgd.util.argtypes import nonnegative_float, positive_int, rank_list
+from syncsgd.util.figures import FORMATS, figure_path, require_matplotlib
 from syncsgd.util.files import check_paths, check_suffix
 
 Check = Callable[[str, Any], "str | None"]  # (flag, value) -> what is wrong, or None if fine
@@ -271,6 +272,20 @@ def writes_into(action: argparse.Action) -> argparse.Action:
     return path_role(action, "writes_into")
 
 
+def draws(action: argparse.Action) -> argparse.Action:
+    """Declare an option whose output matplotlib draws (figure_path options and outputs named
+    .png, .svg or .pdf are known to)."""
+    action.draws = True  # type: ignore[attr-defined]
+    return action
+
+
+def drawn(action: argparse.Action) -> bool:
+    """Whether matplotlib draws the output of `action`'s option."""
+    suffixes = getattr(action, "path_suffixes", ((), ""))[0]
+    return (getattr(action, "draws", False) or action.type is figure_path
+            or any(suffix.lstrip(".") in FORMATS for suffix in suffixes))  # fmt: skip
+
+
 def declared_paths(parser: argparse.ArgumentParser,
                    options: argparse.Namespace) -> dict[str, dict[str, str | None]]:  # fmt: skip
     """{role: {flag: path}} for every path option `parser` declares, as `options` give them."""
@@ -284,13 +299,20 @@ def declared_paths(parser: argparse.ArgumentParser,
 
 def check_declared_paths(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
     """Before any work: the paths of every declared option are safe to use (files.check_paths),
-    and every output in one format is named with its extension."""
+    every output in one format is named with its extension, and matplotlib is there to draw
+    the figures asked for."""
     check_paths(**declared_paths(parser, options))
     for action in parser._actions:
         suffixes, what = getattr(action, "path_suffixes", ((), ""))
         if suffixes:
             check_suffix(action.option_strings[0], getattr(options, action.dest, None),
                          suffixes, what)  # fmt: skip
+    for action in parser._actions:
+        if drawn(action) and getattr(options, action.dest, None) is not None:
+            try:
+                require_matplotlib(action.option_strings[0])
+            except RuntimeError as exc:
+                raise ValueError(str(exc)) from None
 
 
 # -- options that several subcommands take, declared once ---------------------------------------
