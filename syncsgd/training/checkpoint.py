@@ -378,22 +378,23 @@ def is_ranges(value: object) -> bool:
 
 def check_coverage(path: str, shards: list[dict], n_params: int) -> None:
     """The ranges the manifest lists cover every parameter exactly once."""
-    pieces = sorted((start, stop, entry["file"]) for entry in shards
+    pieces = sorted((start, stop, os.path.join(path, entry["file"])) for entry in shards
                     for start, stop in entry["ranges"])  # fmt: skip
     covered, previous = 0, ""
     for start, stop, name in pieces:
         if start < covered:
-            raise ValueError(f"checkpoint shards {os.path.join(path, previous)} and "
-                             f"{os.path.join(path, name)} both cover parameters [{start}, "
-                             f"{min(stop, covered)}): a duplicated shard")  # fmt: skip
+            raise ValueError(f"checkpoint shards {previous} and {name} both cover parameters "
+                             f"[{start}, {min(stop, covered)}): a duplicated shard")  # fmt: skip
         if start > covered:
-            raise ValueError(f"checkpoint {path}: no shard file covers parameters [{covered}, "
-                             f"{start}): a shard missing from its manifest")  # fmt: skip
+            break
         covered, previous = stop, name
-    if covered != n_params:
-        where = f"[{covered}, {n_params})" if covered < n_params else f"up to {covered}"
-        raise ValueError(f"checkpoint {path}: its shard files cover parameters {where}, of "
+    if covered > n_params:
+        raise ValueError(f"checkpoint shard {previous} covers parameters up to {covered}, of "
                          f"{n_params}")  # fmt: skip
+    gap_end = next((start for start, _, _ in pieces if start > covered), n_params)
+    if covered < n_params:
+        raise ValueError(f"checkpoint {path}: no shard file covers parameters [{covered}, "
+                         f"{gap_end}): a shard missing from its manifest")  # fmt: skip
 
 
 def check_strays(path: str, shards: list[dict]) -> None:

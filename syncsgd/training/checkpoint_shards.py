@@ -86,6 +86,8 @@ def attempt(action: Any, *args: Any) -> str | None:
     """Run `action(*args)`; the reason it could not write, or None."""
     try:
         action(*args)
+    except ValueError as exc:  # atomic_file's checks: a directory in the way, a full disk, ...
+        return str(exc)
     except OSError as exc:
         where = f" {exc.filename}" if exc.filename else ""
         return f"cannot write the sharded checkpoint{where}: {exc.strerror or exc}"
