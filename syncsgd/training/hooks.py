@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from syncsgd.nn.losses import loss_entry
-from syncsgd.training import checkpoint
+from syncsgd.training import checkpoint, checkpoint_shards
 from syncsgd.training.checkpoint import Checkpoint
 from syncsgd.training.noise import NoiseScaleMeter
 from syncsgd.training.result import NonFiniteError, TrainResult
@@ -274,7 +274,8 @@ class Progress(Hook):
 
 
 class Checkpointing(Hook):
-    """Rank 0 writes a checkpoint every --checkpoint-every steps, after the last, and on a stop."""
+    """A checkpoint every --checkpoint-every steps, after the last, and on a stop: rank 0 writes
+    the whole state; sharded, every rank its shard file and rank 0 the manifest."""
 
     def __init__(self, run: Run, scaler: LossScaler | None = None, writes: bool = True) -> None:
         self.run, self.scaler, self.writes = run, scaler, writes
@@ -291,9 +292,14 @@ class Checkpointing(Hook):
         if due or stopping:
             assert config.checkpoint is not None  # the hook is made for --checkpoint only
             scaler = self.scaler.state() if self.scaler is not None else {}
+            if self.stepper.sharded is not None:  # no rank gathers the whole state
+                shard = checkpoint_shards.shard_of(self.stepper, steps_done, scaler, self.running)
+                checkpoint_shards.save(self.stepper, config.checkpoint, shard,
+                                       self.run.fingerprint)  # fmt: skip
+                return False
             state = Checkpoint(steps_done, self.stepper.whole_params(),
                                self.stepper.optimizer_state(), scaler, self.running)  # fmt: skip
-            if self.writes:  # (a sharded optimizer's state_arrays: every rank gathers)
+            if self.writes:
                 checkpoint.save(config.checkpoint, state, self.run.fingerprint)
         return False
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import sys
@@ -191,25 +192,47 @@ def make_hooks(comm: Any, run: Run, result: TrainResult, first_step: int, *,
     if log is not None:  # after the evaluation: a step's line carries the evaluation it had
         per_epoch = data.steps_per_epoch(len(run.X), config.batch_size)
         hooks.append(Log(log, per_epoch, result, config.noise_scale))
-    # last: it sees a target met, too; sharded, every rank gathers the optimizer's state
+    # last: it sees a target met, too; sharded, every rank writes its shard
     if config.checkpoint is not None and (master_process or config.zero_stage):
         hooks.append(Checkpointing(run, scaler, writes=master_process))
     return hooks
 
 
 def hold_checkpoints(comm: Any, run: Run, outputs: contextlib.ExitStack) -> None:
-    """Rank 0 locks the checkpoint directory for the run; every rank learns if it could not."""
+    """Rank 0 locks the checkpoint directory for the run; every rank learns if it could not.
+    Sharded, every rank writes into it: every rank must see the directory rank 0 locked."""
     directory = run.config.checkpoint
     if directory is None:
         return
     error = None
-    if comm.Get_rank() == 0:  # it alone writes checkpoints: its node must have the directory
+    if comm.Get_rank() == 0:  # it writes the checkpoints (sharded: the manifests)
         try:
             os.makedirs(directory, exist_ok=True)
             outputs.enter_context(checkpoint.locked(directory, run.fingerprint))
         except (ValueError, OSError) as exc:
             error = str(exc)
     agree(comm, error)
+    if run.config.zero_stage and comm.Get_size() > 1:
+        agree(comm, sees_the_lock(comm, directory, run.config.zero_stage))
+
+
+def sees_the_lock(comm: Any, directory: str, stage: int) -> str | None:
+    """Why this rank does not see the lock file rank 0 holds in `directory` (a directory on a
+    file system the ranks do not share), or None."""
+    lock = np.zeros(32, np.uint8)
+    try:
+        with open(os.path.join(directory, checkpoint.LOCK), "rb") as handle:
+            lock[:] = np.frombuffer(hashlib.sha256(handle.read()).digest(), np.uint8)
+    except OSError:
+        pass  # no lock here: this rank's digest stays zero
+    rank_0s = lock.copy()
+    with watching("the broadcast of the checkpoint lock's digest", bcast_peer(comm, 0)):
+        comm.Bcast(rank_0s, root=0)
+    if np.array_equal(lock, rank_0s):
+        return None
+    return (f"--zero-stage {stage}: every rank writes its shard of a checkpoint into --checkpoint "
+            f"{directory}, and this rank does not see the lock file rank 0 holds there: give a "
+            f"directory on a file system every rank shares")  # fmt: skip
 
 
 class Outputs(NamedTuple):

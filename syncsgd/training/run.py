@@ -37,14 +37,14 @@ class AgreedError(ValueError):
 MESSAGE_BYTES = 1024  # the longest error message the ranks pass on
 
 
-def agree(comm: Any, error: str | None) -> None:
+def agree(comm: Any, error: str | None, what: str = "the start-up agreement") -> None:
     """Raise the same AgreedError on every rank if any rank has an `error`, naming the rank.
 
     A collective every rank reaches: a rank that failed alone (a file on its node only) must
     not leave the others waiting in their next collective. An error every rank has alike is
     told once as it is; otherwise the first failing rank's, with its number.
     """
-    comm = Watched(comm, "the start-up agreement")  # what a collective timeout names
+    comm = Watched(comm, what)  # what a collective timeout names
     rank, size, mpi = comm.Get_rank(), comm.Get_size(), constants(comm)
     mine = None if error is None else _clip(error)
     first = np.array([size if mine is None else rank], np.int64)
