@@ -312,8 +312,8 @@ def _fetch_lines(zero: ZeroDemo, width: int, label: int, color: bool) -> list[st
         lines.append(f"  {f'rank {rank} θ':<{label}}: {row}{_empty_note(zero, rank)}")
     lines += ["", _half_title(zero, 2, "allgather", "second", "the parameters, before the forward "
                               "pass")]  # fmt: skip
-    lines.append("   (into the bucket's buffer; one bucket here, so the backward pass finds θ still "
-                 "there)")  # fmt: skip
+    lines.append("   (into the bucket's buffer; one bucket here, so the backward pass finds θ "
+                 "still there)")  # fmt: skip
     lines += _step_lines(shown_fetch(zero), chunk_bounds(zero.length, zero.ranks), width, label,
                          color)  # fmt: skip
     lines.append("  every rank now holds θ whole, for the forward and the backward pass")

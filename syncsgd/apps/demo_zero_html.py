@@ -50,7 +50,7 @@ def zero_frames(zero: ZeroDemo) -> list[dict[str, Any]]:
     frames += scattered
     if zero.stage > 1:
         frames.append(_kept_frame(zero, frames[-1]["sent"]))
-    update = {"messages": []}
+    update: dict[str, Any] = {"messages": []}
     _update_frame(zero, update, frames[-1]["sent"])
     frames.append(update)
     if zero.gathered is not None:
