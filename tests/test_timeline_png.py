@@ -108,3 +108,66 @@ def test_thread_ranks_share_one_origin(monkeypatch):
 
     origins = run_threads(3, origin)
     assert origins[0] == origins[1] == origins[2]
+
+
+def where_collectives_lie(events: list[dict], step: int) -> dict[tuple[str, str], int]:
+    """Rank 0's collective steps of training step `step`, counted by where they lie (in the
+    compute span, between compute and update, in the update span) and by phase."""
+    mine = [e for e in events if e.get("ph") == "X" and e["tid"] == 0]
+    (compute,) = [e for e in mine if e["cat"] == "compute" and e["args"]["step"] == step]
+    (update,) = [e for e in mine if e["cat"] == "update" and e["args"]["step"] == step]
+    regions = {"compute": (compute["ts"], compute["ts"] + compute["dur"]),
+               "between": (compute["ts"] + compute["dur"], update["ts"]),
+               "update": (update["ts"], update["ts"] + update["dur"])}  # fmt: skip
+    found: dict[tuple[str, str], int] = {}
+    for e in mine:
+        if e["cat"] != "allreduce":
+            continue
+        for region, (low, high) in regions.items():
+            if low <= e["ts"] and e["ts"] + e["dur"] <= high:
+                key = (region, timeline._kind(e))
+                found[key] = found.get(key, 0) + 1
+    return found
+
+
+def test_the_sharded_steps_collectives_lie_where_each_stage_runs_them(tmp_path):
+    # 3 dense layers, a bucket each (--bucket-bytes 0), on 2 ranks: every collective of a bucket
+    # takes one step. Stage 0 allreduces each bucket after the passes; stages 1-3 reduce-scatter
+    # (2, 3: the last two buckets as the backward pass writes them), agree in one small allreduce
+    # (one reduce-scatter and one allgather step) in the update, and allgather the 3 buckets'
+    # parameters there (1, 2) or before each layer's passes (3: forward 3, backward 2; the last
+    # layer's bucket is still in its buffer).
+    from syncsgd import train
+
+    mlp = dict(samples=40, features=5, hidden=(6, 4), classes=3, steps=2, seed=4, batch_size=8)
+    expected = {
+        0: {("between", "reduce-scatter"): 3, ("between", "allgather"): 3},
+        1: {("between", "reduce-scatter"): 3, ("update", "reduce-scatter"): 1,
+            ("update", "allgather"): 1 + 3},
+        2: {("compute", "reduce-scatter"): 2, ("between", "reduce-scatter"): 1,
+            ("update", "reduce-scatter"): 1, ("update", "allgather"): 1 + 3},
+        3: {("compute", "allgather"): 3 + 2, ("compute", "reduce-scatter"): 2,
+            ("between", "reduce-scatter"): 1, ("update", "reduce-scatter"): 1,
+            ("update", "allgather"): 1},
+    }  # fmt: skip
+    for stage, where in expected.items():
+        trace = tmp_path / f"stage{stage}.json"
+        train(ranks=2, backend="threads", zero_stage=stage, bucket_bytes=0, timeline=str(trace),
+              **mlp)  # fmt: skip
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert where_collectives_lie(events, 1) == where, stage
+    # On the chart the collectives' steps are drawn over the spans they lie in, and named.
+    figure = timeline.gantt_figure(events, "t")
+    (axes,) = [a for a in figure.axes if a.get_xlabel()]
+    colours = {kind: matplotlib_rgba(colour) for kind, colour in timeline.COLOURS.items()}
+    order = {kind: c.get_zorder() for c in axes.collections for kind, rgba in colours.items()
+             if len(c.get_facecolor()) and tuple(c.get_facecolor()[0]) == rgba}  # fmt: skip
+    assert order["compute"] < order["allgather"] and order["update"] < order["reduce-scatter"]
+    labels = [t.get_text() for legend in figure.legends for t in legend.get_texts()]
+    assert labels[:4] == ["compute", "update", "reduce-scatter", "allgather"]
+
+
+def matplotlib_rgba(colour: str) -> tuple[float, ...]:
+    from matplotlib.colors import to_rgba
+
+    return tuple(to_rgba(colour))

@@ -2,10 +2,10 @@
 
     syncsgd ring-demo --ranks 3 --length 7
     syncsgd ring-demo --ranks 4 --length 10 --png ring.png --frames slides/ --html ring.html
-    syncsgd ring-demo --zero-stage 1 --ranks 3 --length 7
+    syncsgd ring-demo --zero-stage 3 --ranks 3 --length 7
 
 The rounds and their text are in `demo_core`, the figures in `demo_png`, the page in `demo_html`;
-`--zero-stage 1`'s training step in `demo_zero`, its slide and page in `demo_zero_png` and
+`--zero-stage K`'s training step in `demo_zero`, its slide and page in `demo_zero_png` and
 `demo_zero_html`.
 """
 
@@ -69,12 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "recursive-doubling (allgather), recursive-halving (reduce-scatter); "
                         "alltoall: pairwise (the default), on a --length that is a multiple of "
                         "--ranks")  # fmt: skip
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1), default=0, metavar="K",
-                        help="0: the collective alone (the default); 1: one training step of ZeRO "
-                        "stage 1 on its numbers: the gradient sums reduce-scattered by the ring "
-                        "allreduce's first half, each rank's block updated with its own optimizer "
-                        "state, the parameters allgathered by its second half; as text, on one "
-                        "slide (--png) or a page (--html) (docs/sharded.md)")  # fmt: skip
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, metavar="K",
+                        help="0: the collective alone (the default); 1, 2, 3: one training step of "
+                        "ZeRO stage K on its numbers: the gradient sums reduce-scattered by the "
+                        "ring allreduce's first half, each rank's block updated with its own "
+                        "optimizer state, the parameters allgathered by its second half (2: each "
+                        "rank keeps its block of the sums alone; 3: and of the parameters, "
+                        "allgathered before the passes instead of after the update); as text, on "
+                        "one slide (--png) or a page (--html) (docs/sharded.md)")  # fmt: skip
     parser.add_argument("--root", type=nonnegative_int,
                         help="broadcast and reduce: the root rank (default 0)")
     writes(parser.add_argument("--png", metavar="PATH", type=figure_path,
@@ -193,10 +195,11 @@ def main(options: argparse.Namespace) -> int:
 
 
 def zero_main(options: argparse.Namespace) -> int:
-    """`ring-demo --zero-stage 1`: print one ZeRO-1 step; 1 if it ends unlike the serial step."""
+    """`ring-demo --zero-stage K`: print one step of ZeRO stage K; 1 if it ends unlike the serial
+    step."""
     from syncsgd.apps.demo_zero import render_zero_text, run_zero_demo
 
-    zero = run_zero_demo(options.ranks, options.length)
+    zero = run_zero_demo(options.ranks, options.length, options.zero_stage)
     print(render_zero_text(zero, use_color(options.color)))
     if options.png:
         from syncsgd.apps.demo_zero_png import draw_zero_png
@@ -209,6 +212,7 @@ def zero_main(options: argparse.Namespace) -> int:
         write_zero_html(zero, options.html)
         print(f"wrote {options.html}")
     if not zero.correct:
-        print("syncsgd: ring-demo: the ZeRO-1 step's parameters are wrong", file=sys.stderr)
+        print(f"syncsgd: ring-demo: the ZeRO-{zero.stage} step's parameters are wrong",
+              file=sys.stderr)  # fmt: skip
         return 1
     return 0

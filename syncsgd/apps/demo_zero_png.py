@@ -1,13 +1,14 @@
-"""`ring-demo --zero-stage 1 --png`: the ZeRO-1 step on one slide.
+"""`ring-demo --zero-stage K --png`: the step of ZeRO stage 1, 2 or 3 on one slide.
 
 One row per stage of the step, one column per rank, as the allreduce's detailed slide
-(`demo_png`): the gradient sums, each reduce-scatter round, each rank's momentum m (on its block
-alone), its parameters with its block updated, each allgather round. A gradient cell's colour is
-how many ranks' sums it holds (the allreduce slides' colours); a parameter cell is teal once
-updated, grey while it is the old value; an m cell is teal where the rank keeps m, white where
-another rank does. The numbers are written where every value fits at 14 points, else the colours
-alone say it; the range just received is framed (solid: added, dashed: copied), and so is the
-block a rank updates.
+(`demo_png`): (stage 3) each rank's block of θ and each round of the allgather that brings θ whole
+before the passes, the gradient sums, each reduce-scatter round, (stages 2, 3) the block of the
+sums a rank keeps, each rank's momentum m (on its block alone), its parameters with its block
+updated, (stages 1, 2) each allgather round. A gradient cell's colour is how many ranks' sums it
+holds (the allreduce slides' colours); a parameter cell is teal once updated, grey while it is the
+old value; an m cell is teal where the rank keeps m; a cell is white where the rank keeps nothing.
+The numbers are written where every value fits at 14 points, else the colours alone say it; the
+range just received is framed (solid: added, dashed: copied), and so is the block a rank keeps.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from syncsgd.apps.demo_png import (
     peers_text,
     text_width,
 )
-from syncsgd.apps.demo_zero import ABSENT, ZeroDemo
+from syncsgd.apps.demo_zero import ABSENT, ZeroDemo, shown_fetch
 from syncsgd.collectives.schedules import owned_block
 
-MAX_RANKS = 8  # 2P + 1 rows, each at least a 14-point line high
+MAX_RANKS = 8  # 2P + 1 rows (stage 1) to 2P + 3 (stage 3), each at least a 14-point line high
 OLD = (0.88, 0.88, 0.88)  # a parameter not yet updated: black text on it is 15:1
 NONE = (1.0, 1.0, 1.0)  # no optimizer state here
 
@@ -50,20 +51,25 @@ class Row(NamedTuple):
 def zero_rows(zero: ZeroDemo) -> list[Row]:
     """The slide's rows, top to bottom."""
     p = zero.ranks
-    rows = [Row("gradient sums", "sum", [b.tolist() for b in zero.scattered.start], [None] * p,
-                [""] * p)]  # fmt: skip
-    rows += _rounds(zero.scattered, "sum", "reduce-scatter")
     owned = [zero.owned(rank) for rank in range(p)]
-    state = []
-    for rank, (lo, hi) in enumerate(owned):
-        cells: list[Any] = [ABSENT] * zero.length
-        cells[lo:hi] = zero.momentum[rank].tolist()
-        state.append(cells)
     frames = [(lo, hi, False) if hi > lo else None for lo, hi in owned]
-    rows.append(Row("m, own block", "state", state, frames, [""] * p))
-    rows.append(Row("θ - lr·m", "param", [b.tolist() for b in zero.gathered.start], frames,
+    rows = []
+    if zero.stage == 3:
+        rows.append(Row("θ, own block", "param", [zero.kept(zero.initial, rank).tolist()
+                                                  for rank in range(p)], frames, [""] * p))
+        rows += _rounds(shown_fetch(zero), "param", "allgather")
+    rows.append(Row("gradient sums", "sum", [b.tolist() for b in zero.scattered.start], [None] * p,
                     [""] * p))  # fmt: skip
-    rows += _rounds(zero.gathered, "param", "allgather")
+    rows += _rounds(zero.scattered, "sum", "reduce-scatter")
+    if zero.stage > 1:
+        rows.append(Row("g, own block", "sum", [zero.kept(zero.scattered.final[rank], rank).tolist()
+                                                for rank in range(p)], frames, [""] * p))
+    state = [zero.kept(zero.momentum[rank], rank).tolist() for rank in range(p)]
+    rows.append(Row("m, own block", "state", state, frames, [""] * p))
+    rows.append(Row("θ - lr·m", "param", [zero.parameters(rank).tolist() for rank in range(p)],
+                    frames, [""] * p))  # fmt: skip
+    if zero.gathered is not None:
+        rows += _rounds(zero.gathered, "param", "allgather")
     return rows
 
 
@@ -87,10 +93,12 @@ def _rounds(demo: Any, kind: str, phase: str) -> list[Row]:
 def cell_colour(zero: ZeroDemo, row: Row, rank: int, index: int) -> tuple[float, float, float]:
     """A sum's count of ranks; a parameter updated (teal) or old (grey); m kept or not."""
     value = row.values[rank][index]
+    if value == ABSENT:
+        return NONE
     if row.kind == "sum":
         return count_colour(int(ranks_summed(np.array([value]), zero.ranks)[0]), zero.ranks)
     if row.kind == "state":
-        return NONE if value == ABSENT else count_colour(zero.ranks, zero.ranks)
+        return count_colour(zero.ranks, zero.ranks)
     updated = value != int(zero.initial[index])
     return count_colour(zero.ranks, zero.ranks) if updated else OLD
 
@@ -121,7 +129,8 @@ def layout(zero: ZeroDemo, rows: list[Row]) -> Layout:
 
 def zero_canvas(zero: ZeroDemo) -> Canvas:
     """The whole step on one slide."""
-    canvas = Canvas(f"ZeRO stage 1, one step: {zero.ranks} ranks, {zero.length} parameters")
+    canvas = Canvas(f"ZeRO stage {zero.stage}, one step: {zero.ranks} ranks, {zero.length} "
+                    "parameters")  # fmt: skip
     rows = zero_rows(zero)
     place = layout(zero, rows)
     height = place.cell[1]
@@ -140,7 +149,7 @@ def zero_canvas(zero: ZeroDemo) -> Canvas:
                     (0, y, place.names, y + height), ha="right", va="center")  # fmt: skip
         for rank in range(zero.ranks):
             _draw_cells(canvas, zero, row, rank, (place.names + rank * place.across, y), place)
-    _legend(canvas, place.numbers)
+    _legend(canvas, place.numbers, zero.stage)
     return canvas
 
 
@@ -163,13 +172,15 @@ def _draw_cells(canvas: Canvas, zero: ZeroDemo, row: Row, rank: int, at: tuple[f
                     va="top")  # fmt: skip
 
 
-def _legend(canvas: Canvas, numbers: bool) -> None:
+def _legend(canvas: Canvas, numbers: bool, stage: int) -> None:
     """Two lines at the bottom: what the colours of each kind of row say, and the frames."""
     y = HEIGHT - LEGEND + 4
+    kept = "of m: teal kept here" if stage == 1 else "white: not kept here"
     lines = ("colour of a sum: how many ranks' it holds (teal: all); of θ: teal updated, grey old;"
-             " of m: teal kept here",
+             f" {kept}",
              ("numbers: the values; " if numbers else "no numbers: the colours alone; ")
-             + "frame: just received (solid: added, dashed: copied), or the block updated",
+             + "frame: just received (solid: added, dashed: copied), or the block "
+             + ("updated" if stage == 1 else "kept"),
              )  # fmt: skip
     for line in lines:
         canvas.text(8, y + LINE / 2, line, TEXT, (0, y, WIDTH, y + LINE), va="center")

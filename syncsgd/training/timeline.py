@@ -1,8 +1,10 @@
 """Timelines: what every rank did when, as a Chrome trace (open in chrome://tracing or Perfetto).
 
-One row per rank; spans for compute, for every step of every allreduce (from the collectives'
-`trace` events) and for the update. With --overlap, a second row per rank holds what its
-communication thread did: the allreduce steps inside the compute spans of the backward pass.
+One row per rank; spans for compute, for every step of every collective (from the collectives'
+`trace` events: an allreduce's reduce-scatter and allgather steps, and a sharded step's own
+reduce-scatters and allgathers) and for the update. With --overlap, a second row per rank holds
+what its communication thread did: the allreduce steps inside the compute spans of the backward
+pass.
 Each rank records its own spans against its own clock, started right after a barrier, so the rows
 line up to within the barrier's skew (thread ranks read one clock: they agree on one origin); rank
 0 gathers them with point-to-point messages and writes one JSON file.
@@ -100,6 +102,7 @@ COLOURS = {  # by category, then by the phase of an allreduce step: Okabe & Ito'
     "unfold": "#999999",
 }  # fmt: skip
 OTHER = "#000000"
+SPANS = ("compute", "update")  # a step's own spans: the collectives' steps are drawn over them
 TEXT = 14  # points, on a 16:9 slide (syncsgd.util.figures)
 SHOWN_STEPS = 4  # steps drawn: more turn a slide's bars into a barcode
 
@@ -153,7 +156,11 @@ def gantt_figure(events: list[dict], title: str = "timeline") -> Any:
             calls = True
             continue
         kinds.setdefault(kind, COLOURS.get(kind, OTHER))
-        axes.broken_barh(xranges, (row - 0.35, 0.7), facecolors=kinds[kind])
+        # A collective's steps on top of the compute or update span they lie in: ZeRO-2's
+        # reduce-scatters in the backward pass, ZeRO-3's allgathers in both passes, the
+        # agreement and the parameters' allgather in the update.
+        axes.broken_barh(xranges, (row - 0.35, 0.7), facecolors=kinds[kind],
+                         zorder=1 if kind in SPANS else 2)  # fmt: skip
     marked = _mark_steps(axes, steps, origin, scale)
     axes.set_xlim(0, (end - origin) * 1.02 * scale)
     _rank_ticks(axes, rows)
@@ -185,7 +192,10 @@ def _legend(figure: Any, kinds: dict[str, str], steps: bool, calls: bool) -> Non
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles: list[Any] = [Patch(facecolor=colour, label=kind) for kind, colour in kinds.items()]
+    order = list(COLOURS)  # compute, update, then the collectives' phases, the rest after
+    ranked = sorted(kinds.items(), key=lambda item: order.index(item[0]) if item[0] in order
+                    else len(order))  # fmt: skip
+    handles: list[Any] = [Patch(facecolor=colour, label=kind) for kind, colour in ranked]
     if steps:
         handles.append(Line2D([], [], color="black", linestyle="--",
                               label="a step starts\n(on its first rank)"))  # fmt: skip
