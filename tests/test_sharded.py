@@ -181,7 +181,7 @@ def test_a_sharded_checkpoint_resumes_at_another_p_and_stage_as_the_run_that_nev
     options = dict(MLP, batch_size=10, optimizer="adamw", lr=0.01, exact=exact, bucket_bytes=0)
     whole = digest(train(ranks=3, backend="threads", **{**options, "steps": 4}))
     train(ranks=3, backend="threads", zero_stage=3, checkpoint=str(tmp_path),
-          **{**options, "steps": 2})  # the whole state, gathered: what stage 0 writes
+          **{**options, "steps": 2})  # each rank's blocks, and a manifest
     # float mode sums by P: the same P at another stage; exact mode: any P, any stage
     resumed = [(3, 0), (3, 1), (3, 2)] + ([(2, 1), (5, 3), (1, 2)] if exact else [])
     for ranks, stage in resumed:
@@ -335,3 +335,41 @@ def test_more_ranks_than_parameters_at_every_stage(stage, buckets):
     assert sharded == replicated
     exact = both_stages(7, stage, **options, exact=True)
     assert exact[0] == exact[1] == both_stages(1, stage, **options, exact=True)[1]
+
+
+def test_stage_3_gathers_a_layer_before_its_pass_and_prefetches_the_next():
+    # four dense layers, a bucket each: a pass gathers each layer's bucket as it reads it, and
+    # with --overlap under MPI starts the next layer's (the way the passes go) while it computes
+    from syncsgd.nn.network import build
+    from syncsgd.training.windows import PlacedParams
+
+    model = build("dense(3) dense(3) dense(3) dense", (2,), 2, "xent", np.float64)
+    done: list[tuple[str, int]] = []
+    placed = PlacedParams(model, _buckets(model), np.dtype(np.float64),
+                          lambda index, out: done.append(("gather", index)), prefetch=True)
+    assert placed.buffers.count == 2  # a layer's bucket and the next one's
+    placed.start_ = lambda index, out: done.append(("start", index))
+    placed.wait_ = lambda: done.append(("wait", -1))
+    for layer in (0, 1, 2, 3, 3, 3, 2, 2, 1, 1, 0):  # forward, then backward (above, then own)
+        placed.ready_(layer)
+    assert done == [("gather", 0), ("start", 1), ("wait", -1), ("start", 2), ("wait", -1),
+                    ("start", 3), ("wait", -1),  # backward finds the top two buffers held
+                    ("start", 1), ("wait", -1), ("start", 0), ("wait", -1)]  # fmt: skip
+    placed.forget_()  # after the update: every bucket gathered afresh
+    placed.ready_(0)
+    assert done[-2:] == [("gather", 0), ("start", 1)]
+
+
+@requires_mpi
+def test_stage_3_with_overlap_under_mpiexec_prefetches_and_keeps_the_bits(tmp_path):
+    options = ["--model", "conv(2,3,pad=1) batchnorm relu maxpool(2) flatten dense(5) relu dense",
+               "--input-shape", "1,4,4", "--features", "16", "--samples", "48", "--classes", "3",
+               "--batchnorm", "sync", "--batch-size", "12", "--steps", "3", "--optimizer",
+               "adamw", "--lr", "0.01", "--bucket-bytes", "0", "--exact"]  # fmt: skip
+    ours, theirs = tmp_path / "mpi.npz", tmp_path / "threads.npz"
+    done = run_mpiexec(3, ["-m", "syncsgd.cli", "train", *options, "--zero-stage", "3",
+                           "--overlap", "--save", str(ours)])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert main(["train", "--ranks", "2", *options, "--save", str(theirs)]) == 0
+    with np.load(ours) as sharded, np.load(theirs) as replicated:
+        assert all(sharded[name].tobytes() == replicated[name].tobytes() for name in replicated)

@@ -298,7 +298,8 @@ class Checkpointing(Hook):
                                        self.run.fingerprint)  # fmt: skip
                 return False
             state = Checkpoint(steps_done, self.stepper.whole_params(),
-                               self.stepper.optimizer_state(), scaler, self.running)  # fmt: skip
+                               self.stepper.optimizer.state_arrays(), scaler,
+                               self.running)  # fmt: skip
             if self.writes:
                 checkpoint.save(config.checkpoint, state, self.run.fingerprint)
         return False

@@ -267,8 +267,8 @@ class Overlap:
         return computed
 
     def prefetch_gathers(self, sharded: Any) -> None:
-        """ZeRO-3: the passes' gathers join the queue, after the buckets handed before them; the
-        next layer's start while this one computes."""
+        """ZeRO-3: the passes' gathers join the queue, after the buckets handed before them;
+        under MPI the next layer's start while this one computes."""
         sharded.passes_allgather_ = self.relayed(sharded.allgather_)
         placed = sharded.placed_params
 
@@ -279,7 +279,8 @@ class Overlap:
             self.thread.hand(functools.partial(sharded.gather_bucket_, index, out,
                                                on_the_duplicate_))  # fmt: skip
 
-        placed.start_, placed.wait_ = start_, self.thread.wait_all
+        if waits_in_two_threads(self.comm):  # (training/sharded.py: prefetches)
+            placed.start_, placed.wait_ = start_, self.thread.wait_all
 
     def relayed(self, allreduce_: Callable[[np.ndarray, Any], Any]) -> Callable[..., None]:
         """`allreduce_` on the communication thread and its duplicate, after the buckets handed

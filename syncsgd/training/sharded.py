@@ -77,6 +77,16 @@ def places_sums(config: Any, variant: Any, riders: list[Any]) -> bool:
             and not any(rider.needs_gradient for rider in riders))  # fmt: skip
 
 
+def prefetches(config: Any, comm: Any) -> bool:
+    """Whether stage 3's passes gather the next layer's buckets while a layer computes: with
+    --overlap under MPI, where two threads of a rank may wait at once (thread ranks keep one
+    wait per rank: BatchNorm's and exact mode's peaks, taken on the training thread, would wait
+    beside a gather)."""
+    from syncsgd.training.overlap import waits_in_two_threads
+
+    return bool(config.overlap) and comm.Get_size() > 1 and waits_in_two_threads(comm)
+
+
 class ShardedUpdate:
     """The sharded end of a step: built once per run, used in place of the replicated one."""
 
@@ -118,7 +128,7 @@ class ShardedUpdate:
             # The passes read the parameters in their dtype: float32 for bf16/fp16 (autocast's)
             passes = stepper.local_gradient.local.nx.dtype
             self.placed_params = PlacedParams(run.model, buckets, passes, self.gather_bucket_,
-                                              prefetch=config.overlap and comm.Get_size() > 1)
+                                              prefetch=prefetches(config, comm))
             longest = max(bucket.stop - bucket.start for bucket in buckets)
             self.carrier = np.empty(longest if passes != dtype else 0, dtype)
         # Agreed in one small allreduce: the riders, kept before the reduce-scatter sums them in
@@ -375,10 +385,6 @@ class ShardedUpdate:
     def gathered(self, shard: np.ndarray) -> np.ndarray:
         """Every rank's blocks of an array of the parameters' layout, whole: a new array."""
         whole = np.zeros(self.n_params, shard.dtype)
-        if self.placed_sums is None and self.stage < 3:
-            for (_, start, stop, offset) in self.owned_at:
-                whole[start:stop] = shard[offset : offset + stop - start]
-            return self.gathered_in_buffer(whole).astype(shard.dtype)
         for index, bucket in enumerate(self.bucket_slices):
             carrier = np.zeros(bucket.stop - bucket.start, shard.dtype)
             self.fill_bucket_(index, shard, carrier)
@@ -446,9 +452,8 @@ def pieces(owned: list[slice], tensors: list[slice]) -> list[tuple[int, int, int
 
 class ShardOptimizer:
     """The optimizers of this rank's blocks (one per block, or one over them all); their state
-    read and written as the whole run's (every array of the parameters' length gathered, or
-    taken apart), so that a checkpoint holds what the replicated step's would, and resumes at
-    any P and stage."""
+    loaded from the whole run's (every array of the parameters' length taken apart), so that a
+    run resumes at any P and stage."""
 
     def __init__(self, inners: list[Any], spans: list[tuple[int, int]],
                  sharded: ShardedUpdate) -> None:  # fmt: skip
@@ -465,17 +470,6 @@ class ShardOptimizer:
     def own_state(self) -> list[dict[str, np.ndarray]]:
         """Every inner optimizer's state, of its blocks alone (not a collective)."""
         return [inner.state_arrays() for inner in self.inners]
-
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        """The whole run's state: a collective (every rank calls it at the same step)."""
-        own, arrays = self.own_state(), {}
-        for name, value in own[0].items():
-            if value.shape == (self.spans[0][1] - self.spans[0][0],):  # one per parameter
-                blocks = np.concatenate([state[name] for state in own])
-                arrays[name] = self.sharded.gathered(blocks.astype(value.dtype))
-            else:
-                arrays[name] = value
-        return arrays
 
     def load_state_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """This rank's blocks of the whole run's state."""

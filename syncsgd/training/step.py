@@ -196,12 +196,6 @@ class DataParallelStep:
             return self.sharded.bytes_per_step()
         return self._exchange_bytes
 
-    def optimizer_state(self) -> dict[str, np.ndarray]:
-        """The optimizer's state as a checkpoint holds it (sharded: gathered, a collective)."""
-        if self.sharded is not None:
-            return self.sharded.optimizer.state_arrays()
-        return self.optimizer.state_arrays()
-
     def whole_params(self) -> np.ndarray:
         """The whole parameters (ZeRO-3: gathered, a collective: every rank calls it alike)."""
         return self.params if self.sharded is None else self.sharded.whole_params()

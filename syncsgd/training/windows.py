@@ -153,9 +153,10 @@ class PlacedParams:
                 self.gathers += 1
 
     def forget_(self) -> None:
-        """The parameters changed: gather every bucket afresh."""
+        """The parameters changed: gather every bucket afresh, from a forward pass."""
         self.held = [-1] * self.buffers.count
         self.pending.clear()
+        self.last, self.direction = -1, 1
 
 
 def no_gathers() -> None:
