@@ -373,3 +373,17 @@ def test_stage_3_with_overlap_under_mpiexec_prefetches_and_keeps_the_bits(tmp_pa
     assert main(["train", "--ranks", "2", *options, "--save", str(theirs)]) == 0
     with np.load(ours) as sharded, np.load(theirs) as replicated:
         assert all(sharded[name].tobytes() == replicated[name].tobytes() for name in replicated)
+
+
+def test_bench_step_reports_what_a_stage_sends(tmp_path):
+    report = tmp_path / "step.json"
+    assert main(["bench", "step", "--ranks", "2", "--zero-stage", "3", "--features", "5", "--hidden", "6,4", "--classes", "3", "--samples", "64",
+                 "--per-rank-batch", "8", "--scaling", "weak", "--steps", "2", "--repeats", "1",
+                 "--warmup", "1", "--cli-runs", "0", "--no-overhead",
+                 "--json", str(report)]) == 0  # fmt: skip
+    import json
+
+    (row,) = json.loads(report.read_text())["scaling"]
+    trained = train(ranks=2, backend="threads", zero_stage=3, features=5, hidden=(6, 4),
+                    classes=3, samples=64, batch_size=16, steps=2)  # fmt: skip
+    assert row["bytes_sent_per_step"] == trained.bytes_sent_per_step > 0

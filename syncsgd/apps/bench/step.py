@@ -138,23 +138,26 @@ def per_step_seconds(comm: Any, run: Run) -> list[float]:
 
 
 def timed_run(comm: Any, run: Run) -> list[float]:
-    """`per_step_seconds`, then the seconds in BatchNorm's allreduces per step.
+    """`per_step_seconds`, then the seconds in BatchNorm's allreduces per step, then the bytes a
+    rank sends per step (the most over the ranks; nan for the library's own allreduce).
 
     The steady state: the steps after the run's first, which pays the first touch of the run's
     fresh buffers (and, first in a process, the kernels' loading: `first_step` reports that).
     """
     comm.Barrier()
     result = train_rank(comm, run, quiet=True)
+    sent = result.bytes_sent_per_step  # the same every step (the slowest rank: the most sent)
+    sent_per_step = math.nan if sent is None else float(sent)
     # BatchNorm's allreduces run inside the compute span: moved to the allreduce column.
     if result.steady_steps == 0:  # --steps 1: no steady state to take apart
         batchnorm = result.batchnorm_comm_seconds
         totals = [result.compute_seconds - batchnorm, result.comm_seconds + batchnorm,
                   result.update_seconds, result.seconds, batchnorm]  # fmt: skip
-        return slowest(comm, [total / result.steps for total in totals])
+        return slowest(comm, [*(total / result.steps for total in totals), sent_per_step])
     batchnorm = result.steady_batchnorm_comm_seconds
     totals = [result.steady_compute_seconds - batchnorm, result.steady_comm_seconds + batchnorm,
               result.steady_update_seconds, result.steady_seconds, batchnorm]  # fmt: skip
-    return slowest(comm, [total / result.steady_steps for total in totals])
+    return slowest(comm, [*(total / result.steady_steps for total in totals), sent_per_step])
 
 
 # --- phases, each run on every rank of a communicator -----------------------------------------
@@ -233,6 +236,8 @@ def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, run: Run) 
     row = {"scaling": scaling, "ranks": size, "global_batch": batch, "shard": -(-batch // size)}
     row.update({f"{part}_ms": seconds * 1e3 for part, seconds in zip(PARTS, medians, strict=True)})
     row["batchnorm_allreduce_ms"] = statistics.median(times[len(PARTS)] for times in runs) * 1e3
+    sent = runs[0][len(PARTS) + 1]
+    row["bytes_sent_per_step"] = None if math.isnan(sent) else int(sent)
     row["step_min_ms"] = min(steps) * 1e3
     row["step_max_ms"] = max(steps) * 1e3
     row["samples_per_s"] = batch / medians[-1]
@@ -690,6 +695,10 @@ def scaling_section(options: argparse.Namespace, call: Callable, rank_counts: li
         rows.append(call(scaling_row, ranks, scaling, runs[scaling, ranks]))
         add_speedups(rows)
         say(format_scaling(rows[-1]), flush=True)
+    sent = ", ".join(f"{row['scaling']} P={row['ranks']}: {row['bytes_sent_per_step']:,}"
+                     for row in rows if row["bytes_sent_per_step"] is not None)  # fmt: skip
+    if sent:  # (the executor's messages: the library's own allreduce's are not seen)
+        say(f"# bytes a rank sends per step (the most over the ranks): {sent}", flush=True)
     return jit, rows
 
 
