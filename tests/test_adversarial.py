@@ -68,7 +68,7 @@ CASES = [
      "--frames: --zero-stage 1 is drawn on one slide (--png) or a page (--html), not as frames"),
     ("ring-demo --zero-stage 1 --ranks 9 --png z.png", 1,
      "--zero-stage 1 --png draws 1 to 8 ranks on a slide, got --ranks 9"),
-    ("ring-demo --zero-stage 2", 2, "argument --zero-stage: invalid choice: 2"),
+    ("ring-demo --zero-stage 4", 2, "argument --zero-stage: invalid choice: 4"),
     ("model --scaling-ranks 8", 1, "--scaling-ranks sets the --scaling figure: give --scaling"),
     ("model --scaling-size 1M", 1, "--scaling-size sets the --scaling figure: give --scaling"),
     ("verify --report r.html --png r.html", 1, "is the same file as"),
