@@ -29,6 +29,16 @@ def shape_size(shape: tuple[int, ...]) -> int:
     return size
 
 
+def kept_zeros(size: int, dtype: object) -> np.ndarray:
+    """A zeroed array the forward pass fills and the backward pass reads (an activation)."""
+    return np.zeros(size, dtype)
+
+
+def scratch_zeros(size: int, dtype: object) -> np.ndarray:
+    """A zeroed array a pass writes and reads again within itself (a workspace)."""
+    return np.zeros(size, dtype)
+
+
 def describe(value: object) -> str:
     """A short description of an array-like for error messages."""
     if isinstance(value, np.ndarray):
