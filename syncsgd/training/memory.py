@@ -62,7 +62,7 @@ SITES: tuple[tuple[str, str, str, str], ...] = (
     ("training/sharded.py", "*", "*", "workspaces"),  # the owned blocks' contiguous copies
     ("training/overlap.py", "*", "*", "communication_buffers"),
     ("training/layered.py", "*", "*", "activations"),
-    ("training/data.py", "*", "*", "activations"),  # the epoch's order of the samples
+    ("training/data.py", "*", "*", "other"),  # the epoch's order, cached for the process
     ("collectives/", "*", "*", "communication_buffers"),
     ("comm/", "*", "*", "communication_buffers"),
 )

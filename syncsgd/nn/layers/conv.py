@@ -105,9 +105,10 @@ class Conv(Layer):
         return n_rows * width * itemsize
 
     def scratch_bytes(self, m: int, itemsize: int) -> int:
-        """The output's rows (the gradient's, backward) and the patches' gradient."""
+        """The output's rows (the gradient's, backward) and the patches' gradient (none for
+        the first layer, whose input has no gradient)."""
         n_rows, width, _ = self._sizes(m)
-        return n_rows * (self.out_channels + width) * itemsize
+        return n_rows * (self.out_channels + (width if self.position else 0)) * itemsize
 
     def multiply_adds(self) -> int:
         """H'·W' output positions x C·k·k x out_channels per sample: im2col's product."""
