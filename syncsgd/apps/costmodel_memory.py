@@ -95,7 +95,8 @@ def predict(config: Any, shapes: Shapes, stage: int | None = None,
     widths = [sum(part.stop - part.start for part in owned) for owned in blocks]
     width = max(widths, default=network.n_params)
     copies = any(len(owned) > 1 for owned in blocks)
-    predicted = {"parameters": network.n_params * network.dtype.itemsize,
+    state = network.n_params + network.n_running  # BatchNorm's running statistics too
+    predicted = {"parameters": state * network.dtype.itemsize,
                  "gradients": buffer * sums + separate_mean(config, network),
                  "optimizer_state": optimizer_state(config, width, network.dtype.itemsize),
                  "activations": activations(config, shapes),

@@ -48,6 +48,7 @@ SITES: tuple[tuple[str, str, str, str], ...] = (
     ("nn/numerics.py", "*", "*", "workspaces"),
     ("nn/exact.py", "*", "*", "workspaces"),
     ("nn/local.py", "*", "*", "activations"),  # the loss sum's one value
+    ("nn/network.py", "Network.init_running", "*", "parameters"),  # BatchNorm's statistics
     ("nn/optim/", "*", "velocity", "optimizer_state"),
     ("nn/optim/", "*", "exp_avg", "optimizer_state"),
     ("nn/optim/", "*", "exp_avg_sq", "optimizer_state"),
