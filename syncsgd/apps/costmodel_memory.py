@@ -312,11 +312,9 @@ def limit_lines(config: Any, shapes: Shapes, limit: int) -> tuple[list[str], lis
 
 def parser() -> argparse.ArgumentParser:
     """The options of `model --memory`: train's, from their declarations, and its own."""
-    from syncsgd.cli import TrainOutputs
+    from syncsgd.cli import TrainOutputs, _Parser
     from syncsgd.training.config import add_train_options
     from syncsgd.util.options import add_options
-
-    from syncsgd.cli import _Parser
 
     memory = _Parser(
         prog="syncsgd model --memory",

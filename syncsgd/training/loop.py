@@ -60,7 +60,8 @@ from syncsgd.util.files import atomic_file
 def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
                timeline_path: str | None = None, save_path: str | None = None,
                json_path: str | None = None, quiet: bool = True,
-               record_digests: bool = False, measure_memory: bool = False) -> TrainResult:  # fmt: skip
+               record_digests: bool = False,
+               measure_memory: bool = False) -> TrainResult:  # fmt: skip
     """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary.
 
     A collective that makes no progress for `run.config.timeout` seconds ends the job.

@@ -205,7 +205,7 @@ def statement_at(filename: str, lineno: int) -> tuple[str, str]:
     nodes = _parsed(filename)
     function, name = "", ""
     for node, qualified in nodes:
-        end = getattr(node, "end_lineno", node.lineno)
+        end = node.end_lineno or node.lineno
         if not node.lineno <= lineno <= end:
             continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -216,19 +216,19 @@ def statement_at(filename: str, lineno: int) -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=256)
-def _parsed(filename: str) -> list[tuple[ast.AST, str]]:
+def _parsed(filename: str) -> list[tuple[ast.stmt, str]]:
     """Every function and statement of a file, outermost first, with functions' qualified
     names."""
     with open(filename, encoding="utf-8") as file:
         tree = ast.parse(file.read())
-    found: list[tuple[ast.AST, str]] = []
+    found: list[tuple[ast.stmt, str]] = []
 
     def visit(node: ast.AST, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
             qualified = prefix
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 qualified = f"{prefix}.{child.name}" if prefix else child.name
-            if isinstance(child, (ast.stmt,)):
+            if isinstance(child, ast.stmt):
                 found.append((child, qualified))
             visit(child, qualified)
 
