@@ -20,7 +20,7 @@ import numpy as np
 
 from syncsgd.util import jsonout
 from syncsgd.util.files import check_writable
-from syncsgd.util.options import RANKS
+from syncsgd.util.options import JSON, RANKS
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "workspaces",
               "communication_buffers")  # fmt: skip
@@ -310,19 +310,34 @@ def limit_lines(config: Any, shapes: Shapes, limit: int) -> tuple[list[str], lis
     return lines, rows
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad option in one line and exits with status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# train's outputs but --json: taken, so that a train command line runs as it is, and ignored
+IGNORED_OUTPUTS = {"--save": "PATH", "--log": "PATH", "--timeline": "PATH",
+                   "--timeline-png": "PATH", "--quiet": None, "--digest": None}  # fmt: skip
+
+
 def parser() -> argparse.ArgumentParser:
     """The options of `model --memory`: train's, from their declarations, and its own."""
-    from syncsgd.cli import TrainOutputs, _Parser
     from syncsgd.training.config import add_train_options
-    from syncsgd.util.options import add_options
 
-    memory = _Parser(
+    memory = OneLineParser(
         prog="syncsgd model --memory",
         description="Predict the bytes per rank of the `syncsgd train` run these options "
-        "describe (every train option is taken; the outputs but --json are ignored).")
+        "describe (every train option is taken; its outputs but --json are ignored).")
     RANKS.add(memory)
     add_train_options(memory)
-    add_options(memory, TrainOutputs, {})
+    JSON.add(memory, help="write the prediction as JSON (memory_bytes: train --json's keys)")
+    for flag, metavar in IGNORED_OUTPUTS.items():
+        if metavar is None:
+            memory.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+        else:
+            memory.add_argument(flag, metavar=metavar, help=argparse.SUPPRESS)
     memory.add_argument("--memory-limit", type=memory_limit, metavar="BYTES",
                         help="also the largest global batch (and micro-batch) that fits in "
                         "BYTES per rank on --ranks ranks at each ZeRO stage, e.g. 24GiB")
