@@ -560,6 +560,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the rows of the sweep to fit (default ring)",
     )
     add_step_arguments(parser)
+    parser.add_argument(
+        "--memory", nargs=argparse.REMAINDER, metavar="TRAIN_OPTIONS",
+        help="predict the memory per rank of the `syncsgd train` run these options describe "
+        "(every option after --memory is train's; --memory-limit BYTES: the largest batch "
+        "that fits per stage); `syncsgd model --memory --help` lists them (docs/memory.md)",
+    )  # fmt: skip
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
@@ -607,6 +613,10 @@ Extra = Callable[[argparse.Namespace, Params, dict[str, Any]], list[str]]
 def main(options: argparse.Namespace, extra: Extra | None = None) -> int:
     """`syncsgd model`: the prediction table, the crossovers and, with --fit, the fit; `extra`
     adds lines (and JSON to its dict) for the parameters used."""
+    if getattr(options, "memory", None) is not None:  # train's options: another parser's
+        from syncsgd.apps import costmodel_memory
+
+        return costmodel_memory.main(options.memory)
     step_network(options)  # a bad --model fails before anything is printed
     for path in (options.json, options.png):
         if path:

@@ -6,6 +6,8 @@ syncsgd.nn.losses' registry.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -27,6 +29,16 @@ def shape_size(shape: tuple[int, ...]) -> int:
     for extent in shape:
         size *= extent
     return size
+
+
+def kept_zeros(size: int, dtype: Any) -> np.ndarray:
+    """A zeroed array the forward pass fills and the backward pass reads (an activation)."""
+    return np.zeros(size, dtype)
+
+
+def scratch_zeros(size: int, dtype: Any) -> np.ndarray:
+    """A zeroed array a pass writes and reads again within itself (a workspace)."""
+    return np.zeros(size, dtype)
 
 
 def describe(value: object) -> str:

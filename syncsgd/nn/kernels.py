@@ -100,8 +100,11 @@ first_load = FirstLoadNotice()
 def gather_rows_(X, rows, out):
     """out[i] = X[rows[i]]: a shard's samples, copied without holding the GIL."""
     # np.take holds the GIL while it copies: the other thread ranks' Python waited on it.
+    # Element by element: a slice assignment would copy each row through a temporary first.
     for i in range(rows.shape[0]):
-        out[i, :] = X[rows[i], :]
+        row = rows[i]
+        for j in range(X.shape[1]):
+            out[i, j] = X[row, j]
 
 
 @njit(nogil=True, cache=True)

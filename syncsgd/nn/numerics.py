@@ -110,9 +110,10 @@ def add_columns_(d, g, first):
 
 
 @njit(nogil=True, cache=True)
-def narrow_column_sum_(d, g, fmt, first):
-    """g += round(column sums of d): summed in float32, rounded once (g = it if `first`)."""
-    column = np.zeros(d.shape[1], np.float32)
+def narrow_column_sum_(d, g, fmt, first, column):
+    """g += round(column sums of d): summed in float32 (in `column`, a float32 workspace of
+    d's width), rounded once (g = it if `first`)."""
+    column[:] = 0
     for i in range(d.shape[0]):
         for j in range(d.shape[1]):
             column[j] += d[i, j]
@@ -423,7 +424,7 @@ class Narrow(Float):
 
     def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray, per_sample: int = 1) -> None:
         """g += round(column sums of d), summed in float32."""
-        narrow_column_sum_(d, g, self.fmt, self.first_sums)
+        narrow_column_sum_(d, g, self.fmt, self.first_sums, self._product[: d.shape[1]])
 
     affine_ = Float.affine_apart_
     affine_sums_ = Float.affine_sums_apart_

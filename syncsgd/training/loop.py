@@ -61,20 +61,23 @@ from syncsgd.util.files import atomic_file
 def train_rank(comm: Any, run: Run, *, log_path: str | None = None,
                timeline_path: str | None = None, save_path: str | None = None,
                json_path: str | None = None, quiet: bool = True,
-               record_digests: bool = False) -> TrainResult:  # fmt: skip
+               record_digests: bool = False,
+               measure_memory: bool = False) -> TrainResult:  # fmt: skip
     """Run the whole training on this rank of `comm`; rank 0 logs, saves and prints a summary.
 
     A collective that makes no progress for `run.config.timeout` seconds ends the job.
+    `measure_memory` (implied by `json_path`): result.memory_bytes, measured at start-up.
     """
     with collective_timeout(comm, run.config.timeout):
         return _train_rank(comm, run, log_path=log_path, timeline_path=timeline_path,
                            save_path=save_path, json_path=json_path, quiet=quiet,
-                           record_digests=record_digests)  # fmt: skip
+                           record_digests=record_digests,
+                           measure_memory=measure_memory or json_path is not None)  # fmt: skip
 
 
 def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str | None,
                 save_path: str | None, json_path: str | None, quiet: bool,
-                record_digests: bool) -> TrainResult:  # fmt: skip
+                record_digests: bool, measure_memory: bool) -> TrainResult:  # fmt: skip
     """`train_rank` within its collective timeout."""
     from syncsgd.nn.kernels import first_load, limit_blas_threads  # imports Numba: when training
 
@@ -99,6 +102,8 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
         trace = timeline.collective_step if timeline is not None else None
         config = run.config
         chosen = variant(config.pitfall, config.clip_norm, config.optimizer)  # or the correct run
+        if measure_memory:  # before the real step is built: its copy, untimed
+            result.memory_bytes = measured_memory(comm, run, params, chosen, riders)
         stepper = DataParallelStep(comm, run, params, optimizer, chosen, riders, trace=trace)
         result.params = stepper.params  # ZeRO-3: none, each rank keeps its blocks
         del params
@@ -109,13 +114,24 @@ def _train_rank(comm: Any, run: Run, *, log_path: str | None, timeline_path: str
         result.params = stepper.whole_params()
         record_comm(result, stepper)  # BatchNorm's allreduces, if any
         result.bytes_sent_per_step = stepper.bytes_per_step
-        result.memory_bytes = stepper.memory_bytes()
     if timeline is not None:
         assert timeline_path is not None  # a timeline is kept only with a path to write it to
         write_timeline(Watched(comm, "the timeline's gather"), timeline, timeline_path)
     if master_process:
         finish(comm, run, result, Outputs(save_path, json_path), quiet)
     return result
+
+
+def measured_memory(comm: Any, run: Run, params: np.ndarray, chosen: Any,
+                    riders: list[Any]) -> dict[str, int]:  # fmt: skip
+    """The bytes per category of a step like the run's, built apart and taken twice
+    (training/memory.py), the largest over the ranks."""
+    from syncsgd.training.memory import measure, quiet_riders
+
+    def make_step(comm: Any, copy: np.ndarray, optimizer: Optimizer | None) -> DataParallelStep:
+        return DataParallelStep(comm, run, copy, optimizer, chosen, quiet_riders(riders))
+
+    return measure(comm, run, make_step, params)
 
 
 def take_steps(stepper: DataParallelStep, hooks: list[Hook], steps: range) -> int:
@@ -281,18 +297,21 @@ def log_file(path: str | None) -> Iterator[TextIO | None]:
 
 def train(config: TrainConfig | None = None, *, ranks: int = 1, backend: str = "threads",
           log: str | None = None, save: str | None = None, timeline: str | None = None,
-          json: str | None = None, **options: Any) -> TrainResult:  # fmt: skip
+          json: str | None = None, measure_memory: bool = False,
+          **options: Any) -> TrainResult:  # fmt: skip
     """Train on `ranks` thread ranks (or this MPI rank) and return rank 0's result.
 
     `options` are TrainConfig fields and override those of `config`; `log`, `save`,
-    `timeline` and `json` are the paths of the outputs of `syncsgd train`.
+    `timeline` and `json` are the paths of the outputs of `syncsgd train`; `measure_memory`
+    (implied by `json`): the result's memory_bytes.
     """
     config = replace(config or TrainConfig(), **options)
     check_outputs(config, save=save, log=log, timeline=timeline, json=json)
     # Loaded once, shared read-only by the thread ranks.
     run = prepare(config, ranks if backend == "threads" else 1)
     results = launch(train_rank, run, backend=backend, ranks=ranks, log_path=log,
-                     save_path=save, timeline_path=timeline, json_path=json)  # fmt: skip
+                     save_path=save, timeline_path=timeline, json_path=json,
+                     measure_memory=measure_memory)  # fmt: skip
     return results[0]
 
 

@@ -233,21 +233,6 @@ class DataParallelStep:
         self.reduce_()
         return computed
 
-    def memory_bytes(self) -> dict[str, int]:
-        """The bytes of the arrays this rank holds, by what they hold: the parameters, the
-        gradient (the buffer the exchange sums, the mean where it is apart) and the optimizer's
-        state (a sharded step's: its blocks' alone)."""
-        mean = 0 if self.grad_mean.base is self.comm_buffer else self.grad_mean.nbytes
-        states = ([self.optimizer.state_arrays()] if self.sharded is None
-                  else self.sharded.optimizer.own_state())  # (not gathered)  # fmt: skip
-        held = {"parameters": self.params.nbytes, "gradients": self.comm_buffer.nbytes + mean,
-                "optimizer_state": sum(np.asarray(array).nbytes for state in states
-                                       for array in state.values())}  # fmt: skip
-        if self.sharded is not None:  # its blocks, and the buffers of the buckets under way
-            for category, nbytes in self.sharded.memory_bytes().items():
-                held[category] += nbytes
-        return held
-
     def close(self) -> None:
         """End the communication thread of --overlap, if any."""
         if self.overlap is not None:

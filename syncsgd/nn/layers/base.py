@@ -12,11 +12,13 @@ Numba is not imported here: the command line reads the layers' catalogue to buil
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
+
+from syncsgd.nn.arrays import kept_zeros, scratch_zeros
 
 Shape = tuple[int, ...]
 # The element-wise function a layer's own passes apply to its output (an absorbed layer's).
@@ -164,6 +166,15 @@ class Layer:
         """Values per sample it keeps beside its output during a pass (its workspaces)."""
         return 0
 
+    def kept_bytes(self, m: int, itemsize: int) -> int:
+        """Bytes it keeps beside its output from the forward pass for the backward pass, for m
+        samples in a pass whose values take `itemsize` bytes (0 by default)."""
+        return 0
+
+    def scratch_bytes(self, m: int, itemsize: int) -> int:
+        """Bytes of scratch its passes reuse, for m samples (0 by default)."""
+        return 0
+
     def workspaces(self, nx: Primitives) -> Workspaces:
         """Its arrays for the passes of one numerics (one rank's threads share the layers)."""
         return nx.group.stats((self.position, self.name), Workspaces, 0)
@@ -176,11 +187,21 @@ class Workspaces:
         self._arrays: dict[str, np.ndarray] = {}
 
     def get(self, name: str, shape: Shape, dtype: Any) -> np.ndarray:
-        """The first prod(shape) values of workspace `name`, shaped so; grown if too small."""
+        """The first prod(shape) values of scratch `name`, shaped so; grown if too small."""
+        return self._array(name, shape, dtype, scratch_zeros)
+
+    def keep(self, name: str, shape: Shape, dtype: Any) -> np.ndarray:
+        """As `get`, for values the forward pass keeps for the backward pass."""
+        return self._array(name, shape, dtype, kept_zeros)
+
+    def _array(self, name: str, shape: Shape, dtype: Any,
+               zeros: Callable[[int, Any], np.ndarray]) -> np.ndarray:  # fmt: skip
+        """Array `name`, made by `zeros` when missing or too small (memory.py tells the two
+        makers apart)."""
         size = math.prod(shape)
         array = self._arrays.get(name)
         if array is None or array.size < size or array.dtype != np.dtype(dtype):
-            array = self._arrays[name] = np.zeros(size, dtype)
+            array = self._arrays[name] = zeros(size, dtype)
         return array[:size].reshape(shape)
 
 

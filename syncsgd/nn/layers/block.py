@@ -99,12 +99,14 @@ class Block(Layer):
         """The inner activations and their gradients for m sequences, in the pass's dtype."""
         spaces, (m, positions, d) = self.workspaces(nx), like.shape
         made = {}
-        for name, times in INNER_WIDTHS.items():
-            made[name] = spaces.get(name, (m, positions, times * d), like.dtype)
+        for name, times in INNER_WIDTHS.items():  # kept for the backward pass; their gradients
+            made[name] = spaces.keep(name, (m, positions, times * d), like.dtype)
             made["d_" + name] = spaces.get("d_" + name, (m, positions, times * d), like.dtype)
-        made["probs"] = spaces.get("probs", (m, self.heads, positions, positions), like.dtype)
+        made["probs"] = spaces.keep("probs", (m, self.heads, positions, positions), like.dtype)
         made["d_probs"] = spaces.get("d_probs", (m, self.heads, positions, positions),
                                      like.dtype)  # fmt: skip
+        # one head's keys (forward) or values (backward), a feature per row: the kernels'
+        made["head"] = spaces.get("head", (d // self.heads, positions), like.dtype)
         return made
 
     def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
@@ -113,7 +115,7 @@ class Block(Layer):
         s = self._spaces(nx, x)
         self.ln1.forward_(nx, self._views(p, "ln1"), x, s["h1"])
         self.in_proj.forward_(nx, self._views(p, "in_proj"), s["h1"], s["qkv"])
-        attention_(nx, self.heads, s["qkv"], s["probs"], s["att"])
+        attention_(nx, self.heads, s["qkv"], s["probs"], s["att"], s["head"])
         self.out_proj.forward_(nx, self._views(p, "out_proj"), s["att"], s["a"])
         np.add(x, s["a"], out=s["r1"])
         nx.round_(s["r1"])
@@ -144,7 +146,7 @@ class Block(Layer):
                                      s["d_r1"])  # fmt: skip
         self.out_proj.backward_input_(nx, w["out_proj"], s["att"], s["a"], s["d_r1"], s["d_att"])
         attention_backward_(nx, self.heads, s["qkv"], s["probs"], s["d_att"], s["d_probs"],
-                            s["d_qkv"])  # fmt: skip
+                            s["d_qkv"], s["head"])  # fmt: skip
         self.in_proj.backward_sums_(nx, w["in_proj"], sums["in_proj"], s["h1"], s["qkv"],
                                     s["d_qkv"])  # fmt: skip
         self.in_proj.backward_input_(nx, w["in_proj"], s["h1"], s["qkv"], s["d_qkv"], s["d_h1"])
@@ -163,6 +165,21 @@ class Block(Layer):
         positions, d = self.in_shape
         inner = 2 * positions * d * sum(INNER_WIDTHS.values()) + 2 * self.heads * positions**2
         return inner + self.ln1.inner_size() + self.ln2.inner_size()
+
+    def kept_bytes(self, m: int, itemsize: int) -> int:
+        """Its inner activations, the attention's T x T weights per head, its layer norms'."""
+        positions, d = self.in_shape
+        values = m * (positions * d * sum(INNER_WIDTHS.values()) + self.heads * positions**2)
+        norms = self.ln1.kept_bytes(m, itemsize) + self.ln2.kept_bytes(m, itemsize)
+        return values * itemsize + norms
+
+    def scratch_bytes(self, m: int, itemsize: int) -> int:
+        """The gradients at its inner activations and at the attention's weights, one head's
+        keys, its layer norms' scratch."""
+        positions, d = self.in_shape
+        values = m * (positions * d * sum(INNER_WIDTHS.values()) + self.heads * positions**2)
+        norms = self.ln1.scratch_bytes(m, itemsize) + self.ln2.scratch_bytes(m, itemsize)
+        return (values + d // self.heads * positions) * itemsize + norms
 
     def model_width(self) -> int:
         """d."""
@@ -185,10 +202,11 @@ def _rest(param: Param) -> tuple[Any, ...]:
 
 
 def attention_(nx: Primitives, heads: int, qkv: np.ndarray, probs: np.ndarray,
-               out: np.ndarray) -> None:  # fmt: skip
-    """out = the heads' causal attention of [q | k | v], side by side; probs: P per head."""
+               out: np.ndarray, head: np.ndarray) -> None:  # fmt: skip
+    """out = the heads' causal attention of [q | k | v], side by side; probs: P per head
+    (head: an (e, T) workspace)."""
     scale = 1.0 / math.sqrt(qkv.shape[2] // 3 // heads)
-    scores_(qkv, heads, scale, probs)
+    scores_(qkv, heads, scale, probs, head)
     nx.round_(probs)
     causal_softmax_(probs)
     nx.round_(probs)
@@ -197,11 +215,11 @@ def attention_(nx: Primitives, heads: int, qkv: np.ndarray, probs: np.ndarray,
 
 
 def attention_backward_(nx: Primitives, heads: int, qkv: np.ndarray, probs: np.ndarray,
-                        d_out: np.ndarray, d_probs: np.ndarray,
-                        d_qkv: np.ndarray) -> None:  # fmt: skip
-    """d_qkv = the gradient at [q | k | v] from d_out (d_probs: a workspace)."""
+                        d_out: np.ndarray, d_probs: np.ndarray, d_qkv: np.ndarray,
+                        head: np.ndarray) -> None:  # fmt: skip
+    """d_qkv = the gradient at [q | k | v] from d_out (d_probs, head: workspaces)."""
     scale = 1.0 / math.sqrt(qkv.shape[2] // 3 // heads)
-    attend_backward_(probs, qkv, d_out, heads, d_probs, d_qkv)
+    attend_backward_(probs, qkv, d_out, heads, d_probs, d_qkv, head)
     nx.round_(d_probs)
     causal_softmax_backward_(probs, d_probs)
     nx.round_(d_probs)
@@ -210,13 +228,13 @@ def attention_backward_(nx: Primitives, heads: int, qkv: np.ndarray, probs: np.n
 
 
 @njit(nogil=True, cache=True)
-def scores_(qkv, heads, scale, probs):
+def scores_(qkv, heads, scale, probs, keys):
     """probs[i, h, t, u] = (q_t . k_u) scale for u <= t, else 0 (head h's features); each dot
-    product summed over the features in index order (the loop over u innermost: SIMD-friendly)."""
+    product summed over the features in index order (the loop over u innermost: SIMD-friendly);
+    keys: an (e, T) workspace, one head's keys a feature per row."""
     m, positions, width = qkv.shape
     d = width // 3
     e = d // heads
-    keys = np.empty((e, positions), probs.dtype)  # one head's keys, a feature per row
     for i in range(m):
         for h in range(heads):
             for u in range(positions):
@@ -270,13 +288,12 @@ def attend_(probs, qkv, heads, out):
 
 
 @njit(nogil=True, cache=True)
-def attend_backward_(probs, qkv, d_out, heads, d_probs, d_qkv):
+def attend_backward_(probs, qkv, d_out, heads, d_probs, d_qkv, values):
     """d_probs = do_t . v_u (u <= t, else 0; over the features in index order); the v part of
-    d_qkv = sum over t >= u of P_tu do_t, t ascending."""
+    d_qkv = sum over t >= u of P_tu do_t, t ascending; values: an (e, T) workspace."""
     m, positions, width = qkv.shape
     d = width // 3
     e = d // heads
-    values = np.empty((e, positions), d_probs.dtype)  # one head's values, a feature per row
     d_qkv[:] = 0
     for i in range(m):
         for h in range(heads):

@@ -69,7 +69,7 @@ class Conv(Layer):
         """y = round(patches W^T + b), laid out NCHW: the bias after the product, one rounding."""
         n_rows, width, _ = self._sizes(x.shape[0])
         spaces = nx.group.stats(self.position, Workspaces, 0)
-        cols = spaces.get("cols", (n_rows, width), x.dtype)
+        cols = spaces.keep("cols", (n_rows, width), x.dtype)
         im2col_(x, self.kernel, self.stride, self.pad, cols)
         out = spaces.get("rows", (n_rows, self.out_channels), x.dtype)  # backward reuses it
         nx.matmul_(cols, self._weight(p), out, True)
@@ -83,7 +83,7 @@ class Conv(Layer):
         spaces = nx.group.stats(self.position, Workspaces, 0)
         d = spaces.get("rows", (n_rows, self.out_channels), dy.dtype)
         channels_to_rows_(dy, d)
-        cols = spaces.get("cols", (n_rows, width), x.dtype)  # the forward pass's patches
+        cols = spaces.keep("cols", (n_rows, width), x.dtype)  # the forward pass's patches
         nx.outer_sum_(self.position, d, cols, g["weight"].reshape(self.out_channels, -1),
                       positions)  # fmt: skip
         nx.column_sum_(self.position, d, g["bias"], positions)
@@ -98,6 +98,17 @@ class Conv(Layer):
         nx.matmul_(d, self._weight(p), dcols, False)
         col2im_(dcols, self.kernel, self.stride, self.pad, dx)
         nx.round_(dx)
+
+    def kept_bytes(self, m: int, itemsize: int) -> int:
+        """The patches, which the weight's sums read."""
+        n_rows, width, _ = self._sizes(m)
+        return n_rows * width * itemsize
+
+    def scratch_bytes(self, m: int, itemsize: int) -> int:
+        """The output's rows (the gradient's, backward) and the patches' gradient (none for
+        the first layer, whose input has no gradient)."""
+        n_rows, width, _ = self._sizes(m)
+        return n_rows * (self.out_channels + (width if self.position else 0)) * itemsize
 
     def multiply_adds(self) -> int:
         """H'·W' output positions x C·k·k x out_channels per sample: im2col's product."""

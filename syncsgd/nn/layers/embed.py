@@ -66,6 +66,10 @@ class Embed(Layer):
         """Token ids have no gradient (the first layer: never called)."""
         dx[...] = 0
 
+    def scratch_bytes(self, m: int, itemsize: int) -> int:
+        """The one-hot rows of the batch's tokens."""
+        return m * self.in_shape[0] * self.vocabulary * itemsize
+
     def inner_size(self) -> int:
         """The one-hot rows of its T tokens."""
         return self.in_shape[0] * self.vocabulary

@@ -34,8 +34,8 @@ class LayerNorm(Layer):
     def _arrays(self, nx: Primitives, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(xhat as rows, 1 / sqrt(var + eps) per row) of the pass under way."""
         spaces, n = self.workspaces(nx), x.size // self.in_shape[-1]
-        return (spaces.get("xhat", (n, self.in_shape[-1]), x.dtype),
-                spaces.get("inv_std", (n,), np.float64))  # fmt: skip
+        return (spaces.keep("xhat", (n, self.in_shape[-1]), x.dtype),
+                spaces.keep("inv_std", (n,), np.float64))  # fmt: skip
 
     def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                  y: np.ndarray) -> None:  # fmt: skip
@@ -59,6 +59,14 @@ class LayerNorm(Layer):
     def inner_size(self) -> int:
         """xhat, dy xhat and a statistic per position."""
         return 2 * shape_size(self.in_shape) + shape_size(self.in_shape[:-1])
+
+    def kept_bytes(self, m: int, itemsize: int) -> int:
+        """xhat, and 1 / sqrt(var + eps) per position in float64."""
+        return m * (shape_size(self.in_shape) * itemsize + shape_size(self.in_shape[:-1]) * 8)
+
+    def scratch_bytes(self, m: int, itemsize: int) -> int:
+        """dy xhat, whose column sums are the weight's."""
+        return m * shape_size(self.in_shape) * itemsize
 
     def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                         y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip

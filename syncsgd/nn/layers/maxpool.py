@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from syncsgd.nn.arrays import shape_size
 from syncsgd.nn.layers.base import Layer, Primitives, Shape
 from syncsgd.nn.layers.conv import Workspaces, window_positions
 
@@ -40,16 +41,20 @@ class MaxPool(Pool):
     def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                  y: np.ndarray) -> None:  # fmt: skip
         """y = the maximum of each window; where it is, recorded."""
-        where = nx.group.stats(self.position, Workspaces, 0).get("argmax", y.shape, np.int64)
+        where = nx.group.stats(self.position, Workspaces, 0).keep("argmax", y.shape, np.int64)
         max_pool_(x, self.k, self.stride, y, where)
 
     def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                         y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = 0, then each window's dy added at its maximum."""
-        where = nx.group.stats(self.position, Workspaces, 0).get("argmax", y.shape, np.int64)
+        where = nx.group.stats(self.position, Workspaces, 0).keep("argmax", y.shape, np.int64)
         max_pool_backward_(dy, where, dx)
         if self.stride < self.k:
             nx.round_(dx)
+
+    def kept_bytes(self, m: int, itemsize: int) -> int:
+        """Where each window's maximum is: an int64 per output value."""
+        return m * shape_size(self.out_shape) * 8
 
     def describe(self) -> str:
         """maxpool(k) or maxpool(k, stride=s)."""

@@ -1,0 +1,374 @@
+"""`syncsgd model --memory`: the bytes one rank holds, per category, predicted from the shapes.
+
+Any `syncsgd train` command line with `model --memory` in place of `train` predicts that run's
+memory per rank: the network comes from the same options, its input and output sizes from the
+data options. Each layer reports what it keeps for its backward pass and what scratch it needs
+(`Layer.kept_bytes`, `Layer.scratch_bytes`); the rest follows the step's arrays (the gradient's
+buffer, the optimizer's state and scratch, the collectives' scratch). The categories are those of
+`train --json`'s memory_bytes (training/memory.py), which measures them; docs/memory.md compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from syncsgd.util import jsonout
+from syncsgd.util.files import check_writable
+from syncsgd.util.options import JSON, RANKS
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "workspaces",
+              "communication_buffers")  # fmt: skip
+STAGES = (0, 1, 2, 3)
+MIN_RIDER_SLOTS = 6  # training/step.py's: the buffer keeps at least this many rider slots
+RIDERS = 3  # the loss sum, the non-finite flag and the stop flag ride with every step
+SQUARE_LIMBS = 70  # nn/exact.py's: a sharded step's int64 limbs of exact squares
+STATE_ARRAYS = {"sgd": 1, "adam": 2, "adamw": 2, "lamb": 2, "lars": 1}  # per element
+SCRATCH_ARRAYS = {"sgd": 0, "adam": 1, "adamw": 1, "lamb": 1, "lars": 0}  # beside FlatOptimizer's
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10,
+         "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def memory_limit(text: str) -> int:
+    """'24GiB' -> 25769803776; a positive number of bytes with an optional unit."""
+    match = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).upper() not in UNITS:
+        raise argparse.ArgumentTypeError(f"--memory-limit {text!r}: give bytes, e.g. 24GiB, "
+                                         "32GB or 1e9")  # fmt: skip
+    value = float(match.group(1)) * UNITS[match.group(2).upper()]
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"--memory-limit must be positive, got {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the prediction needs of a run: the network, the data's rows, the ranks."""
+
+    network: Any
+    x_row_bytes: int  # one sample of the data as the run holds it (X's row)
+    y_row_bytes: int  # its target
+    ranks: int
+
+
+def shapes_of(config: Any, ranks: int) -> Shapes:
+    """The network and data sizes of the run `config` describes, read as `train` reads them
+    (its data loaded; no memory check: the prediction may be for a larger machine)."""
+    from syncsgd.nn.losses import loss_entry
+    from syncsgd.nn.mlp import mlp
+    from syncsgd.nn.network import build
+    from syncsgd.training import data
+
+    X, y, sample_shape = data.load_dataset(
+        config.data, labels=config.labels, samples=config.samples, features=config.features,
+        classes=config.classes, loss=config.loss, seed=config.seed, dtype=config.dtype,
+        context=config.context,
+    )  # fmt: skip
+    outputs = data.n_outputs(y, config.loss, X)
+    if loss_entry(config.loss).labels and config.classes is not None:
+        outputs = max(outputs, config.classes)
+    if config.model is not None:
+        in_shape = tuple(config.input_shape or sample_shape or X.shape[1:])
+        network = build(config.model, in_shape, outputs, config.loss, config.dtype)
+    else:
+        sizes = (X.shape[1], *config.hidden, outputs)
+        network = mlp(sizes, config.activation, config.batchnorm, config.loss,
+                      np.dtype(config.dtype))  # fmt: skip
+    return Shapes(network, X[:1].nbytes, y[:1].nbytes, ranks)
+
+
+def predict(config: Any, shapes: Shapes, stage: int | None = None,
+            batch_size: int | None = None) -> dict[str, int]:  # fmt: skip
+    """Bytes per category on the rank that holds the most, at `stage` (default the config's)
+    and global batch `batch_size` (default the config's)."""
+    stage = config.zero_stage if stage is None else stage
+    config = replace(config, batch_size=batch_size or config.batch_size)
+    network, ranks = shapes.network, shapes.ranks
+    sums = 8 if config.exact else network.dtype.itemsize
+    buffer = network.n_params + MIN_RIDER_SLOTS
+    blocks = owned_blocks(network, buffer, config.bucket_bytes, ranks) if stage else []
+    widths = [sum(part.stop - part.start for part in owned) for owned in blocks]
+    width = max(widths, default=network.n_params)
+    copies = any(len(owned) > 1 for owned in blocks)
+    state = network.n_params + network.n_running  # BatchNorm's running statistics too
+    predicted = {"parameters": state * network.dtype.itemsize,
+                 "gradients": buffer * sums + separate_mean(config, network),
+                 "optimizer_state": optimizer_state(config, width, network.dtype.itemsize),
+                 "activations": activations(config, shapes),
+                 "workspaces": workspaces(config, shapes, width, bool(stage), copies),
+                 "communication_buffers": communication(config, network, buffer, ranks, stage)}
+    if stage >= 2:
+        predicted.update(sharded_stages(config, network, stage, ranks))
+    return predicted
+
+
+def sharded_stages(config: Any, network: Any, stage: int, ranks: int) -> dict[str, int]:
+    """Stages 2 and 3, as designed: the gradient's owned blocks (about Ψ/P, one array) plus
+    staging slots for the buckets under way in the backward pass (k slots of the largest
+    bucket, k the most buckets one layer's tensors touch, +1 with --overlap; one bucket: the
+    whole gradient); stage 3 keeps the parameters the same way, the owned blocks plus slots for
+    the gathered parameters of the buckets under way."""
+    from syncsgd.training.step import bucket_slices
+
+    sums = 8 if config.exact else network.dtype.itemsize
+    itemsize = network.dtype.itemsize
+    buffer = np.empty(0, np.dtype(f"f{sums}"))
+    length = network.n_params + MIN_RIDER_SLOTS
+    cuts = bucket_slices(network, np.lib.stride_tricks.as_strided(buffer, (length,), (0,)),
+                         config.bucket_bytes)  # fmt: skip
+    largest = max(cut.stop - cut.start for cut in cuts)
+    owned = -(-network.n_params // ranks)
+    slots = 1 if len(cuts) == 1 else open_buckets(network, cuts) + int(config.overlap)
+    staging = min(slots * largest, length)
+    changed = {"gradients": owned * sums + staging * sums}
+    if stage == 3:
+        changed["parameters"] = owned * itemsize + staging * itemsize
+    return changed
+
+
+def open_buckets(network: Any, cuts: list[slice]) -> int:
+    """The most buckets one layer's tensors touch."""
+    touched: dict[int, set[int]] = {}
+    for name, shape, offset in network.layout():
+        end = offset + math.prod(shape)
+        layer = network.layer_of(name)
+        for index, cut in enumerate(cuts):
+            if cut.start < end and offset < cut.stop:
+                touched.setdefault(layer, set()).add(index)
+    return max((len(buckets) for buckets in touched.values()), default=1)
+
+
+def owned_blocks(network: Any, buffer: int, bucket_bytes: int | None,
+                 ranks: int) -> list[list[slice]]:  # fmt: skip
+    """Every rank's owned parameters at a sharded stage: its blocks of the buckets."""
+    from syncsgd.training.sharded import owned_slices
+    from syncsgd.training.step import bucket_slices
+
+    flat = np.lib.stride_tricks.as_strided(np.empty(1, network.dtype), (buffer,), (0,))
+    cuts = bucket_slices(network, flat, bucket_bytes)
+    return [owned_slices(cuts, network.n_params, rank, ranks) for rank in range(ranks)]
+
+
+def separate_mean(config: Any, network: Any) -> int:
+    """The mean gradient apart from the sums: exact mode's float64 sums, a float32 model."""
+    return network.n_params * 4 if config.exact and network.dtype.itemsize == 4 else 0
+
+
+def optimizer_state(config: Any, width: int, itemsize: int) -> int:
+    """Momentum, or Adam's two moments, of the elements the rank updates."""
+    arrays = STATE_ARRAYS[config.optimizer]
+    if config.optimizer in ("sgd", "lars") and not (config.momentum or 0) > 0:
+        arrays = 0
+    return arrays * width * itemsize
+
+
+def pass_itemsize(config: Any, network: Any) -> int:
+    """Bytes of one value of the passes: float32 in a narrow precision, else the model's."""
+    return 4 if config.precision != "fp32" else network.dtype.itemsize
+
+
+def micro_batch(config: Any, ranks: int) -> tuple[int, int]:
+    """(the largest shard, the largest micro-batch of it)."""
+    shard = -(-config.batch_size // ranks)
+    return shard, -(-shard // config.accumulate)
+
+
+def activations(config: Any, shapes: Shapes) -> int:
+    """The shard's samples, the passes' inputs and losses, every layer's output (but those
+    written over their input) and what each keeps for the backward pass."""
+    network = shapes.network
+    shard, m = micro_batch(config, shapes.ranks)
+    item = pass_itemsize(config, network)
+    size = shard * (shapes.x_row_bytes + shapes.y_row_bytes) + 8
+    positions = math.prod(network.layers[-1].out_shape[:-1])
+    size += m * math.prod(network.in_shape) * item + m * positions * 8
+    size += output_bytes(network, m, item)
+    size += sum(layer.kept_bytes(m, item) for layer in network.layers)
+    return size + batchnorm_bytes(network, m, item)
+
+
+def output_bytes(network: Any, m: int, itemsize: int) -> int:
+    """Every layer's output buffer for m samples (an element-wise layer after one that does
+    not read its own output shares its input's); also the bytes of the gradients at them."""
+    layers, total = network.layers, 0
+    for position, layer in enumerate(layers):
+        if position > 0 and layer.in_place and not layers[position - 1].reads_output:
+            continue
+        total += m * math.prod(layer.out_shape) * itemsize
+    return total
+
+
+def batchnorm_bytes(network: Any, m: int, itemsize: int) -> int:
+    """BatchNorm's normalised values and its float64 statistics per channel."""
+    total = 0
+    for layer in network.layers:
+        if layer.kind == "batchnorm":
+            channels = layer.in_shape[0]
+            total += m * math.prod(layer.in_shape) * itemsize + (5 * channels + 1) * 8
+    return total
+
+
+def workspaces(config: Any, shapes: Shapes, width: int, sharded: bool, copies: bool) -> int:
+    """The gradients at the layers' outputs, the layers' scratch, the numerics' and the
+    optimizer's scratch."""
+    network = shapes.network
+    _, m = micro_batch(config, shapes.ranks)
+    item = pass_itemsize(config, network)
+    size = output_bytes(network, m, item)
+    size += sum(layer.scratch_bytes(m, item) for layer in network.layers)
+    size += network.largest_weight() * item  # one weight's gradient before it is added
+    if config.precision != "fp32":
+        size += network.n_params * 4  # the weights rounded to the format, in float32
+    itemsize = network.dtype.itemsize
+    size += width * (itemsize + 8)  # FlatOptimizer's scratch and float64 squares
+    size += SCRATCH_ARRAYS[config.optimizer] * width * itemsize
+    if sharded:  # the owned blocks' contiguous copies: empty (NumPy's one byte) unless needed
+        size += 2 * width * itemsize if copies else 2
+    return size
+
+
+def communication(config: Any, network: Any, buffer: int, ranks: int, stage: int) -> int:
+    """The collectives' scratch (per dtype, the largest block a rank adds into), and a sharded
+    step's agreement and limbs."""
+    from syncsgd.collectives.schedules import chunk_bounds
+    from syncsgd.training.step import bucket_slices
+
+    sums = 8 if config.exact else network.dtype.itemsize
+    size = 0
+    if stage:
+        size += (MIN_RIDER_SLOTS + 2) * sums + SQUARE_LIMBS * 8
+    if ranks == 1:
+        return size
+    flat = np.lib.stride_tricks.as_strided(np.empty(1, np.dtype(f"f{sums}")), (buffer,), (0,))
+    cuts = bucket_slices(network, flat, config.bucket_bytes)
+
+    def block(length: int) -> int:
+        bounds = chunk_bounds(length, ranks)
+        return max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+    return size + max(block(cut.stop - cut.start) for cut in cuts) * sums
+
+
+def largest_batch(config: Any, shapes: Shapes, stage: int, limit: int) -> int:
+    """The largest global batch whose prediction at `stage` fits in `limit` bytes (0: none)."""
+    def fits(batch: int) -> bool:
+        return sum(predict(config, shapes, stage, batch).values()) <= limit
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high) and high < 2**40:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def format_bytes(count: float) -> str:
+    """'1.23 GiB' (binary units) beside the exact count."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.4g} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return ""
+
+
+def table(config: Any, shapes: Shapes, predicted: dict[str, int]) -> list[str]:
+    """The lines `model --memory` prints."""
+    network = shapes.network
+    shard, m = micro_batch(config, shapes.ranks)
+    lines = [f"memory per rank, predicted: {network.summary()} ({network.n_params:,} parameters, "
+             f"{network.dtype}), {config.optimizer}, --precision {config.precision}, ZeRO stage "
+             f"{config.zero_stage}, P = {shapes.ranks}, batch {config.batch_size} ({shard} per "
+             f"rank, micro-batch {m})"]  # fmt: skip
+    for name in CATEGORIES:
+        lines.append(f"  {name:<22}{predicted[name]:>18,}  {format_bytes(predicted[name])}")
+    total = sum(predicted.values())
+    lines.append(f"  {'total':<22}{total:>18,}  {format_bytes(total)}")
+    return lines
+
+
+def limit_lines(config: Any, shapes: Shapes, limit: int) -> tuple[list[str], list[dict]]:
+    """The largest batch that fits in `limit` at every stage, printed and as JSON rows."""
+    lines = [f"largest global batch in {format_bytes(limit)} per rank on P = {shapes.ranks}:"]
+    rows = []
+    for stage in STAGES:
+        batch = largest_batch(config, shapes, stage, limit)
+        per_rank = micro_batch(replace(config, batch_size=max(batch, 1)), shapes.ranks)[1]
+        shown = (f"{batch:,} (micro-batch {per_rank} per rank)" if batch
+                 else "none: batch 1 does not fit")  # fmt: skip
+        note = "" if stage < 2 else " (as designed, not yet run)"
+        lines.append(f"  stage {stage}: {shown}{note}")
+        rows.append({"zero_stage": stage, "batch_size": batch, "micro_batch": per_rank if batch
+                     else 0})  # fmt: skip
+    return lines, rows
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad option in one line and exits with status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# train's outputs but --json: taken, so that a train command line runs as it is, and ignored
+IGNORED_OUTPUTS = {"--save": "PATH", "--log": "PATH", "--timeline": "PATH",
+                   "--timeline-png": "PATH", "--quiet": None, "--digest": None}  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options of `model --memory`: train's, from their declarations, and its own."""
+    from syncsgd.training.config import add_train_options
+
+    memory = OneLineParser(
+        prog="syncsgd model --memory",
+        description="Predict the bytes per rank of the `syncsgd train` run these options "
+        "describe (every train option is taken; its outputs but --json are ignored).")
+    RANKS.add(memory)
+    add_train_options(memory)
+    JSON.add(memory, help="write the prediction as JSON (memory_bytes: train --json's keys)")
+    for flag, metavar in IGNORED_OUTPUTS.items():
+        if metavar is None:
+            memory.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+        else:
+            memory.add_argument(flag, metavar=metavar, help=argparse.SUPPRESS)
+    memory.add_argument("--memory-limit", type=memory_limit, metavar="BYTES",
+                        help="also the largest global batch (and micro-batch) that fits in "
+                        "BYTES per rank on --ranks ranks at each ZeRO stage, e.g. 24GiB")
+    memory.add_argument("--backend", help=argparse.SUPPRESS)
+    return memory
+
+
+def main(arguments: list[str]) -> int:
+    """`syncsgd model --memory ...`: print the table; --json writes it."""
+    from syncsgd.training.config import config_of
+
+    options = parser().parse_args(arguments)
+    config = config_of(options)
+    if options.json:
+        check_writable(options.json)
+    ranks = options.ranks or 2
+    shapes = shapes_of(config, ranks)
+    predicted = predict(config, shapes)
+    lines = table(config, shapes, predicted)
+    result: dict[str, Any] = {"memory_bytes": {**predicted, "total": sum(predicted.values())},
+                              "ranks": ranks, "zero_stage": config.zero_stage,
+                              "batch_size": config.batch_size}  # fmt: skip
+    if options.memory_limit is not None:
+        more, rows = limit_lines(config, shapes, options.memory_limit)
+        if not any(row["batch_size"] for row in rows):
+            raise ValueError(f"--memory-limit {format_bytes(options.memory_limit)}: "
+                             f"{shapes.network.summary()} on {ranks} rank(s) does not fit even "
+                             "at batch 1 at any ZeRO stage")  # fmt: skip
+        lines += more
+        result["memory_limit"], result["largest_batch"] = options.memory_limit, rows
+    print("\n".join(lines))
+    if options.json:
+        jsonout.write(options.json, result)
+    return 0
