@@ -82,7 +82,7 @@ def test_timeout_zero_waits_for_a_slow_rank(monkeypatch):
          "rank 0 in the start-up agreement (Bcast), waiting for rank 1 to receive"),
         ((loop, "first_params", lambda run: True), 0, {},
          "rank 1 in the broadcast of the first parameters, waiting for rank 0"),
-        ((hooks.Evaluation, "evaluate", lambda self, steps: True), 0,
+        ((hooks.Evaluation, "evaluate", lambda self, steps, params: True), 0,
          {"holdout": 0.25, "eval_every": 2, "target_loss": 1e-9},
          "rank 1 in the evaluation (Bcast) at training step 1, waiting for rank 0"),
         ((timeline.Timeline, "chrome_events", lambda self: self.rank == 1), 1,

@@ -94,53 +94,72 @@ def predict(config: Any, shapes: Shapes, stage: int | None = None,
     blocks = owned_blocks(network, buffer, config.bucket_bytes, ranks) if stage else []
     widths = [sum(part.stop - part.start for part in owned) for owned in blocks]
     width = max(widths, default=network.n_params)
-    copies = any(len(owned) > 1 for owned in blocks)
     state = network.n_params + network.n_running  # BatchNorm's running statistics too
     predicted = {"parameters": state * network.dtype.itemsize,
                  "gradients": buffer * sums + separate_mean(config, network),
                  "optimizer_state": optimizer_state(config, width, network.dtype.itemsize),
                  "activations": activations(config, shapes),
-                 "workspaces": workspaces(config, shapes, width, bool(stage), copies),
+                 "workspaces": workspaces(config, shapes, width),
                  "communication_buffers": communication(config, network, buffer, ranks, stage)}
-    if stage >= 2:
-        predicted.update(sharded_stages(config, network, stage, ranks))
+    if stage:
+        for category, change in sharded(config, network, stage, blocks).items():
+            predicted[category] += change
     return predicted
 
 
-def sharded_stages(config: Any, network: Any, stage: int, ranks: int) -> dict[str, int]:
-    """Stages 2 and 3, as designed: the gradient's owned blocks (about Ψ/P, one array) plus
-    staging slots for the buckets under way in the backward pass (k slots of the largest
-    bucket, k the most buckets one layer's tensors touch, +1 with --overlap; one bucket: the
-    whole gradient); stage 3 keeps the parameters the same way, the owned blocks plus slots for
-    the gathered parameters of the buckets under way."""
+def sharded(config: Any, network: Any, stage: int, blocks: list[list[slice]]) -> dict[str, int]:
+    """What a sharded stage keeps in place of the replicated step's whole arrays, or beside them
+    (training/sharded.py, windows.py): its blocks of the parameters (stage 3; or LAMB's and
+    LARS's contiguous copy of several blocks) and of the gradient sums (stages 2 and 3, placed
+    in the buffers of the buckets under way: k buffers of the longest bucket but the last, and
+    the last bucket's own), and stage 3's buffers of the parameters' buckets under way."""
+    from syncsgd.training.windows import params_buffers, sums_buffers
+
+    sums, item = 8 if config.exact else network.dtype.itemsize, network.dtype.itemsize
+    cuts = bucket_cuts(network, config.bucket_bytes, sums)
+    width = max((sum(p.stop - p.start for p in owned) for owned in blocks), default=0)
+    copies = config.optimizer in ("lamb", "lars") and any(len(owned) > 1 for owned in blocks)
+    whole = network.n_params * item
+    change = {"parameters": width * item if stage == 3 or copies else 0,
+              "gradients": width * item if copies and not placed(config, cuts) else 0}
+    if placed(config, cuts):  # the whole gradient's buffer gives way to the buckets' buffers
+        lengths = [cut.stop - cut.start for cut in cuts]
+        shared = sums_buffers(network, cuts) * max(lengths[:-1])
+        change["gradients"] += (width + shared + lengths[-1] - cuts[-1].stop) * sums + (
+            EMPTY - separate_mean(config, network))  # the empty buffer of the whole gradient
+    if stage == 3:
+        passes = pass_itemsize(config, network)
+        longest = max(cut.stop - cut.start for cut in cuts)
+        # (under mpiexec, --overlap gathers the next layer's ahead: up to twice the buffers)
+        count = params_buffers(network, cuts, prefetch=False)
+        change["parameters"] += count * longest * passes - whole
+        change["communication_buffers"] = longest * item if passes != item else 0
+        if config.precision != "fp32":  # the passes read the gathered buffers, rounded there
+            change["workspaces"] = -network.n_params * 4
+    return change
+
+
+EMPTY = 1  # NumPy's allocation of an empty array: one byte
+
+
+def placed(config: Any, cuts: list[slice]) -> bool:
+    """Whether the run's gradient sums go into the buckets' buffers (training/sharded.py:
+    places_sums, for a run with the hooks a config asks for)."""
+    from syncsgd.training.config import loss_scaling
+
+    scaler = loss_scaling(config) is not None  # its rider reads the whole local gradient
+    return (len(cuts) > 1 and config.zero_stage >= 2 and not config.exact
+            and config.accumulate == 1 and not config.overlap and not config.noise_scale
+            and not scaler and config.pitfall is None)  # fmt: skip
+
+
+def bucket_cuts(network: Any, bucket_bytes: int | None, sums: int) -> list[slice]:
+    """The buckets of the communication buffer (the gradient and the riders' slots)."""
     from syncsgd.training.step import bucket_slices
 
-    sums = 8 if config.exact else network.dtype.itemsize
-    itemsize = network.dtype.itemsize
-    buffer = np.empty(0, np.dtype(f"f{sums}"))
     length = network.n_params + MIN_RIDER_SLOTS
-    cuts = bucket_slices(network, np.lib.stride_tricks.as_strided(buffer, (length,), (0,)),
-                         config.bucket_bytes)  # fmt: skip
-    largest = max(cut.stop - cut.start for cut in cuts)
-    owned = -(-network.n_params // ranks)
-    slots = 1 if len(cuts) == 1 else open_buckets(network, cuts) + int(config.overlap)
-    staging = min(slots * largest, length)
-    changed = {"gradients": owned * sums + staging * sums}
-    if stage == 3:
-        changed["parameters"] = owned * itemsize + staging * itemsize
-    return changed
-
-
-def open_buckets(network: Any, cuts: list[slice]) -> int:
-    """The most buckets one layer's tensors touch."""
-    touched: dict[int, set[int]] = {}
-    for name, shape, offset in network.layout():
-        end = offset + math.prod(shape)
-        layer = network.layer_of(name)
-        for index, cut in enumerate(cuts):
-            if cut.start < end and offset < cut.stop:
-                touched.setdefault(layer, set()).add(index)
-    return max((len(buckets) for buckets in touched.values()), default=1)
+    flat = np.lib.stride_tricks.as_strided(np.empty(1, np.dtype(f"f{sums}")), (length,), (0,))
+    return bucket_slices(network, flat, bucket_bytes)
 
 
 def owned_blocks(network: Any, buffer: int, bucket_bytes: int | None,
@@ -213,7 +232,7 @@ def batchnorm_bytes(network: Any, m: int, itemsize: int) -> int:
     return total
 
 
-def workspaces(config: Any, shapes: Shapes, width: int, sharded: bool, copies: bool) -> int:
+def workspaces(config: Any, shapes: Shapes, width: int) -> int:
     """The gradients at the layers' outputs, the layers' scratch, the numerics' and the
     optimizer's scratch."""
     network = shapes.network
@@ -227,8 +246,6 @@ def workspaces(config: Any, shapes: Shapes, width: int, sharded: bool, copies: b
     itemsize = network.dtype.itemsize
     size += width * (itemsize + 8)  # FlatOptimizer's scratch and float64 squares
     size += SCRATCH_ARRAYS[config.optimizer] * width * itemsize
-    if sharded:  # the owned blocks' contiguous copies: empty (NumPy's one byte) unless needed
-        size += 2 * width * itemsize if copies else 2
     return size
 
 

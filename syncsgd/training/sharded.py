@@ -120,8 +120,11 @@ class ShardedUpdate:
         # only copy this rank keeps; else only for LAMB, LARS over several blocks), and the
         # gradient's (those two, the sums not placed).
         copies = not self.per_block and len(self.owned) > 1
-        self.params_shard = np.empty(width if self.stage == 3 or copies else 0, dtype)
-        self.grad_shard = np.empty(width if copies and placed is None else 0, dtype)
+        # (what is not needed is an empty view: no allocation, and no hold on the parameters)
+        self.params_shard = (np.empty(width, dtype) if self.stage == 3 or copies
+                             else stepper.params[:0])  # fmt: skip
+        nothing = self.params_shard[:0]
+        self.grad_shard = np.empty(width, dtype) if copies and placed is None else nothing
         self.placed_params = None
         if self.stage == 3:
             self.params_shard[...] = self.taken(stepper.params)
@@ -130,7 +133,7 @@ class ShardedUpdate:
             self.placed_params = PlacedParams(run.model, buckets, passes, self.gather_bucket_,
                                               prefetch=prefetches(config, comm))
             longest = max(bucket.stop - bucket.start for bucket in buckets)
-            self.carrier = np.empty(longest if passes != dtype else 0, dtype)
+            self.carrier = np.empty(longest, dtype) if passes != dtype else nothing
         # Agreed in one small allreduce: the riders, kept before the reduce-scatter sums them in
         # part; then the ranks whose blocks are not finite; then the blocks' sum of squares.
         self.agreed = np.zeros(self.riders.size + 2, self.riders.dtype)
@@ -420,17 +423,6 @@ class ShardedUpdate:
         if self.stage < 3:
             return self.stepper.params  # type: ignore[no-any-return]
         return self.gathered(self.params_shard)
-
-    def memory_bytes(self) -> dict[str, int]:
-        """The bytes of the arrays this step keeps beside the replicated step's: its blocks of
-        the parameters and gradient, and the buffers of the buckets under way."""
-        params = self.params_shard.nbytes + (self.placed_params.buffers.nbytes
-                                             + self.carrier.nbytes
-                                             if self.placed_params is not None else 0)  # fmt: skip
-        grads = self.grad_shard.nbytes
-        if self.placed_sums is not None:
-            grads += self.grad_sums.nbytes + self.placed_sums.buffers.nbytes
-        return {"parameters": params, "gradients": grads, "optimizer_state": 0}
 
     def taken(self, whole: np.ndarray) -> np.ndarray:
         """This rank's blocks of an array of the parameters' layout, as one array."""

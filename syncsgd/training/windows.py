@@ -44,6 +44,25 @@ def bucket_spans(network: Network, buckets: list[slice]) -> list[tuple[int, int]
             for index in range(len(buckets))]  # fmt: skip
 
 
+def sums_buffers(network: Network, buckets: list[slice]) -> int:
+    """How many buffers the gradient's buckets under way take (but the last bucket's, which has
+    its own): the most buckets but the last that one layer of the backward pass is within."""
+    last, spans = len(buckets) - 1, bucket_spans(network, buckets)
+    under_way = [sum(1 for index, (low, high) in enumerate(spans)
+                     if index != last and low <= layer <= high)
+                 for layer in range(network.n_layers)]  # fmt: skip
+    return max(max(under_way, default=1), 1)
+
+
+def params_buffers(network: Network, buckets: list[slice], prefetch: bool) -> int:
+    """How many buffers the parameters' buckets under way take: the most one layer's tensors
+    touch, or (prefetching) two neighbouring layers' together."""
+    found = [set(indices) for indices in layer_buckets(network, buckets) if indices]
+    if prefetch:
+        found = [a | b for a, b in zip(found, found[1:], strict=False)] or found
+    return max(max(map(len, found), default=1), 1)
+
+
 class BucketBuffers:
     """k buffers of the longest bucket's length; bucket j in buffer j mod k (`apart`: a bucket
     with a buffer of its own)."""
@@ -82,11 +101,7 @@ class PlacedSums:
 
     def __init__(self, network: Network, buckets: list[slice], dtype: np.dtype) -> None:
         last = len(buckets) - 1
-        spans = bucket_spans(network, buckets)
-        under_way = [sum(1 for index, (low, high) in enumerate(spans)
-                         if index != last and low <= layer <= high)
-                     for layer in range(network.n_layers)]  # fmt: skip
-        self.buffers = BucketBuffers(buckets, max(under_way, default=1), dtype, apart=last)
+        self.buffers = BucketBuffers(buckets, sums_buffers(network, buckets), dtype, apart=last)
         self.placed = Placed(network.placed_layer_views(self.buffers.place), no_wait)
         self.riders = self.buffers.own[network.n_params - buckets[last].start :]
 
@@ -104,11 +119,7 @@ class PlacedParams:
                  fill_: Fill, prefetch: bool = False) -> None:  # fmt: skip
         self.layer_buckets = layer_buckets(network, buckets)
         self.with_params = [layer for layer, indices in enumerate(self.layer_buckets) if indices]
-        # a layer's buckets at once, or (prefetching) two neighbours' together
-        together = [set(self.layer_buckets[layer]) for layer in self.with_params]
-        if prefetch:
-            together = [a | b for a, b in zip(together, together[1:], strict=False)] or together
-        self.buffers = BucketBuffers(buckets, max(map(len, together), default=1), dtype)
+        self.buffers = BucketBuffers(buckets, params_buffers(network, buckets, prefetch), dtype)
         self.fill_ = fill_  # (bucket, its buffer): every rank's blocks of it, gathered
         self.start_: Fill | None = None  # the same, not waited for
         self.wait_: Callable[[], None] = no_gathers  # until every gather started is done
@@ -163,4 +174,5 @@ def no_gathers() -> None:
     """Nothing was started: nothing to wait for."""
 
 
-__all__ = ["BucketBuffers", "PlacedParams", "PlacedSums", "bucket_spans", "layer_buckets"]
+__all__ = ["BucketBuffers", "PlacedParams", "PlacedSums", "bucket_spans", "layer_buckets",
+           "params_buffers", "sums_buffers"]
