@@ -1,0 +1,153 @@
+"""The short ring: a buffer of at most SMALL_MESSAGE_BYTES is passed round whole and added up on
+every rank, in the ring's order; the bits are the stepping ring's, and ranks on the two paths
+never hang each other."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from syncsgd import run_threads
+from syncsgd.collectives import ring_allreduce
+from syncsgd.collectives.executor import execute, sent_bytes
+from syncsgd.collectives.schedules import SCHEDULES
+from syncsgd.collectives.small import (
+    SMALL_MESSAGE_BYTES,
+    SMALL_MESSAGE_RANKS,
+    gathers,
+    sum_expressions,
+)
+from syncsgd.comm.threads import ThreadComm
+
+pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling CI
+
+
+def spread_values(rank: int, length: int, dtype: str) -> np.ndarray:
+    """Values whose sum depends on the order of the adds (floats of many magnitudes)."""
+    rng = np.random.default_rng(1000 + rank)
+    if dtype == "int64":
+        return rng.integers(-(1 << 40), 1 << 40, length)
+    return (rng.standard_normal(length) * 10.0 ** rng.integers(-8, 9, length)).astype(dtype)
+
+
+@given(size=st.integers(2, SMALL_MESSAGE_RANKS), data=st.data(),
+       dtype=st.sampled_from(["float64", "float32", "int64"]))  # fmt: skip
+def test_the_short_ring_gives_the_stepping_rings_bits(size, data, dtype):
+    itemsize = np.dtype(dtype).itemsize
+    length = data.draw(st.integers(0, SMALL_MESSAGE_BYTES // itemsize))
+    assert gathers("ring", length * itemsize, size)
+
+    def both(comm):
+        gathered = spread_values(comm.rank, length, dtype)
+        stepped = gathered.copy()
+        ring_allreduce(gathered, comm)
+        ring_allreduce(stepped, comm, trace=lambda event: None)  # traced: the ring's own steps
+        return gathered.tobytes(), stepped.tobytes()
+
+    results = run_threads(size, both)
+    assert all(gathered == stepped == results[0][0] for gathered, stepped in results)
+
+
+def evaluate(expression, inputs: list[np.ndarray], element: int):
+    """An expression of `sum_expressions` on element `element` of each rank's input."""
+    if isinstance(expression, tuple):
+        first, second = expression
+        return evaluate(first, inputs, element) + evaluate(second, inputs, element)
+    return inputs[expression][element]
+
+
+@pytest.mark.parametrize("algorithm", sorted(SCHEDULES))
+@pytest.mark.parametrize("size", [2, 3, 5, 6])
+def test_the_replayed_sums_are_each_schedules_own(algorithm, size):
+    # The replay is generic: on every algorithm it must say what the executor's steps compute.
+    length = 2 * size + 1
+    inputs = [spread_values(rank, length, "float64") for rank in range(size)]
+
+    def stepped(comm):
+        buf = inputs[comm.rank].copy()
+        execute(algorithm, buf, comm, trace=lambda event: None)
+        return buf
+
+    for rank, result in enumerate(run_threads(size, stepped)):
+        expressions = sum_expressions(algorithm, length, size, rank)
+        replayed = [evaluate(expressions[i], inputs, i) for i in range(length)]
+        assert np.array(replayed).tobytes() == result.tobytes()
+
+
+def test_every_element_is_summed_over_every_rank_once():
+    def leaves(expression):
+        if isinstance(expression, tuple):
+            return leaves(expression[0]) + leaves(expression[1])
+        return [expression]
+
+    for size in range(2, 9):
+        for expression in sum_expressions("ring", 11, size, 0):
+            assert sorted(leaves(expression)) == list(range(size))
+
+
+class RecordingComm(ThreadComm):
+    """A thread rank that records the size of every message it sends."""
+
+    def __init__(self, comm: ThreadComm) -> None:
+        super().__init__(comm._world, comm.rank)
+        self.sent: list[int] = []
+
+    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=-1, recvtag=-1, status=None):
+        self.sent.append(np.asarray(sendbuf).nbytes)
+        super().Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_a_short_ring_passes_p_minus_1_buffers_and_sent_bytes_says_so(size):
+    length = 9
+
+    def traffic(comm):
+        recording = RecordingComm(comm)
+        ring_allreduce(np.ones(length), recording)
+        return recording.sent
+
+    for rank, sent in enumerate(run_threads(size, traffic)):
+        assert sent == [8 * length + 1] * (size - 1)  # each buffer, and a byte that marks it
+        assert sum(sent) == sent_bytes("ring", length, 8, size, rank)
+
+
+def test_the_cut():
+    assert gathers("ring", SMALL_MESSAGE_BYTES, 2)
+    assert not gathers("ring", SMALL_MESSAGE_BYTES + 1, 2)
+    assert not gathers("ring", 8, SMALL_MESSAGE_RANKS + 1) and not gathers("ring", 8, 1)
+    assert not gathers("recursive-doubling", 8, 2)
+
+
+LONG = SMALL_MESSAGE_BYTES // 8 + 1  # float64 elements the ring steps through
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5])
+@pytest.mark.parametrize("lengths", [
+    lambda rank: LONG if rank == 0 else 5,  # one rank steps, the others gather
+    lambda rank: 5 if rank == 0 else LONG,  # one rank gathers, the others step
+    lambda rank: LONG if rank % 2 else 5,  # every other rank
+    lambda rank: 5 + 4096 * (rank == 1),  # the same tag signature (length mod 4096)
+    lambda rank: 5 + rank % 2,  # both short
+], ids=["one-long", "one-short", "alternate", "same-signature", "both-short"])  # fmt: skip
+def test_ranks_whose_lengths_differ_all_raise_on_either_path(size, lengths):
+    def run(comm):
+        buf = np.ones(lengths(comm.rank))
+        with pytest.raises(ValueError, match="the ranks' buffers differ|a different or unusable"):
+            ring_allreduce(buf, comm)
+        ring_allreduce(np.ones(3), comm)  # and the next call works: no message was left over
+        return True
+
+    assert all(run_threads(size, run))
+
+
+def test_an_unusable_buffer_on_one_short_ring_rank_is_reported_everywhere():
+    def run(comm):
+        buf = np.ones(6)
+        buf.flags.writeable = comm.rank != 1
+        with pytest.raises(ValueError, match="read-only|unusable"):
+            ring_allreduce(buf, comm)
+        return True
+
+    assert all(run_threads(4, run))
