@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import requires_mpi, run_mpiexec
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -151,3 +152,41 @@ def test_an_unusable_buffer_on_one_short_ring_rank_is_reported_everywhere():
         return True
 
     assert all(run_threads(4, run))
+
+
+SHORT_RING_UNDER_MPI = """
+import numpy as np
+from mpi4py import MPI
+from syncsgd.collectives import ring_allreduce
+
+world = MPI.COMM_WORLD
+rank = world.Get_rank()
+for comm in (world, world.Dup(), world, world.Split(0, world.Get_size() - 1 - rank)):
+    for length in (0, 1, 7, 200, 257):  # 257 float64: longer than a short ring
+        values = np.random.default_rng(rank).standard_normal(length) * 10.0 ** rank
+        gathered, stepped = values.copy(), values.copy()
+        for _ in range(3):  # the plan (and its persistent requests) made once, used again
+            ring_allreduce(gathered, comm)
+            gathered[...] = values
+        ring_allreduce(gathered, comm)
+        ring_allreduce(stepped, comm, trace=lambda event: None)
+        assert gathered.tobytes() == stepped.tobytes(), (comm, length)
+    if comm is not world:
+        comm.Free()  # its plans' requests are freed at exit, before MPI finalizes
+ok = np.zeros(world.Get_size(), np.int64)
+ok[rank] = 1
+world.Allreduce(MPI.IN_PLACE, ok)  # every rank got here
+if rank == 0:
+    print("ok", int(ok.sum()))
+"""
+
+
+@requires_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_short_ring_under_mpi_gives_the_rings_bits_on_every_communicator(ranks, tmp_path):
+    script = tmp_path / "short.py"
+    script.write_text(SHORT_RING_UNDER_MPI)
+    done = run_mpiexec(ranks, [str(script)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok", str(ranks)]
+    assert "persistent request" not in done.stderr  # every request freed before MPI finalizes

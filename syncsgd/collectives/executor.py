@@ -6,6 +6,7 @@ docs/collectives.md.
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -100,10 +101,24 @@ class Gathering(NamedTuple):
 
     rows: np.ndarray  # P buffers of `length` + 1 elements, then scratch rows; flattened
     own: np.ndarray  # this rank's buffer in `rows`
-    passes: tuple[tuple[memoryview, int, memoryview, int, int, PlannedStep], ...]  # each step's
-    # (send, dest, into, source, expected bytes, step): the plan's `steps`, views made once
+    passes: tuple[Pass, ...]  # the plan's `steps`, their message views made once
     adds: Adds
     tail: tuple[PlannedStep, ...]  # the ring's other steps, empty: taken if something is wrong
+    comm: Any  # the communicator the plan was made on (kept: the plans are found by its id)
+    requests: tuple[Any, ...]  # under MPI, every step's persistent receive and send
+
+
+class Pass(NamedTuple):
+    """One step of a short ring: its message views, and under MPI its persistent requests' calls
+    (receive.Start, send.Start, send.Wait, receive.Wait): not parsed again at every call."""
+
+    send: memoryview
+    dest: int
+    into: memoryview
+    source: int
+    expected: int  # bytes
+    step: PlannedStep
+    started: tuple[Callable[..., Any], ...] | None
 
 
 def signature(length: int, dtype: np.dtype) -> int:
@@ -156,19 +171,20 @@ def plan_for(
 ) -> Plan:  # fmt: skip
     """This thread's plan for `algorithm` on `length` x `dtype` on `comm`; built once. `traced`:
     step through the schedule even where a short ring would gather."""
-    key = algorithm, length, dtype, size, rank, type(comm), traced
+    key = algorithm, length, dtype, size, rank, type(comm), id(comm), traced
     try:
         return _local.plans[key]
     except (AttributeError, KeyError):
         pass
     if not hasattr(_local, "plans") or len(_local.plans) >= _MAX_PLANS:
-        _local.plans, _local.scratch = {}, {}
+        _forget_plans()
+        _local.scratch = {}
     mpi = constants(comm)
     result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), (),
                   _truncation_unsafe(comm), function_name(algorithm),
                   type(comm) is ThreadComm)  # fmt: skip
     if not traced and gathers(algorithm, length * dtype.itemsize, size):
-        result = _gathering(result, str(algorithm), length, dtype, size, rank)
+        result = _gathering(result, str(algorithm), length, dtype, size, rank, comm)
     else:
         result = result._replace(steps=_planned_steps(algorithm, length, dtype, size, rank))
     _local.plans[key] = result
@@ -183,12 +199,65 @@ def _planned_steps(algorithm: Algorithm, length: int, dtype: np.dtype, size: int
     scratch = _local.scratch.get(dtype)
     if scratch is None or scratch.size < largest:
         scratch = _local.scratch[dtype] = np.empty(largest, dtype)
-        _local.plans = {}  # older plans receive into the smaller scratch: let them go
+        _forget_plans()  # older plans receive into the smaller scratch: let them go
     return tuple(_planned(step, dtype.itemsize, scratch) for step in steps)
 
 
+def _forget_plans() -> None:
+    """Let this thread's plans go, and free their persistent requests."""
+    dropped = getattr(_local, "plans", {}).values()
+    _local.plans = {}
+    for plan in dropped:
+        if plan.gathering is not None and plan.gathering.requests:
+            _free_requests(plan.gathering.requests)
+
+
+# Every persistent request made and not yet freed: freed before MPI finalizes (mpi4py finalizes
+# at exit, after the exit functions registered later than its own, as ours).
+_PERSISTENT: list[tuple[Any, ...]] = []
+_persistent_lock = threading.Lock()
+
+
+def _persistent_requests(comm: Any, plan: Plan, passes: list[Pass]
+                         ) -> tuple[list[Pass], tuple[Any, ...]]:  # fmt: skip
+    """`passes` with persistent requests under MPI (unless receives are probed: Open MPI), and
+    the requests, to be freed with the plan."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not isinstance(comm, mpi.Comm) or plan.probe:
+        return passes, ()
+    made, requests = [], []
+    for one in passes:
+        receive = comm.Recv_init(one.into, one.source, plan.any_tag)
+        send = comm.Send_init(one.send, one.dest, plan.tag)
+        made.append(one._replace(started=(receive.Start, send.Start, send.Wait, receive.Wait)))
+        requests += [receive, send]
+    with _persistent_lock:
+        if not _PERSISTENT:
+            atexit.register(_free_all_requests)
+        _PERSISTENT.append(tuple(requests))
+        return made, _PERSISTENT[-1]
+
+
+def _free_requests(requests: tuple[Any, ...]) -> None:
+    """Free persistent requests (once; not after MPI has finalized)."""
+    with _persistent_lock:
+        known = [index for index, kept in enumerate(_PERSISTENT) if kept is requests]
+        if not known:
+            return
+        del _PERSISTENT[known[0]]
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and not mpi.Is_finalized():
+        for request in requests:
+            request.Free()
+
+
+def _free_all_requests() -> None:
+    for requests in list(_PERSISTENT):
+        _free_requests(requests)
+
+
 def _gathering(plan: Plan, algorithm: str, length: int, dtype: np.dtype, size: int,
-               rank: int) -> Plan:  # fmt: skip
+               rank: int, comm: Any) -> Plan:  # fmt: skip
     """`plan` as a short ring runs it: gather the P buffers, then add them up here."""
     width, itemsize = length + 1, dtype.itemsize  # each buffer and one element more
     rows = np.zeros((row_adds(algorithm, length, size, rank)[1], width), dtype)
@@ -208,11 +277,13 @@ def _gathering(plan: Plan, algorithm: str, length: int, dtype: np.dtype, size: i
                            False, step)  # fmt: skip
 
     steps = tuple(planned(step) for step in gather_steps(size, rank))
-    passes = tuple((message[s.send], s.dest, message[s.recv], s.source, s.expected, s)
-                   for s in steps)  # fmt: skip
-    gathering = Gathering(rows.reshape(-1), rows[rank, :length], passes,
+    passes, requests = _persistent_requests(comm, plan, [
+        Pass(message[s.send], s.dest, message[s.recv], s.source, s.expected, s, None)
+        for s in steps])  # fmt: skip
+    gathering = Gathering(rows.reshape(-1), rows[rank, :length], tuple(passes),
                           bound(algorithm, length, size, rank, rows),
-                          tuple(planned(step) for step in tail_steps(size, rank)))  # fmt: skip
+                          tuple(planned(step) for step in tail_steps(size, rank)), comm,
+                          requests)  # fmt: skip
     return plan._replace(steps=steps, gathering=gathering)
 
 
@@ -250,7 +321,8 @@ def execute(
         return buf
     traced = trace is not None
     try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot)
-        planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm), traced]
+        planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm), id(comm),
+                               traced]  # fmt: skip
     except (AttributeError, KeyError):
         planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm, traced)
     if planned.threads:  # ranks passing one array would sum into it: refuse
@@ -322,9 +394,16 @@ def _gathered(plan: Plan, gathering: Gathering, flat: np.ndarray, comm: Any,
     any_tag, status, probe, mismatch = plan.any_tag, plan.status, plan.probe, ""
     sendrecv = comm.exchange if plan.threads else comm.Sendrecv  # thread ranks: no re-checks
     # `plan`, `step`: read from this frame by a collective timeout, as from _take_steps'
-    for send, dest, into, source, expected, step in gathering.passes:  # noqa: B007
+    for send, dest, into, source, expected, step, started in gathering.passes:  # noqa: B007
         try:
-            if probe:
+            if started is not None and tag == plan.tag:  # MPI, nothing wrong: made once
+                start_receive, start_send, wait_send, wait_receive = started
+                start_receive()
+                start_send()
+                wait_send()
+                wait_receive(status)
+                count = status.Get_count()
+            elif probe:
                 count = _probed_exchange(comm, send, dest, tag, into, source, any_tag, status)
             else:
                 sendrecv(send, dest, tag, into, source, any_tag, status)
