@@ -93,6 +93,9 @@ class Plan(NamedTuple):
     name: str = ""  # the function the user called, which errors name
     threads: bool = False  # on thread ranks: buffers sharing memory across ranks are refused
     gathering: Gathering | None = None  # a short ring's: then `steps` pass the buffers around
+    rank: int = 0
+    size: int = 1
+    comm: Any = None  # kept, so that its id, which finds the plan, is not another's
 
 
 class Gathering(NamedTuple):
@@ -104,7 +107,6 @@ class Gathering(NamedTuple):
     passes: tuple[Pass, ...]  # the plan's `steps`, their message views made once
     adds: Adds
     tail: tuple[PlannedStep, ...]  # the ring's other steps, empty: taken if something is wrong
-    comm: Any  # the communicator the plan was made on (kept: the plans are found by its id)
     requests: tuple[Any, ...]  # under MPI, every step's persistent receive and send
 
 
@@ -169,9 +171,10 @@ def plan_for(
     algorithm: Algorithm, length: int, dtype: np.dtype, size: int, rank: int, comm: Any,
     traced: bool = False,
 ) -> Plan:  # fmt: skip
-    """This thread's plan for `algorithm` on `length` x `dtype` on `comm`; built once. `traced`:
-    step through the schedule even where a short ring would gather."""
-    key = algorithm, length, dtype, size, rank, type(comm), id(comm), traced
+    """This thread's plan for `algorithm` on `length` x `dtype` on `comm` (of `size` ranks, this
+    one `rank`); built once. `traced`: step through the schedule even where a short ring would
+    gather."""
+    key = algorithm, length, dtype, id(comm), traced
     try:
         return _local.plans[key]
     except (AttributeError, KeyError):
@@ -181,8 +184,8 @@ def plan_for(
         _local.scratch = {}
     mpi = constants(comm)
     result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), (),
-                  _truncation_unsafe(comm), function_name(algorithm),
-                  type(comm) is ThreadComm)  # fmt: skip
+                  _truncation_unsafe(comm), function_name(algorithm), type(comm) is ThreadComm,
+                  None, rank, size, comm)  # fmt: skip
     if not traced and gathers(algorithm, length * dtype.itemsize, size):
         result = _gathering(result, str(algorithm), length, dtype, size, rank, comm)
     else:
@@ -282,7 +285,7 @@ def _gathering(plan: Plan, algorithm: str, length: int, dtype: np.dtype, size: i
         for s in steps])  # fmt: skip
     gathering = Gathering(rows.reshape(-1), rows[rank, :length], tuple(passes),
                           bound(algorithm, length, size, rank, rows),
-                          tuple(planned(step) for step in tail_steps(size, rank)), comm,
+                          tuple(planned(step) for step in tail_steps(size, rank)),
                           requests)  # fmt: skip
     return plan._replace(steps=steps, gathering=gathering)
 
@@ -304,32 +307,32 @@ def execute(
 ) -> np.ndarray:
     """Sum `buf` over all ranks of `comm` in place by `algorithm`'s schedule and return it (or
     run another collective's schedule on it: `Collective`)."""
-    try:
-        rank, size = comm.Get_rank(), comm.Get_size()
-    except AttributeError:
-        raise TypeError(f"{function_name(algorithm)}: comm must be a communicator (mpi4py's, "
-                        f"or a ThreadComm of run_threads), not {comm!r}") from None  # fmt: skip
     if type(buf) is np.ndarray and buf.flags.carray and buf.dtype in DTYPE_CODE:
         defect, flat = None, buf if buf.ndim == 1 else buf.ravel()  # the usual case, quickly
     else:
         defect = buffer_defect(buf, function_name(algorithm))
         # np.matrix & co. stay 2-D when raveled: view the memory as a plain array first
         flat = _NOTHING if defect else buf.view(np.ndarray).ravel()
-    if size == 1:
-        if defect:
-            raise ValueError(defect)
-        return buf
     traced = trace is not None
-    try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot)
-        planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm), id(comm),
-                               traced]  # fmt: skip
+    try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot); it knows P, rank
+        planned = _local.plans[algorithm, flat.size, flat.dtype, id(comm), traced]
     except (AttributeError, KeyError):
+        try:
+            rank, size = comm.Get_rank(), comm.Get_size()
+        except AttributeError:
+            raise TypeError(f"{function_name(algorithm)}: comm must be a communicator (mpi4py's, "
+                            f"or a ThreadComm of run_threads), not {comm!r}") from None  # fmt: skip
+        if size == 1:
+            if defect:
+                raise ValueError(defect) from None
+            return buf
         planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm, traced)
     if planned.threads:  # ranks passing one array would sum into it: refuse
         shared = comm.claim(None if defect else flat, buf, planned.name)
         if shared:
             defect, flat = shared, _NOTHING
-            planned = plan_for(algorithm, 0, _NOTHING.dtype, size, rank, comm, traced)
+            planned = plan_for(algorithm, 0, _NOTHING.dtype, planned.size, planned.rank, comm,
+                               traced)  # fmt: skip
     # With a defect, take part with empty messages and the flag raised, then report it.
     if planned.gathering is None:
         tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None), trace)
@@ -338,7 +341,8 @@ def execute(
                                   planned.tag | (defect is not None))  # fmt: skip
     if tag & 1:
         shared = comm.failed() if planned.threads else None
-        raise ValueError(defect or shared or _disagreement(buf, rank, mismatch, planned.name))
+        raise ValueError(defect or shared
+                         or _disagreement(buf, planned.rank, mismatch, planned.name))
     return buf
 
 
