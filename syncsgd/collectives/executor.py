@@ -290,12 +290,13 @@ def _gathering(plan: Plan, algorithm: str, length: int, dtype: np.dtype, size: i
     return plan._replace(steps=steps, gathering=gathering)
 
 
-def sent_bytes(algorithm: Algorithm, length: int, itemsize: int, size: int,
-               rank: int) -> int:  # fmt: skip
-    """The bytes `rank` sends in `algorithm` on `length` elements: its messages as it posts them."""
+def sent_bytes(algorithm: Algorithm, length: int, itemsize: int, size: int, rank: int,
+               stepped: bool = False) -> int:  # fmt: skip
+    """The bytes `rank` sends in `algorithm` on `length` elements: its messages as it posts them
+    (`stepped`: as it steps through the schedule, as a traced call does, never gathering)."""
     if size == 1:
         return 0
-    if gathers(algorithm, length * itemsize, size):  # P-1 buffers and a byte each
+    if not stepped and gathers(algorithm, length * itemsize, size):  # P-1 buffers, a byte each
         return (size - 1) * (length * itemsize + 1)
     return itemsize * sum(step.send.stop - step.send.start
                           for step in schedule(algorithm, length, size, rank)
