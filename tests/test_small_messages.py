@@ -1,8 +1,11 @@
 """The short ring: a buffer of at most SMALL_MESSAGE_BYTES is passed round whole and added up on
 every rank, in the ring's order; the bits are the stepping ring's, and ranks on the two paths
-never hang each other."""
+never hang each other. The cut is P = 2; `wider` lets up to 8 ranks gather, as the code allows,
+to test the P-1 gather steps and the adds of more ranks."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from syncsgd import run_threads
-from syncsgd.collectives import ring_allreduce
+from syncsgd.collectives import ring_allreduce, small
 from syncsgd.collectives.executor import execute, sent_bytes
 from syncsgd.collectives.schedules import SCHEDULES
 from syncsgd.collectives.small import (
@@ -23,6 +26,12 @@ from syncsgd.collectives.small import (
 from syncsgd.comm.threads import ThreadComm
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling CI
+WIDER = 8  # ranks the tests let gather
+
+
+def wider():
+    """Let up to WIDER ranks gather (the plans are per thread: run_threads' ranks start afresh)."""
+    return mock.patch.object(small, "SMALL_MESSAGE_RANKS", WIDER)
 
 
 def spread_values(rank: int, length: int, dtype: str) -> np.ndarray:
@@ -33,22 +42,24 @@ def spread_values(rank: int, length: int, dtype: str) -> np.ndarray:
     return (rng.standard_normal(length) * 10.0 ** rng.integers(-8, 9, length)).astype(dtype)
 
 
-@given(size=st.integers(2, SMALL_MESSAGE_RANKS), data=st.data(),
+@given(size=st.integers(2, WIDER), data=st.data(),
        dtype=st.sampled_from(["float64", "float32", "int64"]))  # fmt: skip
 def test_the_short_ring_gives_the_stepping_rings_bits(size, data, dtype):
     itemsize = np.dtype(dtype).itemsize
     length = data.draw(st.integers(0, SMALL_MESSAGE_BYTES // itemsize))
-    assert gathers("ring", length * itemsize, size)
-
-    def both(comm):
-        gathered = spread_values(comm.rank, length, dtype)
-        stepped = gathered.copy()
-        ring_allreduce(gathered, comm)
-        ring_allreduce(stepped, comm, trace=lambda event: None)  # traced: the ring's own steps
-        return gathered.tobytes(), stepped.tobytes()
-
-    results = run_threads(size, both)
+    with wider():
+        assert gathers("ring", length * itemsize, size)
+        results = run_threads(size, lambda comm: both_rings(comm, length, dtype))
     assert all(gathered == stepped == results[0][0] for gathered, stepped in results)
+
+
+def both_rings(comm, length: int, dtype: str) -> tuple[bytes, bytes]:
+    """The ring's sum gathered (untraced) and stepped (traced), as bytes."""
+    gathered = spread_values(comm.rank, length, dtype)
+    stepped = gathered.copy()
+    ring_allreduce(gathered, comm)
+    ring_allreduce(stepped, comm, trace=lambda event: None)  # traced: the ring's own steps
+    return gathered.tobytes(), stepped.tobytes()
 
 
 def evaluate(expression, inputs: list[np.ndarray], element: int):
@@ -109,15 +120,21 @@ def test_a_short_ring_passes_p_minus_1_buffers_and_sent_bytes_says_so(size):
         ring_allreduce(np.ones(length), recording)
         return recording.sent
 
-    for rank, sent in enumerate(run_threads(size, traffic)):
-        assert sent == [8 * length + 1] * (size - 1)  # each buffer, and a byte that marks it
-        assert sum(sent) == sent_bytes("ring", length, 8, size, rank)
+    with wider():
+        sent_by_rank = run_threads(size, traffic)
+        for rank, sent in enumerate(sent_by_rank):
+            assert sent == [8 * length + 1] * (size - 1)  # each buffer, and a byte that marks it
+            assert sum(sent) == sent_bytes("ring", length, 8, size, rank)
+    # Without the wider cut, 3 ranks step through the ring: 2(P-1) messages.
+    if size > SMALL_MESSAGE_RANKS:
+        assert all(len(sent) == 2 * (size - 1) for sent in run_threads(size, traffic))
 
 
 def test_the_cut():
+    assert SMALL_MESSAGE_RANKS == 2  # more ranks would send (P-1)n, not the ring's 2(P-1)/P n
     assert gathers("ring", SMALL_MESSAGE_BYTES, 2)
     assert not gathers("ring", SMALL_MESSAGE_BYTES + 1, 2)
-    assert not gathers("ring", 8, SMALL_MESSAGE_RANKS + 1) and not gathers("ring", 8, 1)
+    assert not gathers("ring", 8, 3) and not gathers("ring", 8, 1)
     assert not gathers("recursive-doubling", 8, 2)
 
 
@@ -140,7 +157,8 @@ def test_ranks_whose_lengths_differ_all_raise_on_either_path(size, lengths):
         ring_allreduce(np.ones(3), comm)  # and the next call works: no message was left over
         return True
 
-    assert all(run_threads(size, run))
+    with wider():
+        assert all(run_threads(size, run))
 
 
 def test_an_unusable_buffer_on_one_short_ring_rank_is_reported_everywhere():
@@ -151,13 +169,17 @@ def test_an_unusable_buffer_on_one_short_ring_rank_is_reported_everywhere():
             ring_allreduce(buf, comm)
         return True
 
-    assert all(run_threads(4, run))
+    for size in (2, 4):
+        with wider():
+            assert all(run_threads(size, run))
 
 
 SHORT_RING_UNDER_MPI = """
 import numpy as np
 from mpi4py import MPI
-from syncsgd.collectives import ring_allreduce
+from syncsgd.collectives import ring_allreduce, small
+
+small.SMALL_MESSAGE_RANKS = 8  # more ranks gather too: the gather's P-1 steps under MPI
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()

@@ -62,9 +62,8 @@ def test_a_stuck_thread_rank_times_out_every_rank(monkeypatch):
     message, took = timed_out(timeout=1)
     assert took < 1 + GRACE  # not the 30 s the rank sleeps
     assert "no progress for 1 s (--timeout)" in message
-    # Rank 2 receives from rank 1 in the ring (a short ring: the gradient's 912 bytes are
-    # passed around whole, the "gather" steps); rank 0 waits for what rank 2 passes on.
-    assert "rank 2 in ring_allreduce (gather step 0) at training step 3, " \
+    # Rank 2 receives from rank 1 in the ring; rank 0 sends to rank 1 (a synchronous send).
+    assert "rank 2 in ring_allreduce (reduce-scatter step 0) at training step 3, " \
            "waiting for rank 1" in message  # fmt: skip
     assert "rank 0 in ring_allreduce" in message and "rank 1 in" not in message
 
@@ -180,7 +179,7 @@ def test_a_stopped_mpi_rank_ends_the_job_with_one_line():
     assert len(lines) == 1, stderr
     assert lines[0].startswith("syncsgd: error: collective timeout: no progress for 2 s "
                                "(--timeout): rank 0 in ring_allreduce "), stderr  # fmt: skip
-    assert ("; rank 2 in ring_allreduce (gather step 0) at training step 3, waiting for "
+    assert ("; rank 2 in ring_allreduce (reduce-scatter step 0) at training step 3, waiting for "
             "rank 1; no report from rank 1; ending the job") in lines[0], stderr  # fmt: skip
 
 

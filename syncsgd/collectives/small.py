@@ -22,8 +22,9 @@ from syncsgd.collectives.schedules import (
 )
 
 # The ring gathers instead of stepping for buffers of at most this many bytes on at most this many
-# ranks (the gather adds P times the ring's elements: docs/collectives.md).
-SMALL_MESSAGE_BYTES, SMALL_MESSAGE_RANKS = 2048, 8
+# ranks: at P = 2 the gather sends what the ring sends, in one message instead of two; on more
+# ranks it would send (P-1)n bytes where the ring sends 2(P-1)/P n (docs/collectives.md).
+SMALL_MESSAGE_BYTES, SMALL_MESSAGE_RANKS = 2048, 2
 # A sum as the schedule forms it: a rank's own value (its number), or (a, b) for a + b in that
 # order. Elements whose sums are formed alike share one expression.
 Expression = Any
