@@ -212,3 +212,20 @@ def test_a_short_ring_under_mpi_gives_the_rings_bits_on_every_communicator(ranks
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["ok", str(ranks)]
     assert "persistent request" not in done.stderr  # every request freed before MPI finalizes
+
+
+def test_a_stalled_short_ring_times_out_naming_its_gather_step():
+    import time
+
+    from syncsgd.comm.threads import CollectiveTimeout
+    from syncsgd.comm.watchdog import collective_timeout
+
+    def stalled(comm):
+        with collective_timeout(comm, 0.5):
+            if comm.rank == 1:
+                time.sleep(3)  # in no collective: rank 0 waits for it in the gather
+            ring_allreduce(np.ones(4), comm)
+
+    with pytest.raises(CollectiveTimeout, match=r"rank 0 in ring_allreduce \(gather step 0\), "
+                                                r"waiting for rank 1"):  # fmt: skip
+        run_threads(2, stalled)
