@@ -153,6 +153,7 @@ def test_performance_bar_verdicts():
     met = allreduce.performance_bar(rows(0.5, [(20, 0.96), (21, 1.3)]))
     assert met["latency_ratio"] == 2.0 and met["latency_met"] and met["busbw_met"]
     assert "MISSED" not in allreduce.describe_bar(met)
+    assert not allreduce.performance_bar(rows(0.45, []))["latency_met"]  # 2.2x: over the 2x bar
     slow = allreduce.performance_bar(rows(0.25, [(20, 0.96), (22, 0.94)]))
     assert not slow["latency_met"] and not slow["busbw_met"]
     assert slow["busbw_worst_bytes"] == 1 << 22

@@ -72,3 +72,30 @@ def test_the_sweep_writes_the_same_statistics_to_json_and_csv(tmp_path, capsys):
         assert row["rank_min_us"] <= row["rank_avg_us"] <= row["rank_max_us"]
         for name in stats.FIELDS:
             assert float(line[name]) == pytest.approx(row[name])
+
+
+def test_bench_collective_has_the_same_statistics_with_each_collectives_busbw(tmp_path, capsys):
+    json_path, csv_path = tmp_path / "c.json", tmp_path / "c.csv"
+    argv = ["bench", "collective", "--ranks", "4", "--min-bytes", "64", "--max-bytes", "64",
+            "--batches", "3", "--batch-seconds", "0.001", "--warmup", "1", "--max-iters", "3",
+            "--json", str(json_path), "--csv", str(csv_path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("# algbw = size / time; busbw = algbw * 1 for broadcast; 1 for reduce; "
+                     "(P-1)/P for allgather; (P-1)/P for reduce-scatter; (P-1)/P for "
+                     "alltoall") == 1  # fmt: skip
+    rows = json.loads(json_path.read_text())["rows"]
+    with open(csv_path, newline="") as file:
+        table = list(csv.DictReader(file))
+    assert len(rows) == len(table) == 9  # the nine hand-written algorithms (no library here)
+    factors = {"broadcast": 1.0, "reduce": 1.0, "allgather": 0.75, "reduce-scatter": 0.75,
+               "alltoall": 0.75}  # fmt: skip
+    for row, line in zip(rows, table, strict=True):
+        assert row["size_bytes"] == 64 and row["iterations"] == 3 * row["iters"]
+        assert row["algbw_GBps"] == pytest.approx(64 / row["time_us"] / 1e3)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factors[row["collective"]])
+        assert row["iter_min_us"] <= row["iter_median_us"] <= row["iter_p99_us"]
+        assert row["iter_p99_us"] <= row["iter_max_us"] and row["iter_cv"] >= 0
+        assert row["rank_min_us"] <= row["rank_avg_us"] <= row["rank_max_us"]
+        for name in (*stats.FIELDS, "algbw_GBps", "busbw_GBps", "time_us"):
+            assert float(line[name]) == pytest.approx(row[name])

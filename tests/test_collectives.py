@@ -38,6 +38,7 @@ from syncsgd.collectives import (
     choose_algorithm,
     schedule,
 )
+from syncsgd.collectives.small import SMALL_MESSAGE_BYTES
 from syncsgd.comm.threads import ThreadComm
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling CI
@@ -486,8 +487,9 @@ class LateTrouble(ThreadComm):
 @pytest.mark.parametrize("size", [3, 4, 5])
 def test_a_problem_the_ring_sees_in_a_later_step_still_reaches_every_rank(size):
     # Flagged from reduce-scatter step 1 on, the flag needs allgather steps to go round the ring.
+    # (A buffer too long to gather: a short ring's problems are all seen in step 0.)
     def late(comm):
-        make_buffer = lambda rank, size: np.ones(10)  # noqa: E731
+        make_buffer = lambda rank, size: np.ones(SMALL_MESSAGE_BYTES // 8 + 1)  # noqa: E731
         return check_rejected_everywhere(LateTrouble(comm, first=2), "ring", make_buffer)
 
     messages = run_threads(size, late)

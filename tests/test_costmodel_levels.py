@@ -78,3 +78,92 @@ def test_model_prints_and_writes_the_two_level_table(tmp_path, capsys):
                                                              (4, 1 << 20)]  # fmt: skip
     assert main(["model", "--inter-beta", "1e-9"]) != 0
     assert "give --nodes N too" in capsys.readouterr().err
+
+
+def ring_sweep(path, ranks: int, params: Params, sizes=(1 << 10, 1 << 14, 1 << 18, 1 << 22)):
+    """A `bench allreduce --json` file whose ring rows follow the model exactly."""
+    rows = [{"algorithm": "ring", "size_bytes": n, "time_us": cost("ring", ranks).seconds(n, params)
+             * 1e6} for n in sizes]  # fmt: skip
+    path.write_text(json.dumps({"benchmark": "allreduce", "ranks": ranks, "rows": rows}))
+    return str(path)
+
+
+def test_model_fits_alpha_and_beta_inside_and_between_nodes_to_their_sweeps(tmp_path, capsys):
+    inside, between = Params(2e-5, 3e-10, 1e-10), Params(4e-4, 8e-9, 1e-10)
+    intra = ring_sweep(tmp_path / "intra.json", 2, inside)  # one node of 2 ranks
+    inter = ring_sweep(tmp_path / "inter.json", 2, between)  # 2 nodes of 1 rank
+    path = tmp_path / "m.json"
+    assert main(["model", "--ranks", "4", "--sizes", "1M", "--gamma", "1e-10", "--nodes", "2",
+                 "--ranks-per-node", "2", "--intra-fit", intra, "--inter-fit", inter,
+                 "--json", str(path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "# inside a node: fitted to the ring's 4 rows of" in out
+    assert "# between nodes: fitted to the ring's 4 rows of" in out
+    two = json.loads(path.read_text())["two_level"]
+    for where, params in (("intra", inside), ("inter", between)):
+        assert two[where]["alpha"] == pytest.approx(params.alpha, rel=1e-6)
+        assert two[where]["beta"] == pytest.approx(params.beta, rel=1e-6)
+        assert two["fits"][where]["held"] == ["gamma"]
+    # A given α stays as given; the fit finds β with it held.
+    assert main(["model", "--ranks", "4", "--sizes", "1M", "--gamma", "1e-10", "--nodes", "2",
+                 "--intra-fit", intra, "--intra-alpha", "1e-5", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["two_level"]["intra"]["alpha"] == 1e-5
+
+
+def two_level_sweep(path, nodes: int, per_node: int, inside: Params, between: Params,
+                    slower: dict[int, float]) -> str:  # fmt: skip
+    """A ring,hierarchical sweep on N x R ranks: the model's times, the ring's times times
+    `slower` at some sizes."""
+    rows = []
+    for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22):
+        flat = levels.flat_ring_seconds(nodes, per_node, n, inside, between) * slower.get(n, 1.0)
+        two = levels.hierarchical_seconds(nodes, per_node, n, inside, between)
+        rows += [{"algorithm": "ring", "size_bytes": n, "time_us": flat * 1e6},
+                 {"algorithm": "hierarchical", "size_bytes": n, "time_us": two * 1e6,
+                  "iter_min_us": two * 0.9e6}]  # fmt: skip
+    path.write_text(json.dumps({"benchmark": "allreduce", "ranks": nodes * per_node,
+                                "rows": rows}))  # fmt: skip
+    return str(path)
+
+
+def test_a_measured_sweep_is_set_beside_the_predictions_with_both_crossovers(tmp_path, capsys):
+    # The flat ring measured 4x faster than predicted at 1 and 16 KiB: the two-level allreduce
+    # then wins from 256 KiB, where the model says it wins at every size.
+    measured = two_level_sweep(tmp_path / "cl.json", 2, 2, FAST, SLOW,
+                               {1 << 10: 0.25, 1 << 14: 0.25})  # fmt: skip
+    path, png = tmp_path / "m.json", tmp_path / "levels.png"
+    argv = ["model", "--ranks", "4", "--sizes", "1M", "--nodes", "2", "--ranks-per-node", "2",
+            "--intra-alpha", str(FAST.alpha), "--intra-beta", str(FAST.beta), "--inter-alpha",
+            str(SLOW.alpha), "--inter-beta", str(SLOW.beta), "--gamma", str(SLOW.gamma),
+            "--measured", measured, "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert ("# the two-level allreduce beats the flat ring from 256 KiB (medians); predicted: at "
+            "every size of the sweep") in out  # fmt: skip
+    found = json.loads(path.read_text())["measured"]
+    assert (found["crossover_measured_bytes"], found["crossover_predicted_bytes"]) == (
+        1 << 18, 1 << 10)
+    for row in found["rows"]:
+        assert row["hierarchical_measured_s"] == pytest.approx(row["hierarchical_predicted_s"])
+        assert row["hierarchical_least_s"] == pytest.approx(0.9 * row["hierarchical_measured_s"])
+        assert row["flat_ring_least_s"] == row["flat_ring_measured_s"]  # no statistics: the median
+    assert main(["model", "--nodes", "2", "--ranks-per-node", "3", "--measured", measured]) != 0
+    assert "measured on 4 ranks: not nodes of --ranks-per-node 3" in capsys.readouterr().err
+    assert main(["model", "--nodes", "2", "--levels-png", str(png)]) != 0
+    assert "give --measured BENCH_JSON too" in capsys.readouterr().err
+    assert main(["model", "--measured", measured]) != 0
+    assert "give --nodes N too" in capsys.readouterr().err
+
+
+def test_the_levels_figure_is_a_legible_slide(tmp_path):
+    pytest.importorskip("matplotlib")
+    from syncsgd.util import figures
+
+    table = [{"size_bytes": n, "flat_ring_measured_s": 2e-3, "flat_ring_least_s": 1e-3,
+              "hierarchical_measured_s": 1e-3, "hierarchical_least_s": 5e-4}
+             for n in (1 << 10, 1 << 20)]  # fmt: skip
+    figure = levels.levels_figure(table, 2, 2, FAST, SLOW, "ring")
+    assert figures.slide_scale(figure) == pytest.approx(1.0, abs=1e-3)
+    assert figures.legibility(figure) == []
+    levels.draw_levels(str(tmp_path / "l.png"), table, 2, 2, FAST, SLOW, "ring")
+    assert (tmp_path / "l.png").stat().st_size > 0

@@ -302,7 +302,8 @@ def test_the_page_steps_through_the_halves_and_the_update(ranks, length, tmp_pat
                                   else None for r in range(ranks)]  # fmt: skip
     assert frames[-1]["buffers"] == [zero.serial.tolist()] * ranks
     assert frames[-1]["counts"] == [[ranks] * length] * ranks  # every parameter updated
-    assert frames[-1]["sent"] == [sent_bytes("ring", length, 8, ranks, r) for r in range(ranks)]
+    assert frames[-1]["sent"] == [sent_bytes("ring", length, 8, ranks, r, stepped=True)
+                                  for r in range(ranks)]  # fmt: skip
     path = tmp_path / "zero.html"
     argv = ["ring-demo", "--zero-stage", "1", "--ranks", str(ranks), "--length", str(length)]
     assert main([*argv, "--html", str(path)]) == 0

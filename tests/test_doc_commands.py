@@ -64,7 +64,7 @@ EXCLUDED = {
     "mpiexec -n 2 syncsgd bench allreduce --algorithms ring,recursive-doubling,rabenseifner,tree,"
     "auto": "a sweep to 64 MiB under MPI (minutes); tests/test_bench_algorithms.py tests "
     "--algorithms",
-    "mpiexec -n 4 syncsgd bench collective --max-bytes 4M --json parts.json":
+    "mpiexec -n 4 syncsgd bench collective --max-bytes 4M --json parts.json --csv parts.csv":
         MPI_MANY.format(4, "test_collective_parts.py runs every collective under mpiexec"),
     "syncsgd bench collective --ranks 4 --collectives allgather,reduce-scatter":
         LONG.format("a sweep to 64 MiB; the README runs it to 8 KiB"),

@@ -413,7 +413,7 @@ def test_mpiexec_the_timeout_covers_the_communication_thread(tmp_path, extra):
     assert len(lines) == 1, done.stderr  # one line for the job
     assert lines[0].startswith(
         "syncsgd: error: collective timeout: no progress for 2 s (--timeout): rank 0 in "
-        "ring_allreduce (reduce-scatter step 0) at training step 2, waiting for rank 1"
+        "ring_allreduce (gather step 0) at training step 2, waiting for rank 1"
     ), done.stderr
 
 

@@ -387,7 +387,7 @@ def _closing_lines(zero: ZeroDemo) -> list[str]:
     sent = [sum(int(s.event.nbytes) // 8 for demo in zero.halves for _, group in demo.steps
                 for s in group if s.event.rank == rank)
             for rank in range(p)]  # fmt: skip
-    ring = [sent_bytes("ring", n, 8, p, rank) // 8 for rank in range(p)]
+    ring = [sent_bytes("ring", n, 8, p, rank, stepped=True) // 8 for rank in range(p)]
     if p > 1:
         fraction = Fraction(2 * (p - 1), p)
         lines.append(f"sent: each rank about 2(P-1)/P = {fraction} times the buffer's {n} "

@@ -6,6 +6,7 @@ docs/collectives.md.
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from syncsgd.collectives.schedules import (
     Hierarchical,
     schedule,
 )
+from syncsgd.collectives.small import Adds, bound, gather_steps, gathers, row_adds, tail_steps
 from syncsgd.comm.threads import MessageTruncated, ThreadComm
 from syncsgd.comm.world import constants
 
@@ -90,6 +92,35 @@ class Plan(NamedTuple):
     probe: bool = False  # receive only after a probe told the size: see _probed_exchange
     name: str = ""  # the function the user called, which errors name
     threads: bool = False  # on thread ranks: buffers sharing memory across ranks are refused
+    gathering: Gathering | None = None  # a short ring's: then `steps` pass the buffers around
+    rank: int = 0
+    size: int = 1
+    comm: Any = None  # kept, so that its id, which finds the plan, is not another's
+
+
+class Gathering(NamedTuple):
+    """How a short ring runs (syncsgd.collectives.small): the buffers passed around in `rows`,
+    then added up there."""
+
+    rows: np.ndarray  # P buffers of `length` + 1 elements, then scratch rows; flattened
+    own: np.ndarray  # this rank's buffer in `rows`
+    passes: tuple[Pass, ...]  # the plan's `steps`, their message views made once
+    adds: Adds
+    tail: tuple[PlannedStep, ...]  # the ring's other steps, empty: taken if something is wrong
+    requests: tuple[Any, ...]  # under MPI, every step's persistent receive and send
+
+
+class Pass(NamedTuple):
+    """One step of a short ring: its message views, and under MPI its persistent requests' calls
+    (receive.Start, send.Start, send.Wait, receive.Wait): not parsed again at every call."""
+
+    send: memoryview
+    dest: int
+    into: memoryview
+    source: int
+    expected: int  # bytes
+    step: PlannedStep
+    started: tuple[Callable[..., Any], ...] | None
 
 
 def signature(length: int, dtype: np.dtype) -> int:
@@ -137,36 +168,136 @@ _MAX_PLANS = 64  # plans kept per thread; more distinct buffer sizes start the c
 
 
 def plan_for(
-    algorithm: Algorithm, length: int, dtype: np.dtype, size: int, rank: int, comm: Any
-) -> Plan:
-    """This thread's plan for `algorithm` on `length` x `dtype` on `comm`; built once."""
-    key = algorithm, length, dtype, size, rank, type(comm)
+    algorithm: Algorithm, length: int, dtype: np.dtype, size: int, rank: int, comm: Any,
+    traced: bool = False,
+) -> Plan:  # fmt: skip
+    """This thread's plan for `algorithm` on `length` x `dtype` on `comm` (of `size` ranks, this
+    one `rank`); built once. `traced`: step through the schedule even where a short ring would
+    gather."""
+    key = algorithm, length, dtype, id(comm), traced
     try:
         return _local.plans[key]
     except (AttributeError, KeyError):
         pass
     if not hasattr(_local, "plans") or len(_local.plans) >= _MAX_PLANS:
-        _local.plans, _local.scratch = {}, {}
+        _forget_plans()
+        _local.scratch = {}
+    mpi = constants(comm)
+    result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), (),
+                  _truncation_unsafe(comm), function_name(algorithm), type(comm) is ThreadComm,
+                  None, rank, size, comm)  # fmt: skip
+    if not traced and gathers(algorithm, length * dtype.itemsize, size):
+        result = _gathering(result, str(algorithm), length, dtype, size, rank, comm)
+    else:
+        result = result._replace(steps=_planned_steps(algorithm, length, dtype, size, rank))
+    _local.plans[key] = result
+    return result
+
+
+def _planned_steps(algorithm: Algorithm, length: int, dtype: np.dtype, size: int,
+                   rank: int) -> tuple[PlannedStep, ...]:  # fmt: skip
+    """`algorithm`'s steps, planned on this thread's scratch (grown if they need more)."""
     steps = schedule(algorithm, length, size, rank)
     largest = max((s.recv.stop - s.recv.start for s in steps if s.combine != COPY), default=0)
     scratch = _local.scratch.get(dtype)
     if scratch is None or scratch.size < largest:
         scratch = _local.scratch[dtype] = np.empty(largest, dtype)
-        _local.plans = {}  # older plans receive into the smaller scratch: let them go
-    mpi = constants(comm)
-    planned = tuple(_planned(step, dtype.itemsize, scratch) for step in steps)
-    result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), planned,
-                  _truncation_unsafe(comm), function_name(algorithm),
-                  type(comm) is ThreadComm)  # fmt: skip
-    _local.plans[key] = result
-    return result
+        _forget_plans()  # older plans receive into the smaller scratch: let them go
+    return tuple(_planned(step, dtype.itemsize, scratch) for step in steps)
 
 
-def sent_bytes(algorithm: Algorithm, length: int, itemsize: int, size: int,
-               rank: int) -> int:  # fmt: skip
-    """The bytes `rank` sends in `algorithm` on `length` elements: its messages as it posts them."""
+def _forget_plans() -> None:
+    """Let this thread's plans go, and free their persistent requests."""
+    dropped = getattr(_local, "plans", {}).values()
+    _local.plans = {}
+    for plan in dropped:
+        if plan.gathering is not None and plan.gathering.requests:
+            _free_requests(plan.gathering.requests)
+
+
+# Every persistent request made and not yet freed: freed before MPI finalizes (mpi4py finalizes
+# at exit, after the exit functions registered later than its own, as ours).
+_PERSISTENT: list[tuple[Any, ...]] = []
+_persistent_lock = threading.Lock()
+
+
+def _persistent_requests(comm: Any, plan: Plan, passes: list[Pass]
+                         ) -> tuple[list[Pass], tuple[Any, ...]]:  # fmt: skip
+    """`passes` with persistent requests under MPI (unless receives are probed: Open MPI), and
+    the requests, to be freed with the plan."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not isinstance(comm, mpi.Comm) or plan.probe:
+        return passes, ()
+    made, requests = [], []
+    for one in passes:
+        receive = comm.Recv_init(one.into, one.source, plan.any_tag)
+        send = comm.Send_init(one.send, one.dest, plan.tag)
+        made.append(one._replace(started=(receive.Start, send.Start, send.Wait, receive.Wait)))
+        requests += [receive, send]
+    with _persistent_lock:
+        if not _PERSISTENT:
+            atexit.register(_free_all_requests)
+        _PERSISTENT.append(tuple(requests))
+        return made, _PERSISTENT[-1]
+
+
+def _free_requests(requests: tuple[Any, ...]) -> None:
+    """Free persistent requests (once; not after MPI has finalized)."""
+    with _persistent_lock:
+        known = [index for index, kept in enumerate(_PERSISTENT) if kept is requests]
+        if not known:
+            return
+        del _PERSISTENT[known[0]]
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and not mpi.Is_finalized():
+        for request in requests:
+            request.Free()
+
+
+def _free_all_requests() -> None:
+    for requests in list(_PERSISTENT):
+        _free_requests(requests)
+
+
+def _gathering(plan: Plan, algorithm: str, length: int, dtype: np.dtype, size: int,
+               rank: int, comm: Any) -> Plan:  # fmt: skip
+    """`plan` as a short ring runs it: gather the P buffers, then add them up here."""
+    width, itemsize = length + 1, dtype.itemsize  # each buffer and one element more
+    rows = np.zeros((row_adds(algorithm, length, size, rank)[1], width), dtype)
+    message, block = rows.data.cast("B"), width * itemsize
+    # A buffer's message is its bytes and one byte more: an odd size, which a message of the
+    # ring's steps (whole elements) never has, so either kind of rank sees the other.
+    sent = length * itemsize + 1
+
+    def planned(step: CollectiveStep) -> PlannedStep:
+        sends = slice(step.send_chunk * block, step.send_chunk * block + sent)
+        if step.send_chunk < 0:  # the tail: nothing sent or received
+            sends = slice(0, 0)
+        receives = slice(sends.start - step.send_chunk * block + step.recv_chunk * block,
+                         sends.stop - step.send_chunk * block + step.recv_chunk * block)
+        return PlannedStep(sends, step.send_to, receives, None, step.recv_from,
+                           receives.stop - receives.start, slice(0, 0), rows[0, :0], _COPIED,
+                           False, step)  # fmt: skip
+
+    steps = tuple(planned(step) for step in gather_steps(size, rank))
+    passes, requests = _persistent_requests(comm, plan, [
+        Pass(message[s.send], s.dest, message[s.recv], s.source, s.expected, s, None)
+        for s in steps])  # fmt: skip
+    gathering = Gathering(rows.reshape(-1), rows[rank, :length], tuple(passes),
+                          bound(algorithm, length, size, rank, rows),
+                          tuple(planned(step) for step in tail_steps(size, rank)),
+                          requests)  # fmt: skip
+    return plan._replace(steps=steps, gathering=gathering)
+
+
+def sent_bytes(algorithm: Algorithm, length: int, itemsize: int, size: int, rank: int,
+               stepped: bool = False) -> int:  # fmt: skip
+    """The bytes `rank` sends in `algorithm` on `length` elements: its messages as it posts them
+    (`stepped`: as it steps through the schedule, as a traced call does, never gathering)."""
     if size == 1:
         return 0
+    if not stepped and gathers(algorithm, length * itemsize, size):  # P-1 buffers, a byte each
+        return (size - 1) * (length * itemsize + 1)
     return itemsize * sum(step.send.stop - step.send.start
                           for step in schedule(algorithm, length, size, rank)
                           if step.send_to >= 0)  # fmt: skip
@@ -177,35 +308,42 @@ def execute(
 ) -> np.ndarray:
     """Sum `buf` over all ranks of `comm` in place by `algorithm`'s schedule and return it (or
     run another collective's schedule on it: `Collective`)."""
-    try:
-        rank, size = comm.Get_rank(), comm.Get_size()
-    except AttributeError:
-        raise TypeError(f"{function_name(algorithm)}: comm must be a communicator (mpi4py's, "
-                        f"or a ThreadComm of run_threads), not {comm!r}") from None  # fmt: skip
     if type(buf) is np.ndarray and buf.flags.carray and buf.dtype in DTYPE_CODE:
-        defect, flat = None, buf.ravel()  # the usual case, checked quickly; ravel: a flat view
+        defect, flat = None, buf if buf.ndim == 1 else buf.ravel()  # the usual case, quickly
     else:
         defect = buffer_defect(buf, function_name(algorithm))
         # np.matrix & co. stay 2-D when raveled: view the memory as a plain array first
         flat = _NOTHING if defect else buf.view(np.ndarray).ravel()
-    if size == 1:
-        if defect:
-            raise ValueError(defect)
-        return buf
-    try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot)
-        planned = _local.plans[algorithm, flat.size, flat.dtype, size, rank, type(comm)]
+    traced = trace is not None
+    try:  # this thread's plan (the lookup of `plan_for`, inlined: it is hot); it knows P, rank
+        planned = _local.plans[algorithm, flat.size, flat.dtype, id(comm), traced]
     except (AttributeError, KeyError):
-        planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm)
+        try:
+            rank, size = comm.Get_rank(), comm.Get_size()
+        except AttributeError:
+            raise TypeError(f"{function_name(algorithm)}: comm must be a communicator (mpi4py's, "
+                            f"or a ThreadComm of run_threads), not {comm!r}") from None  # fmt: skip
+        if size == 1:
+            if defect:
+                raise ValueError(defect) from None
+            return buf
+        planned = plan_for(algorithm, flat.size, flat.dtype, size, rank, comm, traced)
     if planned.threads:  # ranks passing one array would sum into it: refuse
         shared = comm.claim(None if defect else flat, buf, planned.name)
         if shared:
             defect, flat = shared, _NOTHING
-            planned = plan_for(algorithm, 0, _NOTHING.dtype, size, rank, comm)
+            planned = plan_for(algorithm, 0, _NOTHING.dtype, planned.size, planned.rank, comm,
+                               traced)  # fmt: skip
     # With a defect, take part with empty messages and the flag raised, then report it.
-    tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None), trace)
+    if planned.gathering is None:
+        tag, mismatch = _take_steps(planned, flat, comm, planned.tag | (defect is not None), trace)
+    else:  # a short ring
+        tag, mismatch = _gathered(planned, planned.gathering, flat, comm,
+                                  planned.tag | (defect is not None))  # fmt: skip
     if tag & 1:
         shared = comm.failed() if planned.threads else None
-        raise ValueError(defect or shared or _disagreement(buf, rank, mismatch, planned.name))
+        raise ValueError(defect or shared
+                         or _disagreement(buf, planned.rank, mismatch, planned.name))
     return buf
 
 
@@ -250,6 +388,48 @@ def _take_steps(
                     np.add(incoming, part, out=part)
         if trace is not None:
             trace(step_event(step.about, comm.Get_rank(), flat.itemsize, start))
+    return tag, mismatch
+
+
+def _gathered(plan: Plan, gathering: Gathering, flat: np.ndarray, comm: Any,
+              tag: int) -> tuple[int, str]:  # fmt: skip
+    """A short ring: pass every rank's buffer around, then add them up in the ring's order. With
+    something wrong, take the ring's other steps empty, as the ranks stepping through it do."""
+    gathering.own[...] = flat
+    any_tag, status, probe, mismatch = plan.any_tag, plan.status, plan.probe, ""
+    sendrecv = comm.exchange if plan.threads else comm.Sendrecv  # thread ranks: no re-checks
+    # `plan`, `step`: read from this frame by a collective timeout, as from _take_steps'
+    for send, dest, into, source, expected, step, started in gathering.passes:  # noqa: B007
+        try:
+            if started is not None and tag == plan.tag:  # MPI, nothing wrong: made once
+                start_receive, start_send, wait_send, wait_receive = started
+                start_receive()
+                start_send()
+                wait_send()
+                wait_receive(status)
+                count = status.Get_count()
+            elif probe:
+                count = _probed_exchange(comm, send, dest, tag, into, source, any_tag, status)
+            else:
+                sendrecv(send, dest, tag, into, source, any_tag, status)
+                count = status.Get_count()
+        except Exception as exc:
+            count = _truncated(exc)
+        if status.Get_tag() != tag or count != expected:  # disagreement, or a flag
+            tag, mismatch = _disagree(tag, status, count == expected, source, mismatch)
+    if tag & 1:  # the flag has reached every rank by now (docs/collectives.md)
+        tail = plan._replace(steps=gathering.tail, gathering=None)
+        tag, late = _take_steps(tail, flat, comm, tag, None)
+        return tag, mismatch or late
+    adds, rows = gathering.adds, gathering.rows
+    for a, b, out in adds.inner:  # each run's adds in order; the runs are apart
+        np.add(a, b, out=out)
+    for i, j, k in adds.inner_scalars:  # NumPy's ufuncs are slow on one element: scalars
+        rows[k] = rows[i] + rows[j]
+    for a, b, where in adds.last:
+        np.add(a, b, out=flat[where])
+    for i, j, k in adds.last_scalars:
+        flat[k] = rows[i] + rows[j]
     return tag, mismatch
 
 

@@ -83,7 +83,9 @@ class watching:  # noqa: N801 - used as a context manager, like contextlib's
         doing.what, doing.peer = self.previous
 
 
-_EXECUTOR = "_take_steps"  # the hand-written allreduces' loop, whose locals `plan`, `step` we read
+# The hand-written collectives' loops (a short ring's, and every other), whose locals `plan`,
+# `step` we read.
+_EXECUTORS = ("_gathered", "_take_steps")
 
 
 def current_frames() -> dict[int, Any]:
@@ -95,7 +97,7 @@ def current_frames() -> dict[int, Any]:
 def executor_frame(doing: Doing, frames: dict[int, Any] | None = None) -> Any:
     """The frame of the hand-written collective the record's thread is in, or None."""
     frame = (current_frames() if frames is None else frames).get(doing.thread)
-    while frame is not None and frame.f_code.co_name != _EXECUTOR:
+    while frame is not None and frame.f_code.co_name not in _EXECUTORS:
         frame = frame.f_back
     return frame
 

@@ -10,6 +10,9 @@ a batch's per-op time is the slowest rank's, `time` the median over the rounds, 
 median over the rounds of the library's batch time over this one's. The size is n, the bytes of
 the whole buffer (as in `syncsgd model --collectives`), rounded down to a multiple of P elements.
 The hand-written calls skip the agreement round (`check=False`), as the library has none.
+algbw, busbw and the per-iteration statistics (minimum, 99th percentile, maximum, coefficient of
+variation; each rank's mean, over the ranks) are `bench allreduce`'s (`stats`), with each
+collective's busbw factor; `--json` and `--csv` have the same fields.
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ from typing import Any
 import numpy as np
 
 from syncsgd import collectives
+from syncsgd.apps.bench import stats
 from syncsgd.apps.bench.allreduce import message_sizes, parse_bytes, slowest, time_batch
 from syncsgd.comm.threads import ThreadComm
 from syncsgd.comm.watchdog import watching, within_timeout
 from syncsgd.comm.world import constants, launch, resolve_backend
-from syncsgd.util import jsonout
 from syncsgd.util.argtypes import comma_separated, positive_float, positive_int
 from syncsgd.util.machine import check_memory
-from syncsgd.util.options import BACKEND, JSON, RANKS, TIMEOUT
+from syncsgd.util.options import BACKEND, JSON, RANKS, TIMEOUT, writes
 
 LIBRARY = "library"
 Op = Callable[[], Any]
@@ -104,9 +107,11 @@ def check_against_library(comm: Any, collective: str, count: int, dtype: np.dtyp
                            f"with the library at {count} elements")  # fmt: skip
 
 
-def _timed(comm: Any, op: Op, iters: int) -> float:
-    """Per-op seconds of `iters` calls of `op`, as the slowest rank saw them (after one more)."""
-    return time_batch(comm, lambda _: op(), _NO_BUFFER, iters, "a timed batch of collectives")
+def _timed(comm: Any, op: Op, iters: int, laps: list[float] | None = None) -> float:
+    """Per-op seconds of `iters` calls of `op`, as the slowest rank saw them (after one more);
+    `laps` gets this rank's time of each call."""
+    return time_batch(comm, lambda _: op(), _NO_BUFFER, iters, "a timed batch of collectives",
+                      laps)  # fmt: skip
 
 
 def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]) -> list[dict]:
@@ -119,37 +124,59 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
         for count in counts:  # multiples of P elements
             with watching(f"the check of {collective} against the library"):
                 check_against_library(comm, collective, count, dtype)
-            ops = operations(comm, collective, count, dtype)
-            warm = max(_timed(comm, op, options.warmup) for op in ops.values())
-            iters = int(min(max(options.batch_seconds / max(warm, 1e-9), 1), options.max_iters))
-            times: dict[str, list[float]] = {name: [] for name in ops}
-            for batch in range(options.batches):
-                order = list(ops) if batch % 2 == 0 else list(reversed(ops))  # ABBA
-                for name in order:
-                    times[name].append(_timed(comm, ops[name], iters))
-            for name, measured in times.items():
-                row = {"collective": collective, "algorithm": name, "count": count,
-                       "size_bytes": count * dtype.itemsize,
-                       "time_us": statistics.median(measured) * 1e6, "iters": iters,
-                       "batch_us": [t * 1e6 for t in measured]}  # fmt: skip
-                if LIBRARY in times:
-                    row["vs_library"] = statistics.median(
-                        [b / t for b, t in zip(times[LIBRARY], measured, strict=True)]
-                    )
+            for row in _timed_rows(comm, options, collective, count, dtype):
                 rows.append(row)
                 report(row)
     return rows
+
+
+def _timed_rows(comm: Any, options: argparse.Namespace, collective: str, count: int,
+                dtype: np.dtype) -> list[dict]:  # fmt: skip
+    """Every implementation of `collective` on `count` elements: warm-up, ABBA rounds, a row
+    each."""
+    ops = operations(comm, collective, count, dtype)
+    warm = max(_timed(comm, op, options.warmup) for op in ops.values())
+    iters = int(min(max(options.batch_seconds / max(warm, 1e-9), 1), options.max_iters))
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    laps: dict[str, list[float]] = {name: [] for name in ops}  # this rank's, per call
+    for batch in range(options.batches):
+        order = list(ops) if batch % 2 == 0 else list(reversed(ops))  # ABBA
+        for name in order:
+            times[name].append(_timed(comm, ops[name], iters, laps[name]))
+    rows = []
+    for name, measured in times.items():
+        seconds, nbytes = statistics.median(measured), count * dtype.itemsize
+        algbw = nbytes / seconds / 1e9
+        row = {"collective": collective, "algorithm": name, "count": count,
+               "size_bytes": nbytes, "dtype": dtype.name, "time_us": seconds * 1e6,
+               "algbw_GBps": algbw, "busbw_GBps": stats.busbw(collective, algbw, comm.Get_size()),
+               **stats.summarize(stats.gathered(comm, laps[name])), "iters": iters,
+               "batches": options.batches, "batch_us": [t * 1e6 for t in measured]}  # fmt: skip
+        if LIBRARY in times:
+            row["vs_library"] = statistics.median(
+                [b / t for b, t in zip(times[LIBRARY], measured, strict=True)]
+            )
+        rows.append(row)
+    return rows
+
+
+COLUMNS = ("collective", "algorithm", "size_bytes", "count", "dtype", "time_us", "algbw_GBps",
+           "busbw_GBps", "vs_library")  # fmt: skip
+CSV_COLUMNS = [*COLUMNS, *stats.FIELDS, "iters", "batches"]
+HEADER = (f"{'collective':>15} {'algorithm':>19} {'size (B)':>11} {'time (us)':>11} "
+          f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'vs_library':>10} {stats.HEADER}")  # fmt: skip
 
 
 def format_row(row: dict) -> str:
     """One line of the table."""
     ratio = f"{row['vs_library']:>10.2f}" if "vs_library" in row else f"{'-':>10}"
     return (f"{row['collective']:>15} {row['algorithm']:>19} {row['size_bytes']:>11} "
-            f"{row['time_us']:>11.2f} {ratio}")  # fmt: skip
+            f"{row['time_us']:>11.2f} {row['algbw_GBps']:>10.3f} {row['busbw_GBps']:>10.3f} "
+            f"{ratio} {stats.format_fields(row)}")  # fmt: skip
 
 
 def run(comm: Any, options: argparse.Namespace) -> list[dict] | None:
-    """The sweep on one rank; rank 0 prints the table and writes the JSON."""
+    """The sweep on one rank; rank 0 prints the table and writes the JSON and CSV."""
     master_process = comm.Get_rank() == 0
     backend = "threads" if isinstance(comm, ThreadComm) else "mpi"
     if master_process:
@@ -158,15 +185,15 @@ def run(comm: Any, options: argparse.Namespace) -> list[dict] | None:
             print("# threads backend: no library to compare with; the hand-written ones only")
         print(f"# time: median over {options.batches} rounds of the slowest rank's per-op time; "
               "vs_library: median over the rounds of library time / this time")  # fmt: skip
-        print(f"{'collective':>15} {'algorithm':>19} {'size_bytes':>11} {'time_us':>11} "
-              f"{'vs_library':>10}", flush=True)  # fmt: skip
+        print(HEADER, flush=True)
     rows = sweep(comm, options, lambda row: master_process and print(format_row(row), flush=True))
     if not master_process:
         return None
-    if options.json:
-        jsonout.write(options.json, {"benchmark": "collective", "backend": backend,
-                                     "ranks": comm.Get_size(), "dtype": options.dtype,
-                                     "command": sys.argv, "rows": rows})  # fmt: skip
+    print("\n".join(stats.definitions(*options.collectives)), flush=True)
+    stats.write_rows(options.json, options.csv,
+                     {"benchmark": "collective", "backend": backend, "ranks": comm.Get_size(),
+                      "dtype": options.dtype, "command": sys.argv, "rows": rows},
+                     CSV_COLUMNS)  # fmt: skip
     return rows
 
 
@@ -195,10 +222,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed rounds per size; medians (9)")  # fmt: skip
     parser.add_argument("--batch-seconds", type=positive_float, default=0.005,
                         help="target duration of one batch in seconds (0.005)")  # fmt: skip
-    parser.add_argument("--warmup", type=positive_int, default=3, help="warm-up calls (3)")
+    parser.add_argument("--warmup", type=positive_int, default=3,
+                        help="warm-up calls, left out of the statistics (3)")  # fmt: skip
     parser.add_argument("--max-iters", type=positive_int, default=1000,
                         help="most calls in one batch (1000)")  # fmt: skip
     JSON.add(parser, help="write the results as JSON")
+    writes(parser.add_argument("--csv", metavar="PATH", help="write the rows as CSV"))
     TIMEOUT.add(parser)
 
 

@@ -10,13 +10,18 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from syncsgd.comm.world import constants
+from syncsgd.util import jsonout
+from syncsgd.util.files import write_text
 
 # busbw = algbw x this factor (nccl-tests' convention: the bytes a rank's link carries per byte
 # of the buffer, so that a bandwidth-optimal algorithm reads as the link speed at any P).
@@ -38,6 +43,9 @@ BUSBW_TEXT = {
 }
 FIELDS = ("iter_min_us", "iter_median_us", "iter_max_us", "iter_p99_us", "iter_cv",
           "rank_avg_us", "rank_min_us", "rank_max_us", "iterations")  # fmt: skip
+# The statistics' columns of a table, after the sweep's own.
+HEADER = (f"{'min':>9} {'p99':>9} {'max':>9} {'cv':>5} {'ranks avg':>9} {'min':>9} "
+          f"{'max':>9}")  # fmt: skip
 
 
 def busbw(collective: str, algbw: float, ranks: int) -> float:
@@ -45,12 +53,13 @@ def busbw(collective: str, algbw: float, ranks: int) -> float:
     return algbw * BUSBW_FACTORS[collective](ranks)
 
 
-def definitions(collective: str) -> list[str]:
-    """The lines printed once under a table: what algbw, busbw and the statistics mean."""
+def definitions(*collectives: str) -> list[str]:
+    """The lines printed once under a table of `collectives`: what algbw, busbw and the
+    statistics mean."""
+    factors = "; ".join(f"{BUSBW_TEXT[name]} for {name}" for name in collectives)
     return [
-        "# algbw = size / time; busbw = algbw * "
-        f"{BUSBW_TEXT[collective]} for {collective} (the bytes each rank's link carries per byte "
-        "of the buffer: a bandwidth-optimal algorithm reads as the link speed at any P)",
+        f"# algbw = size / time; busbw = algbw * {factors} (the bytes each rank's link carries "
+        "per byte of the buffer: a bandwidth-optimal algorithm reads as the link speed at any P)",
         "# min, p99, max, cv: over the timed iterations (warm-up and each batch's first call "
         "skipped) of the slowest rank's time; p99 by nearest rank, cv = stdev / mean; ranks "
         "avg/min/max: each rank's mean iteration time, over the ranks",
@@ -89,3 +98,23 @@ def gathered(comm: Any, mine: list[float]) -> np.ndarray:
     mpi = constants(comm)
     comm.Allreduce(mpi.IN_PLACE, rows, op=mpi.SUM)
     return rows
+
+
+def format_fields(row: dict) -> str:
+    """A row's statistics as the table prints them, under HEADER."""
+    return (f"{row['iter_min_us']:>9.2f} {row['iter_p99_us']:>9.2f} {row['iter_max_us']:>9.2f} "
+            f"{row['iter_cv']:>5.2f} {row['rank_avg_us']:>9.2f} {row['rank_min_us']:>9.2f} "
+            f"{row['rank_max_us']:>9.2f}")  # fmt: skip
+
+
+def write_rows(json_path: str | None, csv_path: str | None, result: dict,
+               columns: Sequence[str]) -> None:  # fmt: skip
+    """`result` as JSON (everything) and its rows as CSV (`columns`), those asked for."""
+    if json_path:
+        jsonout.write(json_path, result)
+    if csv_path:
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(result["rows"])
+        write_text(csv_path, text.getvalue())
