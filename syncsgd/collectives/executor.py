@@ -416,7 +416,7 @@ def _gathered(plan: Plan, gathering: Gathering, flat: np.ndarray, comm: Any,
         except Exception as exc:
             count = _truncated(exc)
         if status.Get_tag() != tag or count != expected:  # disagreement, or a flag
-            tag, mismatch = _disagree(tag, status, count == expected, source, mismatch)
+            tag, mismatch = _disagree(tag, status, count, expected, source, mismatch)
     if tag & 1:  # the flag has reached every rank by now (docs/collectives.md)
         tail = plan._replace(steps=gathering.tail, gathering=None)
         tag, late = _take_steps(tail, flat, comm, tag, None)

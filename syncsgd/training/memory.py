@@ -221,11 +221,16 @@ def statement_at(filename: str, lineno: int) -> tuple[str, str]:
     return function, name
 
 
+# CPython 3.11's parser is not safe to enter from two threads at once ("AST constructor recursion
+# depth mismatch"): thread ranks read their snapshots at the same time.
+_PARSING = threading.Lock()
+
+
 @functools.lru_cache(maxsize=256)
 def _parsed(filename: str) -> list[tuple[ast.stmt, str]]:
     """Every function and statement of a file, outermost first, with functions' qualified
     names."""
-    with open(filename, encoding="utf-8") as file:
+    with open(filename, encoding="utf-8") as file, _PARSING:
         tree = ast.parse(file.read())
     found: list[tuple[ast.stmt, str]] = []
 
