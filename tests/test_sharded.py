@@ -158,8 +158,9 @@ def test_what_the_sharded_step_cannot_do_is_one_line(options, line, capsys):
 
 
 @requires_mpi
-@pytest.mark.parametrize(("ranks", "stage"), [(3, 1), (2, 2), (3, 3)])
-def test_every_stage_under_mpiexec_is_bitwise_the_thread_ranks(tmp_path, ranks, stage):
+@pytest.mark.parametrize(("ranks", "stage", "overlap"), [(3, 1, []), (2, 2, []), (3, 3, []),
+                                                         (3, 2, ["--overlap"])])  # fmt: skip
+def test_every_stage_under_mpiexec_is_bitwise_the_thread_ranks(tmp_path, ranks, stage, overlap):
     options = ["--samples", "40", "--features", "5", "--hidden", "6,4", "--classes", "3",
                "--steps", "3", "--seed", "4", "--optimizer", "adamw", "--lr", "0.01",
                "--batch-size", "7", "--bucket-bytes", "0"]  # fmt: skip
@@ -168,7 +169,7 @@ def test_every_stage_under_mpiexec_is_bitwise_the_thread_ranks(tmp_path, ranks, 
                     bucket_bytes=0)  # fmt: skip
     ours = tmp_path / "ours.npz"
     done = run_mpiexec(ranks, ["-m", "syncsgd.cli", "train", *options, "--zero-stage", str(stage),
-                           "--save", str(ours)])  # fmt: skip
+                               *overlap, "--save", str(ours)])  # fmt: skip
     assert done.returncode == 0, done.stderr
     expected = threads.arrays()
     with np.load(ours) as saved:

@@ -124,7 +124,7 @@ def sharded(config: Any, network: Any, stage: int, blocks: list[list[slice]]) ->
               "gradients": width * item if copies and not placed(config, cuts) else 0}
     if placed(config, cuts):  # the whole gradient's buffer gives way to the buckets' buffers
         lengths = [cut.stop - cut.start for cut in cuts]
-        shared = sums_buffers(network, cuts) * max(lengths[:-1])
+        shared = (sums_buffers(network, cuts) + int(config.overlap)) * max(lengths[:-1])
         change["gradients"] += (width + shared + lengths[-1] - cuts[-1].stop) * sums + (
             EMPTY - separate_mean(config, network))  # the empty buffer of the whole gradient
     if stage == 3:
@@ -149,7 +149,7 @@ def placed(config: Any, cuts: list[slice]) -> bool:
 
     scaler = loss_scaling(config) is not None  # its rider reads the whole local gradient
     return (len(cuts) > 1 and config.zero_stage >= 2 and not config.exact
-            and config.accumulate == 1 and not config.overlap and not config.noise_scale
+            and config.accumulate == 1 and not config.noise_scale
             and not scaler and config.pitfall is None)  # fmt: skip
 
 

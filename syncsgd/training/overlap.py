@@ -232,6 +232,10 @@ class Overlap:
         sharded = stepper.sharded
         if sharded is not None and sharded.placed_params is not None:
             self.prefetch_gathers(sharded)
+        # ZeRO-2's sums in the buffers of the buckets under way: a buffer is written again only
+        # once the bucket it held has left the communication thread
+        self.placed = sharded.placed_sums if sharded is not None else None
+        self.in_flight: set[int] = set()  # the buffers of the buckets handed
 
     def exchange_(self, X: np.ndarray, y: np.ndarray, shard_size: int, batch_size: int) -> float:
         """Fill the buffer and allreduce it, bucket by bucket; when the local work ended."""
@@ -250,6 +254,7 @@ class Overlap:
         for index in range(len(self.bottoms) - 1, -1, -1):  # from the last layer back, as DDP
             bottom = self.bottoms[index]
             if bottom <= top:
+                self.make_room_(top, bottom)
                 phases.layers_(params, X, sums, top, bottom)
                 top = bottom - 1
             if index != last:
@@ -260,6 +265,7 @@ class Overlap:
                 rider.fill_(rider.slots, self.local, shard_size)
         computed = time.perf_counter()
         self.thread.wait_all()
+        self.in_flight.clear()
         self.reduce_bucket_(last)
         # MPI with --batchnorm sync: the two threads' collectives, overlapping, may have left the
         # shared record naming one as under way; none is now.
@@ -302,11 +308,25 @@ class Overlap:
         """Bucket `index` is complete: its allreduce goes to the communication thread."""
         if index != self.held:
             self.keep_(index)
+        if self.placed is not None:
+            self.in_flight.add(self.placed.buffer_of(index))
         self.thread.hand(functools.partial(self.reduce_bucket_, index))
+
+    def make_room_(self, top: int, bottom: int) -> None:
+        """Placed sums: wait for the communication thread if the buckets of layers top down to
+        bottom are to be written into a buffer a bucket on its way still holds."""
+        if self.placed is None:
+            return
+        if self.placed.buffers_of(top, bottom) & self.in_flight:
+            self.thread.wait_all()
+            self.in_flight.clear()
 
     def reduce_bucket_(self, index: int) -> None:
         """On the communication thread: the bucket's allreduce, cast as the step would."""
         stepper = self.stepper
+        if self.placed is not None:  # the bucket's reduce-scatter, its block kept
+            stepper.sharded.reduce_bucket_(index, self.dup)
+            return
         gradient = self.gradient_parts[index]
         if stepper.wire_format:  # --allreduce-dtype: the gradient only, as `reduce_` does
             stepper.round_flat_(gradient, stepper.wire_format)

@@ -68,12 +68,12 @@ def places_sums(config: Any, variant: Any, riders: list[Any]) -> bool:
     """Whether a sharded step writes the gradient sums into the buffers of the buckets under way
     (stages 2 and 3), not into one buffer of the whole gradient. It cannot where a later pass
     adds into every bucket (exact mode's extraction after every pass; the micro-batches of
-    --accumulate), a bucket waits on a communication thread (--overlap), or something reads the
-    whole local gradient (the loss scaler's overflow check, the noise scale, a pitfall)."""
+    --accumulate), or something reads the whole local gradient (the loss scaler's overflow
+    check, the noise scale, a pitfall)."""
     from syncsgd.training.overlap import changes_contribution
 
     return (config.zero_stage >= 2 and not config.exact and config.accumulate == 1
-            and not config.overlap and not changes_contribution(variant)
+            and not changes_contribution(variant)
             and not any(rider.needs_gradient for rider in riders))  # fmt: skip
 
 
@@ -220,14 +220,15 @@ class ShardedUpdate:
             self.reduce_bucket_(index)
         return computed
 
-    def reduce_bucket_(self, index: int) -> None:
-        """Bucket `index`'s reduce-scatter from its buffer; its owned block kept (with
-        --allreduce-dtype: the gradient cast before, the narrow sum restored after)."""
+    def reduce_bucket_(self, index: int, comm: Any = None) -> None:
+        """Bucket `index`'s reduce-scatter from its buffer (over `comm`, default the step's);
+        its owned block kept (with --allreduce-dtype: the gradient cast before, the narrow sum
+        restored after)."""
         stepper, bucket, start = self.stepper, self.buckets[index], self.bucket_slices[index].start
         gradient = bucket[: self.n_params - start]
         if stepper.wire_format:
             stepper.round_flat_(gradient, stepper.wire_format)
-        self.reduce_(bucket, self.comm)
+        self.reduce_(bucket, comm or self.comm)
         for (owner, low, high, _), block in zip(self.owned_at, self.sums_, strict=True):
             if owner == index:
                 block[...] = bucket[low - start : high - start]

@@ -207,8 +207,9 @@ class DataParallelStep:
         global_batch = self.variant.global_batch(self.order.batch(step), self.size)
         shard = data.contiguous_shard(global_batch, self.rank, self.size)
         backward = math.nan
-        if self.sharded is not None and self.sharded.placed_sums is not None:
-            computed = self.sharded.exchange_(*self.gather_(shard), len(shard))
+        sharded = self.sharded
+        if self.overlap is None and sharded is not None and sharded.placed_sums is not None:
+            computed = sharded.exchange_(*self.gather_(shard), len(shard))
         elif self.overlap is None:
             computed = self.sum_then_reduce_(shard, len(global_batch))
         else:  # the buckets' allreduces start while the backward pass goes on
@@ -297,7 +298,7 @@ def placed_sums(config: Any, model: Network, buckets: list[slice], variant: Vari
 
     if len(buckets) == 1 or not places_sums(config, variant, riders):  # one: the whole gradient
         return None
-    return PlacedSums(model, buckets, dtype)
+    return PlacedSums(model, buckets, dtype, spare=int(config.overlap))
 
 
 def local_gradient(config: Any, network: Network, comm: Any, largest_shard: int,

@@ -99,11 +99,24 @@ class PlacedSums:
     """The gradient sums of the buckets under way; the last bucket, which carries the riders
     (the loss sum, the flags), in a buffer of its own for the whole step."""
 
-    def __init__(self, network: Network, buckets: list[slice], dtype: np.dtype) -> None:
-        last = len(buckets) - 1
-        self.buffers = BucketBuffers(buckets, sums_buffers(network, buckets), dtype, apart=last)
+    def __init__(self, network: Network, buckets: list[slice], dtype: np.dtype,
+                 spare: int = 0) -> None:  # fmt: skip
+        # `spare`: buffers more than the passes need at once (--overlap: one, for the bucket on
+        # the communication thread while the next one is written)
+        last, count = len(buckets) - 1, sums_buffers(network, buckets) + spare
+        self.buffers = BucketBuffers(buckets, count, dtype, apart=last)
+        self.layer_buckets = layer_buckets(network, buckets)
         self.placed = Placed(network.placed_layer_views(self.buffers.place), no_wait)
         self.riders = self.buffers.own[network.n_params - buckets[last].start :]
+
+    def buffer_of(self, index: int) -> int:
+        """Which buffer bucket `index` lives in (-1: the last bucket's own)."""
+        return -1 if index == self.buffers.apart else index % self.buffers.count
+
+    def buffers_of(self, top: int, bottom: int) -> set[int]:
+        """The buffers the sums of layers top down to bottom are written into."""
+        return {self.buffer_of(index) for layer in range(bottom, top + 1)
+                for index in self.layer_buckets[layer]}  # fmt: skip
 
 
 Fill = Callable[[int, np.ndarray], None]  # (bucket, its buffer): its parameters gathered into it
