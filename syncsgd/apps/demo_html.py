@@ -18,7 +18,6 @@ from typing import Any
 from syncsgd.apps.demo_core import (
     Demo,
     chunk_name,
-    count_colour,
     demo_chunks,
     exchange_text,
     explain_round,
@@ -26,7 +25,7 @@ from syncsgd.apps.demo_core import (
     ranks_summed,
     rounds_line,
 )
-from syncsgd.util import jsonout
+from syncsgd.util import figures, jsonout
 from syncsgd.util.files import write_text
 
 TOPOLOGY = {"tree": "tree", "naive": "star"}  # the rest: the ranks on a circle
@@ -94,7 +93,8 @@ def page(demo: Demo) -> str:
         "topology": TOPOLOGY.get(demo.algorithm, "circle"), "links": links(demo),
         "frames": rounds_data(demo), "model": model_bytes(demo), "rounds": rounds_line(demo),
         "correct": demo.correct, "bounds": demo_chunks(demo),
-        "colours": [hex_colour(count_colour(c, demo.ranks)) for c in range(demo.ranks + 1)],
+        "colours": [hex_colour(figures.stepped_colour(c, demo.ranks))
+                    for c in range(demo.ranks + 1)],
     }  # fmt: skip
     return filled(document, f"{demo.what} on {demo.ranks} ranks")
 
