@@ -7,7 +7,8 @@ sum of (the PNG slides' colours) with the range just received framed, a line on 
 the round, and the bytes each rank has sent so far beside what the cost model says a rank sends
 in all. The arrow keys, PageUp/PageDown (what presentation clickers send), space, the buttons or
 auto-play step; `page.html#step=k` opens at round k (k = 0 is the start), `#step=k&play` plays
-from there, which is how the tests drive it in a headless browser.
+from there, which is how the tests drive it in a headless browser. The page holds the same demo
+at every other P it can run at too, chosen in the heading (`#ranks=P&step=k`).
 """
 
 from __future__ import annotations
