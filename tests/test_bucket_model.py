@@ -117,6 +117,44 @@ def test_bench_step_sweeps_bucket_sizes_beside_the_prediction(tmp_path, capsys):
     assert "pred/meas" in out and "per layer" in out
 
 
+def test_bench_step_draws_the_sweep_as_a_slide(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from syncsgd.cli import main
+    from syncsgd.util import figures
+
+    json_path, png_path = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    assert main(["bench", "step", "--backend", "threads", "--ranks", "2", *TINY,
+                 "--bucket-bytes", "0,64,one", "--json", str(json_path),
+                 "--png", str(png_path)]) == 0  # fmt: skip
+    assert png_path.read_bytes()[:4] == b"\x89PNG"
+    sections = json.loads(json_path.read_text())["bucket_sweep"]
+    assert [row["buckets"] for row in sections[0]["rows"]][-1] == 1  # 'one': a single bucket
+    figure = buckets.sweep_figure(sections, "bench step")
+    assert figures.legibility(figure) == []
+    (axes,) = figure.axes
+    predicted = next(line for line in axes.get_lines()
+                     if line.get_label().startswith("P = 2: predicted"))  # fmt: skip
+    derived = sections[0]["derived_bucket_bytes"]
+    assert predicted.get_label().endswith(f"derived b* = {derived:,} B")
+    assert list(predicted.get_ydata()) == [row["predicted_step_ms"] for row in sections[0]["rows"]]
+    ticks = [tick.get_text() for tick in axes.get_xticklabels()]
+    assert ticks[0].startswith("per layer") and ticks[-1] == "one\n1 bucket"
+
+
+@pytest.mark.parametrize("argv", [["--bucket-bytes", "0"], ["--ranks", "1"]])
+def test_a_figure_without_a_sweep_is_refused_in_one_line(tmp_path, capsys, argv):
+    pytest.importorskip("matplotlib")
+    from syncsgd.cli import main
+
+    png = tmp_path / "sweep.png"
+    base = ["bench", "step", "--backend", "threads", "--ranks", "2", *TINY,
+            "--bucket-bytes", "0,one", "--png", str(png)]  # fmt: skip
+    assert main(base + argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--png draws the --bucket-bytes sweep" in err[0]
+    assert not png.exists()
+
+
 @pytest.mark.parametrize("text", ["", "0,0", "16K,x", "-1"])
 def test_a_bad_bucket_list_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):

@@ -13,7 +13,9 @@ import time
 
 import pytest
 
-from syncsgd.apps import demo, demo_html
+from syncsgd.apps import demo, demo_core, demo_html
+from syncsgd.apps.demo_parts import run_collective_demo
+from syncsgd.util import figures
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -300,3 +302,44 @@ def test_the_page_is_legible_at_1920_by_1080(tmp_path, browser, ranks):
     bottom = browser.value(f"document.getElementById('rank-{ranks - 1}')"
                            ".getBoundingClientRect().bottom")  # fmt: skip
     assert bottom <= 1080
+
+
+def test_the_page_holds_the_same_demo_at_every_p_it_can_run_at():
+    run = demo.run_demo(4, 8, "ring")
+    data = page_data(demo_html.page(run, demo_html.every_other_p(run)))
+    assert data["ranks"] == 4 and data["title"] == "ring allreduce on 4 ranks"
+    assert sorted(map(int, data["others"])) == [p for p in range(2, 17) if p != 4]
+    eight = data["others"]["8"]
+    assert eight["frames"] == demo_html.rounds_data(demo.run_demo(8, 8, "ring"))
+    assert eight["colours"][8] == demo_core.hex_colour(figures.stepped_colour(8, 8))
+    # alltoall splits the rank's elements into P blocks: only the P that divide them
+    alltoall = run_collective_demo("alltoall", 2, 8, "pairwise")
+    assert [d.ranks for d in demo_html.every_other_p(alltoall)] == [4, 8]
+    hierarchical = demo.run_demo(4, 8, "hierarchical")
+    assert demo_html.every_other_p(hierarchical) == []  # its nodes were given for its own P
+
+
+@needs_chromium
+def test_the_selector_shows_another_p_and_the_address_keeps_it(tmp_path, browser):
+    path = tmp_path / "demo.html"
+    demo_html.write_html(demo.run_demo(4, 8, "ring"), str(path))
+    browser.open(f"{path.as_uri()}#ranks=8&step=3", 1920, 1080)
+    dom = browser.value("document.documentElement.outerHTML")
+    assert rank_rows(dom) == dict(enumerate(demo_html.rounds_data(demo.run_demo(8, 8))[3]
+                                            ["buffers"]))  # fmt: skip
+    assert browser.value("document.getElementById('heading').textContent") == (
+        "ring allreduce on 8 ranks")
+    assert browser.value("document.querySelectorAll('#legend .swatch').length") == 8
+    assert browser.value("document.querySelectorAll('#topology circle').length") == 8
+    browser.value("const s = document.getElementById('ranks'); s.value = '3'; "
+                  "s.dispatchEvent(new Event('change')); 0")  # fmt: skip
+    assert browser.step() == 0 and browser.value("location.hash") == "#ranks=3&step=0"
+    assert rank_rows(browser.value("document.documentElement.outerHTML")) == {
+        0: [1] * 8, 1: [10] * 8, 2: [100] * 8}
+    browser.press("End")
+    assert browser.step() == 4  # 2(P-1) rounds of P = 3
+    assert browser.value("parseFloat(getComputedStyle(document.getElementById('ranks'))"
+                         ".fontSize)") >= 24  # fmt: skip
+    # no P in the address: the page's own
+    browser.open(f"{path.as_uri()}#step=1", ready="document.body.dataset.ranks === '4' && "
+                 "document.body.dataset.step === '1'")  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from syncsgd.apps import costmodel, costmodel_parts, demo, demo_png, study  # noqa: E402
+from syncsgd.apps import costmodel, costmodel_parts, demo, demo_core, demo_html, demo_png, study  # noqa: E402
 from syncsgd.apps.bench import allreduce as bench_allreduce  # noqa: E402
 from syncsgd.apps.demo_core import ranks_summed  # noqa: E402
 from syncsgd.cli import main  # noqa: E402
@@ -127,6 +127,19 @@ def test_cell_colours_keep_black_text_readable_and_differ():
         colours = [demo_png.count_colour(c, ranks) for c in range(1, ranks + 1)]
         assert len(set(colours)) == ranks
         assert min(figures.contrast(c, (0, 0, 0)) for c in colours) >= figures.MIN_CONTRAST
+
+
+@pytest.mark.parametrize("ranks", range(2, 17))
+def test_neighbouring_counts_are_told_apart_and_black_text_reads_on_each(ranks):
+    colours = [demo_png.count_colour(c, ranks) for c in range(1, ranks + 1)]
+    steps = [figures.contrast(a, b) for a, b in zip(colours, colours[1:], strict=False)]
+    assert min(steps) >= figures.MIN_STEP_CONTRAST, steps
+    text = [figures.contrast(c, (0, 0, 0)) for c in colours]
+    assert min(text) >= figures.MIN_CONTRAST, text
+    # the page shows the same colours as the slides
+    page = demo_html.page(demo.run_demo(ranks, 2 * ranks, "ring"))
+    for colour in colours:
+        assert demo_core.hex_colour(colour) in page
 
 
 def cell_numbers(canvas) -> list[list[int]]:

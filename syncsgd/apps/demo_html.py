@@ -7,18 +7,20 @@ sum of (the PNG slides' colours) with the range just received framed, a line on 
 the round, and the bytes each rank has sent so far beside what the cost model says a rank sends
 in all. The arrow keys, PageUp/PageDown (what presentation clickers send), space, the buttons or
 auto-play step; `page.html#step=k` opens at round k (k = 0 is the start), `#step=k&play` plays
-from there, which is how the tests drive it in a headless browser.
+from there, which is how the tests drive it in a headless browser. The page holds the same demo
+at every other P it can run at too, chosen in the heading (`#ranks=P&step=k`).
 """
 
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from typing import Any
 
 from syncsgd.apps.demo_core import (
+    MAX_RANKS,
     Demo,
     chunk_name,
-    count_colour,
     demo_chunks,
     exchange_text,
     explain_round,
@@ -26,7 +28,7 @@ from syncsgd.apps.demo_core import (
     ranks_summed,
     rounds_line,
 )
-from syncsgd.util import jsonout
+from syncsgd.util import figures, jsonout
 from syncsgd.util.files import write_text
 
 TOPOLOGY = {"tree": "tree", "naive": "star"}  # the rest: the ranks on a circle
@@ -87,16 +89,50 @@ def model_bytes(demo: Demo) -> str:
     return f"the model charges {formula} = {b * n:g} bytes of n = {n} bytes on the critical path"
 
 
-def page(demo: Demo) -> str:
-    """The whole HTML document."""
-    document = {
+def document(demo: Demo) -> dict[str, Any]:
+    """One P's rounds and captions, as the page's script reads them."""
+    return {
+        "title": f"{demo.what} on {demo.ranks} ranks",
         "algorithm": demo.algorithm, "ranks": demo.ranks, "length": demo.length,
         "topology": TOPOLOGY.get(demo.algorithm, "circle"), "links": links(demo),
         "frames": rounds_data(demo), "model": model_bytes(demo), "rounds": rounds_line(demo),
         "correct": demo.correct, "bounds": demo_chunks(demo),
-        "colours": [hex_colour(count_colour(c, demo.ranks)) for c in range(demo.ranks + 1)],
+        "colours": [hex_colour(figures.stepped_colour(c, demo.ranks))
+                    for c in range(demo.ranks + 1)],
     }  # fmt: skip
-    return filled(document, f"{demo.what} on {demo.ranks} ranks")
+
+
+def page(demo: Demo, others: Sequence[Demo] = ()) -> str:
+    """The whole HTML document: `demo` first, and a selector of P where `others` are given."""
+    shown = document(demo)
+    if others:
+        shown["others"] = {str(other.ranks): document(other) for other in others}
+    return filled(shown, shown["title"])
+
+
+def same_at(demo: Demo, ranks: int) -> Demo | None:
+    """`demo` run again on `ranks` ranks: the same collective, algorithm, length and root; None
+    where that cannot run (a root or an alltoall length that P does not allow, a hierarchical
+    layout of its own)."""
+    from syncsgd.apps.demo_core import run_demo
+    from syncsgd.apps.demo_parts import run_collective_demo
+
+    if demo.algorithm == "hierarchical":  # its nodes were given for its own P
+        return None
+    try:
+        if demo.collective == "allreduce":
+            chosen_by_auto = demo.note.startswith("auto ")
+            return run_demo(ranks, demo.length, "auto" if chosen_by_auto else demo.algorithm)
+        length = demo.length // 2 if demo.collective == "alltoall" else demo.length
+        return run_collective_demo(demo.collective, ranks, length, demo.algorithm, demo.root)
+    except ValueError:
+        return None
+
+
+def every_other_p(demo: Demo) -> list[Demo]:
+    """`demo` at every other P from 2 to 16 that it can run at."""
+    runs = (same_at(demo, ranks) for ranks in range(2, MAX_RANKS + 1) if ranks != demo.ranks)
+    return [run for run in runs if run is not None]
 
 
 def filled(document: dict[str, Any], title: str) -> str:
@@ -107,8 +143,8 @@ def filled(document: dict[str, Any], title: str) -> str:
 
 
 def write_html(demo: Demo, path: str) -> None:
-    """Write the page to `path`, atomically."""
-    write_text(path, page(demo))
+    """Write the page to `path`, atomically: `demo`, and the same demo at every other P."""
+    write_text(path, page(demo, every_other_p(demo)))
 
 
 TEMPLATE = """<!DOCTYPE html>
@@ -131,6 +167,7 @@ td.received-copied { outline: 3px dashed #000; outline-offset: -3px; }
 td.note, td.sent { font-family: sans-serif; text-align: left; padding-left: 1em; }
 td.sent { white-space: nowrap; }
 .controls button { font-size: 1em; margin-right: .3em; padding: .2em .6em; }
+h1 select { font-size: 1em; font-weight: bold; }
 .legend { margin: .5em 0; }
 .legend span.swatch { display: inline-block; min-width: 1.6em; text-align: center; color: #000;
   font-family: monospace; }
@@ -151,7 +188,8 @@ svg text.label { font-size: 17px; font-weight: bold; paint-order: stroke; stroke
 code { font-size: 1em; }
 </style></head>
 <body>
-<h1>@TITLE@</h1>
+<h1><span id="heading">@TITLE@</span><label id="choose" hidden> &mdash; P =
+<select id="ranks" aria-label="the number of ranks shown"></select></label></h1>
 <div class="controls"><button id="first">&laquo; start</button><button id="prev">&#x25C0; back
 </button><button id="next">next &#x25B6;</button><button id="last">end &raquo;</button>
 <button id="play">play</button>
@@ -167,9 +205,9 @@ role="img" aria-label="the ranks and the messages of this round"></svg>
 <script id="data" type="application/json">@DATA@</script>
 <script>
 "use strict";
-const data = JSON.parse(document.getElementById("data").textContent);
-const frames = data.frames, P = data.ranks;
-let step = 0, timer = null;
+const first = JSON.parse(document.getElementById("data").textContent);
+const pages = {[first.ranks]: first, ...(first.others || {})};  // P: its rounds
+let data = first, frames = first.frames, P = first.ranks, step = 0, timer = null;
 
 function positions() {
   const cx = 190, cy = 190, r = 150, spots = [];
@@ -274,6 +312,7 @@ function drawBuffers(frame) {
 
 function drawLegend() {
   const legend = document.getElementById("legend");
+  legend.replaceChildren();
   legend.append("colour: how many ranks an element holds the sum of ");
   for (let count = 1; count <= P; count++) {
     const swatch = document.createElement("span");
@@ -297,6 +336,26 @@ function withCode(node, text) {
   });
 }
 
+function choose(ranks) {
+  // the rounds of another P: the captions, the legend and the graph drawn again for it
+  data = pages[ranks] || first;
+  frames = data.frames;
+  P = data.ranks;
+  document.getElementById("ranks").value = String(P);
+  document.body.dataset.ranks = String(P);
+  if (data.title) {
+    document.getElementById("heading").textContent = data.title;
+    document.title = data.title;
+  }
+  for (const id of ["rounds", "model"]) {
+    const node = document.getElementById(id);
+    node.replaceChildren();
+    withCode(node, data[id]);
+  }
+  drawLegend();
+  document.getElementById("topology").replaceChildren();
+}
+
 function show(k) {
   step = Math.max(0, Math.min(frames.length - 1, k));
   const frame = frames[step];
@@ -307,7 +366,7 @@ function show(k) {
   drawTopology(frame);
   drawBuffers(frame);
   if (step === frames.length - 1) pause();
-  const hash = "#step=" + step;
+  const hash = (P === first.ranks ? "#" : "#ranks=" + P + "&") + "step=" + step;
   if (location.hash !== hash) history.replaceState(null, "", hash);
 }
 
@@ -330,13 +389,19 @@ function pause() {
 function fromHash() {
   const match = /step=(\\d+)/.exec(location.hash);
   const playing = /[#&]play(?:=(\\d+))?/.exec(location.hash);  // play=ms: the time per round
+  const ranks = /ranks=(\\d+)/.exec(location.hash);
+  const wanted = ranks && pages[ranks[1]] ? parseInt(ranks[1], 10) : first.ranks;
+  if (wanted !== P) choose(wanted);
   show(match ? parseInt(match[1], 10) : 0);
   if (playing) play(playing[1] ? parseInt(playing[1], 10) : 1500);
 }
 
-withCode(document.getElementById("rounds"), data.rounds);
-withCode(document.getElementById("model"), data.model);
-drawLegend();
+const select = document.getElementById("ranks");
+Object.keys(pages).map(Number).sort((a, b) => a - b)
+  .forEach((p) => select.add(new Option(String(p), String(p))));
+document.getElementById("choose").hidden = select.options.length < 2;
+select.onchange = () => { pause(); choose(parseInt(select.value, 10)); show(0); };
+choose(first.ranks);
 document.getElementById("first").onclick = () => show(0);
 document.getElementById("prev").onclick = () => show(step - 1);
 document.getElementById("next").onclick = () => show(step + 1);
@@ -346,6 +411,7 @@ const NEXT = ["ArrowRight", "ArrowDown", "PageDown", " "];
 const BACK = ["ArrowLeft", "ArrowUp", "PageUp"];
 document.addEventListener("keydown", (event) => {
   if (event.target.tagName === "BUTTON" && (event.key === " " || event.key === "Enter")) return;
+  if (event.target.tagName === "SELECT") return;  // its arrow keys choose a P
   let handled = true;
   if (NEXT.includes(event.key)) show(step + 1);
   else if (BACK.includes(event.key)) show(step - 1);

@@ -1,8 +1,9 @@
 """`ring-demo --png` and `--frames`: the rounds of an allreduce as slides.
 
 Each figure is one 16:9 slide (`syncsgd.util.figures`), laid out in points, with every text at
-14 points or more. A cell's colour says how many ranks an element holds a contribution of, from
-viridis' light half, where black text stays above 4.5:1. A figure writes one kind of number in
+14 points or more. A cell's colour says how many ranks an element holds a contribution of: a hue
+from blue (all) to yellow (one), dark and light in turn so that neighbouring counts stay 3:1 apart
+at P = 16, and black text above 4.5:1 on each. A figure writes one kind of number in
 its cells, named in its legend: the value itself (rank r starts with 10**r, so digit r says
 whether rank r is in it) where every value fits at 14 points, else the count of ranks summed in
 where that fits, else none - the colour alone says it. `--png` draws every round of every rank
@@ -24,7 +25,6 @@ from syncsgd.apps.demo_core import (
     Demo,
     Snapshot,
     chunk_name,
-    count_colour,
     demo_chunks,
     explain_round,
     ranks_summed,
@@ -40,6 +40,11 @@ MONO_EM = 0.6021  # a DejaVu Sans Mono character's advance, in ems
 LEGEND = 2 * LINE + 14  # the legend's two lines at the bottom
 FRAME = "black"  # the range just received; never a cell colour
 MAX_PEER_LINES = 4  # who sends to whom, under the compact grid: at most this many lines
+
+
+def count_colour(count: int, ranks: int) -> tuple[float, float, float]:
+    """The RGB of an element summed over `count` of `ranks` ranks (white for none)."""
+    return figures.stepped_colour(count, ranks)
 
 
 def text_width(text: str, size: float, mono: bool = False) -> float:

@@ -41,6 +41,14 @@ ALGORITHM_STYLES = {
 }  # fmt: skip
 TEXT_POINTS = 16.0  # the figures' text on a slide: above the 14-point floor
 
+# viridis at 0, 0.1, ..., 1: the hue of a count's colour, from the last quarter (blue) to yellow
+VIRIDIS = ("#440154", "#482475", "#414487", "#355f8d", "#2a788e", "#21918c", "#22a884",
+           "#44bf70", "#7ad151", "#bddf26", "#fde725")  # fmt: skip
+# Relative luminances the steps alternate between: black text is >= 4.7:1 on the dark ones and
+# neighbouring steps are >= 3:1 apart (WCAG 2's contrast for what is not text), at any count.
+DARK_STEP, LIGHT_STEP = 0.185, 0.67
+MIN_STEP_CONTRAST = 3.0
+
 
 def algorithm_style(name: str, index: int = 0) -> dict[str, Any]:
     """Matplotlib's color, marker and linestyle of an algorithm; others by their index."""
@@ -133,9 +141,42 @@ def _metadata(extension: str) -> dict[str, Any]:
     return {"Software": None}
 
 
+def stepped_colour(step: int, steps: int) -> tuple[float, float, float]:
+    """The RGB of step 1..steps, white for 0: the hue goes blue to yellow from the last step to the
+    first, the lightness alternates dark/light so that neighbours stay apart; the last is dark."""
+    if step <= 0:
+        return (1.0, 1.0, 1.0)
+    at = 1.0 if steps <= 1 else (steps - step) / (steps - 1)  # 1: the first step, 0: the last
+    position = (0.25 + 0.75 * at) * (len(VIRIDIS) - 1)
+    low = min(int(position), len(VIRIDIS) - 2)
+    mix = position - low
+    ends = [[int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)] for c in VIRIDIS[low : low + 2]]
+    hue = [(1 - mix) * a + mix * b for a, b in zip(*ends, strict=True)]
+    return with_luminance(hue, DARK_STEP if (steps - step) % 2 == 0 else LIGHT_STEP)
+
+
+def with_luminance(rgb: Sequence[float], target: float) -> tuple[float, float, float]:
+    """`rgb` mixed with white or scaled towards black, in linear light, to relative luminance
+    `target`, rounded to 8 bits a channel."""
+    linear = [_linear(c) for c in rgb[:3]]
+    now = luminance(rgb)
+    if now < target:
+        towards_white = (target - now) / (1 - now)
+        linear = [c + towards_white * (1 - c) for c in linear]
+    else:
+        linear = [c * target / now for c in linear]
+    encoded = [12.92 * c if c <= 0.0031308 else 1.055 * c ** (1 / 2.4) - 0.055 for c in linear]
+    return tuple(round(255 * min(max(c, 0.0), 1.0)) / 255 for c in encoded)  # type: ignore[return-value]
+
+
+def _linear(channel: float) -> float:
+    """An sRGB channel in [0, 1] as linear light."""
+    return channel / 12.92 if channel <= 0.04045 else ((channel + 0.055) / 1.055) ** 2.4
+
+
 def luminance(rgb: Sequence[float]) -> float:
     """WCAG 2's relative luminance of an sRGB colour with channels in [0, 1]."""
-    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
+    linear = [_linear(c) for c in rgb[:3]]
     return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
 
 

@@ -132,14 +132,17 @@ def sweep_rows(result: dict, plain: Run, runs: list[Run]) -> dict:
     rows = []
     for run, measured in zip(runs, result["medians"][1:], strict=True):
         predicted = predicted_step(run, compute, update, line)
+        buffer = np.empty(model.n_params + MIN_RIDER_SLOTS, model.dtype)
         rows.append({"ranks": result["ranks"], "bucket_bytes": run.config.bucket_bytes,
+                     "buckets": len(bucket_slices(model, buffer, run.config.bucket_bytes)),
                      **{key: value * 1e3 for key, value in _ms(measured).items()},
                      "predicted_step_ms": predicted * 1e3,
                      "predicted_over_measured": predicted / measured["step_s"]})  # fmt: skip
     forward_madds, backward_madds = model.step_multiply_adds()
     backward = compute * backward_madds / max(forward_madds + backward_madds, 1)
     derived = optimal_bucket_bytes(model.n_params * model.dtype.itemsize, backward, line)
-    return {"ranks": result["ranks"], "plain": {k: v * 1e3 for k, v in _ms(base).items()},
+    return {"ranks": result["ranks"], "buffer_bytes": nbytes,
+            "plain": {k: v * 1e3 for k, v in _ms(base).items()},
             "ring_latency_us": line.latency * 1e6, "ring_per_byte_ns": line.per_byte * 1e9,
             "derived_bucket_bytes": round(derived), "rows": rows}  # fmt: skip
 
@@ -153,7 +156,7 @@ HEADER = (f"{'P':>3} {'--bucket-bytes':>16} {'buckets':>7} {'step':>9} {'min':>9
           f"{'ovl wait':>9} {'predicted':>9} {'pred/meas':>9}")  # fmt: skip
 
 
-def describe(section: dict, runs: list[Run]) -> list[str]:
+def describe(section: dict) -> list[str]:
     """The sweep's table for one P, the plain step and the derived bucket size."""
     p, plain = section["ranks"], section["plain"]
     lines = [f"# P = {p}: plain step (one bucket, no overlap) {plain['step_ms']:.3f} ms: compute "
@@ -161,11 +164,9 @@ def describe(section: dict, runs: list[Run]) -> list[str]:
              f"{plain['update_ms']:.3f}; ring a + s·b with a = {section['ring_latency_us']:.1f} "
              f"µs, s = {section['ring_per_byte_ns']:.3f} ns/B; derived b* = "
              f"{section['derived_bucket_bytes']:,} B", HEADER]  # fmt: skip
-    for run, row in zip(runs, section["rows"], strict=True):
-        model = run.model
-        buffer = np.empty(model.n_params + MIN_RIDER_SLOTS, model.dtype)
-        count = len(bucket_slices(model, buffer, run.config.bucket_bytes))
-        lines.append(f"{p:>3} {shown(row['bucket_bytes']):>16} {count:>7} {row['step_ms']:>9.3f} "
+    for row in section["rows"]:
+        lines.append(f"{p:>3} {shown(row['bucket_bytes']):>16} {row['buckets']:>7} "
+                     f"{row['step_ms']:>9.3f} "
                      f"{row['step_min_ms']:>9.3f} {row['step_max_ms']:>9.3f} "
                      f"{row['allreduce_ms']:>9.3f} {row['predicted_step_ms']:>9.3f} "
                      f"{row['predicted_over_measured']:>9.3f}")  # fmt: skip
@@ -195,6 +196,52 @@ def bucket_section(options: argparse.Namespace, call: Callable, rank_counts: lis
                 for size in sizes]  # fmt: skip
         measured = call(sweep, ranks, plain, runs, per_step_seconds)
         sections.append(sweep_rows(measured, plain, runs))
-        for line in describe(sections[-1], runs):
+        for line in describe(sections[-1]):
             say(line, flush=True)
     return sections
+
+
+def sweep_figure(sections: list[dict], title: str) -> Any:
+    """The slide: each P's measured step (median, min-max bar) and the model's prediction at each
+    --bucket-bytes in the order given, the plain step as a line; the legend names b*."""
+    from syncsgd.util import figures
+
+    figure = figures.new_figure(layout="constrained")
+    axes = figure.subplots()
+    for index, section in enumerate(sections):
+        colour = figures.LINE_COLOURS[index % len(figures.LINE_COLOURS)]
+        rows, p = section["rows"], section["ranks"]
+        places = list(range(len(rows)))
+        steps = [row["step_ms"] for row in rows]
+        low = [step - row["step_min_ms"] for step, row in zip(steps, rows, strict=True)]
+        high = [row["step_max_ms"] - step for step, row in zip(steps, rows, strict=True)]
+        axes.errorbar(places, steps, yerr=[low, high], color=colour, marker="o", markersize=9,
+                      linestyle="-", linewidth=2.2, capsize=5,
+                      label=f"P = {p}: measured (median, min-max)")  # fmt: skip
+        axes.plot(places, [row["predicted_step_ms"] for row in rows], color=colour, marker="s",
+                  markersize=9, markerfacecolor="white", linestyle="--", linewidth=2.2,
+                  label=f"P = {p}: predicted; derived b* = {section['derived_bucket_bytes']:,} B")
+        axes.axhline(section["plain"]["step_ms"], color=colour, linestyle=":", linewidth=2,
+                     label=f"P = {p}: plain step (one bucket, no overlap)")  # fmt: skip
+    rows = sections[0]["rows"] if sections else []
+    axes.set_xticks(range(len(rows)), [
+        f"{shown(row['bucket_bytes'])}\n{row['buckets']} bucket{'s' * (row['buckets'] != 1)}"
+        for row in rows])  # fmt: skip
+    axes.set(xlabel="--bucket-bytes (and the buckets it makes)", ylabel="time per step (ms)")
+    axes.set_ylim(bottom=0)
+    axes.margins(x=0.08)
+    handles, labels = axes.get_legend_handles_labels()
+    by_rank = sorted(zip(labels, handles, strict=True), key=lambda pair: pair[0])  # P's together
+    labels, handles = [label for label, _ in by_rank], [handle for _, handle in by_rank]
+    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(sections), 3) or 1,
+                  fontsize=figures.TEXT_POINTS - 2, frameon=False)  # fmt: skip
+    figures.slide_axes(axes)
+    figure.suptitle(title, fontsize=figures.TEXT_POINTS + 2)
+    return figure
+
+
+def draw_png(sections: list[dict], path: str, title: str) -> None:
+    """The sweep's slide, written to `path` (.png, .svg or .pdf)."""
+    from syncsgd.util import figures
+
+    figures.save(sweep_figure(sections, title), path)

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from syncsgd.apps.bench.buckets import bucket_list, bucket_section
+from syncsgd.apps.bench.buckets import bucket_list, bucket_section, draw_png
 from syncsgd.comm.threads import run_threads
 from syncsgd.comm.watchdog import within_timeout
 from syncsgd.comm.world import constants, launched_by_mpi, mpi_world, resolve_backend
@@ -55,6 +55,7 @@ from syncsgd.util.argtypes import (
     positive_int,
     rank_list,
 )
+from syncsgd.util.figures import figure_path
 from syncsgd.util.files import check_writable, write_text
 from syncsgd.util.options import BACKEND, JSON, RANK_COUNTS, Change, options_of, writes
 
@@ -513,6 +514,9 @@ def write_outputs(options: argparse.Namespace, result: dict) -> None:
         writer.writeheader()
         writer.writerows(rows)
         write_text(options.csv, text.getvalue())
+    if options.png:
+        title = f"bench step: {result['model']}, --bucket-bytes sweep, {result['backend']} backend"
+        draw_png(result["bucket_sweep"], options.png, title)
 
 
 # --- the driver -----------------------------------------------------------------------------------
@@ -577,6 +581,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs of each command-line timing; 0 skips them (5)")  # fmt: skip
     JSON.add(parser, help="write all results as JSON")
     writes(add("--csv", metavar="PATH", help="write the scaling rows as CSV"))
+    writes(add("--png", metavar="PATH", type=figure_path,
+               help="the --bucket-bytes sweep as a slide: measured step time against bucket "
+               "size beside the bucket model's (.png, .svg or .pdf)"))  # fmt: skip
     add_train_options(parser, exclude=NOT_TAKEN, changes=CHANGES)
 
 
@@ -585,7 +592,10 @@ def main(options: argparse.Namespace) -> int:
     backend = resolve_backend(options.backend)
     call, rank_counts, master_process = phase_runner(options, backend)
     check_batch_sizes(options, rank_counts)
-    for path in (options.json, options.csv) if master_process else ():
+    if options.png and (len(options.bucket_bytes) < 2 or max(rank_counts) < 2):
+        raise ValueError("--png draws the --bucket-bytes sweep: give two or more sizes and "
+                         "a rank count of 2 or more")  # fmt: skip
+    for path in (options.json, options.csv, options.png) if master_process else ():
         if path:
             check_writable(path)  # before the work, not after it
     say = print if master_process else (lambda *args, **kwargs: None)
