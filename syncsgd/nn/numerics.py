@@ -252,6 +252,7 @@ class Float:
     """BLAS products in the model's dtype; sums over samples in BLAS or in sample order."""
 
     exact = False
+    free_order = True  # a layer may take its sums in any order, with kernels of its own
 
     def __init__(self, dtype: np.dtype, max_weights: int, group: Group | None = None) -> None:
         self.dtype = np.dtype(dtype)  # of the activations and deltas
@@ -386,6 +387,8 @@ class Float:
 class Narrow(Float):
     """bf16/fp16 as autocast: products of format values in float32, their results rounded."""
 
+    free_order = False  # every product's result is rounded: the layers keep to the primitives
+
     def __init__(self, dtype: np.dtype, max_weights: int, fmt: int, n_params: int,
                  group: Group | None = None) -> None:  # fmt: skip
         super().__init__(np.dtype(np.float32), max_weights, group)
@@ -446,6 +449,7 @@ class Exact(Float):
     """Per-sample products in a fixed order; every sum extracted at an agreed fixed point."""
 
     exact = True
+    free_order = False  # the order of every sum is fixed
 
     def __init__(self, dtype: np.dtype, max_weights: int, max_block: int,
                  group: Group | None = None, ranks: Group | None = None) -> None:  # fmt: skip
