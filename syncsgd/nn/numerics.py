@@ -13,12 +13,14 @@ A layer computes with these primitives only, so a mode written here works for ev
   loss_sum(losses)          the sum of the per-sample losses
 A dense layer followed by a relu applies it in affine_ and affine_sums_ (Network.absorbed): in
 float mode one call each around BLAS, a pass fewer each way than the relu's own, the same values.
-Float mode calls BLAS and sums in sample order. Narrow mode (bf16/fp16, emulated as autocast runs
-them) computes on float32 values of the format and rounds every product's result. Exact mode runs
-per-sample products in a fixed order (batch-invariant) and does not sum at once: each sum is a
-term it registers, with the peak of its factors; once every rank agrees on the peaks (a
-MAX-allreduce), `accumulate_` extracts every term at its agreed fixed point, so the sums are exact
-and their bits do not depend on how the batch is split. docs/exact-mode.md has the proof.
+Float mode calls BLAS and sums in sample order; its `free_order` lets a layer take its sums in
+any order with kernels of its own (conv's chunks of patches), which the other modes refuse.
+Narrow mode (bf16/fp16, emulated as autocast runs them) computes on float32 values of the format
+and rounds every product's result. Exact mode runs per-sample products in a fixed order
+(batch-invariant) and does not sum at once: each sum is a term it registers, with the peak of its
+factors; once every rank agrees on the peaks (a MAX-allreduce), `accumulate_` extracts every term
+at its agreed fixed point, so the sums are exact and their bits do not depend on how the batch is
+split. docs/exact-mode.md has the proof.
 """
 
 from __future__ import annotations
