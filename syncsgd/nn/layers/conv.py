@@ -33,7 +33,7 @@ from numba import njit
 from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Primitives, Shape, Workspaces
 from syncsgd.nn.layers.relu import rectified, rectified_grad, relu_, relu_backward_
 
-PATCH_BYTES = 4 << 20  # float mode: the patches of a chunk of samples, a few L2s, inside the L3
+PATCH_BYTES = 1 << 20  # float mode: the patches of a chunk of samples, about one core's L2
 
 
 class Conv(Layer):
