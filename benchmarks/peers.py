@@ -195,14 +195,14 @@ def batches(seed: int, steps: int, batch: int = BATCH) -> list[np.ndarray]:
     return [rng.choice(SAMPLES, batch, replace=False) for _ in range(steps)]
 
 
-# --- contenders: each serves "N" on stdin with seconds and CPU seconds per step on stdout -------
+# --- contenders: each serves "N" on stdin with seconds per step on stdout ----------------------
 
 
 def serve(measure: Any) -> None:
-    """Answer 'N' lines with (seconds, CPU seconds) per step over N steps until stdin closes."""
+    """Answer 'N' lines with seconds per step over N steps until stdin closes."""
     print("ready", flush=True)
     for line in sys.stdin:
-        print(*map(repr, measure(int(line))), flush=True)
+        print(repr(measure(int(line))), flush=True)
 
 
 def serve_syncsgd(ranks: int, dtype: str, work: Workload) -> None:
@@ -215,15 +215,9 @@ def serve_syncsgd(ranks: int, dtype: str, work: Workload) -> None:
 
     run = prepare(syncsgd_config(dtype, 2, *work))
 
-    def measure(steps: int) -> tuple[float, float]:
-        # CPU: a run of steps + 1 less a run of 1, so that neither the set-up nor the first
-        # step is counted
-        started = time.process_time()
-        run_threads(ranks, train_rank, replace(run, steps=1), quiet=True)
-        middle = time.process_time()
+    def measure(steps: int) -> float:
         results = run_threads(ranks, train_rank, replace(run, steps=steps + 1), quiet=True)
-        cpu = (time.process_time() - middle - (middle - started)) / steps
-        return max(r.steady_seconds for r in results) / results[0].steady_steps, cpu
+        return max(r.steady_seconds for r in results) / results[0].steady_steps
 
     serve(measure)
 
@@ -249,7 +243,7 @@ def serve_gemm(dtype: str, work: Workload) -> None:
         operands.append((a, b, np.empty((rows, cols), dtype)))
         product(*operands[-1], 3)
 
-    def measure(steps: int) -> tuple[float, float]:
+    def measure(steps: int) -> float:
         rates = []
         for a, b, out in operands:
             work = 2 * a.shape[0] * a.shape[1] * b.shape[1]
@@ -257,7 +251,7 @@ def serve_gemm(dtype: str, work: Workload) -> None:
             started = time.perf_counter()
             product(a, b, out, repeats)
             rates.append(work * repeats / (time.perf_counter() - started))
-        return flops / max(rates), float("nan")
+        return flops / max(rates)
 
     serve(measure)
 
@@ -294,7 +288,7 @@ def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any,
         indices = [torch.from_numpy(b[shard])
                    for b in batches(round_, int(request[0]), work.batch)]  # fmt: skip
         dist.barrier()
-        started, cpu = time.perf_counter(), time.process_time()
+        started = time.perf_counter()
         for index in indices:
             logits = ddp(X[index])
             if tokens:  # the mean over the shard's tokens: a sequence's T positions, each a term
@@ -306,10 +300,9 @@ def ddp_rank(rank: int, ranks: int, dtype: str, port: int, commands: Any,
             loss.backward()
             optimizer.step()
         elapsed[0] = (time.perf_counter() - started) / len(indices)
-        cpu = (time.process_time() - cpu) / len(indices)  # this rank's process
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if rank == 0:
-            print(repr(float(elapsed[0])), repr(cpu), flush=True)
+            print(repr(float(elapsed[0])), flush=True)
     dist.destroy_process_group()
 
 
@@ -375,14 +368,14 @@ def serve_jax(ranks: int, dtype: str, batch: int = BATCH) -> None:
     state = {"params": pmapped(params, X[:batch].reshape(ranks, -1, SIZES[0]),
                                y[:batch].reshape(ranks, -1))}  # fmt: skip
 
-    def measure(steps: int) -> tuple[float, float]:
+    def measure(steps: int) -> float:
         indices = batches(steps, steps, batch)
-        started, cpu = time.perf_counter(), time.process_time()
+        started = time.perf_counter()
         for index in indices:
             x, labels = X[index].reshape(ranks, -1, SIZES[0]), y[index].reshape(ranks, -1)
             state["params"] = pmapped(state["params"], x, labels)
             jax.block_until_ready(state["params"])  # never dispatch ahead: it can deadlock
-        return (time.perf_counter() - started) / steps, (time.process_time() - cpu) / steps
+        return (time.perf_counter() - started) / steps
 
     serve(measure)
 
@@ -417,14 +410,12 @@ class Contender:
             raise RuntimeError(f"contender {self.process.args!r} exited: {self.process.wait()}")
         return line.strip()
 
-    def ask(self, steps: int) -> tuple[float, float]:
-        """(seconds, CPU seconds) per step over `steps` steps; CPU NaN from a contender that
-        does not say (an older tree's)."""
+    def ask(self, steps: int) -> float:
+        """Seconds per step over `steps` steps."""
         assert self.process.stdin is not None
         self.process.stdin.write(f"{steps}\n")
         self.process.stdin.flush()
-        words = self.read().split()
-        return float(words[0]), float(words[1]) if len(words) > 1 else float("nan")
+        return float(self.read())
 
     def close(self) -> None:
         """Close stdin: the contender finishes and exits."""
@@ -461,24 +452,20 @@ def measure_all(options: argparse.Namespace, keys: list[tuple[str, int, str]]) -
         for contender in contenders.values():
             contender.ask(options.warmup)
         samples: dict = {key: [] for key in keys}
-        samples.update({("cpu " + key[0], key[1], key[2]): [] for key in keys})
         for _ in range(options.rounds):
             for key, contender in contenders.items():
-                seconds, cpu = contender.ask(options.steps)
-                samples[key].append(seconds)
-                samples[("cpu " + key[0], key[1], key[2])].append(cpu)
+                samples[key].append(contender.ask(options.steps))
     finally:
         for contender in contenders.values():
             contender.close()
     return samples
 
 
-def round_ratio(samples: dict, ranks: int, dtype: str, peer: str, ours_kind: str = "syncsgd"
-                ) -> float:  # fmt: skip
+def round_ratio(samples: dict, ranks: int, dtype: str, peer: str) -> float:
     """The median over rounds of syncsgd's time / the peer's, each pair measured side by side."""
     # Per round, not medians divided: a neighbour's burst slows both of a round's neighbours
     # alike, while the medians of two contenders may come from different rounds.
-    ours, theirs = samples.get((ours_kind, ranks, dtype)), samples.get((peer, ranks, dtype))
+    ours, theirs = samples.get(("syncsgd", ranks, dtype)), samples.get((peer, ranks, dtype))
     if not ours or not theirs:
         return float("nan")
     return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
@@ -507,18 +494,6 @@ def report(options: argparse.Namespace, samples: dict) -> list[dict]:
                   f"{ms['jax']:>8.3f} {row['ratio_ddp']:>6.2f} {row['ratio_jax']:>6.2f} "
                   f"{ms['gemm']:>7.3f} {row['floor_share']:>6.2f} {ms['before']:>8.3f} "
                   f"{row['ratio_before']:>7.2f}", flush=True)  # fmt: skip
-    for row in rows:  # CPU seconds, which a busy machine disturbs less than elapsed time
-        ranks, dtype = row["ranks"], row["dtype"]
-        cpu = {kind: median.get((f"cpu {kind}", ranks, dtype), float("nan")) * 1e3
-               for kind in ("syncsgd", "ddp", "before")}  # fmt: skip
-        row.update({f"cpu_{kind}_ms": value for kind, value in cpu.items()})
-        for peer in ("ddp", "before"):
-            row[f"cpu_ratio_{peer}"] = round_ratio(samples, ranks, dtype, f"cpu {peer}",
-                                                   "cpu syncsgd")  # fmt: skip
-        print(f"# P = {ranks} {dtype}, CPU ms per step (each process's: syncsgd's every rank, "
-              f"DDP's rank 0): syncsgd {cpu['syncsgd']:.3f}, ddp "
-              f"{cpu['ddp']:.3f}, before {cpu['before']:.3f}; /ddp {row['cpu_ratio_ddp']:.2f}, "
-              f"/before {row['cpu_ratio_before']:.2f}", flush=True)  # fmt: skip
     return rows
 
 
