@@ -5,6 +5,7 @@
     python benchmarks/peers.py --ranks 2 --dtypes float32 --rounds 9 --json peers.json
     python benchmarks/peers.py --model simple-cnn --steps 3 --warmup 2   # the CNN, 1x28x28 inputs
     python benchmarks/peers.py --model "gpt(layers=2,d=128,heads=4)" --batch 32 --context 64
+    python benchmarks/peers.py --model simple-cnn --before ../before   # and the code before
 
 What is timed: one synchronous data-parallel SGD step of an MLP 784-256-256-10 (relu, softmax
 cross-entropy, plain SGD at lr 0.01) on a global batch of 256 samples drawn from 2048 synthetic
@@ -23,6 +24,9 @@ characters of numbers-to-words (2048 of them, syncsgd's token data), the loss th
 B x T tokens; PyTorch's contender is `benchmarks/transformer.py`'s module (nn.Embedding,
 nn.MultiheadAttention with a causal mask, nn.LayerNorm, nn.Linear, GELU) under DDP. `--batch`
 sets the global batch (256; the issue's transformer figures take 32).
+`--before TREE` adds syncsgd's step as another tree runs it (the code before a change: that
+tree's own benchmarks/peers.py serves it, with PYTHONPATH at the tree), in the same rounds, and
+the median of the rounds' ratios syncsgd / before.
 Every contender gathers its shard from the sample array each step, and each runs in its own
 process, pinned to the first P cores, kept alive across rounds. A round asks every contender in
 turn for `--steps` steps (interleaved, so a noisy neighbour slows all alike); the median over
@@ -382,14 +386,20 @@ def serve_jax(ranks: int, dtype: str, batch: int = BATCH) -> None:
 class Contender:
     """A contender's process, asked for seconds per step over N steps."""
 
-    def __init__(self, kind: str, ranks: int, dtype: str, workload: list[str]) -> None:
-        env = dict(os.environ)
+    def __init__(self, kind: str, ranks: int, dtype: str, workload: list[str],
+                 before: str | None = None) -> None:  # fmt: skip
+        env, script, cwd = dict(os.environ), __file__, None
         if kind == "jax":  # read when JAX loads: set in the child only
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ranks}"
-        command = [sys.executable, __file__, "--serve", kind, "--ranks", str(ranks),
+        if kind == "before":  # syncsgd as the other tree runs it, served by its own script
+            assert before is not None
+            cwd = os.path.abspath(before)
+            env["PYTHONPATH"], script = cwd, os.path.join(cwd, "benchmarks", "peers.py")
+            kind = "syncsgd"
+        command = [sys.executable, script, "--serve", kind, "--ranks", str(ranks),
                    "--dtypes", dtype, *workload]  # fmt: skip
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, env=env)  # fmt: skip
+                                        text=True, env=env, cwd=cwd)  # fmt: skip
         self.read()  # "ready"
 
     def read(self) -> str:
@@ -416,7 +426,7 @@ class Contender:
 
 def contenders_to_run(options: argparse.Namespace) -> list[tuple[str, int, str]]:
     """(kind, P, dtype) of every contender, peers only where installed (a line says if not)."""
-    kinds = ["syncsgd"]
+    kinds = ["syncsgd"] + (["before"] if options.before else [])
     for kind, module in PEERS.items():
         if importlib.util.find_spec(module) is None:
             print(f"# {kind} skipped: {module} is not installed (pip install -e '.[peers]')")
@@ -437,7 +447,7 @@ def measure_all(options: argparse.Namespace, keys: list[tuple[str, int, str]]) -
     if options.model is not None:
         workload += ["--model", options.model,
                      "--input-shape", ",".join(map(str, options.input_shape))]  # fmt: skip
-    contenders = {key: Contender(*key, workload) for key in keys}
+    contenders = {key: Contender(*key, workload, options.before) for key in keys}
     try:
         for contender in contenders.values():
             contender.ask(options.warmup)
@@ -469,19 +479,21 @@ def report(options: argparse.Namespace, samples: dict) -> list[dict]:
             median[key] = min(samples[key])
     rows = []
     print(f"{'P':>2} {'dtype':>8} {'syncsgd':>8} {'ddp':>8} {'jax':>8} {'/ddp':>6} {'/jax':>6} "
-          f"{'floor':>7} {'share':>6}   medians of {options.rounds} rounds")  # fmt: skip
+          f"{'floor':>7} {'share':>6} {'before':>8} {'/before':>7}   medians of {options.rounds} "
+          "rounds")  # fmt: skip
     for dtype in options.dtypes:
         for ranks in options.ranks:
             ms = {kind: median.get((kind, ranks, dtype), float("nan")) * 1e3
-                  for kind in ("syncsgd", "ddp", "jax", "gemm")}  # fmt: skip
+                  for kind in ("syncsgd", "ddp", "jax", "gemm", "before")}  # fmt: skip
             row = {"ranks": ranks, "dtype": dtype, **{f"{k}_ms": v for k, v in ms.items()}}
-            row["ratio_ddp"] = round_ratio(samples, ranks, dtype, "ddp")
-            row["ratio_jax"] = round_ratio(samples, ranks, dtype, "jax")
+            for peer in ("ddp", "jax", "before"):
+                row[f"ratio_{peer}"] = round_ratio(samples, ranks, dtype, peer)
             row["floor_share"] = ms["gemm"] / ms["syncsgd"]
             rows.append(row)
             print(f"{ranks:>2} {dtype:>8} {ms['syncsgd']:>8.3f} {ms['ddp']:>8.3f} "
                   f"{ms['jax']:>8.3f} {row['ratio_ddp']:>6.2f} {row['ratio_jax']:>6.2f} "
-                  f"{ms['gemm']:>7.3f} {row['floor_share']:>6.2f}", flush=True)  # fmt: skip
+                  f"{ms['gemm']:>7.3f} {row['floor_share']:>6.2f} {ms['before']:>8.3f} "
+                  f"{row['ratio_before']:>7.2f}", flush=True)  # fmt: skip
     return rows
 
 
@@ -504,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the global batch ({BATCH})")  # fmt: skip
     parser.add_argument("--context", type=positive_int, default=64,
                         help="a --model that starts with embed: T, the window's tokens (64)")
+    parser.add_argument("--before", metavar="TREE",
+                        help="also time syncsgd's step as this tree (the code before) runs it")
     parser.add_argument("--json", metavar="PATH", help="write the rows and samples as JSON")
     parser.add_argument(
         "--serve", choices=("syncsgd", "gemm", "ddp", "jax"), help=argparse.SUPPRESS

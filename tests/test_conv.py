@@ -78,8 +78,8 @@ def oracle_of(text: str, p: dict, x: np.ndarray, dy: np.ndarray):
 
 
 LAYERS = ["conv(3, 3)", "conv(4, 3, pad=1)", "conv(2, 2, stride=2)", "conv(3, 3, stride=2, pad=1)",
-          "conv(2, 1)", "maxpool(2)", "maxpool(3, stride=1)", "avgpool(2)", "avgpool(2, stride=1)",
-          "flatten"]  # fmt: skip
+          "conv(2, 1)", "conv(3, 5, pad=2)", "conv(2, 5, stride=2, pad=1)", "maxpool(2)",
+          "maxpool(3, stride=1)", "avgpool(2)", "avgpool(2, stride=1)", "flatten"]  # fmt: skip
 
 
 SUMS = {"float": 1e-13, "exact": 1e-10}  # how far the gradient sums may be from the oracle's
@@ -117,6 +117,21 @@ def test_any_conv_is_the_oracles(channels, out, height, width, kernel, stride, p
     for name in g:
         np.testing.assert_allclose(g[name], sums_expected[name], rtol=1e-13,
                                    atol=SUMS["exact" if exact else "float"])  # fmt: skip
+
+
+@pytest.mark.parametrize("patch_bytes", [1, 2 * 50 * 36 * 8])  # a sample a chunk; 2, 2 and 1
+@pytest.mark.parametrize("text", ["conv(3, 5, pad=2)", "conv(2, 3, stride=2, pad=1)"])
+def test_float_mode_conv_in_chunks_of_samples_is_the_oracles(text, patch_bytes, monkeypatch):
+    from syncsgd.nn.layers import conv
+
+    monkeypatch.setattr(conv, "PATCH_BYTES", patch_bytes)
+    x = np.random.default_rng(5).standard_normal((5, 2, 6, 6))
+    _, p, y, g, dy, dx = one_layer(text, (2, 6, 6), "float", x)
+    y_expected, sums_expected, dx_expected = oracle_of(text, p, x, dy)
+    np.testing.assert_allclose(y, y_expected, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(dx, dx_expected, rtol=1e-13, atol=1e-14)
+    for name in g:
+        np.testing.assert_allclose(g[name], sums_expected[name], rtol=1e-13, atol=SUMS["float"])
 
 
 def test_a_max_pool_tie_goes_to_the_first_maximum():

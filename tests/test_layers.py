@@ -88,6 +88,26 @@ def test_a_relu_absorbed_by_its_dense_layer_gives_the_relus_own_bits(mode, preci
     assert ours[0] == theirs[0] and ours[1].tobytes() == theirs[1].tobytes()
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["float", "exact"])
+def test_a_relu_absorbed_by_its_conv_layer_gives_the_relus_own_bits(mode, precision,
+                                                                    micro_batches):  # fmt: skip
+    spec = "conv(3, 3, pad=1) relu maxpool(2) conv(2, 3) relu relu flatten dense"
+    absorbing = build(spec, (2, 6, 6), 3, "xent", "float32")
+    assert absorbing.absorbed == {1, 4}  # after a conv; never after another relu
+    apart = build(spec, (2, 6, 6), 3, "xent", "float32")
+    apart.absorbed = frozenset()
+    for layer in apart.layers:
+        layer.activation = IDENTITY
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((9, 72)), rng.integers(0, 3, 9)
+    X[0] = 0.0  # a sample whose first pre-activations are the bias alone
+    ours = local_sums(absorbing, X, y, mode, precision, micro_batches)
+    theirs = local_sums(apart, X, y, mode, precision, micro_batches)
+    assert ours[0] == theirs[0] and ours[1].tobytes() == theirs[1].tobytes()
+
+
 # -- the headline: distributed == serial for any P, exact mode bitwise for any P -------------------
 
 

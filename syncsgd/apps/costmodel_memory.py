@@ -207,8 +207,16 @@ def activations(config: Any, shapes: Shapes) -> int:
     positions = math.prod(network.layers[-1].out_shape[:-1])
     size += m * math.prod(network.in_shape) * item + m * positions * 8
     size += output_bytes(network, m, item)
-    size += sum(layer.kept_bytes(m, item) for layer in network.layers)
+    free = free_order(config)
+    size += sum(layer.free_kept_bytes(m, item) if free and hasattr(layer, "free_kept_bytes")
+                else layer.kept_bytes(m, item) for layer in network.layers)  # fmt: skip
     return size + batchnorm_bytes(network, m, item)
+
+
+def free_order(config: Any) -> bool:
+    """Whether the passes' layers may run kernels of their own (float mode, fp32: nn/numerics.py's
+    free_order), which keep and use other arrays."""
+    return not config.exact and config.precision == "fp32"
 
 
 def output_bytes(network: Any, m: int, itemsize: int) -> int:
@@ -239,7 +247,9 @@ def workspaces(config: Any, shapes: Shapes, width: int) -> int:
     _, m = micro_batch(config, shapes.ranks)
     item = pass_itemsize(config, network)
     size = output_bytes(network, m, item)
-    size += sum(layer.scratch_bytes(m, item) for layer in network.layers)
+    free = free_order(config)
+    size += sum(layer.free_scratch_bytes(m, item) if free and hasattr(layer, "free_scratch_bytes")
+                else layer.scratch_bytes(m, item) for layer in network.layers)  # fmt: skip
     size += network.largest_weight() * item  # one weight's gradient before it is added
     if config.precision != "fp32":
         size += network.n_params * 4  # the weights rounded to the format, in float32

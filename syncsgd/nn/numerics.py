@@ -13,12 +13,14 @@ A layer computes with these primitives only, so a mode written here works for ev
   loss_sum(losses)          the sum of the per-sample losses
 A dense layer followed by a relu applies it in affine_ and affine_sums_ (Network.absorbed): in
 float mode one call each around BLAS, a pass fewer each way than the relu's own, the same values.
-Float mode calls BLAS and sums in sample order. Narrow mode (bf16/fp16, emulated as autocast runs
-them) computes on float32 values of the format and rounds every product's result. Exact mode runs
-per-sample products in a fixed order (batch-invariant) and does not sum at once: each sum is a
-term it registers, with the peak of its factors; once every rank agrees on the peaks (a
-MAX-allreduce), `accumulate_` extracts every term at its agreed fixed point, so the sums are exact
-and their bits do not depend on how the batch is split. docs/exact-mode.md has the proof.
+Float mode calls BLAS and sums in sample order; its `free_order` lets a layer take its sums in
+any order with kernels of its own (conv's chunks of patches), which the other modes refuse.
+Narrow mode (bf16/fp16, emulated as autocast runs them) computes on float32 values of the format
+and rounds every product's result. Exact mode runs per-sample products in a fixed order
+(batch-invariant) and does not sum at once: each sum is a term it registers, with the peak of its
+factors; once every rank agrees on the peaks (a MAX-allreduce), `accumulate_` extracts every term
+at its agreed fixed point, so the sums are exact and their bits do not depend on how the batch is
+split. docs/exact-mode.md has the proof.
 """
 
 from __future__ import annotations
@@ -253,6 +255,7 @@ class Float:
     """BLAS products in the model's dtype; sums over samples in BLAS or in sample order."""
 
     exact = False
+    free_order = True  # a layer may take its sums in any order, with kernels of its own
 
     def __init__(self, dtype: np.dtype, max_weights: int, group: Group | None = None) -> None:
         self.dtype = np.dtype(dtype)  # of the activations and deltas
@@ -387,6 +390,8 @@ class Float:
 class Narrow(Float):
     """bf16/fp16 as autocast: products of format values in float32, their results rounded."""
 
+    free_order = False  # every product's result is rounded: the layers keep to the primitives
+
     def __init__(self, dtype: np.dtype, max_weights: int, fmt: int, n_params: int,
                  group: Group | None = None) -> None:  # fmt: skip
         super().__init__(np.dtype(np.float32), max_weights, group)
@@ -447,6 +452,7 @@ class Exact(Float):
     """Per-sample products in a fixed order; every sum extracted at an agreed fixed point."""
 
     exact = True
+    free_order = False  # the order of every sum is fixed
 
     def __init__(self, dtype: np.dtype, max_weights: int, max_block: int,
                  group: Group | None = None, ranks: Group | None = None) -> None:  # fmt: skip

@@ -45,6 +45,7 @@ class Primitives(Protocol):
 
     dtype: np.dtype  # of the activations and deltas
     group: Group  # BatchNorm's statistics group
+    free_order: bool  # float mode: a layer may order its sums as it likes, in kernels of its own
 
     def matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray,
                 transpose_b: bool) -> None: ...  # fmt: skip

@@ -12,6 +12,15 @@ The workspaces (the patches, the rows, the patches' gradient) belong to the pass
 extracts its sums from them after the whole backward pass. The ranks' threads share one network,
 so they are kept per numerics (`nx.group`, as batchnorm's statistics), grown once to the largest
 micro-batch seen, in the dtype of x.
+
+Float mode (`nx.free_order`), whose sums may be taken in any order, runs its own kernels instead:
+the patches of a few samples at a time (about PATCH_BYTES, so that they are still in the caches
+when the product reads them), gathered again for the weight's sums rather than kept; the forward
+product as rows (patches times W^T, the shape BLAS runs fastest), laid out NCHW with the bias and
+an absorbed relu in the same pass; the weight's sums as (out, positions) x (positions, C·k·k)
+products over the chunks' patches laid out by columns; the gradient at the input, sample by
+sample, W^T times the sample's (out, H'·W') gradient, scattered back from the cache. A relu right
+after the conv is applied in its passes (`absorb`), in every mode, with the relu's own bits.
 """
 
 from __future__ import annotations
@@ -21,7 +30,10 @@ import math
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.layers.base import Layer, Param, Primitives, Shape, Workspaces
+from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Primitives, Shape, Workspaces
+from syncsgd.nn.layers.relu import rectified, rectified_grad, relu_, relu_backward_
+
+PATCH_BYTES = 1 << 20  # float mode: the patches of a chunk of samples, about one core's L2
 
 
 class Conv(Layer):
@@ -37,6 +49,7 @@ class Conv(Layer):
             if value < low:
                 raise ValueError(f"conv: {name} must be >= {low}, got {value}")
         self.out_channels, self.kernel, self.stride, self.pad = out_channels, kernel, stride, pad
+        self.activation = IDENTITY  # RELU: the relu after it, applied in its passes (absorb)
 
     def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
         """(out_channels, H', W') of a (C, H, W) input."""
@@ -60,27 +73,61 @@ class Conv(Layer):
         positions = self.out_shape[1] * self.out_shape[2]
         return m * positions, self.in_shape[0] * self.kernel * self.kernel, positions
 
+    def _padded_shape(self) -> tuple[int, int, int]:
+        """(C, H + 2 pad, W + 2 pad): a sample with its padding, for float mode's kernels."""
+        channels, height, width = self.in_shape
+        return channels, height + 2 * self.pad, width + 2 * self.pad
+
     def _weight(self, p: dict[str, np.ndarray]) -> np.ndarray:
         """The weight as a (out, C·k·k) matrix (a view)."""
         return p["weight"].reshape(self.out_channels, -1)
 
+    def absorb(self, following: Layer) -> bool:
+        """A relu right after it is applied in its own passes (one pass fewer each way)."""
+        if following.kind != "relu":
+            return False
+        self.activation = RELU
+        return True
+
+    def _chunk(self, itemsize: int) -> int:
+        """Samples per chunk of float mode's patches: about PATCH_BYTES of them, at least one."""
+        _, width, positions = self._sizes(1)
+        return max(1, PATCH_BYTES // (positions * width * itemsize))
+
     def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                  y: np.ndarray) -> None:  # fmt: skip
-        """y = round(patches W^T + b), laid out NCHW: the bias after the product, one rounding."""
-        n_rows, width, _ = self._sizes(x.shape[0])
+        """y = round(patches W^T + b), laid out NCHW: the bias after the product, one rounding;
+        then the absorbed relu."""
         spaces = nx.group.stats(self.position, Workspaces, 0)
+        if nx.free_order:  # the patches a chunk at a time, not kept
+            chunk = self._chunk(x.itemsize)
+            n_rows, width, _ = self._sizes(chunk)
+            cols = spaces.get("cols", (n_rows, width), x.dtype)
+            out = spaces.get("rows", (n_rows, self.out_channels), x.dtype)
+            conv_forward_(x, self._weight(p), p["bias"], self.kernel, self.stride, self.pad,
+                          self.activation, chunk, cols, out, y)  # fmt: skip
+            return
+        n_rows, width, _ = self._sizes(x.shape[0])
         cols = spaces.keep("cols", (n_rows, width), x.dtype)
         im2col_(x, self.kernel, self.stride, self.pad, cols)
         out = spaces.get("rows", (n_rows, self.out_channels), x.dtype)  # backward reuses it
         nx.matmul_(cols, self._weight(p), out, True)
         rows_to_channels_(out, p["bias"], y)
         nx.round_(y)
+        if self.activation == RELU:
+            relu_(y.reshape(-1), y.reshape(-1))
 
     def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
-        """g.weight += dy_rows^T patches, g.bias += column sums of dy_rows (H'·W' rows a sample)."""
+        """dy through the absorbed relu (in place); g.weight += dy_rows^T patches, g.bias +=
+        column sums of dy_rows (H'·W' rows a sample)."""
         n_rows, width, positions = self._sizes(x.shape[0])
         spaces = nx.group.stats(self.position, Workspaces, 0)
+        if nx.free_order:
+            self._free_sums_(nx, spaces, g, x, y, dy)
+            return
+        if self.activation == RELU:
+            relu_backward_(y.reshape(-1), dy.reshape(-1), dy.reshape(-1))
         d = spaces.get("rows", (n_rows, self.out_channels), dy.dtype)
         channels_to_rows_(dy, d)
         cols = spaces.keep("cols", (n_rows, width), x.dtype)  # the forward pass's patches
@@ -88,11 +135,32 @@ class Conv(Layer):
                       positions)  # fmt: skip
         nx.column_sum_(self.position, d, g["bias"], positions)
 
+    def _free_sums_(self, nx: Primitives, spaces: Workspaces, g: dict[str, np.ndarray],
+                    x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
+        """Float mode's sums, chunk by chunk of samples, then added into g."""
+        chunk = self._chunk(x.itemsize)
+        n_columns, width, _ = self._sizes(chunk)
+        columns = spaces.get("columns", (n_columns * width,), x.dtype)
+        padded = spaces.get("padded", (chunk, *self._padded_shape()), x.dtype)
+        d = spaces.get("dcolumns", (self.out_channels * n_columns,), dy.dtype)
+        weight_sums = spaces.get("weight sums", (2, self.out_channels, width), dy.dtype)
+        bias_sums = spaces.get("bias sums", (self.out_channels,), dy.dtype)
+        conv_sums_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk, padded,
+                   columns, d, weight_sums, bias_sums)  # fmt: skip
+        nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums[0])
+        nx.add_(g["bias"], bias_sums)
+
     def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                         y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
-        """dx = round(col2im(dy_rows W)): the rows backward_sums_ laid out (it runs first)."""
-        n_rows, width, _ = self._sizes(x.shape[0])
+        """dx = round(col2im(dy_rows W)): from what backward_sums_ laid out (it runs first)."""
+        n_rows, width, positions = self._sizes(x.shape[0])
         spaces = nx.group.stats(self.position, Workspaces, 0)
+        if nx.free_order:
+            columns = spaces.get("sample columns", (width, positions), dy.dtype)
+            padded = spaces.get("padded", (1, *self._padded_shape()), dy.dtype)
+            conv_input_grad_(dy, self._weight(p), self.kernel, self.stride, self.pad, columns,
+                             padded[0], dx)  # fmt: skip
+            return
         d = spaces.get("rows", (n_rows, self.out_channels), dy.dtype)
         dcols = spaces.get("dcols", (n_rows, width), dy.dtype)
         nx.matmul_(d, self._weight(p), dcols, False)
@@ -109,6 +177,23 @@ class Conv(Layer):
         the first layer, whose input has no gradient)."""
         n_rows, width, _ = self._sizes(m)
         return n_rows * (self.out_channels + (width if self.position else 0)) * itemsize
+
+    def free_kept_bytes(self, m: int, itemsize: int) -> int:
+        """Float mode's kernels keep nothing: the patches are gathered again for the sums."""
+        return 0
+
+    def free_scratch_bytes(self, m: int, itemsize: int) -> int:
+        """Float mode's kernels: a chunk's patches and rows (forward), its patches by columns,
+        its padded samples, their gradient, the weight's and the bias's sums (backward), and a
+        sample's columns for the gradient at the input (but the first layer's)."""
+        chunk = self._chunk(itemsize)
+        n_rows, width, positions = self._sizes(chunk)
+        channels, height, breadth = self._padded_shape()
+        values = (n_rows * width + n_rows * self.out_channels + n_rows * width
+                  + chunk * channels * height * breadth + self.out_channels * n_rows
+                  + 2 * self.out_channels * width + self.out_channels
+                  + (width * positions if self.position else 0))  # fmt: skip
+        return values * itemsize
 
     def multiply_adds(self) -> int:
         """H'·W' output positions x C·k·k x out_channels per sample: im2col's product."""
@@ -135,10 +220,23 @@ def window_positions(what: str, in_shape: Shape, kernel: int, stride: int,
     return (height + 2 * pad - kernel) // stride + 1, (width + 2 * pad - kernel) // stride + 1
 
 
+# The gathers and scatters run four times faster when the kernel's size is a constant: each
+# dispatches the common sizes to a copy of its loops compiled for that size.
 @njit(nogil=True, cache=True)
 def im2col_(x, k, stride, pad, cols):
     """cols[(n H' + i) W' + j, (c k + a) k + b] = x[n, c, i stride + a - pad, j stride + b - pad],
     0 outside the input."""
+    if k == 3:
+        gather_rows_(x, 3, stride, pad, cols)
+    elif k == 5:
+        gather_rows_(x, 5, stride, pad, cols)
+    else:
+        gather_rows_(x, k, stride, pad, cols)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def gather_rows_(x, k, stride, pad, cols):
+    """im2col_'s loops."""
     m, channels, height, width = x.shape
     per_sample = cols.shape[0] // max(m, 1)
     out_w = (width + 2 * pad - k) // stride + 1
@@ -163,6 +261,17 @@ def im2col_(x, k, stride, pad, cols):
 def col2im_(dcols, k, stride, pad, dx):
     """dx = 0, then dx[n, c, i stride + a - pad, j stride + b - pad] += dcols[row, (c k + a) k + b]
     inside the input: sample by sample, in the same order whatever the samples beside it."""
+    if k == 3:
+        scatter_rows_(dcols, 3, stride, pad, dx)
+    elif k == 5:
+        scatter_rows_(dcols, 5, stride, pad, dx)
+    else:
+        scatter_rows_(dcols, k, stride, pad, dx)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def scatter_rows_(dcols, k, stride, pad, dx):
+    """col2im_'s loops."""
     m, channels, height, width = dx.shape
     per_sample = dcols.shape[0] // max(m, 1)
     out_w = (width + 2 * pad - k) // stride + 1
@@ -206,3 +315,170 @@ def channels_to_rows_(dy, rows):
             for j in range(out_w):
                 for o in range(out):
                     rows[(n * out_h + i) * out_w + j, o] = dy[n, o, i, j]
+
+
+# -- float mode's kernels: any order of sums, chunks of samples in the caches ---------------------
+
+
+@njit(nogil=True, cache=True)
+def rows_to_channels_act_(rows, bias, activation, y):
+    """y[n, o, i, j] = act(rows[(n H' + i) W' + j, o] + bias[o])."""
+    m, out, out_h, out_w = y.shape
+    positions = out_h * out_w
+    zero = y.dtype.type(0)
+    for n in range(m):
+        for o in range(out):
+            plane = y[n, o].reshape(positions)
+            for r in range(positions):
+                value = rows[n * positions + r, o] + bias[o]
+                plane[r] = rectified(value, zero) if activation == RELU else value
+
+
+@njit(nogil=True, cache=True)
+def conv_forward_(x, weight, bias, k, stride, pad, activation, chunk, cols, rows, y):
+    """y = act(patches W^T + b), laid out NCHW, `chunk` samples at a time."""
+    m = x.shape[0]
+    positions = y.shape[2] * y.shape[3]
+    for start in range(0, m, chunk):
+        stop = min(start + chunk, m)
+        n_rows = (stop - start) * positions
+        im2col_(x[start:stop], k, stride, pad, cols[:n_rows])
+        np.dot(cols[:n_rows], weight.T, rows[:n_rows])
+        rows_to_channels_act_(rows[:n_rows], bias, activation, y[start:stop])
+
+
+@njit(nogil=True, cache=True, inline="always")
+def valid_columns(out_w, width, stride, pad, b):
+    """[j_lo, j_hi): the output columns j whose input column j stride + b - pad is inside."""
+    j_lo = min(out_w, max(0, (pad - b + stride - 1) // stride))
+    j_hi = max(j_lo, min(out_w, (width - 1 + pad - b) // stride + 1))
+    return j_lo, j_hi
+
+
+@njit(nogil=True, cache=True)
+def pad_(x, pad, padded):
+    """padded = x with `pad` zeros around every plane."""
+    m, channels, height, width = x.shape
+    padded[...] = 0
+    for n in range(m):
+        for c in range(channels):
+            for h in range(height):
+                for w in range(width):
+                    padded[n, c, h + pad, w + pad] = x[n, c, h, w]
+
+
+@njit(nogil=True, cache=True)
+def im2col_columns_(x, k, stride, pad, padded, columns):
+    """columns[(c k + a) k + b, (n H' + i) W' + j] = x[n, c, i stride + a - pad, j stride + b -
+    pad], 0 outside the input: the patches by columns (x padded into `padded` first)."""
+    pad_(x, pad, padded)
+    if k == 3:
+        gather_columns_(padded, 3, stride, columns)
+    elif k == 5:
+        gather_columns_(padded, 5, stride, columns)
+    else:
+        gather_columns_(padded, k, stride, columns)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def gather_columns_(padded, k, stride, columns):
+    """im2col_columns_'s loops, over the padded input."""
+    m, channels, height, width = padded.shape
+    out_h, out_w = (height - k) // stride + 1, (width - k) // stride + 1
+    positions = out_h * out_w
+    for c in range(channels):
+        for a in range(k):
+            first = (c * k + a) * k
+            for n in range(m):
+                for i in range(out_h):
+                    base, h = n * positions + i * out_w, i * stride + a
+                    for j in range(out_w):
+                        for b in range(k):
+                            columns[first + b, base + j] = padded[n, c, h, j * stride + b]
+
+
+@njit(nogil=True, cache=True)
+def gradient_columns_(y, dy, activation, d, bias_sums):
+    """d[o, n H'W' + r] = dy[n, o, r], through the relu (0 where y <= 0, written back into dy);
+    bias_sums[o] += them, in sample order."""
+    m, out, out_h, out_w = dy.shape
+    positions = out_h * out_w
+    zero = dy.dtype.type(0)
+    for n in range(m):
+        for o in range(out):
+            grads, outputs = dy[n, o].reshape(positions), y[n, o].reshape(positions)
+            base = n * positions
+            total = zero
+            for r in range(positions):
+                value = grads[r]
+                if activation == RELU:
+                    value = rectified_grad(outputs[r], value, zero)
+                    grads[r] = value
+                d[o, base + r] = value
+                total += value
+            bias_sums[o] += total
+
+
+@njit(nogil=True, cache=True)
+def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, weight_sums,
+               bias_sums):  # fmt: skip
+    """weight_sums[0] = the sum over samples of dy_n (out, H'W') patches_n^T, bias_sums = dy's
+    sums per channel, `chunk` samples at a time (dy through the relu first, in place)."""
+    m, out, out_h, out_w = dy.shape
+    positions, width = out_h * out_w, weight_sums.shape[2]
+    bias_sums[:] = 0
+    for start in range(0, m, chunk):
+        stop = min(start + chunk, m)
+        n_columns = (stop - start) * positions
+        part = columns[: width * n_columns].reshape((width, n_columns))
+        im2col_columns_(x[start:stop], k, stride, pad, padded[: stop - start], part)
+        grads = d[: out * n_columns].reshape((out, n_columns))
+        gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
+        if start == 0:
+            np.dot(grads, part.T, weight_sums[0])
+        else:
+            np.dot(grads, part.T, weight_sums[1])
+            weight_sums[0] += weight_sums[1]
+
+
+@njit(nogil=True, cache=True)
+def col2im_columns_(columns, k, stride, pad, padded, dx):
+    """dx = 0, then dx[c, i stride + a - pad, j stride + b - pad] += columns[(c k + a) k + b,
+    i W' + j] inside the input: one sample's patches' gradient, laid out by columns, scattered
+    onto `padded` (dx with `pad` around), whose inside is then dx."""
+    padded[...] = 0
+    if k == 3:
+        scatter_columns_(columns, 3, stride, padded)
+    elif k == 5:
+        scatter_columns_(columns, 5, stride, padded)
+    else:
+        scatter_columns_(columns, k, stride, padded)
+    channels, height, width = dx.shape
+    for c in range(channels):
+        for h in range(height):
+            for w in range(width):
+                dx[c, h, w] = padded[c, h + pad, w + pad]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def scatter_columns_(columns, k, stride, padded):
+    """col2im_columns_'s loops, onto the padded gradient."""
+    channels, height, width = padded.shape
+    out_h, out_w = (height - k) // stride + 1, (width - k) // stride + 1
+    for c in range(channels):
+        for a in range(k):
+            first = (c * k + a) * k
+            for i in range(out_h):
+                base, h = i * out_w, i * stride + a
+                for j in range(out_w):
+                    for b in range(k):
+                        padded[c, h, j * stride + b] += columns[first + b, base + j]
+
+
+@njit(nogil=True, cache=True)
+def conv_input_grad_(dy, weight, k, stride, pad, columns, padded, dx):
+    """dx = col2im(W^T dy_n) sample by sample: the product's (C·k·k, H'W') in the caches."""
+    m, out, out_h, out_w = dy.shape
+    for n in range(m):
+        np.dot(weight.T, dy[n].reshape((out, out_h * out_w)), columns)
+        col2im_columns_(columns, k, stride, pad, padded, dx[n])
