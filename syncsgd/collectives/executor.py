@@ -206,6 +206,12 @@ def _planned_steps(algorithm: Algorithm, length: int, dtype: np.dtype, size: int
     return tuple(_planned(step, dtype.itemsize, scratch) for step in steps)
 
 
+def forget_plans() -> None:
+    """Let this thread's plans and scratch go: the next collective allocates them afresh."""
+    _forget_plans()
+    _local.scratch = {}
+
+
 def _forget_plans() -> None:
     """Let this thread's plans go, and free their persistent requests."""
     dropped = getattr(_local, "plans", {}).values()

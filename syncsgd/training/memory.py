@@ -82,6 +82,19 @@ def measure(comm: Any, run: Any, make_step: Callable[[Any, np.ndarray, Any], Any
     over the ranks, the total and the process's peak resident memory."""
     threads = type(comm).__name__ == "ThreadComm"
     rank = comm.Get_rank()
+    # One step untraced first: the kernels load (Numba's caches: many small allocations, which
+    # tracemalloc would trace with their frames, slowly), and the traced steps find them loaded;
+    # on a communicator of its own, and the collectives' plans and scratch (kept per thread) let
+    # go after it: the traced step allocates its own.
+    from syncsgd.collectives.executor import forget_plans
+
+    warm = comm.Dup()
+    try:
+        _traced_steps(warm, run, make_step, first_params, steps=STEPS[:1])
+    finally:
+        forget_plans()
+        if hasattr(warm, "Free"):
+            warm.Free()
     ours = _start(rank, threads, comm)
     try:
         held_step = _as_rank(rank, _traced_steps, comm, run, make_step, first_params)
@@ -101,7 +114,7 @@ def measure(comm: Any, run: Any, make_step: Callable[[Any, np.ndarray, Any], Any
 
 
 def _traced_steps(comm: Any, run: Any, make_step: Callable[[Any, np.ndarray, Any], Any],
-                  first_params: np.ndarray) -> Any:  # fmt: skip
+                  first_params: np.ndarray, steps: tuple[int, ...] = STEPS) -> Any:  # fmt: skip
     """Build the step from copies and take the untimed steps; the step, held until the
     snapshot."""
     from syncsgd.nn.optim import make_optimizer
@@ -114,7 +127,7 @@ def _traced_steps(comm: Any, run: Any, make_step: Callable[[Any, np.ndarray, Any
                                    run.model.dtype, config, run.model.layout())  # fmt: skip
     stepper = make_step(comm, params, optimizer)
     try:
-        for step in STEPS:
+        for step in steps:
             stepper.take_(step)
     finally:
         stepper.close()
