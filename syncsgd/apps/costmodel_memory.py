@@ -324,8 +324,7 @@ def limit_lines(config: Any, shapes: Shapes, limit: int) -> tuple[list[str], lis
         per_rank = micro_batch(replace(config, batch_size=max(batch, 1)), shapes.ranks)[1]
         shown = (f"{batch:,} (micro-batch {per_rank} per rank)" if batch
                  else "none: batch 1 does not fit")  # fmt: skip
-        note = "" if stage < 2 else " (as designed, not yet run)"
-        lines.append(f"  stage {stage}: {shown}{note}")
+        lines.append(f"  stage {stage}: {shown}")
         rows.append({"zero_stage": stage, "batch_size": batch, "micro_batch": per_rank if batch
                      else 0})  # fmt: skip
     return lines, rows
