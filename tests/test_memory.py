@@ -4,9 +4,13 @@ bad input is one line."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -112,3 +116,104 @@ def test_bad_input_is_one_line(capsys, args, expected):
         code = exit.code
     err = capsys.readouterr().err
     assert code != 0 and err.count("\n") == 1 and expected in err and "Traceback" not in err, err
+
+
+def test_bench_step_reports_the_memory_train_measures(tmp_path, capsys):
+    from syncsgd.apps.bench import step
+
+    parser = argparse.ArgumentParser()
+    step.add_arguments(parser)
+    path = tmp_path / "step.json"
+    options = parser.parse_args([
+        "--backend", "threads", "--ranks", "1,2", "--scaling", "weak", "--features", "6",
+        "--hidden", "5", "--classes", "3", "--samples", "32", "--per-rank-batch", "4",
+        "--steps", "2", "--repeats", "1", "--warmup", "1", "--no-overhead", "--cli-runs", "0",
+        "--optimizer", "adam", "--json", str(path)])  # fmt: skip
+    assert step.main(options) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(path.read_text())["scaling"]
+    for row in rows:
+        config = step.train_config(options, row["global_batch"])
+        alone = train(config, ranks=row["ranks"], steps=1, measure_memory=True).memory_bytes
+        assert set(row["memory_bytes"]) == set(alone)
+        assert [row["memory_bytes"][name] for name in CATEGORIES] == [
+            alone[name] for name in CATEGORIES]
+    line = next(line for line in out.splitlines() if line.startswith("# memory per rank"))
+    assert "weak P=1:" in line and "weak P=2:" in line and "peak resident" in line
+
+
+def test_the_figure_has_a_line_per_stage_and_the_measured_points(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path, json_path = tmp_path / "memory.svg", tmp_path / "memory.json"
+    code = main(["model", "--memory", "--ranks", "2", "--batch-size", "8", "--samples", "64",
+                 "--hidden", "32", "--features", "16", "--classes", "3", "--optimizer", "adam",
+                 "--svg", str(path), "--measured", "1,2", "--json", str(json_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and out.splitlines()[-1] == f"wrote {path}"
+    svg = path.read_text()
+    assert svg.startswith("<?xml") and all(f"stage {k}, predicted" in svg for k in range(4))
+    assert "measured at P = 1, 2" in svg
+    rows = json.loads(json_path.read_text())["figure"]
+    assert {(row["zero_stage"], row["ranks"]) for row in rows} == {
+        (stage, ranks) for stage in range(4) for ranks in costmodel_memory.FIGURE_RANKS}
+    for row in rows:
+        assert row["batch_size"] == 4 * row["ranks"]  # the per-rank batch held
+        if row["ranks"] in (1, 2):
+            assert abs(row["predicted"] - row["measured"]) <= 0.05 * row["measured"]
+        else:
+            assert row["measured"] is None
+    stage = {k: [row["predicted"] for row in rows if row["zero_stage"] == k] for k in range(4)}
+    assert stage[1][-1] < stage[0][-1]  # sharding the optimizer's state pays at P = 64
+
+
+def test_the_figure_is_legible_on_a_slide(tmp_path):
+    pytest.importorskip("matplotlib")
+    from syncsgd.training.config import TrainConfig
+    from syncsgd.util.figures import legibility, new_figure
+
+    config = TrainConfig(batch_size=8, samples=64, hidden=(8,), features=6, classes=3)
+    shapes = costmodel_memory.shapes_of(config, 2)
+    rows = costmodel_memory.figure_rows(config, shapes, [])
+    drawn = []
+    original = new_figure
+
+    def keep(*args, **kwargs):
+        drawn.append(original(*args, **kwargs))
+        return drawn[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("syncsgd.util.figures.new_figure", keep)
+        costmodel_memory.draw(config, shapes, rows, str(tmp_path / "memory.png"))
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert legibility(drawn[0]) == []
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--png", "memory.gif"], "a figure is written as .png, .svg or .pdf"),
+    (["--measured"], "--measured draws its points on the figure"),
+    (["--pdf", "memory.pdf", "--measured", "0"], "--measured"),
+])  # fmt: skip
+def test_bad_figure_options_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys, args,
+                                                           expected):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["model", "--memory", *args])
+    except SystemExit as exit:
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code != 0 and err.count("\n") == 1 and expected in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_figure_without_matplotlib_is_one_line(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    root = pathlib.Path(costmodel_memory.__file__).parents[2]
+    path = os.pathsep.join([str(blocker), str(root)])  # the package under test, no matplotlib
+    done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "model", "--memory", "--png",
+                           "memory.png"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+    assert done.returncode == 1 and done.stdout == "", done.stdout
+    assert done.stderr.count("\n") == 1 and "pip install" in done.stderr, done.stderr
+    assert not (tmp_path / "memory.png").exists()

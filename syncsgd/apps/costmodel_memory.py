@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 
 from syncsgd.util import jsonout
+from syncsgd.util.argtypes import rank_list
+from syncsgd.util.figures import figure_path, require_matplotlib
 from syncsgd.util.files import check_writable
-from syncsgd.util.options import JSON, RANKS
+from syncsgd.util.options import JSON, RANKS, writes
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "workspaces",
               "communication_buffers")  # fmt: skip
@@ -30,6 +32,8 @@ RIDERS = 3  # the loss sum, the non-finite flag and the stop flag ride with ever
 SQUARE_LIMBS = 70  # nn/exact.py's: a sharded step's int64 limbs of exact squares
 STATE_ARRAYS = {"sgd": 1, "adam": 2, "adamw": 2, "lamb": 2, "lars": 1}  # per element
 SCRATCH_ARRAYS = {"sgd": 0, "adam": 1, "adamw": 1, "lamb": 1, "lars": 0}  # beside FlatOptimizer's
+FIGURE_RANKS = (1, 2, 4, 8, 16, 32, 64)  # the figure's P
+MEASURED_RANKS = (1, 2, 4)  # --measured alone: thread ranks, cheap for a small network
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10,
          "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -330,8 +334,7 @@ def limit_lines(config: Any, shapes: Shapes, limit: int) -> tuple[list[str], lis
         per_rank = micro_batch(replace(config, batch_size=max(batch, 1)), shapes.ranks)[1]
         shown = (f"{batch:,} (micro-batch {per_rank} per rank)" if batch
                  else "none: batch 1 does not fit")  # fmt: skip
-        note = "" if stage < 2 else " (as designed, not yet run)"
-        lines.append(f"  stage {stage}: {shown}{note}")
+        lines.append(f"  stage {stage}: {shown}")
         rows.append({"zero_stage": stage, "batch_size": batch, "micro_batch": per_rank if batch
                      else 0})  # fmt: skip
     return lines, rows
@@ -368,6 +371,15 @@ def parser() -> argparse.ArgumentParser:
     memory.add_argument("--memory-limit", type=memory_limit, metavar="BYTES",
                         help="also the largest global batch (and micro-batch) that fits in "
                         "BYTES per rank on --ranks ranks at each ZeRO stage, e.g. 24GiB")
+    writes(memory.add_argument(
+        "--png", "--svg", "--pdf", dest="figure", metavar="PATH", type=figure_path,
+        help="draw the bytes per rank against P (1 to 64) at stages 0-3, the per-rank batch "
+        "held: a slide, .png, .svg or .pdf by the extension"))  # fmt: skip
+    memory.add_argument("--measured", nargs="?", type=rank_list, const=list(MEASURED_RANKS),
+                        metavar="LIST",
+                        help="the figure: also measure each stage at these P on thread ranks "
+                        "(a one-step run each, as train --json measures; default "
+                        f"{','.join(map(str, MEASURED_RANKS))}) and draw the points")  # fmt: skip
     memory.add_argument("--backend", help=argparse.SUPPRESS)
     return memory
 
@@ -378,8 +390,17 @@ def main(arguments: list[str]) -> int:
 
     options = parser().parse_args(arguments)
     config = config_of(options)
-    if options.json:
-        check_writable(options.json)
+    for path in (options.json, options.figure):
+        if path:
+            check_writable(path)
+    if options.measured is not None and not options.figure:
+        raise ValueError("--measured draws its points on the figure: give --png, --svg or "
+                         "--pdf too")  # fmt: skip
+    if options.figure:
+        try:
+            require_matplotlib("--png/--svg/--pdf")
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
     ranks = options.ranks or 2
     shapes = shapes_of(config, ranks)
     predicted = predict(config, shapes)
@@ -396,6 +417,101 @@ def main(arguments: list[str]) -> int:
         lines += more
         result["memory_limit"], result["largest_batch"] = options.memory_limit, rows
     print("\n".join(lines))
+    if options.figure:
+        curves = figure_rows(config, shapes, options.measured or [])
+        result["figure"] = curves
+        draw(config, shapes, curves, options.figure)
     if options.json:
         jsonout.write(options.json, result)
+    if options.figure:
+        print(f"wrote {options.figure}")
     return 0
+
+
+# -- the figure: bytes per rank against P at every stage, the per-rank batch held ---------------
+
+
+def figure_rows(config: Any, shapes: Shapes, measured_ranks: list[int]) -> list[dict]:
+    """Per stage and P: the predicted bytes per rank (the six categories) and, at the measured
+    P, what a one-step run on thread ranks holds; the per-rank batch is the config's at its
+    ranks, so the global batch grows with P."""
+    per_rank = micro_batch(config, shapes.ranks)[0]
+    rows = []
+    for stage in STAGES:
+        staged = replace(config, zero_stage=stage)
+        # the kernels load (or compile) outside tracemalloc first: traced, that is slow
+        for ranks in sorted({min(measured_ranks), max(measured_ranks)} if measured_ranks else ()):
+            one_step(staged, ranks, per_rank * ranks, measure=False)
+        for ranks in sorted({*FIGURE_RANKS, *measured_ranks}):
+            batch = per_rank * ranks
+            predicted = predict(replace(staged, batch_size=batch), replace(shapes, ranks=ranks))
+            row: dict[str, Any] = {"zero_stage": stage, "ranks": ranks, "batch_size": batch,
+                                   "predicted": sum(predicted.values()), "measured": None}
+            if ranks in measured_ranks:
+                held = one_step(staged, ranks, batch, measure=True)
+                row["measured"] = sum(held[name] for name in CATEGORIES)
+            rows.append(row)
+    return rows
+
+
+def one_step(config: Any, ranks: int, batch: int, measure: bool) -> dict[str, int]:
+    """memory_bytes of a one-step run at global batch `batch` on `ranks` thread ranks ({}
+    unmeasured)."""
+    from syncsgd.training.loop import train
+
+    result = train(config, ranks=ranks, steps=1, epochs=None, batch_size=batch,
+                   samples=max(config.samples, batch), measure_memory=measure)  # fmt: skip
+    return result.memory_bytes or {}
+
+
+TITLE_CHARACTERS = 80  # a longer network is cut short in the title
+
+
+def draw(config: Any, shapes: Shapes, rows: list[dict], path: str) -> None:
+    """The slide: a predicted line per stage, the measured points over them, a caption."""
+    from syncsgd.util.figures import TEXT_POINTS, new_figure, save, series_style, slide_axes
+
+    figure = new_figure()
+    axes = figure.add_axes((0.08, 0.2, 0.62, 0.66))
+    largest = max(max(row["predicted"], row["measured"] or 0) for row in rows)
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = 0
+    while power + 1 < len(units) and largest >= 1024 ** (power + 1):
+        power += 1
+    unit, scale = units[power], 1024**power
+    for stage in STAGES:
+        style = series_style(stage)
+        ours = [row for row in rows if row["zero_stage"] == stage]
+        axes.plot([row["ranks"] for row in ours], [row["predicted"] / scale for row in ours],
+                  color=style["color"], linestyle=style["linestyle"], linewidth=3,
+                  label=f"stage {stage}, predicted")  # fmt: skip
+        seen = [row for row in ours if row["measured"] is not None]
+        if seen:
+            axes.plot([row["ranks"] for row in seen], [row["measured"] / scale for row in seen],
+                      color=style["color"], marker=style["marker"], markersize=13,
+                      linestyle="none", markeredgecolor="black",
+                      label=f"stage {stage}, measured")  # fmt: skip
+    axes.set_xscale("log", base=2)
+    ranks = sorted({row["ranks"] for row in rows})
+    axes.set_xticks(ranks, [str(p) for p in ranks])
+    axes.set_ylim(bottom=0)
+    axes.set_xlabel("ranks P")
+    axes.set_ylabel(f"bytes per rank ({unit})")
+    network = shapes.network
+    per_rank = micro_batch(config, shapes.ranks)[0]
+    summary = network.summary()
+    summary = summary if len(summary) <= TITLE_CHARACTERS else (
+        summary[: TITLE_CHARACTERS - 1] + "…")  # fmt: skip
+    axes.set_title(f"Memory per rank: {summary}\n{network.n_params:,} parameters, "
+                   f"{network.dtype}, {config.optimizer}, --precision {config.precision}, "
+                   f"{per_rank} samples per rank at every P", loc="left",
+                   fontsize=TEXT_POINTS)  # fmt: skip
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    slide_axes(axes)
+    measured = sorted({row["ranks"] for row in rows if row["measured"] is not None})
+    caption = ("Lines: predicted by syncsgd model --memory, the six categories summed. "
+               + (f"Points: measured at P = {', '.join(map(str, measured))} on thread ranks "
+                  "(train --json's memory_bytes, one-step runs)." if measured
+                  else "Nothing measured (--measured draws measured points)."))  # fmt: skip
+    figure.text(0.02, 0.03, caption, fontsize=TEXT_POINTS, wrap=True)
+    save(figure, path)

@@ -11,7 +11,9 @@ per-step times are the slowest rank's over the steps after the run's first (the 
 the first pays the first touch of fresh buffers), and the median over runs is quoted. Weak scaling
 fixes the per-rank batch (global batch = P x per-rank), strong scaling fixes the global batch. The
 very first step of the process, which compiles the kernels or loads them from Numba's cache, is
-reported apart.
+reported apart. The burn-in of each (scaling, P) also measures the memory per rank, as
+`train --json` does (training/memory.py: on an untimed copy of the step, before the burn-in's own
+steps), never inside the timed runs.
 
 Overhead check (P = 1): `train_rank`'s step against a bare loop calling the same passes directly,
 without ranks (gather the batch, `syncsgd.nn.local.local_gradient(...)(...)`, `grad /= B`, plain
@@ -229,7 +231,9 @@ def first_step(comm: Any, options: argparse.Namespace, run: Run) -> dict:
 def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, run: Run) -> dict:
     """Burn in, then the median over `--repeats` runs of the slowest rank's per-step times."""
     size = comm.Get_size()
-    train_rank(comm, replace(run, steps=options.warmup), quiet=True)
+    # the burn-in also measures the memory per rank, on its own untimed copy of the step
+    burn_in = train_rank(comm, replace(run, steps=options.warmup), quiet=True,
+                         measure_memory=True)  # fmt: skip
     runs = [timed_run(comm, run) for _ in range(options.repeats)]
     medians = [statistics.median(times[part] for times in runs) for part in range(len(PARTS))]
     steps = [times[len(PARTS) - 1] for times in runs]
@@ -243,6 +247,7 @@ def scaling_row(comm: Any, options: argparse.Namespace, scaling: str, run: Run) 
     row["step_max_ms"] = max(steps) * 1e3
     row["samples_per_s"] = batch / medians[-1]
     row["steps"], row["repeats"] = run.steps, options.repeats
+    row["memory_bytes"] = burn_in.memory_bytes
     return row
 
 
@@ -508,7 +513,7 @@ def write_outputs(options: argparse.Namespace, result: dict) -> None:
     if options.json:
         jsonout.write(options.json, result)
     if options.csv:
-        rows = result["scaling"]
+        rows = [csv_row(row) for row in result["scaling"]]
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=list(rows[0]) if rows else ["scaling"])
         writer.writeheader()
@@ -517,6 +522,13 @@ def write_outputs(options: argparse.Namespace, result: dict) -> None:
     if options.png:
         title = f"bench step: {result['model']}, --bucket-bytes sweep, {result['backend']} backend"
         draw_png(result["bucket_sweep"], options.png, title)
+
+
+def csv_row(row: dict) -> dict:
+    """A scaling row with its memory per category in columns of their own (memory_<name>)."""
+    flat = {key: value for key, value in row.items() if key != "memory_bytes"}
+    flat.update({f"memory_{name}": count for name, count in row.get("memory_bytes", {}).items()})
+    return flat
 
 
 # --- the driver -----------------------------------------------------------------------------------
@@ -709,7 +721,20 @@ def scaling_section(options: argparse.Namespace, call: Callable, rank_counts: li
                      for row in rows if row["bytes_sent_per_step"] is not None)  # fmt: skip
     if sent:  # (the executor's messages: the library's own allreduce's are not seen)
         say(f"# bytes a rank sends per step (the most over the ranks): {sent}", flush=True)
+    say(memory_line(rows), flush=True)
     return jit, rows
+
+
+def memory_line(rows: list[dict]) -> str:
+    """The measured memory per rank of every row, on one line (--json: per category)."""
+    from syncsgd.apps.costmodel_memory import format_bytes
+
+    held = ", ".join(f"{row['scaling']} P={row['ranks']}: "
+                     f"{format_bytes(row['memory_bytes']['total'])}" for row in rows)
+    resident = max(row["memory_bytes"]["peak_resident"] for row in rows)
+    return (f"# memory per rank, measured on the burn-in's untimed copy of the step (the most "
+            f"over the ranks; --json: memory_bytes per category): {held}; the process's peak "
+            f"resident memory {format_bytes(resident)}")
 
 
 def overlap_pair(comm: Any, options: argparse.Namespace, plain: Run, overlapped: Run) -> dict:
