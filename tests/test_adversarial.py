@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shlex
@@ -625,6 +626,9 @@ def test_ranks_started_differently_end_the_job_with_one_line(first, second, line
 @pytest.mark.parametrize("args, line", [
     (["--model", "conv(4,3,stride=99999999999999999999)"], "99999999999999999999 is out of range"),
     (["--accumulate", "1000000000000"], "give --accumulate at most 16"),
+    (["--zero-stage", "3", "--algorithm", "tree"], "it needs --algorithm ring, not tree"),
+    (["--algorithm", "hierarchical", "--ranks-per-node", "3"],
+     "--ranks-per-node 3 does not divide the 2 ranks into nodes of equal size"),
 ])  # fmt: skip
 def test_a_refused_spec_or_bound_is_one_line_for_an_mpi_job(args, line):
     command = [*mpiexec_command(2), sys.executable, "-m", "syncsgd.cli", "train", "--samples",
@@ -633,6 +637,26 @@ def test_a_refused_spec_or_bound_is_one_line_for_an_mpi_job(args, line):
     errors = [text for text in done.stderr.splitlines() if "error" in text]
     assert done.returncode != 0 and len(errors) == 1 and line in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+@requires_mpi
+def test_a_sharded_checkpoint_missing_a_shard_is_one_line_for_an_mpi_job(tmp_path):
+    train = [*mpiexec_command(2), sys.executable, "-m", "syncsgd.cli", "train", "--samples", "64",
+             "--features", "4", "--batch-size", "16", "--zero-stage", "2", "--quiet"]  # fmt: skip
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path)  # fmt: skip
+    assert run([*train, "--steps", "4", "--checkpoint", "ck", "--checkpoint-every", "2"]
+               ).returncode == 0  # fmt: skip
+    os.remove(tmp_path / "ck/ckpt-00000004.shards/rank-00001-of-00002.npz")
+    before = snapshot(tmp_path)
+    done = run([*train, "--steps", "6", "--resume", "ck"])
+    errors = [text for text in done.stderr.splitlines() if "error" in text]
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert errors == ["syncsgd: error: checkpoint shard ck/ckpt-00000004.shards/rank-00001-of-"
+                      "00002.npz is missing (its manifest ck/ckpt-00000004.shards/manifest.json "
+                      "lists it); the newest valid checkpoint of this run is ck/ckpt-00000002"
+                      ".shards: move ck/ckpt-00000004.shards away to resume from it"], done.stderr
+    assert snapshot(tmp_path) == before
 
 
 @requires_mpi
