@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shlex
@@ -29,7 +30,9 @@ TINY = ["--samples", "64", "--features", "4", "--hidden", "8", "--batch-size", "
 # (command, exit status, what the one line on stderr holds). Run in a directory holding
 # data.npz (64 x 4, labels 0..3), p.npz (parameters of that model; stray.npz: with a key of no
 # layer), ck/ (checkpoints of `train TINY` at steps 2 and 4), sweep.json (a bench sweep claiming
-# 10**30 ranks), nested.json (arrays 100,000 deep), and the data sets regression.csv
+# 10**30 ranks), nested.json (arrays 100,000 deep), zck/ (sharded checkpoints of `train TINY
+# --zero-stage 2`; zmiss/, zstray/, zswap/, zdir/, ztrunc/, znomanifest/: damaged copies), adir/
+# (a directory) and dirlink (a symlink to it), and the data sets regression.csv
 # (whole-number targets 20..79), one-based.npz, gaps.npz, z-idx3-ubyte with z-idx1-ubyte (IDX
 # files whose headers give no image).
 CASES = [
@@ -163,6 +166,159 @@ CASES = [
     ("train --init p.npz --resume ck", 1, "--init p.npz is not read when --resume ck restarts"),
     ("train --init stray.npz", 1, "--init stray.npz: 'extra' belongs to no layer of the model "
      "(dense(8) relu dense(4); its arrays: W0, W1, b0, b1)"),
+    # ZeRO stages 2 and 3 with what they cannot run, and sharded checkpoints damaged or of
+    # another run (zck: `train TINY --zero-stage 2`, shards at steps 2 and 4)
+    ("train --zero-stage 2 --algorithm tree", 1, "--zero-stage 2 reduce-scatters with the ring "
+     "allreduce's first half: it needs --algorithm ring, not tree"),
+    ("train --zero-stage 3 --algorithm naive", 1, "it needs --algorithm ring, not naive"),
+    ("train --zero-stage 3 --algorithm auto", 1, "it needs --algorithm ring, not auto"),
+    ("train --zero-stage 2 --algorithm hierarchical --ranks-per-node 1", 1,
+     "it needs --algorithm ring, not hierarchical"),
+    ("train --zero-stage 1 --algorithm hierarchical", 1, "it needs --algorithm ring, not "
+     "hierarchical"),
+    ("train --zero-stage 2 --pitfall mean-of-means", 1, "--zero-stage 2: --pitfall mean-of-means "
+     "changes a seam of the replicated step"),
+    ("train --zero-stage 3 --pitfall fp32-allreduce", 1, "--zero-stage 3: --pitfall "
+     "fp32-allreduce changes a seam of the replicated step"),
+    ("train --zero-stage 2 --pitfall shard-local-clip", 1, "--pitfall shard-local-clip needs "
+     "--clip-norm"),
+    ("train --zero-stage 2 --bucket-bytes -1", 2, "argument --bucket-bytes: must be >= 0, got -1"),
+    ("train --zero-stage 3 --overlap --bucket-bytes 1e99", 2, "argument --bucket-bytes: not an "
+     "integer: '1e99'"),
+    ("train --zero-stage 3 --accumulate 9", 1, "--batch-size 16 on 2 rank(s) gives shards of at "
+     "most 8; give --accumulate at most 8"),
+    ("train --zero-stage 5", 1, "--zero-stage must be one of 0, 1, 2, 3, got 5"),
+    ("train --zero-stage -1", 2, "argument --zero-stage: must be >= 0, got -1"),
+    ("train --zero-stage 2.0", 2, "argument --zero-stage: not an integer: '2.0'"),
+    ("train --zero-stage 2 --resume zmiss", 1, "checkpoint shard zmiss/ckpt-00000004.shards/"
+     "rank-00000-of-00002.npz is missing (its manifest zmiss/ckpt-00000004.shards/manifest.json "
+     "lists it); the newest valid checkpoint of this run is zmiss/ckpt-00000002.shards"),
+    ("train --zero-stage 3 --resume zstray", 1, "zstray/ckpt-00000004.shards/rank-00002-of-00002"
+     ".npz is not listed in its manifest"),
+    ("train --zero-stage 2 --resume zswap", 1, "zswap/ckpt-00000004.shards/rank-00000-of-00002.npz "
+     "is of step 2, its manifest of step 4: a shard of another checkpoint"),
+    ("train --zero-stage 2 --resume zdir", 1, "zdir/ckpt-00000004.shards/rank-00001-of-00002.npz "
+     "is not a regular file (a directory)"),
+    ("train --zero-stage 2 --resume ztrunc", 1, "ztrunc/ckpt-00000004.shards/rank-00001-of-00002"
+     ".npz is corrupt or unreadable"),
+    ("train --zero-stage 2 --resume znomanifest", 1, "--resume znomanifest: no checkpoint "
+     "(ckpt-NNNNNNNN.npz, or ckpt-NNNNNNNN.shards/ with its manifest.json) in it"),
+    ("train --zero-stage 2 --resume zck/ckpt-00000004.shards", 1, "--resume "
+     "zck/ckpt-00000004.shards: no checkpoint"),
+    ("train --zero-stage 2 --resume zck/ckpt-00000004.shards/manifest.json", 1,
+     "--resume zck/ckpt-00000004.shards/manifest.json: no such directory"),
+    ("train --zero-stage 2 --resume zck --hidden 9", 1, "checkpoint zck/ckpt-00000004.shards "
+     "belongs to a different run"),
+    ("train --zero-stage 3 --resume zck --optimizer adam", 1, "belongs to a different run"),
+    ("train --zero-stage 2 --resume zck --init p.npz", 1, "--init p.npz is not read when "
+     "--resume zck restarts"),
+    # the two-level allreduce's nodes
+    ("train --algorithm hierarchical --ranks 3 --ranks-per-node 2", 1, "--ranks-per-node 2 does "
+     "not divide the 3 ranks into nodes of equal size"),
+    ("train --algorithm hierarchical --ranks-per-node 4", 1, "--ranks-per-node 4 does not divide "
+     "the 2 ranks"),
+    ("train --algorithm hierarchical --ranks-per-node 99999999999999999999", 1,
+     "--ranks-per-node 99999999999999999999 does not divide the 2 ranks"),
+    ("train --algorithm hierarchical --ranks-per-node 0", 2, "argument --ranks-per-node: must be "
+     "positive, got 0"),
+    ("train --algorithm hierarchical --ranks-per-node -1", 2, "argument --ranks-per-node: must be "
+     "positive, got -1"),
+    ("train --algorithm hierarchical --ranks-per-node 1.5", 2, "argument --ranks-per-node: not an "
+     "integer: '1.5'"),
+    ("train --algorithm hierarchical --inter-algorithm nonsense", 2, "argument --inter-algorithm: "
+     "invalid choice: 'nonsense'"),
+    ("train --algorithm hierarchical --inter-algorithm hierarchical", 2,
+     "argument --inter-algorithm: invalid choice: 'hierarchical'"),
+    ("train --ranks-per-node 2", 1, "--ranks-per-node and --inter-algorithm shape --algorithm "
+     "hierarchical: give it too"),
+    ("train --algorithm ring --inter-algorithm tree", 1, "shape --algorithm hierarchical"),
+    # model --memory: limits that are no size, and networks that do not fit
+    ("model --memory --memory-limit 0", 2, "--memory-limit must be positive, got '0'"),
+    ("model --memory --memory-limit -1", 2, "--memory-limit must be positive, got '-1'"),
+    ("model --memory --memory-limit 1X", 2, "--memory-limit '1X': give bytes, e.g. 24GiB"),
+    ("model --memory --memory-limit 1.5K", 2, "--memory-limit '1.5K': give bytes"),
+    ("model --memory --memory-limit nan", 2, "--memory-limit 'nan': give bytes"),
+    ("model --memory --memory-limit inf", 2, "--memory-limit 'inf': give bytes"),
+    ("model --memory --memory-limit ''", 2, "--memory-limit '': give bytes"),
+    ("model --memory --memory-limit 1", 1, "--memory-limit 1 B: dense(64) relu dense(64) relu "
+     "dense(4) on 2 rank(s) does not fit even at batch 1 at any ZeRO stage"),
+    ("model --memory --memory-limit 1KiB --zero-stage 3", 1, "does not fit even at batch 1"),
+    ("model --memory --model 'dense(100000000) dense(4)' --memory-limit 1GB", 1,
+     "--memory-limit 953.7 MiB: dense(100000000) dense(4) on 2 rank(s) does not fit even at "
+     "batch 1"),
+    ("model --memory-limit 1GB", 2, "unrecognized arguments: --memory-limit 1GB"),
+    ("model --memory --json m.json --memory-limit 0", 2, "--memory-limit must be positive"),
+    ("model --memory --zero-stage 5", 1, "--zero-stage must be one of 0, 1, 2, 3, got 5"),
+    ("model --memory --zero-stage 2 --algorithm tree", 1, "it needs --algorithm ring, not tree"),
+    ("model --memory --zero-stage 3 --pitfall mean-of-means", 1, "changes a seam of the "
+     "replicated step"),
+    ("model --memory --ranks-per-node 2", 1, "shape --algorithm hierarchical: give it too"),
+    ("model --memory --accumulate 1000", 1, "--accumulate 1000 cuts the shards"),
+    ("model --memory --bogus", 2, "unrecognized arguments: --bogus"),
+    # bench step's bucket lists; bench's CSV onto directories, into missing ones
+    ("bench step --overlap --bucket-bytes ,", 2, "argument --bucket-bytes: not a size in bytes: "
+     "''"),
+    ("bench step --overlap --bucket-bytes 0,,16K", 2, "not a size in bytes: ''"),
+    ("bench step --overlap --bucket-bytes ''", 2, "not a size in bytes: ''"),
+    ("bench step --overlap --bucket-bytes 16K,16K", 2, "bucket sizes must be distinct sizes in "
+     "bytes, 0 (one per layer) or 'one': '16K,16K'"),
+    ("bench step --overlap --bucket-bytes 16K,16384", 2, "must be distinct sizes"),
+    ("bench step --overlap --bucket-bytes 0,0", 2, "must be distinct sizes"),
+    ("bench step --overlap --bucket-bytes one,one", 2, "must be distinct sizes"),
+    ("bench step --overlap --bucket-bytes 0,one,16K,16K", 2, "must be distinct sizes"),
+    ("bench step --overlap --bucket-bytes -1", 2, "sizes must be positive, got '-1'"),
+    ("bench step --overlap --bucket-bytes 0,-5", 2, "sizes must be positive, got '-5'"),
+    ("bench step --overlap --bucket-bytes 1e99", 2, "not a size in bytes: '1e99'"),
+    ("bench step --overlap --bucket-bytes 1.5K", 2, "not a size in bytes: '1.5K'"),
+    ("bench step --overlap --bucket-bytes abc", 2, "not a size in bytes: 'abc'"),
+    ("bench step --zero-stage 2 --algorithm tree", 1, "it needs --algorithm ring, not tree"),
+    ("bench step --zero-stage 3 --pitfall mean-of-means", 1, "changes a seam"),
+    ("bench step --zero-stage 5", 1, "--zero-stage must be one of 0, 1, 2, 3, got 5"),
+    ("bench step --ranks-per-node 2", 1, "shape --algorithm hierarchical: give it too"),
+    ("bench step --algorithm hierarchical --ranks 3 --ranks-per-node 2", 1,
+     "--ranks-per-node 2 does not divide the 3 ranks"),
+    ("bench step --algorithm hierarchical --ranks-per-node 0", 2, "argument --ranks-per-node: "
+     "must be positive, got 0"),
+    ("bench step --csv adir", 1, "cannot write adir: it is a directory"),
+    ("bench collective --csv adir", 1, "cannot write adir: it is a directory"),
+    ("bench collective --csv dirlink", 1, "cannot write dirlink: it is a directory"),
+    ("bench collective --csv missing/x.csv", 1, "cannot write missing/x.csv: directory"),
+    ("bench collective --csv x.csv --json x.csv", 1, "--csv x.csv is the same file as --json "
+     "x.csv"),
+    # ring-demo's ZeRO steps and two-level allreduce with sizes it cannot show
+    ("ring-demo --zero-stage 2 --ranks 0", 2, "argument --ranks: must be positive, got 0"),
+    ("ring-demo --zero-stage 2 --ranks -1", 2, "argument --ranks: must be positive, got -1"),
+    ("ring-demo --zero-stage 3 --ranks 17", 1, "ring-demo shows 1 to 16 ranks, got 17"),
+    ("ring-demo --zero-stage 2 --ranks 99999999999999999999", 1, "ring-demo shows 1 to 16 ranks, "
+     "got 99999999999999999999"),
+    ("ring-demo --zero-stage 3 --length 65", 1, "ring-demo shows 0 to 64 elements, got 65"),
+    ("ring-demo --zero-stage 3 --length 99999999999999999999", 1, "shows 0 to 64 elements"),
+    ("ring-demo --zero-stage 2 --length -1", 2, "argument --length: must be >= 0, got -1"),
+    ("ring-demo --zero-stage 2 --length 1e3", 2, "argument --length: not an integer: '1e3'"),
+    ("ring-demo --zero-stage 2 --collective broadcast", 1, "--zero-stage 2 shows the ring "
+     "allreduce's two halves in a training step: drop --collective broadcast"),
+    ("ring-demo --zero-stage 3 --algorithm tree", 1, "--zero-stage 3 runs the ring allreduce's "
+     "halves, as train does: drop --algorithm tree"),
+    ("ring-demo --zero-stage 2 --algorithm hierarchical", 1, "drop --algorithm hierarchical"),
+    ("ring-demo --zero-stage 2 --root 1", 1, "--root: allreduce has no root"),
+    ("ring-demo --zero-stage 3 --frames fr", 1, "--frames: --zero-stage 3 is drawn on one slide"),
+    ("ring-demo --zero-stage 3 --ranks 9 --png z.png", 1, "--zero-stage 3 --png draws 1 to 8 "
+     "ranks on a slide, got --ranks 9"),
+    ("ring-demo --zero-stage 3 --ranks-per-node 2", 1, "--ranks-per-node and --inter-algorithm "
+     "shape --algorithm hierarchical; --zero-stage 3 runs the ring: drop them"),
+    ("ring-demo --zero-stage 2 --inter-algorithm tree", 1, "--zero-stage 2 runs the ring: drop "
+     "them"),
+    ("ring-demo --algorithm hierarchical --ranks 3 --ranks-per-node 2", 1, "--ranks-per-node 2 "
+     "does not divide the 3 ranks into nodes of equal size"),
+    ("ring-demo --algorithm hierarchical --ranks 4 --ranks-per-node 5", 1, "--ranks-per-node 5 "
+     "does not divide the 4 ranks"),
+    ("ring-demo --algorithm hierarchical --ranks-per-node -2", 2, "argument --ranks-per-node: "
+     "must be positive, got -2"),
+    ("ring-demo --algorithm hierarchical --inter-algorithm nonsense", 2,
+     "argument --inter-algorithm: invalid choice: 'nonsense'"),
+    ("ring-demo --inter-algorithm tree", 1, "shape --algorithm hierarchical: give it too"),
+    ("ring-demo --algorithm hierarchical --collective broadcast --ranks 4 --ranks-per-node 2", 1,
+     "no broadcast algorithm 'hierarchical' (choose from ring, binomial)"),
 ]  # fmt: skip
 
 
@@ -189,6 +345,11 @@ def prepared(tmp_path_factory):
         open("z-idx1-ubyte", "wb").write(struct.pack(">II", 0x801, 0))
         assert main(["train", *TINY, "--steps", "4", "--checkpoint", "ck",
                      "--checkpoint-every", "2"]) == 0  # fmt: skip
+        assert main(["train", *TINY, "--steps", "4", "--zero-stage", "2", "--checkpoint", "zck",
+                     "--checkpoint-every", "2"]) == 0  # fmt: skip
+        damage_shards()
+        os.mkdir("adir")
+        os.symlink("adir", "dirlink")
         shutil.copytree("ck", "broken")
         with open("broken/ckpt-00000004.npz", "r+b") as handle:
             handle.truncate(100)
@@ -200,6 +361,23 @@ def prepared(tmp_path_factory):
     finally:
         os.chdir(here)
     return root
+
+
+def damage_shards() -> None:
+    """Copies of zck/ whose newest sharded checkpoint lacks a shard, holds one more, one of step 2,
+    a directory for a shard, a truncated shard; and copies with no manifest."""
+    newest, older = "ckpt-00000004.shards", "ckpt-00000002.shards"
+    first, second = "rank-00000-of-00002.npz", "rank-00001-of-00002.npz"
+    for name in ("zmiss", "zstray", "zswap", "zdir", "ztrunc", "znomanifest"):
+        shutil.copytree("zck", name)
+    os.remove(f"zmiss/{newest}/{first}")
+    shutil.copy(f"zck/{older}/{first}", f"zstray/{newest}/rank-00002-of-00002.npz")
+    shutil.copy(f"zck/{older}/{first}", f"zswap/{newest}/{first}")
+    os.remove(f"zdir/{newest}/{second}")
+    os.mkdir(f"zdir/{newest}/{second}")
+    os.truncate(f"ztrunc/{newest}/{second}", 50)
+    for step in (older, newest):
+        os.remove(f"znomanifest/{step}/manifest.json")
 
 
 def forge_loss_scale(path: str) -> None:
@@ -448,6 +626,9 @@ def test_ranks_started_differently_end_the_job_with_one_line(first, second, line
 @pytest.mark.parametrize("args, line", [
     (["--model", "conv(4,3,stride=99999999999999999999)"], "99999999999999999999 is out of range"),
     (["--accumulate", "1000000000000"], "give --accumulate at most 16"),
+    (["--zero-stage", "3", "--algorithm", "tree"], "it needs --algorithm ring, not tree"),
+    (["--algorithm", "hierarchical", "--ranks-per-node", "3"],
+     "--ranks-per-node 3 does not divide the 2 ranks into nodes of equal size"),
 ])  # fmt: skip
 def test_a_refused_spec_or_bound_is_one_line_for_an_mpi_job(args, line):
     command = [*mpiexec_command(2), sys.executable, "-m", "syncsgd.cli", "train", "--samples",
@@ -456,6 +637,26 @@ def test_a_refused_spec_or_bound_is_one_line_for_an_mpi_job(args, line):
     errors = [text for text in done.stderr.splitlines() if "error" in text]
     assert done.returncode != 0 and len(errors) == 1 and line in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+@requires_mpi
+def test_a_sharded_checkpoint_missing_a_shard_is_one_line_for_an_mpi_job(tmp_path):
+    train = [*mpiexec_command(2), sys.executable, "-m", "syncsgd.cli", "train", "--samples", "64",
+             "--features", "4", "--batch-size", "16", "--zero-stage", "2", "--quiet"]  # fmt: skip
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path)  # fmt: skip
+    assert run([*train, "--steps", "4", "--checkpoint", "ck", "--checkpoint-every", "2"]
+               ).returncode == 0  # fmt: skip
+    os.remove(tmp_path / "ck/ckpt-00000004.shards/rank-00001-of-00002.npz")
+    before = snapshot(tmp_path)
+    done = run([*train, "--steps", "6", "--resume", "ck"])
+    errors = [text for text in done.stderr.splitlines() if "error" in text]
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert errors == ["syncsgd: error: checkpoint shard ck/ckpt-00000004.shards/rank-00001-of-"
+                      "00002.npz is missing (its manifest ck/ckpt-00000004.shards/manifest.json "
+                      "lists it); the newest valid checkpoint of this run is ck/ckpt-00000002"
+                      ".shards: move ck/ckpt-00000004.shards away to resume from it"], done.stderr
+    assert snapshot(tmp_path) == before
 
 
 @requires_mpi

@@ -151,3 +151,17 @@ def test_the_figure_is_a_legible_slide(report):
     figure = verify_report.heatmap_figure(report[1])
     assert figures.slide_scale(figure) == pytest.approx(1.0, abs=1e-3)
     assert figures.legibility(figure) == []
+
+
+def test_the_grid_estimates_its_time_left_after_its_first_configuration(capsys):
+    assert main(["verify", "--ranks", "2", "--optimizers", "sgd,adam,adamw", *TINY]) == 0
+    out = capsys.readouterr().out
+    words = (r"# about (\d+(\.\d)?) s left: 2 more configuration\(s\), if each takes as long as "
+             r"the first did \((\d+(\.\d)?) s with its serial run\)")  # fmt: skip
+    estimate = re.search(words.replace(" ", r"\s+(?:# )?"), out)  # wrapped comment lines
+    assert estimate, out
+    first = float(estimate.group(3))
+    assert float(estimate.group(1)) == pytest.approx(2 * first, abs=0.1 + 0.05 * first)
+    # after the first configuration's rows, before the second's
+    assert out.index("K=1 sgd:") < estimate.start() < out.index("K=1 adam:")
+    assert out.count(" s left") == 1

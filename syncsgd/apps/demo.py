@@ -132,6 +132,10 @@ def check_options(options: argparse.Namespace) -> None:
     if options.zero_stage and (options.algorithm or "ring") != "ring":
         raise ValueError(f"--zero-stage {options.zero_stage} runs the ring allreduce's halves, as "
                          f"train does: drop --algorithm {options.algorithm}")  # fmt: skip
+    if options.zero_stage and (options.ranks_per_node is not None
+                               or options.inter_algorithm != "ring"):  # fmt: skip
+        raise ValueError(f"--ranks-per-node and --inter-algorithm shape --algorithm hierarchical; "
+                         f"--zero-stage {options.zero_stage} runs the ring: drop them")
     if options.zero_stage and options.frames:
         raise ValueError(f"--frames: --zero-stage {options.zero_stage} is drawn on one slide "
                          "(--png) or a page (--html), not as frames")  # fmt: skip

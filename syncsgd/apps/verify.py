@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import textwrap
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -288,13 +289,15 @@ def main_grid(config: TrainConfig, options: argparse.Namespace) -> int:
                   "configuration (1 rank, no pitfall); exact mode: bitwise, float mode: within "
                   "the tolerance"))  # fmt: skip
     print(HEADER, flush=True)
-    runs = []
-    for each in configs:
+    runs, started = [], time.perf_counter()
+    for index, each in enumerate(configs):
         chosen = tolerance_of(each, options.tolerance)
         tolerance = chosen[0]
         print(comment(f"{grid.label(each)}: {mode_text(each, chosen)}"), flush=True)
         runs += [grid.record(each, row, tolerance)
                  for row in grid_rows(each, ranks_list, tolerance)]  # fmt: skip
+        if index == 0 and len(configs) > 1:
+            print(comment(time_left(time.perf_counter() - started, len(configs) - 1)), flush=True)
     document = {"runs": runs, "configurations": [grid.label(each) for each in configs],
                 "ranks": ranks_list, "command": grid.command_line(options),
                 "versions": grid.versions(), "machine": grid.machine(), "config": asdict(config),
@@ -306,6 +309,15 @@ def main_grid(config: TrainConfig, options: argparse.Namespace) -> int:
         return 1
     print(f"all {len(runs)} runs match serial SGD")
     return 0
+
+
+def time_left(first: float, others: int) -> str:
+    """The grid's time still to come, from the first configuration's wall-clock time."""
+    def seconds(value: float) -> str:
+        return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
+
+    return (f"about {seconds(first * others)} left: {others} more configuration(s), if each takes "
+            f"as long as the first did ({seconds(first)} with its serial run)")
 
 
 def grid_rows(config: TrainConfig, ranks_list: list[int], tolerance: float) -> list[Row]:
