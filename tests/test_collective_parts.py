@@ -153,16 +153,17 @@ def test_bad_input_raises_on_every_rank(call, words):
 def test_allreduces_of_two_algorithms_are_told_by_their_message_sizes():
     # The hand-written allreduces take no agreement round: the sizes of their messages differ.
     # (The ring's rank 0 may be left waiting for its second message: a deadlock on threads.)
+    # 4 KiB: longer than a short ring's, which would send the whole buffer at once.
     def one(comm):
         with pytest.raises(Exception) as caught:
-            syncsgd.allreduce(np.zeros(4), comm, ("ring", "tree")[comm.rank])
+            syncsgd.allreduce(np.zeros(512), comm, ("ring", "tree")[comm.rank])
         return str(caught.value)
 
-    tree = run_threads(2, one)[1]  # rank 1 sends 32 bytes, then receives the ring's first 16
-    assert tree == ("tree_allreduce: the ranks' calls differ: rank 1 has float64 of length 4, "
-                    "rank 0 has a different length or called another algorithm (it sent 16 "
-                    "bytes, not the 32 bytes this rank's schedule expects); every rank must call "
-                    "the same algorithm with the same length and dtype")  # fmt: skip
+    tree = run_threads(2, one)[1]  # rank 1 sends 4096 bytes, then receives the ring's first 2048
+    assert tree == ("tree_allreduce: the ranks' calls differ: rank 1 has float64 of length 512, "
+                    "rank 0 has a different length or called another algorithm (it sent 2048 "
+                    "bytes, not the 4096 bytes this rank's schedule expects); every rank must "
+                    "call the same algorithm with the same length and dtype")  # fmt: skip
 
 
 @requires_mpi
