@@ -285,6 +285,9 @@ def communication(config: Any, network: Any, buffer: int, ranks: int, stage: int
     return size + max(block(cut.stop - cut.start) for cut in cuts) * sums
 
 
+SEARCH_END = 2**40  # the largest batch the search tries
+
+
 def largest_batch(config: Any, shapes: Shapes, stage: int, limit: int) -> int:
     """The largest global batch whose prediction at `stage` fits in `limit` bytes (0: none)."""
     def fits(batch: int) -> bool:
@@ -293,7 +296,7 @@ def largest_batch(config: Any, shapes: Shapes, stage: int, limit: int) -> int:
     if not fits(1):
         return 0
     low, high = 1, 2
-    while fits(high) and high < 2**40:
+    while fits(high) and high < SEARCH_END:
         low, high = high, high * 2
     while high - low > 1:
         middle = (low + high) // 2
@@ -334,6 +337,8 @@ def limit_lines(config: Any, shapes: Shapes, limit: int) -> tuple[list[str], lis
         per_rank = micro_batch(replace(config, batch_size=max(batch, 1)), shapes.ranks)[1]
         shown = (f"{batch:,} (micro-batch {per_rank} per rank)" if batch
                  else "none: batch 1 does not fit")  # fmt: skip
+        if batch >= SEARCH_END - 1:  # the limit is beyond any batch the search tries
+            shown = f"every batch up to {SEARCH_END:,} (the search ends there)"
         lines.append(f"  stage {stage}: {shown}")
         rows.append({"zero_stage": stage, "batch_size": batch, "micro_batch": per_rank if batch
                      else 0})  # fmt: skip
@@ -342,6 +347,12 @@ def limit_lines(config: Any, shapes: Shapes, limit: int) -> tuple[list[str], lis
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line and exits with status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A value that starts with '-' and a digit (--memory-limit -1G) is a value, not an
+        # unknown option: its type then says what is wrong with it.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
