@@ -235,6 +235,7 @@ CASES = [
     # model --memory: limits that are no size, and networks that do not fit
     ("model --memory --memory-limit 0", 2, "--memory-limit must be positive, got '0'"),
     ("model --memory --memory-limit -1", 2, "--memory-limit must be positive, got '-1'"),
+    ("model --memory --exact", 1, "model --memory predicts float mode"),
     ("model --memory --memory-limit 1X", 2, "--memory-limit '1X': give bytes, e.g. 24GiB"),
     ("model --memory --memory-limit 1.5K", 2, "--memory-limit '1.5K': give bytes"),
     ("model --memory --memory-limit nan", 2, "--memory-limit 'nan': give bytes"),

@@ -401,6 +401,10 @@ def main(arguments: list[str]) -> int:
 
     options = parser().parse_args(arguments)
     config = config_of(options)
+    if config.exact:
+        raise ValueError("model --memory predicts float mode; exact mode also keeps every "
+                         "product's factors for its sums (docs/exact-mode.md): measure it with "
+                         "train --exact --json")  # fmt: skip
     for path in (options.json, options.figure):
         if path:
             check_writable(path)
