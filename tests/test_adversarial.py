@@ -624,6 +624,7 @@ def test_ranks_started_differently_end_the_job_with_one_line(first, second, line
 
 
 @requires_mpi
+@pytest.mark.mpi_once  # one line per job: test_ranks_started_differently_... under each library
 @pytest.mark.parametrize("args, line", [
     (["--model", "conv(4,3,stride=99999999999999999999)"], "99999999999999999999 is out of range"),
     (["--accumulate", "1000000000000"], "give --accumulate at most 16"),

@@ -179,7 +179,7 @@ def test_every_flat_algorithm_can_run_between_nodes():
 
 @requires_mpi
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks", [4, 6])
+@pytest.mark.parametrize("ranks", [4, pytest.param(6, marks=pytest.mark.mpi_once)])
 def test_the_two_level_allreduce_under_mpiexec(ranks):
     done = run_mpiexec(ranks, [WORKER], timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]

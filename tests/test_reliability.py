@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import mpiexec_command, requires_mpi
+from conftest import mpiexec_command, mpiexec_flavour, mpiexec_path, requires_mpi
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -103,6 +103,8 @@ def test_a_signal_mid_step_ends_the_run_between_micro_batches(tmp_path):
 
 @requires_mpi
 def test_a_signal_mid_step_ends_an_mpi_job_between_micro_batches(tmp_path):
+    if mpiexec_flavour(str(mpiexec_path()))[0] == "Open MPI":
+        pytest.skip("Open MPI's launcher ends its ranks itself on SIGTERM: they print nothing")
     stops_mid_step(tmp_path, mpiexec_command(2))
 
 

@@ -158,8 +158,10 @@ def test_what_the_sharded_step_cannot_do_is_one_line(options, line, capsys):
 
 
 @requires_mpi
-@pytest.mark.parametrize(("ranks", "stage", "overlap"), [(3, 1, []), (2, 2, []), (3, 3, []),
-                                                         (3, 2, ["--overlap"])])  # fmt: skip
+@pytest.mark.parametrize(("ranks", "stage", "overlap"), [
+    pytest.param(3, 1, [], marks=pytest.mark.mpi_once),  # stage 3 and 2 with --overlap prove
+    pytest.param(2, 2, [], marks=pytest.mark.mpi_once),  # the same under each library
+    (3, 3, []), (3, 2, ["--overlap"])])  # fmt: skip
 def test_every_stage_under_mpiexec_is_bitwise_the_thread_ranks(tmp_path, ranks, stage, overlap):
     options = ["--samples", "40", "--features", "5", "--hidden", "6,4", "--classes", "3",
                "--steps", "3", "--seed", "4", "--optimizer", "adamw", "--lr", "0.01",
