@@ -140,7 +140,6 @@ class PlacedParams:
         self.pending: set[int] = set()  # buckets started and not yet waited for
         self.last, self.direction = -1, 1  # the layer read last; the passes' direction
         self.placed = Placed(network.placed_layer_views(self.buffers.place), self.ready_)
-        self.gathers = 0  # buckets gathered this run
 
     def ready_(self, layer: int) -> None:
         """Gather the buckets of a layer's tensors, unless their buffers hold them already (or
@@ -155,7 +154,6 @@ class PlacedParams:
             if self.held[slot] != index:
                 self.fill_(index, self.buffers.of(index))
                 self.held[slot] = index
-                self.gathers += 1
             if index in self.pending:
                 self.wait_()
                 self.pending.clear()
@@ -174,7 +172,6 @@ class PlacedParams:
                 self.start_(index, self.buffers.of(index))
                 self.held[slot] = index
                 self.pending.add(index)
-                self.gathers += 1
 
     def forget_(self) -> None:
         """The parameters changed: gather every bucket afresh, from a forward pass."""
