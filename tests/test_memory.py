@@ -217,3 +217,12 @@ def test_the_figure_without_matplotlib_is_one_line(tmp_path):
     assert done.returncode == 1 and done.stdout == "", done.stdout
     assert done.stderr.count("\n") == 1 and "pip install" in done.stderr, done.stderr
     assert not (tmp_path / "memory.png").exists()
+
+
+def test_a_stage_is_predicted_alike_from_any_stage_the_command_gives():
+    # --memory-limit and the figure predict every stage from one command line's options
+    options = dict(NETWORKS["mlp"], bucket_bytes=0)
+    shapes = costmodel_memory.shapes_of(TrainConfig(**options), 4)
+    for stage in (1, 2, 3):
+        given = costmodel_memory.predict(TrainConfig(**options, zero_stage=stage), shapes)
+        assert costmodel_memory.predict(TrainConfig(**options), shapes, stage) == given

@@ -95,7 +95,8 @@ def predict(config: Any, shapes: Shapes, stage: int | None = None,
     network, ranks = shapes.network, shapes.ranks
     sums = 8 if config.exact else network.dtype.itemsize
     buffer = network.n_params + MIN_RIDER_SLOTS
-    blocks = owned_blocks(network, buffer, config.bucket_bytes, ranks) if stage else []
+    cuts = bucket_cuts(network, config.bucket_bytes, sums)
+    blocks = owned_blocks(network, cuts, ranks) if stage else []
     widths = [sum(part.stop - part.start for part in owned) for owned in blocks]
     width = max(widths, default=network.n_params)
     state = network.n_params + network.n_running  # BatchNorm's running statistics too
@@ -125,8 +126,8 @@ def sharded(config: Any, network: Any, stage: int, blocks: list[list[slice]]) ->
     copies = config.optimizer in ("lamb", "lars") and any(len(owned) > 1 for owned in blocks)
     whole = network.n_params * item
     change = {"parameters": width * item if stage == 3 or copies else 0,
-              "gradients": width * item if copies and not placed(config, cuts) else 0}
-    if placed(config, cuts):  # the whole gradient's buffer gives way to the buckets' buffers
+              "gradients": width * item if copies and not placed(config, stage, cuts) else 0}
+    if placed(config, stage, cuts):  # the whole gradient's buffer gives way to the buckets' buffers
         lengths = [cut.stop - cut.start for cut in cuts]
         shared = (sums_buffers(network, cuts) + int(config.overlap)) * max(lengths[:-1])
         change["gradients"] += (width + shared + lengths[-1] - cuts[-1].stop) * sums + (
@@ -146,34 +147,30 @@ def sharded(config: Any, network: Any, stage: int, blocks: list[list[slice]]) ->
 EMPTY = 1  # NumPy's allocation of an empty array: one byte
 
 
-def placed(config: Any, cuts: list[slice]) -> bool:
-    """Whether the run's gradient sums go into the buckets' buffers (training/sharded.py:
-    places_sums, for a run with the hooks a config asks for)."""
+def placed(config: Any, stage: int, cuts: list[slice]) -> bool:
+    """Whether the run's gradient sums go into the buckets' buffers at `stage`
+    (training/sharded.py's places_sums, for the hooks a config asks for)."""
     from syncsgd.training.config import loss_scaling
+    from syncsgd.training.sharded import places_sums
 
-    scaler = loss_scaling(config) is not None  # its rider reads the whole local gradient
-    return (len(cuts) > 1 and config.zero_stage >= 2 and not config.exact
-            and config.accumulate == 1 and not config.noise_scale
-            and not scaler and config.pitfall is None)  # fmt: skip
+    # the loss scaler's rider, the noise scale's and a pitfall read the whole local gradient
+    reads = loss_scaling(config) is not None or config.noise_scale or config.pitfall is not None
+    return places_sums(replace(config, zero_stage=stage), len(cuts), reads)
 
 
 def bucket_cuts(network: Any, bucket_bytes: int | None, sums: int) -> list[slice]:
-    """The buckets of the communication buffer (the gradient and the riders' slots)."""
-    from syncsgd.training.step import bucket_slices
+    """The buckets of the communication buffer (the gradient and the riders' slots), cut as the
+    step cuts them from a buffer of its length and dtype."""
+    from syncsgd.training.step import CommBuffer, bucket_slices
 
-    length = network.n_params + MIN_RIDER_SLOTS
-    flat = np.lib.stride_tricks.as_strided(np.empty(1, np.dtype(f"f{sums}")), (length,), (0,))
-    return bucket_slices(network, flat, bucket_bytes)
+    buffer = CommBuffer(network.n_params, np.dtype(f"f{sums}"))
+    return bucket_slices(network, buffer.stand_in(), bucket_bytes)
 
 
-def owned_blocks(network: Any, buffer: int, bucket_bytes: int | None,
-                 ranks: int) -> list[list[slice]]:  # fmt: skip
+def owned_blocks(network: Any, cuts: list[slice], ranks: int) -> list[list[slice]]:
     """Every rank's owned parameters at a sharded stage: its blocks of the buckets."""
     from syncsgd.training.sharded import owned_slices
-    from syncsgd.training.step import bucket_slices
 
-    flat = np.lib.stride_tricks.as_strided(np.empty(1, network.dtype), (buffer,), (0,))
-    cuts = bucket_slices(network, flat, bucket_bytes)
     return [owned_slices(cuts, network.n_params, rank, ranks) for rank in range(ranks)]
 
 
@@ -267,7 +264,6 @@ def communication(config: Any, network: Any, buffer: int, ranks: int, stage: int
     """The collectives' scratch (per dtype, the largest block a rank adds into), and a sharded
     step's agreement and limbs."""
     from syncsgd.collectives.schedules import chunk_bounds
-    from syncsgd.training.step import bucket_slices
 
     sums = 8 if config.exact else network.dtype.itemsize
     size = 0
@@ -275,8 +271,7 @@ def communication(config: Any, network: Any, buffer: int, ranks: int, stage: int
         size += (MIN_RIDER_SLOTS + 2) * sums + SQUARE_LIMBS * 8
     if ranks == 1:
         return size
-    flat = np.lib.stride_tricks.as_strided(np.empty(1, np.dtype(f"f{sums}")), (buffer,), (0,))
-    cuts = bucket_slices(network, flat, config.bucket_bytes)
+    cuts = bucket_cuts(network, config.bucket_bytes, sums)
 
     def block(length: int) -> int:
         bounds = chunk_bounds(length, ranks)

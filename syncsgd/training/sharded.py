@@ -64,17 +64,14 @@ def owned_parts(buckets: list[slice], n_params: int, rank: int,
     return owned
 
 
-def places_sums(config: Any, variant: Any, riders: list[Any]) -> bool:
+def places_sums(config: Any, buckets: int, reads_whole_gradient: bool) -> bool:
     """Whether a sharded step writes the gradient sums into the buffers of the buckets under way
     (stages 2 and 3), not into one buffer of the whole gradient. It cannot where a later pass
     adds into every bucket (exact mode's extraction after every pass; the micro-batches of
     --accumulate), or something reads the whole local gradient (the loss scaler's overflow
-    check, the noise scale, a pitfall)."""
-    from syncsgd.training.overlap import changes_contribution
-
-    return (config.zero_stage >= 2 and not config.exact and config.accumulate == 1
-            and not changes_contribution(variant)
-            and not any(rider.needs_gradient for rider in riders))  # fmt: skip
+    check, the noise scale, a pitfall); with one bucket the bucket under way is the whole."""
+    return (config.zero_stage >= 2 and buckets > 1 and not config.exact
+            and config.accumulate == 1 and not reads_whole_gradient)  # fmt: skip
 
 
 def prefetches(config: Any, comm: Any) -> bool:

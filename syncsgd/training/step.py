@@ -293,10 +293,12 @@ def placed_sums(config: Any, model: Network, buckets: list[slice], variant: Vari
                 riders: list[Rider], dtype: np.dtype) -> PlacedSums | None:  # fmt: skip
     """ZeRO-2 and -3's gradient sums in the buffers of the buckets under way, where the run
     allows it (training/sharded.py: places_sums); else None: one buffer of the whole gradient."""
+    from syncsgd.training.overlap import changes_contribution
     from syncsgd.training.sharded import places_sums
     from syncsgd.training.windows import PlacedSums
 
-    if len(buckets) == 1 or not places_sums(config, variant, riders):  # one: the whole gradient
+    reads = changes_contribution(variant) or any(rider.needs_gradient for rider in riders)
+    if not places_sums(config, len(buckets), reads):
         return None
     return PlacedSums(model, buckets, dtype, spare=int(config.overlap))
 
