@@ -385,12 +385,14 @@ class ShardedUpdate:
 
     def gathered(self, shard: np.ndarray) -> np.ndarray:
         """Every rank's blocks of an array of the parameters' layout, whole: a new array."""
-        whole = np.zeros(self.n_params, shard.dtype)
-        for index, bucket in enumerate(self.bucket_slices):
-            carrier = np.zeros(bucket.stop - bucket.start, shard.dtype)
-            self.fill_bucket_(index, shard, carrier)
-            stop = min(bucket.stop, self.n_params)
-            whole[bucket.start : stop] = carrier[: stop - bucket.start]
+        whole = np.empty(self.n_params, shard.dtype)
+        last = len(self.bucket_slices) - 1
+        for index, bucket in enumerate(self.bucket_slices[:last]):  # gathered where they lie
+            self.fill_bucket_(index, shard, whole[bucket])
+        bucket = self.bucket_slices[last]  # with the riders' slots: through a buffer of its own
+        carrier = np.zeros(bucket.stop - bucket.start, shard.dtype)
+        self.fill_bucket_(last, shard, carrier)
+        whole[bucket.start :] = carrier[: self.n_params - bucket.start]
         return whole
 
     def fill_bucket_(self, index: int, shard: np.ndarray, carrier: np.ndarray,
