@@ -431,3 +431,50 @@ def test_an_input_shape_is_refused_unless_it_holds_the_datas_features():
         prepare(TrainConfig(model=SPEC, **{**SMALL, "input_shape": (2, 6, 5)}))
     with pytest.raises(ValueError, match="give a --model"):
         TrainConfig(input_shape=SHAPE)
+
+
+def mostly_zeros(draw: Any, shape: tuple[int, int], dtype: str, seed: int) -> np.ndarray:
+    """Values of which about three quarters are zeros (some -0.0), as a conv's pooled deltas."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape).astype(dtype)
+    values[rng.random(shape) < draw(st.floats(0.0, 1.0))] = 0.0
+    values[rng.random(shape) < 0.1] = -0.0
+    return values
+
+
+@given(data=st.data(), m=st.integers(1, 9), depth=st.integers(1, 11), n=st.integers(1, 13),
+       dtype=st.sampled_from(["float64", "float32"]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_the_sparse_exact_kernels_give_the_dense_kernels_bits(data, m, depth, n, dtype, seed):
+    from syncsgd.nn import exact as ex
+
+    x = mostly_zeros(data.draw, (m, depth), dtype, seed)
+    W = np.random.default_rng(seed + 1).standard_normal((depth, n)).astype(dtype)
+    if data.draw(st.booleans()):  # an inf or a NaN in W: every term is taken, as the dense one
+        W[data.draw(st.integers(0, depth - 1)), data.draw(st.integers(0, n - 1))] = data.draw(
+            st.sampled_from([np.inf, -np.inf, np.nan]))  # fmt: skip
+    dense, sparse = np.full((m, n), 7.0, dtype), np.full((m, n), 7.0, dtype)
+    ex.fixed_order_product_(x, W, dense)
+    ex.sparse_fixed_order_product_(x, W, sparse)
+    assert dense.tobytes() == sparse.tobytes()
+
+    b = np.random.default_rng(seed + 2).standard_normal((m, n)).astype(dtype)
+    magic, unit = 1.5 * 2.0**10, 2.0 ** (10 - ex.UNIT_BITS)
+    sums = [np.full((depth, n), 7.0), np.full((depth, n), 7.0)]
+    counts = np.zeros(max(depth * n, ex.ACCUMULATOR_TILE_BYTES // 8), np.int64)
+    tile = ex.accumulator_rows(n)
+    ex.extract_outer_sum_(x, b.astype(np.float64), magic, unit, sums[0],
+                          counts[: tile * n].reshape(tile, n))  # fmt: skip
+    ex.extract_sparse_outer_sum_(x, b, magic, unit, sums[1], counts[: depth * n].reshape(depth, n))
+    assert sums[0].tobytes() == sums[1].tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_exact_mode_conv_relu_has_the_dense_kernels_bits(dtype, monkeypatch):
+    from syncsgd.nn.numerics import Exact
+
+    config = TrainConfig(model=SPEC, exact=True, dtype=dtype, **SMALL)
+    sparse = digest(train(config, ranks=2).params)
+    monkeypatch.setattr(Exact, "sparse_outer_sum_", Exact.outer_sum_)
+    monkeypatch.setattr(Exact, "sparse_matmul_",
+                        lambda self, a, b, out: Exact.matmul_(self, a, b, out, False))
+    assert digest(train(config, ranks=2).params) == sparse

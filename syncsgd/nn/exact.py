@@ -151,6 +151,77 @@ def extract_column_sum_(D, magic, sums):
             sums[j] += (magic + np.float64(D[i, j])) - magic
 
 
+@njit(nogil=True, cache=True)
+def extract_sparse_outer_sum_(A, B, magic, unit, sums, counts):
+    """sums[k, j] = sum over rows i of hi(A[i, k] * B[i, j]), hi(v) = (magic + v) - magic, for
+    an A mostly of zeros (a conv's deltas after max pooling): a zero of A adds nothing."""
+    # The same terms as extract_outer_sum_ (the widened factors' products, their counts of
+    # `unit`), added in another order: the sums are exact, so their bits are the same. A zero
+    # factor's terms all extract to 0 (the peaks are finite: B holds no inf or NaN). The counts
+    # of every row k, (depth, n) int64, stay in the L2 cache while the rows of B stream past.
+    m, depth = A.shape
+    n = B.shape[1]
+    magic_bits = float_bits(magic)
+    for k in range(depth):
+        for j in range(n):
+            counts[k, j] = 0
+    for i in range(m):
+        factors = B[i]
+        for k in range(depth):
+            factor = np.float64(A[i, k])
+            if factor == 0.0:
+                continue
+            row = counts[k]
+            for j in range(n):
+                row[j] += float_bits(magic + factor * np.float64(factors[j])) - magic_bits
+    for k in range(depth):
+        for j in range(n):
+            sums[k, j] = np.float64(counts[k, j]) * unit  # |count| < 2^53: exact
+
+
+@njit(nogil=True, cache=True)
+def all_finite(values):
+    """Whether a 1-D array holds no inf and no NaN."""
+    for value in values:
+        if not abs(value) < np.inf:
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True)
+def sparse_fixed_order_product_(x, W, out):
+    """out = x W as fixed_order_product_ gives it, for an x mostly of zeros, skipping its zeros."""
+    # A sum that starts at +0 never becomes -0 (x + -x rounds to +0), and a finite W makes
+    # 0 * W[k, j] a zero: adding it leaves the sum's bits as they are. Skipping it is then the
+    # same order over ascending k. A W with an inf or NaN takes every term.
+    if not all_finite(W.reshape(-1)):
+        fixed_order_product_(x, W, out)
+        return
+    m, depth = x.shape
+    n = W.shape[1]
+    zero = out.dtype.type(0)
+    taken = np.empty(depth, np.int64)  # a row's nonzero k, ascending
+    for i in range(m):
+        count = 0
+        for k in range(depth):
+            if x[i, k] != 0:
+                taken[count] = k
+                count += 1
+        row = out[i]
+        for j in range(n):
+            row[j] = zero
+        t = 0
+        while t + 4 <= count:  # four terms per load and store of the row, in ascending k
+            k0, k1, k2, k3 = taken[t], taken[t + 1], taken[t + 2], taken[t + 3]
+            f0, f1, f2, f3 = x[i, k0], x[i, k1], x[i, k2], x[i, k3]
+            w0, w1, w2, w3 = W[k0], W[k1], W[k2], W[k3]
+            for j in range(n):
+                row[j] = (((row[j] + f0 * w0[j]) + f1 * w1[j]) + f2 * w2[j]) + f3 * w3[j]
+            t += 4
+        for tail in range(t, count):
+            add_scaled_row_(row, x[i, taken[tail]], W[taken[tail]])
+
+
 def slot_exponent(value: float, global_batch: int) -> int:
     """The least integer E with 2^E >= 2 * B * value, clamped to [-1022, 1022]."""
     if not math.isfinite(value):

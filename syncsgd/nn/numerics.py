@@ -346,6 +346,15 @@ class Float:
         """g += the column sums of d, in sample order."""
         add_columns_(d, g, self.first_sums)
 
+    def sparse_matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        """out = a b for an `a` mostly of zeros (a conv's deltas after max pooling): matmul_'s."""
+        self.matmul_(a, b, out, False)
+
+    def sparse_outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
+                          per_sample: int = 1) -> None:  # fmt: skip
+        """g += a^T b for an `a` mostly of zeros: outer_sum_'s."""
+        self.outer_sum_(layer, a, b, g, per_sample)
+
     def affine_sums_(self, layer: int, a: np.ndarray, d: np.ndarray, g_weight: np.ndarray,
                      g_bias: np.ndarray, a_first: bool, per_sample: int, y: np.ndarray,
                      activation: int = IDENTITY) -> None:  # fmt: skip
@@ -446,6 +455,7 @@ class Term:
     b: np.ndarray | None
     first_bound: int  # index of its first peak in the bounds vector
     per_sample: int  # terms per sample in each element's sum (positions of a sequence or image)
+    sparse: bool = False  # an outer sum whose `a` is mostly zeros, extracted skipping them
 
 
 class Exact(Float):
@@ -590,6 +600,16 @@ class Exact(Float):
         first = self._peaks_(ex.peak_magnitude(a.reshape(-1)), ex.peak_magnitude(b.reshape(-1)))
         self._register(Term(layer, "outer", g, a, b, first, per_sample))
 
+    def sparse_matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        """out = a b as matmul_ gives it, skipping the zeros of `a` (the same bits)."""
+        ex.sparse_fixed_order_product_(a, b, out)
+
+    def sparse_outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
+                          per_sample: int = 1) -> None:  # fmt: skip
+        """Register g += sum of a_i b_i^T, extracted skipping the zeros of `a` (the same bits)."""
+        first = self._peaks_(ex.peak_magnitude(a.reshape(-1)), ex.peak_magnitude(b.reshape(-1)))
+        self._register(Term(layer, "outer", g, a, b, first, per_sample, sparse=True))
+
     def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray, per_sample: int = 1) -> None:
         """Register g += the column sums of d, with the peak of d."""
         first = self._peaks_(ex.peak_magnitude(d.reshape(-1)))
@@ -671,7 +691,12 @@ class Exact(Float):
         """out += the term's exact sum at the fixed point `magic`."""
         out = term.out
         sums = self._sums[: out.size].reshape(out.shape if term.kind != "loss" else (1,))
-        if term.kind == "outer":
+        if term.kind == "outer" and term.sparse:
+            assert term.b is not None
+            depth, width = term.a.shape[1], term.b.shape[1]
+            counts = self._counts[: depth * width].reshape(depth, width)
+            ex.extract_sparse_outer_sum_(term.a, term.b, magic, unit, sums, counts)
+        elif term.kind == "outer":
             assert term.b is not None
             m, width = term.b.shape
             if self._widened.size < m * width:  # a conv's patches: wider than any layer's block

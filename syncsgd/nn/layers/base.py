@@ -63,6 +63,11 @@ class Primitives(Protocol):
     def column_sum_(self, layer: int, d: np.ndarray, g: np.ndarray,
                     per_sample: int = 1) -> None: ...  # fmt: skip
 
+    def sparse_matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None: ...
+
+    def sparse_outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
+                          per_sample: int = 1) -> None: ...  # fmt: skip
+
     def affine_sums_(self, layer: int, a: np.ndarray, d: np.ndarray, g_weight: np.ndarray,
                      g_bias: np.ndarray, a_first: bool, per_sample: int, y: np.ndarray,
                      activation: int = IDENTITY) -> None: ...  # fmt: skip

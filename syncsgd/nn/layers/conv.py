@@ -131,8 +131,8 @@ class Conv(Layer):
         d = spaces.get("rows", (n_rows, self.out_channels), dy.dtype)
         channels_to_rows_(dy, d)
         cols = spaces.keep("cols", (n_rows, width), x.dtype)  # the forward pass's patches
-        nx.outer_sum_(self.position, d, cols, g["weight"].reshape(self.out_channels, -1),
-                      positions)  # fmt: skip
+        weight_sum = nx.sparse_outer_sum_ if self.activation == RELU else nx.outer_sum_
+        weight_sum(self.position, d, cols, g["weight"].reshape(self.out_channels, -1), positions)
         nx.column_sum_(self.position, d, g["bias"], positions)
 
     def _free_sums_(self, nx: Primitives, spaces: Workspaces, g: dict[str, np.ndarray],
@@ -163,7 +163,10 @@ class Conv(Layer):
             return
         d = spaces.get("rows", (n_rows, self.out_channels), dy.dtype)
         dcols = spaces.get("dcols", (n_rows, width), dy.dtype)
-        nx.matmul_(d, self._weight(p), dcols, False)
+        if self.activation == RELU:
+            nx.sparse_matmul_(d, self._weight(p), dcols)
+        else:
+            nx.matmul_(d, self._weight(p), dcols, False)
         col2im_(dcols, self.kernel, self.stride, self.pad, dx)
         nx.round_(dx)
 
