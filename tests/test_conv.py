@@ -478,3 +478,22 @@ def test_exact_mode_conv_relu_has_the_dense_kernels_bits(dtype, monkeypatch):
     monkeypatch.setattr(Exact, "sparse_matmul_",
                         lambda self, a, b, out: Exact.matmul_(self, a, b, out, False))
     assert digest(train(config, ranks=2).params) == sparse
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_exact_sums_in_panels_give_the_whole_kernels_bits(dtype):
+    from syncsgd.nn import exact as ex
+
+    m, depth = 4, 5
+    n = ex.panel_columns(m, 10**9) * 2 + 3  # two whole panels and a part of one
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, depth)).astype(dtype)
+    a[rng.random(a.shape) < 0.5] = 0.0
+    b = rng.standard_normal((m, n)).astype(dtype)
+    magic, unit = 1.5 * 2.0**10, 2.0 ** (10 - ex.UNIT_BITS)
+    sums = [np.full((depth, n), 7.0), np.full((depth, n), 7.0)]
+    counts = np.zeros(depth * n, np.int64)
+    ex.extract_outer_sum_(a, b.astype(np.float64), magic, unit, sums[0],
+                          counts[: n].reshape(1, n))  # fmt: skip
+    ex.extract_outer_sum_in_panels_(a, b, magic, unit, sums[1], np.zeros(m * n), counts)
+    assert sums[0].tobytes() == sums[1].tobytes()

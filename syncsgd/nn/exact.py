@@ -18,6 +18,7 @@ PRODUCT_BLOCK_BYTES = 262144  # rows of W used together by a product: they stay 
 ACCUMULATOR_TILE_BYTES = 16384  # weight-sum rows extracted together: they stay in the L1 cache
 MIN_EXPONENT, MAX_EXPONENT = -1022, 1022  # keep M = 1.5 * 2^E and ulp(M) = 2^(E-52) in float64
 UNIT_BITS = 52  # ulp(M) = 2^(E - 52)
+PANEL_BYTES = 524288  # a widened factor's columns extracted together: they stay in the L2 cache
 
 
 @njit(nogil=True, cache=True)
@@ -149,6 +150,29 @@ def extract_column_sum_(D, magic, sums):
     for i in range(m):
         for j in range(n):
             sums[j] += (magic + np.float64(D[i, j])) - magic
+
+
+@njit(nogil=True, cache=True)
+def panel_columns(m, n):
+    """Columns of an (m, n) factor, widened to float64, that fit PANEL_BYTES (n if all do)."""
+    return max(1, min(n, PANEL_BYTES // (8 * max(m, 1))))
+
+
+@njit(nogil=True, cache=True)
+def extract_outer_sum_in_panels_(A, B, magic, unit, sums, wide, counts):
+    """extract_outer_sum_ a panel of B's columns at a time, widened into `wide`: the panel stays
+    in the L2 cache while every tile of counts passes over it (the same exact sums)."""
+    m, n = B.shape
+    width = panel_columns(m, n)
+    for start in range(0, n, width):
+        stop = min(start + width, n)
+        panel = wide[: m * (stop - start)].reshape((m, stop - start))
+        for i in range(m):
+            for j in range(start, stop):
+                panel[i, j - start] = np.float64(B[i, j])
+        tile = accumulator_rows(stop - start)
+        extract_outer_sum_(A, panel, magic, unit, sums[:, start:stop],
+                           counts[: tile * (stop - start)].reshape((tile, stop - start)))
 
 
 @njit(nogil=True, cache=True)

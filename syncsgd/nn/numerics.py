@@ -141,6 +141,17 @@ def copy_transposed_(W, out):
 
 
 @njit(nogil=True, cache=True)
+def copy_transposed_in_blocks_(W, out):
+    """out = W^T, in 32 x 32 blocks that stay in the L1 cache (twice as fast for a large W)."""
+    rows, columns = W.shape
+    for top in range(0, rows, 32):
+        for left in range(0, columns, 32):
+            for i in range(top, min(top + 32, rows)):
+                for j in range(left, min(left + 32, columns)):
+                    out[j, i] = W[i, j]
+
+
+@njit(nogil=True, cache=True)
 def sum_in_order(values):
     """The sum of a 1-D array in float64, in index order."""
     total = 0.0
@@ -587,7 +598,7 @@ class Exact(Float):
         """out = a b (or a b^T), every element summed over ascending k whatever the rows."""
         if transpose_b:  # the fixed-order kernel reads rows of b: one transposed copy per call
             b_T = self._transposed[: b.size].reshape(b.shape[1], b.shape[0])
-            copy_transposed_(b, b_T)
+            copy_transposed_in_blocks_(b, b_T)
             b = b_T
         ex.fixed_order_product_(a, b, out)
 
@@ -696,6 +707,12 @@ class Exact(Float):
             depth, width = term.a.shape[1], term.b.shape[1]
             counts = self._counts[: depth * width].reshape(depth, width)
             ex.extract_sparse_outer_sum_(term.a, term.b, magic, unit, sums, counts)
+        elif term.kind == "outer" and 128 <= ex.panel_columns(*term.b.shape) < term.b.shape[1]:
+            assert term.b is not None  # a factor wider than the L2 cache: a panel at a time
+            if self._widened.size < ex.PANEL_BYTES // 8:
+                self._widened = np.zeros(ex.PANEL_BYTES // 8, np.float64)
+            ex.extract_outer_sum_in_panels_(term.a, term.b, magic, unit, sums, self._widened,
+                                            self._counts)  # fmt: skip
         elif term.kind == "outer":
             assert term.b is not None
             m, width = term.b.shape
