@@ -476,7 +476,7 @@ def test_exact_mode_conv_relu_has_the_dense_kernels_bits(dtype, monkeypatch):
     sparse = digest(train(config, ranks=2).params)
     monkeypatch.setattr(Exact, "sparse_outer_sum_", Exact.outer_sum_)
     monkeypatch.setattr(Exact, "sparse_matmul_",
-                        lambda self, a, b, out: Exact.matmul_(self, a, b, out, False))
+                        lambda self, a, b, out: Exact.matmul_(self, a, b, out, False))  # fmt: skip
     assert digest(train(config, ranks=2).params) == sparse
 
 

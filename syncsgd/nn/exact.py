@@ -166,13 +166,13 @@ def extract_outer_sum_in_panels_(A, B, magic, unit, sums, wide, counts):
     width = panel_columns(m, n)
     for start in range(0, n, width):
         stop = min(start + width, n)
-        panel = wide[: m * (stop - start)].reshape((m, stop - start))
+        columns = stop - start
+        panel = wide[: m * columns].reshape((m, columns))
         for i in range(m):
             for j in range(start, stop):
                 panel[i, j - start] = np.float64(B[i, j])
-        tile = accumulator_rows(stop - start)
-        extract_outer_sum_(A, panel, magic, unit, sums[:, start:stop],
-                           counts[: tile * (stop - start)].reshape((tile, stop - start)))
+        tile = counts[: accumulator_rows(columns) * columns].reshape((-1, columns))
+        extract_outer_sum_(A, panel, magic, unit, sums[:, start:stop], tile)
 
 
 @njit(nogil=True, cache=True)
