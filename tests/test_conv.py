@@ -507,8 +507,8 @@ def test_float_modes_sparse_input_gradient_is_the_dense_ones(data, m, channels, 
     from syncsgd.nn.layers import conv
 
     side = (size + 2 * pad - kernel) // stride + 1
-    dy = mostly_zeros(data.draw, (m * out, side * side), "float64", seed).reshape(m, out, side,
-                                                                                   side)  # fmt: skip
+    dy = mostly_zeros(data.draw, (m * out, side * side), "float64", seed)
+    dy = dy.reshape(m, out, side, side)
     weight = np.random.default_rng(seed + 1).standard_normal((out, channels * kernel * kernel))
     if data.draw(st.booleans()):  # an inf or a NaN: every term, as the dense kernel takes them
         weight[0, data.draw(st.integers(0, weight.shape[1] - 1))] = data.draw(
