@@ -497,35 +497,3 @@ def test_the_exact_sums_in_panels_give_the_whole_kernels_bits(dtype):
                           counts[: n].reshape(1, n))  # fmt: skip
     ex.extract_outer_sum_in_panels_(a, b, magic, unit, sums[1], np.zeros(m * n), counts)
     assert sums[0].tobytes() == sums[1].tobytes()
-
-
-@given(data=st.data(), m=st.integers(1, 3), channels=st.integers(1, 3), out=st.integers(1, 4),
-       size=st.integers(3, 7), kernel=st.integers(1, 3), stride=st.integers(1, 2),
-       pad=st.integers(0, 1), seed=st.integers(0, 2**16))  # fmt: skip
-def test_float_modes_sparse_input_gradient_is_the_dense_ones(data, m, channels, out, size, kernel,
-                                                               stride, pad, seed):  # fmt: skip
-    from syncsgd.nn.layers import conv
-
-    side = (size + 2 * pad - kernel) // stride + 1
-    dy = mostly_zeros(data.draw, (m * out, side * side), "float64", seed)
-    dy = dy.reshape(m, out, side, side)
-    weight = np.random.default_rng(seed + 1).standard_normal((out, channels * kernel * kernel))
-    if data.draw(st.booleans()):  # an inf or a NaN: every term, as the dense kernel takes them
-        weight[0, data.draw(st.integers(0, weight.shape[1] - 1))] = data.draw(
-            st.sampled_from([np.inf, np.nan]))  # fmt: skip
-    padded = np.zeros((channels, size + 2 * pad, size + 2 * pad))
-    dense, sparse = np.full((2, m, channels, size, size), 7.0)
-    columns = np.zeros((weight.shape[1], side * side))
-    conv.conv_input_grad_(dy, weight, kernel, stride, pad, columns, padded, dense)
-    conv.conv_sparse_input_grad_(dy, weight, kernel, stride, pad, np.zeros(weight.shape[1]),
-                                 padded, sparse)  # fmt: skip
-    np.testing.assert_allclose(sparse, dense, rtol=1e-13, atol=1e-13)
-
-
-def test_a_wide_conv_and_its_relu_in_float_mode_are_the_oracles():
-    config = TrainConfig(model="conv(8, 3, pad=1) relu conv(3, 3, pad=1) relu maxpool(2) flatten "
-                         "dense", **SMALL)  # the second's patches 72 wide  # fmt: skip
-    result = train(config, ranks=2)
-    expected, losses = oracle_run(config)
-    assert relative(prepare(config).model.to_arrays(result.params), expected) < 1e-9
-    assert result.losses == pytest.approx(losses, rel=1e-9)

@@ -30,12 +30,10 @@ import math
 import numpy as np
 from numba import njit
 
-from syncsgd.nn.exact import all_finite
 from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Primitives, Shape, Workspaces
 from syncsgd.nn.layers.relu import rectified, rectified_grad, relu_, relu_backward_
 
 PATCH_BYTES = 1 << 20  # float mode: the patches of a chunk of samples, about one core's L2
-SPARSE_WIDTH = 64  # float mode: patches at least this wide take a relu's deltas row by row
 
 
 class Conv(Layer):
@@ -160,10 +158,6 @@ class Conv(Layer):
         if nx.free_order:
             columns = spaces.get("sample columns", (width, positions), dy.dtype)
             padded = spaces.get("padded", (1, *self._padded_shape()), dy.dtype)
-            if self.activation == RELU and width >= SPARSE_WIDTH:  # dy mostly zeros
-                conv_sparse_input_grad_(dy, self._weight(p), self.kernel, self.stride, self.pad,
-                                        columns.reshape(-1)[:width], padded[0], dx)  # fmt: skip
-                return
             conv_input_grad_(dy, self._weight(p), self.kernel, self.stride, self.pad, columns,
                              padded[0], dx)  # fmt: skip
             return
@@ -491,50 +485,3 @@ def conv_input_grad_(dy, weight, k, stride, pad, columns, padded, dx):
     for n in range(m):
         np.dot(weight.T, dy[n].reshape((out, out_h * out_w)), columns)
         col2im_columns_(columns, k, stride, pad, padded, dx[n])
-
-
-@njit(nogil=True, cache=True)
-def conv_sparse_input_grad_(dy, weight, k, stride, pad, row, padded, dx):
-    """dx = col2im(dy_rows W), a patch's row at a time over dy's nonzeros alone (after a relu
-    and max pooling most are zeros), scattered at once; W with an inf or NaN: conv_input_grad_."""
-    if not all_finite(weight.reshape(-1)):  # 0 x inf is NaN: every term then, as BLAS takes it
-        columns = np.empty((weight.shape[1], dy.shape[2] * dy.shape[3]), dy.dtype)
-        conv_input_grad_(dy, weight, k, stride, pad, columns, padded, dx)
-        return
-    m, out, out_h, out_w = dy.shape
-    zero = dx.dtype.type(0)
-    for n in range(m):
-        padded[...] = 0
-        for r in range(out_h * out_w):
-            i, j = r // out_w, r % out_w
-            row[:] = 0
-            taken = False
-            for o in range(out):
-                value = dy[n, o, i, j]
-                if value != zero:
-                    taken, terms = True, weight[o]
-                    for q in range(row.shape[0]):
-                        row[q] += value * terms[q]
-            if taken:
-                scatter_row_(row, k, i * stride, j * stride, padded)
-        unpad_(padded, pad, dx[n])
-
-
-@njit(nogil=True, cache=True)
-def scatter_row_(row, k, top, left, padded):
-    """padded[c, top + a, left + b] += row[(c k + a) k + b]: one patch's gradient."""
-    for c in range(padded.shape[0]):
-        for a in range(k):
-            first = (c * k + a) * k
-            for b in range(k):
-                padded[c, top + a, left + b] += row[first + b]
-
-
-@njit(nogil=True, cache=True)
-def unpad_(padded, pad, dx):
-    """dx = the inside of `padded`, without its `pad` around."""
-    channels, height, width = dx.shape
-    for c in range(channels):
-        for h in range(height):
-            for w in range(width):
-                dx[c, h, w] = padded[c, h + pad, w + pad]
