@@ -19,6 +19,7 @@ ACCUMULATOR_TILE_BYTES = 16384  # weight-sum rows extracted together: they stay 
 MIN_EXPONENT, MAX_EXPONENT = -1022, 1022  # keep M = 1.5 * 2^E and ulp(M) = 2^(E-52) in float64
 UNIT_BITS = 52  # ulp(M) = 2^(E - 52)
 PANEL_BYTES = 524288  # a widened factor's columns extracted together: they stay in the L2 cache
+MIN_PANEL_COLUMNS = 128  # narrower panels would read the other factor too often
 
 
 @njit(nogil=True, cache=True)

@@ -707,7 +707,7 @@ class Exact(Float):
             depth, width = term.a.shape[1], term.b.shape[1]
             counts = self._counts[: depth * width].reshape(depth, width)
             ex.extract_sparse_outer_sum_(term.a, term.b, magic, unit, sums, counts)
-        elif term.kind == "outer" and 128 <= ex.panel_columns(*term.b.shape) < term.b.shape[1]:
+        elif term.kind == "outer" and in_panels(term.b):
             assert term.b is not None  # a factor wider than the L2 cache: a panel at a time
             if self._widened.size < ex.PANEL_BYTES // 8:
                 self._widened = np.zeros(ex.PANEL_BYTES // 8, np.float64)
@@ -729,6 +729,12 @@ class Exact(Float):
             out[0] = sums[0]
         else:
             out += sums
+
+
+def in_panels(b: np.ndarray | None) -> bool:
+    """Whether an outer sum's factor b is wider than the L2 cache, extracted a panel at a time
+    (panels of at least MIN_PANEL_COLUMNS)."""
+    return b is not None and ex.MIN_PANEL_COLUMNS <= ex.panel_columns(*b.shape) < b.shape[1]
 
 
 class ExactNarrow(Exact):
