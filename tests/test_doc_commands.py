@@ -25,6 +25,9 @@ OVERRIDES = {
     "syncsgd verify --ranks 1,2,3,5,8 --exact --steps 20": "--steps 5",
     "mpiexec -n 2 syncsgd bench allreduce --max-bytes 1M --json sweep.json":
         "--max-bytes 64K --batches 3",
+    'syncsgd model --memory --model "gpt(layers=2,d=128,heads=4)" --data numbers-to-words '
+    "--context 8 --samples 16 --batch-size 4 --dtype float32 --optimizer adamw --precision bf16 "
+    "--bucket-bytes 0 --png memory.png --measured": "--measured 1,2",
 }  # fmt: skip
 
 LONG = "a measured run the page quotes ({}); parsed only, to keep these tests under a minute"
@@ -65,6 +68,8 @@ EXCLUDED = {
     "auto": "a sweep to 64 MiB under MPI (minutes); tests/test_bench_algorithms.py tests "
     "--algorithms",
     "mpiexec -n 4 syncsgd bench collective --max-bytes 4M --json parts.json --csv parts.csv":
+        MPI_MANY.format(4, "test_collective_parts.py runs every collective under mpiexec"),
+    "mpiexec -n 4 syncsgd bench collective --max-bytes 4M --json parts.json":
         MPI_MANY.format(4, "test_collective_parts.py runs every collective under mpiexec"),
     "syncsgd bench collective --ranks 4 --collectives allgather,reduce-scatter":
         LONG.format("a sweep to 64 MiB; the README runs it to 8 KiB"),
