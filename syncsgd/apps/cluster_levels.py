@@ -17,7 +17,7 @@ and, in the same rounds, what the model predicts from them, on all N x R ranks:
     DIR/measured.json  the flat ring and the hierarchical allreduce (`model --measured`)
 
 Each time is the slowest rank's per-call time of a batch; per size the median over the rounds,
-each of which times every kind once, so that the load of other jobs falls on all of them alike.
+each of which times every size and kind once, so that the load of other jobs falls on all alike.
 docs/cluster.md derives the model from them.
 """
 
@@ -116,7 +116,7 @@ def sweep(world: Any, sizes: list[int], batches: int) -> dict[str, list[dict[str
     from syncsgd.collectives import allreduce
 
     node, across, _, _ = level_communicators(world)
-    rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    plan = []  # (size, kind, the call or None on a rank that waits, calls per batch)
     for size in sizes:
         buf = np.zeros(size // 8, np.float64)  # zeros: the sums stay zero however many calls
         calls = {"intra": functools.partial(allreduce, buf, node, "ring"),
@@ -125,17 +125,18 @@ def sweep(world: Any, sizes: list[int], batches: int) -> dict[str, list[dict[str
                  if node.Get_rank() == 0 else None,
                  "ring": functools.partial(allreduce, buf, world, "ring"),
                  "hierarchical": functools.partial(allreduce, buf, world, "hierarchical")}
-        counts = {kind: calibrate(world, call) for kind, call in calls.items()}
-        times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-        for _ in range(batches):  # the kinds alternate, so that a burst of load hits them all
-            for kind in KINDS:
-                times[kind].append(batch_seconds(world, calls[kind], counts[kind]))
-        for kind in KINDS:
-            rows[kind].append({"algorithm": "ring" if kind in LEVELS else kind,
-                               "size_bytes": size,
-                               "time_us": statistics.median(times[kind]) * 1e6,
-                               "iter_min_us": min(times[kind]) * 1e6,
-                               "iter_max_us": max(times[kind]) * 1e6})  # fmt: skip
+        plan += [(size, kind, call, calibrate(world, call)) for kind, call in calls.items()]
+    times: dict[tuple[int, str], list[float]] = {(size, kind): [] for size, kind, _, _ in plan}
+    # Every round times every size and kind once: a burst of other jobs' load, seconds long,
+    # falls on all of them alike, not on the few sizes that a sweep size by size was timing.
+    for _ in range(batches):
+        for size, kind, call, count in plan:
+            times[size, kind].append(batch_seconds(world, call, count))
+    rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    for (size, kind), found in times.items():
+        rows[kind].append({"algorithm": "ring" if kind in LEVELS else kind, "size_bytes": size,
+                           "time_us": statistics.median(found) * 1e6,
+                           "iter_min_us": min(found) * 1e6, "iter_max_us": max(found) * 1e6})
     return rows
 
 
