@@ -206,3 +206,34 @@ def test_model_fits_the_shared_sweep_and_predicts_with_it(tmp_path, capsys):
                                                                         between))  # fmt: skip
     assert main(["model", "--shared-fit", together]) != 0
     assert "give --nodes N too" in capsys.readouterr().err
+
+
+def test_a_flat_ring_step_lasts_as_long_as_its_slowest_hop():
+    # Inside a node dearer per message (ranks waiting for cores), between nodes dearer per byte:
+    # small buffers wait on the hops inside the nodes, large ones on the links.
+    inside, between = Params(3e-3, 1e-9, 1e-10), Params(8e-4, 9e-9, 1e-10)
+    ring = cost("ring", 4)
+    for n in (1e3, 1e5, 1e7):
+        steps = [hop.alpha + n / 4 * hop.beta for hop in (inside, between)]
+        assert levels.flat_ring_seconds(2, 2, n, inside, between) == pytest.approx(
+            ring.a * max(steps) + ring.c * n * between.gamma)
+    # One rank per node: no hop inside a node.
+    assert levels.flat_ring_seconds(4, 1, 1e3, inside, between) == pytest.approx(
+        cost("ring", 4).seconds(1e3, between))
+
+
+@pytest.mark.parametrize("inter", ["ring", "tree"])
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("alpha_inside", [1e-6, 1e-3, 5e-3])
+def test_the_crossover_is_where_the_hierarchical_allreduce_wins_from_on(nodes, per_node, inter,
+                                                                       alpha_inside):  # fmt: skip
+    inside, between = Params(alpha_inside, 1e-9, 1e-10), Params(8e-4, 9e-9, 1e-10)
+    where = levels.crossover(nodes, per_node, inside, between, inter)
+    sizes = [x * 1.01 for x in (2.0 ** k for k in range(40))]
+    wins = [levels.hierarchical_seconds(nodes, per_node, x, inside, between, inter)
+            < levels.flat_ring_seconds(nodes, per_node, x, inside, between) for x in sizes]
+    if where is None:
+        assert not wins[-1]
+    else:
+        assert all(win for x, win in zip(sizes, wins, strict=True) if x > where)
+        assert where == 0 or not all(wins)

@@ -5,11 +5,13 @@ separate α, β for the links inside a node and between nodes.
                   + a·α_out + n·b·β_out + (n/R)·c·γ                 the inter-node algorithm's
                                                                     a, b, c on N ranks: R chunks
                                                                     of n/R share the node's link
-    flat ring     2(P-1)(α_out + n/P·β_out) + (P-1)/P·nγ            P = NR: with N > 1 every step
-                                                                    waits for a link between nodes
+    flat ring     2(P-1)·max(α_out + n/P·β_out,                     P = NR: with N > 1 every step
+                             α_in + n/P·β_in) + (P-1)/P·nγ          has hops between nodes and,
+                                                                    with R > 1, inside them
 
 (With N = 1 the flat ring is the hierarchical one: α_in, β_in.) The ring's steps run in lockstep,
-so each of its 2(P-1) steps takes as long as its slowest link, one between nodes; the two-level
+so each of its 2(P-1) steps takes as long as its slowest hop: usually one between nodes, but on
+cores shared by more ranks a hop inside a node waits for its partner to be scheduled; the two-level
 allreduce crosses between nodes in 2(N-1) steps, in which the R ranks of a node each send n/(NR)
 bytes over the node's one link. docs/cost-model.md.
 
@@ -68,26 +70,39 @@ def hierarchical_seconds(nodes: int, per_node: int, nbytes: float, inside: Param
         between.gamma)
 
 
+def flat_ring_lines(nodes: int, per_node: int, inside: Params, between: Params
+                    ) -> list[tuple[float, float]]:  # fmt: skip
+    """The flat ring's time as the largest of these lines (seconds at 0 bytes, per byte): each
+    of its 2(P-1) lockstep steps lasts as long as its slowest hop, between nodes or inside one."""
+    ring = cost("ring", nodes * per_node)
+    steps, reduce = ring.a, ring.c * between.gamma
+    hops = [between if nodes > 1 else inside] + ([inside] if nodes > 1 and per_node > 1 else [])
+    return [(steps * hop.alpha, ring.b * hop.beta + reduce) for hop in hops]
+
+
 def flat_ring_seconds(nodes: int, per_node: int, nbytes: float, inside: Params,
                       between: Params) -> float:  # fmt: skip
-    """The flat ring on N x R ranks: every step as slow as a link between nodes (N > 1)."""
-    return cost("ring", nodes * per_node).seconds(nbytes, between if nodes > 1 else inside)
+    """The flat ring on N x R ranks: every step as slow as its slowest hop."""
+    return max(fixed + nbytes * per_byte
+               for fixed, per_byte in flat_ring_lines(nodes, per_node, inside, between))
 
 
 def crossover(nodes: int, per_node: int, inside: Params, between: Params, inter: str,
               shared: Params | None = None) -> float | None:  # fmt: skip
-    """The size in bytes from which the two-level allreduce is faster, or None if it never is
-    (both are lines in n: it wins everywhere at 0, or from where they cross)."""
-    fixed = [hierarchical_seconds(nodes, per_node, 0.0, inside, between, inter, shared),
-             flat_ring_seconds(nodes, per_node, 0.0, inside, between)]  # fmt: skip
-    slope = [hierarchical_seconds(nodes, per_node, 1.0, inside, between, inter, shared)
-             - fixed[0],
-             flat_ring_seconds(nodes, per_node, 1.0, inside, between) - fixed[1]]  # fmt: skip
-    if fixed[0] <= fixed[1]:
-        return 0.0 if slope[0] <= slope[1] else None
-    if slope[0] >= slope[1]:
+    """The least size in bytes from which the two-level allreduce is faster at every larger size,
+    or None if it is not at the largest (flat ring - hierarchical is the largest of a few lines:
+    it is positive from the least start of a rising line, or from 0 if a falling one covers it)."""
+    h0 = hierarchical_seconds(nodes, per_node, 0.0, inside, between, inter, shared)
+    h1 = hierarchical_seconds(nodes, per_node, 1.0, inside, between, inter, shared) - h0
+    gaps = [(f0 - h0, f1 - h1) for f0, f1 in flat_ring_lines(nodes, per_node, inside, between)]
+    starts = [max(0.0, -g0 / g1) if g1 > 0 else 0.0 for g0, g1 in gaps
+              if g1 > 0 or (g1 == 0 and g0 >= 0)]  # fmt: skip
+    if not starts:
         return None
-    return (fixed[0] - fixed[1]) / (slope[1] - slope[0])
+    start = min(starts)
+    if any(g1 < 0 and g0 >= 0 and -g0 / g1 >= start for g0, g1 in gaps):
+        return 0.0
+    return start
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
