@@ -42,6 +42,8 @@ EXCLUDED = {
     "sudo syncsgd cluster --nodes 4 --link 1gbit -- syncsgd bench allreduce --min-bytes 64K "
     "--max-bytes 16M --json p4.json": ROOT,
     "sudo syncsgd cluster --nodes 2 --link 1gbit -- syncsgd bench allreduce --max-bytes 1M": ROOT,
+    "sudo syncsgd cluster --nodes 2 --ranks-per-node 2 --link 1gbit --levels lv --levels-png "
+    "levels.png -- --min-bytes 16K --max-bytes 8M --batches 15": ROOT,
     "sudo syncsgd cluster --nodes 2 --link 1gbit -- syncsgd bench allreduce --min-bytes 64K "
     "--max-bytes 16M --batches 7 --json p2.json": ROOT,
     "sudo syncsgd cluster --nodes 4 --link 1gbit -- syncsgd bench allreduce --min-bytes 64K "
