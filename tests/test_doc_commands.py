@@ -17,6 +17,7 @@ from conftest import mpiexec_command, mpiexec_path
 from doc_commands import Documented, every_command
 from test_tutorial import INSTRUCTOR, TUTORIAL, tutorial_commands
 
+from syncsgd.apps import cluster_levels
 from syncsgd.cli import build_parser
 
 # Appended to a command when the test runs it: a shorter run of the same command.
@@ -177,7 +178,10 @@ def test_every_documented_command_parses(command, capsys):
     parse(command.arguments)
     if command.arguments[0] == "cluster":  # and the command it runs on the nodes
         inner = command.arguments[command.arguments.index("--") + 1 :]
-        parse(inner[inner.index("syncsgd") + 1 :])
+        if "--levels" in command.arguments:  # no command: the level sweep's own options
+            cluster_levels.sweep_arguments(inner)
+        else:
+            parse(inner[inner.index("syncsgd") + 1 :])
     capsys.readouterr()
 
 
