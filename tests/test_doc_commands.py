@@ -17,6 +17,7 @@ from conftest import mpiexec_command, mpiexec_path
 from doc_commands import Documented, every_command
 from test_tutorial import INSTRUCTOR, TUTORIAL, tutorial_commands
 
+from syncsgd.apps import cluster_levels
 from syncsgd.cli import build_parser
 
 # Appended to a command when the test runs it: a shorter run of the same command.
@@ -45,6 +46,8 @@ EXCLUDED = {
     "sudo syncsgd cluster --nodes 4 --link 1gbit -- syncsgd bench allreduce --min-bytes 64K "
     "--max-bytes 16M --json p4.json": ROOT,
     "sudo syncsgd cluster --nodes 2 --link 1gbit -- syncsgd bench allreduce --max-bytes 1M": ROOT,
+    "sudo syncsgd cluster --nodes 2 --ranks-per-node 2 --link 1gbit --levels lv --levels-png "
+    "levels.png -- --min-bytes 16K --max-bytes 8M --batches 15": ROOT,
     "sudo syncsgd cluster --nodes 2 --link 1gbit -- syncsgd bench allreduce --min-bytes 64K "
     "--max-bytes 16M --batches 7 --json p2.json": ROOT,
     "sudo syncsgd cluster --nodes 4 --link 1gbit -- syncsgd bench allreduce --min-bytes 64K "
@@ -180,7 +183,10 @@ def test_every_documented_command_parses(command, capsys):
     parse(command.arguments)
     if command.arguments[0] == "cluster":  # and the command it runs on the nodes
         inner = command.arguments[command.arguments.index("--") + 1 :]
-        parse(inner[inner.index("syncsgd") + 1 :])
+        if "--levels" in command.arguments:  # no command: the level sweep's own options
+            cluster_levels.sweep_arguments(inner)
+        else:
+            parse(inner[inner.index("syncsgd") + 1 :])
     capsys.readouterr()
 
 
