@@ -1,4 +1,4 @@
-"""Smoke test of `syncsgd bench allreduce` (threads, and --check under mpiexec): table, JSON, CSV, bad
+"""Smoke test of `syncsgd bench allreduce` (threads; --check under mpiexec): table, JSON, CSV, bad
 options."""
 
 from __future__ import annotations

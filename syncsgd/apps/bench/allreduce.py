@@ -457,6 +457,14 @@ def sweep_figure(rows: list[dict], title: str) -> Any:
     return figure
 
 
+CHECK_HELP = (
+    f"exit with status 1 if a bar is missed (MPI backend): the ring's time at 8 B "
+    f"<= {LATENCY_BAR:g}x MPI's and its busbw >= {BUSBW_BAR:g}x MPI's from 1 MiB; auto's speed "
+    f">= {AUTO_BAR:g}x MPI's at every size (with --algorithms auto); the library's Allreduce is "
+    f"also timed against itself ('{CONTROL}'), to show the ratios' noise"
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench allreduce`."""
     parser.epilog = (
@@ -510,14 +518,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     writes(parser.add_argument("--timeline-png", metavar="PATH", type=figure_path,
                                help="the same traced calls as a Gantt chart per rank: .png, "
                                ".svg or .pdf"))  # fmt: skip
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help=f"exit with status 1 if a bar is missed (MPI backend): the ring's time at 8 B "
-        f"<= {LATENCY_BAR:g}x MPI's and its busbw >= {BUSBW_BAR:g}x MPI's from 1 MiB; auto's "
-        f"speed >= {AUTO_BAR:g}x MPI's at every size (with --algorithms auto); the library's "
-        f"Allreduce is also timed against itself ('{CONTROL}'), to show the ratios' noise",
-    )
+    parser.add_argument("--check", action="store_true", help=CHECK_HELP)
 
 
 def main(options: argparse.Namespace) -> int:
