@@ -171,9 +171,11 @@ def test_the_control_shows_the_noise_from_1_mib_and_decides_nothing():
                                (3, allreduce.CONTROL, 0.5), (20, allreduce.CONTROL, 0.8),
                                (21, allreduce.CONTROL, 1.25), (22, allreduce.CONTROL, 1.0)]]
     bar = allreduce.performance_bar(rows)
-    assert bar["control_range"] == [0.8, 1.25]  # 8 B is below 1 MiB: not counted
+    assert bar["control_range"] == [0.8, 1.25]  # 8 B is below 1 MiB: not counted there
+    assert bar["control_latency_ratio"] == 2.0  # but it is the latency size: time 1 / 0.5
     assert allreduce.bar_met(bar)  # the control's own 0.8 misses nothing: it only informs
-    assert "mpi-control/mpi from 1 MiB = 0.80-1.25x" in allreduce.describe_bar(bar)
+    assert ("mpi-control/mpi time at 8 B = 2.00x; mpi-control/mpi busbw from 1 MiB = 0.80-1.25x "
+            "(the library against itself") in allreduce.describe_bar(bar)  # fmt: skip
     assert allreduce.performance_bar(rows[:3])["control_range"] is None
     assert "mpi-control" not in allreduce.describe_bar(allreduce.performance_bar(rows[:3]))
 

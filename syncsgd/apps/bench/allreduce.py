@@ -264,8 +264,8 @@ def performance_bar(rows: list[dict]) -> dict | None:
                key=lambda row: row["vs_mpi"], default=None)  # fmt: skip
     if latency is None and worst is None and auto is None:
         return None
-    control = [row["vs_mpi"] for row in rows
-               if row["algorithm"] == CONTROL and row["size_bytes"] >= BUSBW_FROM]  # fmt: skip
+    control = {row["size_bytes"]: row["vs_mpi"] for row in rows if row["algorithm"] == CONTROL}
+    large_control = [ratio for size, ratio in control.items() if size >= BUSBW_FROM]
     return {
         "latency_bytes": smallest,
         "latency_ratio": latency,
@@ -276,8 +276,10 @@ def performance_bar(rows: list[dict]) -> dict | None:
         "auto_worst_bytes": auto["size_bytes"] if auto else None,
         "auto_worst_ratio": auto["vs_mpi"] if auto else None,
         "auto_met": auto is None or auto["vs_mpi"] >= AUTO_BAR,
-        # the library against itself from 1 MiB: the range of ratios that noise alone gave
-        "control_range": [min(control), max(control)] if control else None,
+        # the library against itself, time at the latency size and from 1 MiB the range of busbw
+        # ratios: what noise alone gave in this run
+        "control_latency_ratio": 1 / control[smallest] if smallest in control else None,
+        "control_range": [min(large_control), max(large_control)] if large_control else None,
     }
 
 
@@ -305,10 +307,14 @@ def describe_bar(bar: dict) -> str:
             f"worst auto/mpi speed = {bar['auto_worst_ratio']:.2f}x at {bar['auto_worst_bytes']} B "
             f"(>= {AUTO_BAR:g}x: {verdict[bar['auto_met']]})"
         )
+    if bar.get("control_latency_ratio"):
+        parts.append(f"{CONTROL}/mpi time at {bar['latency_bytes']} B = "
+                     f"{bar['control_latency_ratio']:.2f}x")  # fmt: skip
     if bar.get("control_range"):
         low, high = bar["control_range"]
-        parts.append(f"{CONTROL}/mpi from {BUSBW_FROM >> 20} MiB = {low:.2f}-{high:.2f}x "
-                     "(the library against itself: the noise of the ratios)")  # fmt: skip
+        parts.append(f"{CONTROL}/mpi busbw from {BUSBW_FROM >> 20} MiB = {low:.2f}-{high:.2f}x")
+    if bar.get("control_latency_ratio") or bar.get("control_range"):
+        parts[-1] += " (the library against itself: the ratios' noise in this run)"
     return "# bar: " + "; ".join(parts)
 
 
