@@ -35,6 +35,9 @@ NO_DTYPE = 3  # the code of an unusable buffer
 _LENGTH_MODULUS = 4096  # signature = (length mod 4096) * 4 + dtype code < 2**14; tag < 2**15
 _NOTHING = np.empty(0, np.uint8)  # what a rank with an unusable buffer sends and receives
 _COPIED = -1  # `arriving` of a step whose data lands straight in its place: nothing to add
+# Under MPI, a step's send of at least this many bytes is left to finish during later steps;
+# a shorter one goes eagerly (its send ends at once), where one Sendrecv is one call less.
+OPEN_SEND_BYTES = 64 << 10
 # The name each algorithm's errors carry: the function the user called.
 FUNCTION_NAMES = {name: name.replace("-", "_") + "_allreduce" for name in SCHEDULES}
 
@@ -403,15 +406,16 @@ def _take_steps(
 def _exchange(comm: Any, plan: Plan, step: PlannedStep, message: memoryview, tag: int,
               into: memoryview, sendrecv: Callable[..., Any],
               pending: list[tuple[Any, slice]]) -> int:  # fmt: skip
-    """A step's receive, with its send if it has one: the bytes that came. Under MPI a send apart
-    from the bytes received is started and left in `pending`; elsewhere both go in one exchange."""
+    """A step's receive, with its send if it has one: the bytes that came. Under MPI a long send
+    apart from the bytes received is started and left in `pending`; else both go in one exchange."""
     send, dest, source = step.send, step.dest, step.source
     any_tag, status = plan.any_tag, plan.status
     if pending:  # first let the sends of bytes this step overwrites finish
         _settle(pending, step.recv)
     if dest < 0:
         comm.Recv(into, source, any_tag, status)
-    elif plan.open_sends and not _overlap(send, step.recv):
+    elif (plan.open_sends and send.stop - send.start >= OPEN_SEND_BYTES
+          and not _overlap(send, step.recv)):  # fmt: skip
         pending.append((comm.Isend(message[send], dest, tag), send))
         comm.Recv(into, source, any_tag, status)
     else:
