@@ -99,7 +99,9 @@ class Plan(NamedTuple):
     rank: int = 0
     size: int = 1
     comm: Any = None  # kept, so that its id, which finds the plan, is not another's
-    open_sends: bool = False  # an mpi4py communicator: a step's send may finish during later steps
+    # A step's send may finish during later steps: under MPI, on more than two ranks (on two, each
+    # step of the ring and of Rabenseifner receives into the bytes the step before sent)
+    open_sends: bool = False
 
 
 class Gathering(NamedTuple):
@@ -190,7 +192,7 @@ def plan_for(
     probe = _truncation_unsafe(comm)
     result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), (), probe,
                   function_name(algorithm), type(comm) is ThreadComm, None, rank, size, comm,
-                  _is_mpi(comm) and not probe)  # fmt: skip
+                  _is_mpi(comm) and not probe and size > 2)  # fmt: skip
     if not traced and gathers(algorithm, length * dtype.itemsize, size):
         result = _gathering(result, str(algorithm), length, dtype, size, rank, comm)
     else:
