@@ -202,14 +202,14 @@ class Block(Layer):
         """Its inner activations and their gradients, the attention's weights, its layers'."""
         positions, d = self.in_shape
         inner = 2 * positions * d * sum(INNER_WIDTHS.values()) + 2 * self.heads * positions**2
-        return inner + self.ln1.inner_size() + self.ln2.inner_size()
+        return inner + self.ln1.inner_size() + self.ln2.inner_size() + self.gelu.inner_size()
 
     def kept_bytes(self, m: int, itemsize: int) -> int:
         """Its inner activations, the attention's T x T weights per head, its layer norms'."""
         positions, d = self.in_shape
         values = m * (positions * d * sum(INNER_WIDTHS.values()) + self.heads * positions**2)
         norms = self.ln1.kept_bytes(m, itemsize) + self.ln2.kept_bytes(m, itemsize)
-        return values * itemsize + norms
+        return values * itemsize + norms + self.gelu.kept_bytes(m, itemsize)
 
     def scratch_bytes(self, m: int, itemsize: int) -> int:
         """The gradients at its inner activations and at the attention's weights, one head's
@@ -220,9 +220,11 @@ class Block(Layer):
         return (values + d // self.heads * positions) * itemsize + norms
 
     def free_kept_bytes(self, m: int, itemsize: int) -> int:
-        """As in the other modes, and float mode's copies of [q | k | v] by head."""
+        """As in the other modes (but GELU's, which is its own), and float mode's copies of
+        [q | k | v] by head."""
         positions, d = self.in_shape
-        return self.kept_bytes(m, itemsize) + 3 * m * positions * d * itemsize
+        own = self.kept_bytes(m, itemsize) - self.gelu.kept_bytes(m, itemsize)
+        return own + self.gelu.free_kept_bytes(m, itemsize) + 3 * m * positions * d * itemsize
 
     def free_scratch_bytes(self, m: int, itemsize: int) -> int:
         """As in the other modes, and float mode's heads' outputs and gradients by head."""
@@ -278,8 +280,8 @@ def attention_backward_(nx: Primitives, heads: int, qkv: np.ndarray, probs: np.n
 @njit(nogil=True, cache=True)
 def scores_(qkv, heads, scale, probs, keys):
     """probs[i, h, t, u] = (q_t . k_u) scale for u <= t, else 0 (head h's features); each dot
-    product summed over the features in index order (the loop over u innermost: SIMD-friendly);
-    keys: an (e, T) workspace, one head's keys a feature per row."""
+    product summed over the features in index order (`lower_products_`); keys: an (e, T)
+    workspace, one head's keys a feature per row."""
     m, positions, width = qkv.shape
     d = width // 3
     e = d // heads
@@ -288,15 +290,43 @@ def scores_(qkv, heads, scale, probs, keys):
             for u in range(positions):
                 for f in range(e):
                     keys[f, u] = qkv[i, u, d + h * e + f]
+            lower_products_(qkv[i, :, h * e : (h + 1) * e], keys, probs[i, h])
             for t in range(positions):
                 row = probs[i, h, t]
-                row[:] = 0
-                for f in range(e):
-                    query = qkv[i, t, h * e + f]
-                    for u in range(t + 1):
-                        row[u] += query * keys[f, u]
                 for u in range(t + 1):
                     row[u] *= scale
+
+
+@njit(nogil=True, cache=True)
+def lower_products_(a, b_rows, out):
+    """out[t, u] = sum over f of a[t, f] b_rows[f, u] for u <= t (f ascending, from 0), else 0:
+    four rows at a time, each element's sum in the order of a row alone."""
+    positions, e = a.shape
+    full = positions - positions % 4
+    for t0 in range(0, full, 4):
+        r0, r1, r2, r3 = out[t0], out[t0 + 1], out[t0 + 2], out[t0 + 3]
+        r0[:] = 0
+        r1[:] = 0
+        r2[:] = 0
+        r3[:] = 0
+        for f in range(e):
+            a0, a1, a2, a3 = a[t0, f], a[t0 + 1, f], a[t0 + 2, f], a[t0 + 3, f]
+            b = b_rows[f]
+            for u in range(t0 + 4):
+                r0[u] += a0 * b[u]
+                r1[u] += a1 * b[u]
+                r2[u] += a2 * b[u]
+                r3[u] += a3 * b[u]
+        r0[t0 + 1 :] = 0  # past each row's own t: as if never summed
+        r1[t0 + 2 :] = 0
+        r2[t0 + 3 :] = 0
+    for t in range(full, positions):
+        row = out[t]
+        row[:] = 0
+        for f in range(e):
+            factor = a[t, f]
+            for u in range(t + 1):
+                row[u] += factor * b_rows[f, u]
 
 
 @njit(nogil=True, cache=True)
@@ -348,13 +378,7 @@ def attend_backward_(probs, qkv, d_out, heads, d_probs, d_qkv, values):
             for u in range(positions):
                 for f in range(e):
                     values[f, u] = qkv[i, u, 2 * d + h * e + f]
-            for t in range(positions):
-                row = d_probs[i, h, t]
-                row[:] = 0
-                for f in range(e):
-                    grad = d_out[i, t, h * e + f]
-                    for u in range(t + 1):
-                        row[u] += grad * values[f, u]
+            lower_products_(d_out[i, :, h * e : (h + 1) * e], values, d_probs[i, h])
             for u in range(positions):
                 dv = d_qkv[i, u, 2 * d + h * e : 2 * d + (h + 1) * e]
                 for t in range(u, positions):
@@ -488,7 +512,7 @@ def free_attention_backward_(qkv_heads, probs, d_out_heads, d_probs, d_qkv_heads
             np.dot(d_probs[i, h].T, qkv_heads[0, i, h], d_qkv_heads[1, i, h])  # ds^T q
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath={"reassoc"})  # the row's sum in any order: it vectorises
 def causal_softmax_rows_(scores):
     """Each (heads, T, T) row t: softmax over u <= t in the scores' dtype, 0 for u > t."""
     heads, positions, _ = scores.shape
@@ -508,7 +532,7 @@ def causal_softmax_rows_(scores):
             row[t + 1 :] = 0
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath={"reassoc"})  # the row's sum in any order
 def softmax_rows_backward_(probs, d_probs):
     """d_probs = P (dP - sum_u P dP) row by row, in place, over the whole row (P is 0 past t)."""
     heads, positions, _ = probs.shape

@@ -5,8 +5,8 @@ Its gradient: Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi).
 Float mode in float32 computes both in float32, in loops the compiler vectorises: erf as a
 rational function of x on [-4, 4] (+-1 beyond, as in float32), exp by its powers of two and a
 polynomial (`exp_float32`, which attention's softmax uses too). The other modes, and float64,
-take erf and exp in float64 from the C library, element by element (docs/transformer.md has
-the float32 kernels' errors).
+take erf and exp in float64 from the C library, element by element, the forward pass keeping
+erf for the backward pass (docs/transformer.md has the float32 kernels' errors).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
+from syncsgd.nn.arrays import shape_size
 from syncsgd.nn.layers.base import Layer, Primitives
 
 F32 = np.float32  # the float32 kernels' constants: a float64 one would widen their arithmetic
@@ -45,7 +46,10 @@ class GELU(Layer):
     def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                  y: np.ndarray) -> None:  # fmt: skip
         """y = round(x Phi(x))."""
-        gelu_into_(nx, x.reshape(-1), y.reshape(-1))
+        if nx.free_order and x.dtype == np.float32:
+            gelu_float32_(x.reshape(-1), y.reshape(-1))
+        else:  # erf kept for the backward pass, which then takes only the exp
+            gelu_(x.reshape(-1), self._erf(nx, x), y.reshape(-1))
         nx.round_(y)
 
     def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
@@ -54,34 +58,43 @@ class GELU(Layer):
         if nx.free_order and x.dtype == np.float32:
             gelu_backward_float32_(x.reshape(-1), dy.reshape(-1), dx.reshape(-1))
         else:
-            gelu_backward_(x.reshape(-1), dy.reshape(-1), dx.reshape(-1))
+            gelu_backward_(x.reshape(-1), self._erf(nx, x), dy.reshape(-1), dx.reshape(-1))
         nx.round_(dx)
 
+    def _erf(self, nx: Primitives, x: np.ndarray) -> np.ndarray:
+        """erf(x / sqrt 2) of the pass under way, in float64 (the C library's kernels)."""
+        return self.workspaces(nx).keep("erf", (x.size,), np.float64)
+
+    def kept_bytes(self, m: int, itemsize: int) -> int:
+        """erf(x / sqrt 2) in float64."""
+        return m * shape_size(self.in_shape) * 8
+
+    def free_kept_bytes(self, m: int, itemsize: int) -> int:
+        """erf(x / sqrt 2) in float64, but in float32, whose kernels keep nothing."""
+        return 0 if itemsize == 4 else self.kept_bytes(m, itemsize)
+
+    def inner_size(self) -> int:
+        """erf(x / sqrt 2) per value."""
+        return shape_size(self.in_shape)
+
 
 @njit(nogil=True, cache=True)
-def gelu_(x, y):
-    """y = x (1 + erf(x / sqrt 2)) / 2, element by element."""
+def gelu_(x, erf, y):
+    """y = x (1 + erf(x / sqrt 2)) / 2, element by element; erf(x / sqrt 2) kept in `erf`."""
     for i in range(x.size):
         value = np.float64(x[i])
-        y[i] = 0.5 * value * (1.0 + math.erf(value / math.sqrt(2.0)))
+        erf[i] = math.erf(value / math.sqrt(2.0))
+        y[i] = 0.5 * value * (1.0 + erf[i])
 
 
 @njit(nogil=True, cache=True)
-def gelu_backward_(x, dy, dx):
-    """dx = dy (Phi(x) + x phi(x)), element by element."""
+def gelu_backward_(x, erf, dy, dx):
+    """dx = dy (Phi(x) + x phi(x)), element by element; erf: gelu_'s."""
     for i in range(x.size):
         value = np.float64(x[i])
-        cdf = 0.5 * (1.0 + math.erf(value / math.sqrt(2.0)))
+        cdf = 0.5 * (1.0 + erf[i])
         pdf = math.exp(-0.5 * value * value) / math.sqrt(2.0 * math.pi)
         dx[i] = np.float64(dy[i]) * (cdf + value * pdf)
-
-
-def gelu_into_(nx: Primitives, x: np.ndarray, y: np.ndarray) -> None:
-    """y = x Phi(x), flat: float mode's float32 kernel where it may, else the C library's erf."""
-    if nx.free_order and x.dtype == np.float32:
-        gelu_float32_(x, y)
-    else:
-        gelu_(x, y)
 
 
 @intrinsic
