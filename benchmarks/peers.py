@@ -152,7 +152,8 @@ def syncsgd_config(dtype: str, steps: int, model: str | None = None,
         layers = {"model": model, "data": "numbers-to-words", "context": context}
     elif model is not None:
         layers = {"model": model, "input_shape": shape}
-    return TrainConfig(samples=SAMPLES, features=SIZES[0], classes=SIZES[-1], batch_size=batch,
+    classes = None if reads_tokens(model) else SIZES[-1]  # token data: its vocabulary
+    return TrainConfig(samples=SAMPLES, features=SIZES[0], classes=classes, batch_size=batch,
                        steps=steps, lr=LR, seed=SEED, dtype=dtype, loss="xent",
                        **layers)  # fmt: skip
 

@@ -2,6 +2,7 @@
 
     python benchmarks/transformer.py                      # gpt(layers=2,d=128,heads=4), T=64, B=32
     python benchmarks/transformer.py --rounds 9 --json transformer.json
+    python benchmarks/transformer.py --step-ranks 2 --steps 5   # and whole steps, exact / float
 
 What is timed: the forward and backward pass of one batch of B sequences of T tokens (the loss
 the mean cross-entropy over the B x T tokens, every parameter's gradient), on one process with
@@ -13,6 +14,10 @@ one BLAS thread:
           torch.set_num_threads(1).
 A round runs every contender in turn (interleaved: a noisy neighbour slows all alike); the median
 over rounds of the ms per pass is quoted, and the median over rounds of each round's ratio.
+With `--step-ranks P`, whole training steps too (`train_rank` on P thread ranks: windows of T
+characters of numbers-to-words, AdamW, the global batch B), float and exact mode alternating
+(ABBA) for `--rounds` runs of `--steps` steps after one run each; a run's time per step is its
+slowest rank's, and the median over runs of each mode and of exact / float is printed.
 Nothing is asserted.
 """
 
@@ -118,6 +123,36 @@ def measure(passes: dict[str, Callable[[], Any]], rounds: int, repeats: int) -> 
     return result
 
 
+def whole_steps(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    """Median ms per training step in float and exact mode on --step-ranks thread ranks, and
+    the median of the runs' ratios exact / float."""
+    from syncsgd.comm.threads import run_threads
+    from syncsgd.training.config import TrainConfig
+    from syncsgd.training.loop import prepare, train_rank
+
+    model = f"gpt(layers={args.layers},d={args.d},heads={args.heads})"
+    runs = {mode: prepare(TrainConfig(model=model, data="numbers-to-words", context=args.context,
+                                      samples=max(2048, args.batch), batch_size=args.batch,
+                                      steps=args.steps, dtype=dtype, optimizer="adamw",
+                                      exact=mode == "exact", seed=SEED))
+            for mode in ("float", "exact")}  # fmt: skip
+
+    def per_step(mode: str) -> float:
+        results = run_threads(args.step_ranks, train_rank, runs[mode])
+        return max(result.seconds for result in results) / args.steps * 1e3
+
+    for mode in runs:
+        per_step(mode)  # compile or load the kernels
+    times: dict[str, list[float]] = {"float": [], "exact": []}
+    for index in range(args.rounds):
+        for mode in ("float", "exact") if index % 2 == 0 else ("exact", "float"):
+            times[mode].append(per_step(mode))
+    ratios = [a / b for a, b in zip(times["exact"], times["float"], strict=True)]
+    return {"step_ranks": args.step_ranks, "float_step_ms": statistics.median(times["float"]),
+            "exact_step_ms": statistics.median(times["exact"]),
+            "exact_step_over_float": statistics.median(ratios)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     """Measure and print one line per dtype (and --json)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -129,12 +164,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", default="float64,float32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--step-ranks", type=int, default=0,
+                        help="also whole steps on this many thread ranks (0: none)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per whole-step run (5)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = []
     for dtype in args.dtypes.split(","):
         passes = contenders(args.layers, args.d, args.heads, args.context, args.batch, dtype)
         row = {"dtype": dtype, **measure(passes, args.rounds, args.repeats)}
+        if args.step_ranks:
+            row.update(whole_steps(args, dtype))
         rows.append(row)
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()))  # fmt: skip

@@ -1,4 +1,5 @@
-"""Smoke test of `syncsgd bench allreduce` on the threads backend: table, JSON, CSV, bad options."""
+"""Smoke test of `syncsgd bench allreduce` (threads; --check under mpiexec): table, JSON, CSV, bad
+options."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import requires_mpi, run_mpiexec
 
 from syncsgd.apps.bench import allreduce
 from syncsgd.cli import main
@@ -161,6 +163,38 @@ def test_performance_bar_verdicts():
     # sizes below 1 MiB do not count for the bandwidth bar
     assert allreduce.performance_bar(rows(0.5, [(19, 0.5)]))["busbw_met"]
     assert met["auto_worst_bytes"] is None and allreduce.bar_met(met)  # no auto rows: no verdict
+
+
+def test_the_control_shows_the_noise_from_1_mib_and_decides_nothing():
+    rows = [{"size_bytes": 1 << s, "algorithm": name, "vs_mpi": v}
+            for s, name, v in [(3, "ring", 0.6), (20, "ring", 0.97), (21, "ring", 1.1),
+                               (3, allreduce.CONTROL, 0.5), (20, allreduce.CONTROL, 0.8),
+                               (21, allreduce.CONTROL, 1.25), (22, allreduce.CONTROL, 1.0)]]
+    bar = allreduce.performance_bar(rows)
+    assert bar["control_range"] == [0.8, 1.25]  # 8 B is below 1 MiB: not counted there
+    assert bar["control_latency_ratio"] == 2.0  # but it is the latency size: time 1 / 0.5
+    assert allreduce.bar_met(bar)  # the control's own 0.8 misses nothing: it only informs
+    assert ("mpi-control/mpi time at 8 B = 2.00x; mpi-control/mpi busbw from 1 MiB = 0.80-1.25x "
+            "(the library against itself") in allreduce.describe_bar(bar)  # fmt: skip
+    assert allreduce.performance_bar(rows[:3])["control_range"] is None
+    assert "mpi-control" not in allreduce.describe_bar(allreduce.performance_bar(rows[:3]))
+
+
+@requires_mpi
+def test_check_times_the_library_against_itself_under_mpi(tmp_path):
+    json_path = tmp_path / "check.json"
+    args = ["-m", "syncsgd.cli", "bench", "allreduce", "--max-bytes", "16", "--check",
+            "--json", str(json_path), *QUICK]  # fmt: skip
+    done = run_mpiexec(2, args, timeout=120)
+    assert done.returncode in (0, 1), done.stderr  # 1: a bar missed on a busy machine
+    rows = json.loads(json_path.read_text())["rows"]
+    assert sorted(row["algorithm"] for row in rows if row["size_bytes"] == 8) == [
+        "mpi", "mpi-control", "ring"]
+    assert "mpi-control" in done.stdout and "# bar:" in done.stdout
+    plain = tmp_path / "plain.json"  # without --check: no control
+    done = run_mpiexec(2, [*args[:4], "--max-bytes", "8", "--json", str(plain), *QUICK])
+    assert done.returncode == 0, done.stderr
+    assert {row["algorithm"] for row in json.loads(plain.read_text())["rows"]} == {"ring", "mpi"}
 
 
 def test_auto_bar_takes_the_worst_size():

@@ -7,6 +7,7 @@ CI runs them all under MPICH, and under Open MPI all but the `cluster` ones, of 
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -194,3 +195,39 @@ def _wait_for_namespace(suffix: str, existing: set[str]) -> str:
             return found[0]
         time.sleep(0.2)
     pytest.fail("the cluster's namespaces did not appear")
+
+
+def test_levels_refuses_bad_sweep_options_and_one_node(tmp_path):
+    from syncsgd.apps import cluster_levels
+
+    assert cluster_levels.sweep_arguments(["--min-bytes", "64K", "--batches", "3"])
+    for bad in (["--warmup", "3"], ["--min-bytes", "8M", "--max-bytes", "1M"], ["--batches", "0"],
+                ["--min-bytes", "lots"]):  # fmt: skip
+        with pytest.raises(ValueError, match="--levels: "):
+            cluster_levels.sweep_arguments(bad)
+    options = build_parser().parse_args(["cluster", "--nodes", "1", "--levels", str(tmp_path)])
+    with pytest.raises(ValueError, match="--levels needs --nodes 2 or more"):
+        cluster.levels_command(options, [])
+
+
+@requires_cluster
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_levels_measures_fits_and_sets_the_prediction_beside_the_measurement(tmp_path):
+    before = network_state()
+    into, png = tmp_path / "levels", tmp_path / "levels.png"
+    done = run_cluster("--nodes", "2", "--ranks-per-node", "2", "--link", "1gbit", "--levels",
+                       str(into), "--levels-png", str(png), "--", "--min-bytes", "256K",
+                       "--max-bytes", "512K", "--batches", "2", timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "# between nodes, R rings at once: fitted to the ring's 2 rows of" in done.stdout
+    assert "# measured (" in done.stdout and png.stat().st_size > 0
+    assert "load average" in done.stderr
+    for name, ranks in (("intra", 2), ("shared", 2), ("link", 2), ("measured", 4)):
+        document = json.loads((into / f"{name}.json").read_text())
+        assert document["ranks"] == ranks, name
+        assert [row["size_bytes"] for row in document["rows"]][:2] == (
+            [256 << 10, 256 << 10] if name == "measured" else [256 << 10, 512 << 10])
+    model = json.loads((into / "model.json").read_text())
+    assert [row["size_bytes"] for row in model["measured"]["rows"]] == [256 << 10, 512 << 10]
+    assert left_behind(before) == set()

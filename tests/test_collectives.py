@@ -837,3 +837,40 @@ def test_a_failing_rank_ends_the_mpi_job_instead_of_hanging():
     assert done.returncode != 0
     assert "rank 1 of 2 failed: AssertionError('failing on purpose')" in done.stderr
     assert "ok:" not in done.stdout
+
+
+OPEN_SENDS_SCRIPT = """
+import sys
+import numpy as np
+from mpi4py import MPI
+from syncsgd.collectives import allreduce
+comm = MPI.COMM_WORLD
+for algorithm in ("ring", "rabenseifner"):
+    buf = np.random.default_rng(comm.rank).standard_normal(int(sys.argv[1]))
+    allreduce(buf, comm, algorithm)
+    if comm.rank == 0:
+        open(f"{sys.argv[2]}.{algorithm}", "wb").write(buf.tobytes())
+"""
+
+
+@requires_mpi
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_sends_left_open_under_mpi_give_the_thread_ranks_bits(ranks, tmp_path):
+    # Chunks of about 100 KiB: under MPI each step's send is left open (at least 64 KiB), on
+    # thread ranks each step waits for it; the adds, and so the bits, are the same.
+    from syncsgd.collectives.executor import OPEN_SEND_BYTES
+
+    length = ranks * (OPEN_SEND_BYTES // 8 + 5000)
+    script = tmp_path / "open_sends.py"
+    script.write_text(OPEN_SENDS_SCRIPT)
+    done = run_mpiexec(ranks, [str(script), str(length), str(tmp_path / "sum")], timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def summed(comm, algorithm):
+        buf = np.random.default_rng(comm.rank).standard_normal(length)
+        return allreduce(buf, comm, algorithm).tobytes()
+
+    for algorithm in ("ring", "rabenseifner"):
+        threads = run_threads(ranks, summed, algorithm)[0]
+        assert (tmp_path / f"sum.{algorithm}").read_bytes() == threads, algorithm

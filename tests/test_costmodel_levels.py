@@ -167,3 +167,73 @@ def test_the_levels_figure_is_a_legible_slide(tmp_path):
     assert figures.legibility(figure) == []
     levels.draw_levels(str(tmp_path / "l.png"), table, 2, 2, FAST, SLOW, "ring")
     assert (tmp_path / "l.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 4), (4, 1)])
+def test_the_shared_measurement_stands_for_r_flows_over_one_link(nodes, per_node):
+    # The inter-node ring measured with all R rings at once takes R times the link's time per
+    # byte when they share it fairly: then the two forms of the model agree.
+    n = 3e6
+    shared = SLOW._replace(beta=per_node * SLOW.beta)
+    assert levels.hierarchical_seconds(nodes, per_node, n, FAST, SLOW, shared=shared) == (
+        pytest.approx(levels.hierarchical_seconds(nodes, per_node, n, FAST, SLOW)))
+    # With a measured sharing, the inter-node phase is that ring on n/R bytes, nothing more.
+    measured = Params(2e-3, 1.7e-8, 1e-10)
+    assert levels.hierarchical_seconds(nodes, per_node, n, FAST, SLOW, shared=measured) == (
+        pytest.approx(levels.intra_cost(per_node).seconds(n, FAST)
+                      + cost("ring", nodes).seconds(n / per_node, measured)))  # fmt: skip
+
+
+def test_model_fits_the_shared_sweep_and_predicts_with_it(tmp_path, capsys):
+    inside, between, shared = (Params(2e-5, 3e-10, 1e-10), Params(4e-4, 8e-9, 1e-10),
+                               Params(1e-3, 1.5e-8, 1e-10))  # fmt: skip
+    intra = ring_sweep(tmp_path / "intra.json", 2, inside)
+    link = ring_sweep(tmp_path / "link.json", 2, between)
+    together = ring_sweep(tmp_path / "shared.json", 2, shared)
+    path = tmp_path / "m.json"
+    assert main(["model", "--ranks", "4", "--sizes", "1M", "--gamma", "1e-10", "--nodes", "2",
+                 "--ranks-per-node", "2", "--intra-fit", intra, "--inter-fit", link,
+                 "--shared-fit", together, "--json", str(path)]) == 0  # fmt: skip
+    assert "# between nodes, R rings at once: fitted to the ring's 4 rows of" in (
+        capsys.readouterr().out)
+    two = json.loads(path.read_text())["two_level"]
+    assert two["shared"]["alpha"] == pytest.approx(shared.alpha, rel=1e-6)
+    assert two["shared"]["beta"] == pytest.approx(shared.beta, rel=1e-6)
+    (row,) = two["rows"]
+    assert row["hierarchical_s"] == pytest.approx(
+        levels.hierarchical_seconds(2, 2, 1 << 20, inside, between, shared=shared))
+    assert row["flat_ring_s"] == pytest.approx(levels.flat_ring_seconds(2, 2, 1 << 20, inside,
+                                                                        between))  # fmt: skip
+    assert main(["model", "--shared-fit", together]) != 0
+    assert "give --nodes N too" in capsys.readouterr().err
+
+
+def test_a_flat_ring_step_lasts_as_long_as_its_slowest_hop():
+    # Inside a node dearer per message (ranks waiting for cores), between nodes dearer per byte:
+    # small buffers wait on the hops inside the nodes, large ones on the links.
+    inside, between = Params(3e-3, 1e-9, 1e-10), Params(8e-4, 9e-9, 1e-10)
+    ring = cost("ring", 4)
+    for n in (1e3, 1e5, 1e7):
+        steps = [hop.alpha + n / 4 * hop.beta for hop in (inside, between)]
+        assert levels.flat_ring_seconds(2, 2, n, inside, between) == pytest.approx(
+            ring.a * max(steps) + ring.c * n * between.gamma)
+    # One rank per node: no hop inside a node.
+    assert levels.flat_ring_seconds(4, 1, 1e3, inside, between) == pytest.approx(
+        cost("ring", 4).seconds(1e3, between))
+
+
+@pytest.mark.parametrize("inter", ["ring", "tree"])
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("alpha_inside", [1e-6, 1e-3, 5e-3])
+def test_the_crossover_is_where_the_hierarchical_allreduce_wins_from_on(nodes, per_node, inter,
+                                                                       alpha_inside):  # fmt: skip
+    inside, between = Params(alpha_inside, 1e-9, 1e-10), Params(8e-4, 9e-9, 1e-10)
+    where = levels.crossover(nodes, per_node, inside, between, inter)
+    sizes = [x * 1.01 for x in (2.0 ** k for k in range(40))]
+    wins = [levels.hierarchical_seconds(nodes, per_node, x, inside, between, inter)
+            < levels.flat_ring_seconds(nodes, per_node, x, inside, between) for x in sizes]
+    if where is None:
+        assert not wins[-1]
+    else:
+        assert all(win for x, win in zip(sizes, wins, strict=True) if x > where)
+        assert where == 0 or not all(wins)

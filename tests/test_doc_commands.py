@@ -17,6 +17,7 @@ from conftest import mpiexec_command, mpiexec_path
 from doc_commands import Documented, every_command
 from test_tutorial import INSTRUCTOR, TUTORIAL, tutorial_commands
 
+from syncsgd.apps import cluster_levels
 from syncsgd.cli import build_parser
 
 # Appended to a command when the test runs it: a shorter run of the same command.
@@ -25,6 +26,9 @@ OVERRIDES = {
     "syncsgd verify --ranks 1,2,3,5,8 --exact --steps 20": "--steps 5",
     "mpiexec -n 2 syncsgd bench allreduce --max-bytes 1M --json sweep.json":
         "--max-bytes 64K --batches 3",
+    'syncsgd model --memory --model "gpt(layers=2,d=128,heads=4)" --data numbers-to-words '
+    "--context 8 --samples 16 --batch-size 4 --dtype float32 --optimizer adamw --precision bf16 "
+    "--bucket-bytes 0 --png memory.png --measured": "--measured 1,2",
 }  # fmt: skip
 
 LONG = "a measured run the page quotes ({}); parsed only, to keep these tests under a minute"
@@ -42,6 +46,8 @@ EXCLUDED = {
     "sudo syncsgd cluster --nodes 4 --link 1gbit -- syncsgd bench allreduce --min-bytes 64K "
     "--max-bytes 16M --json p4.json": ROOT,
     "sudo syncsgd cluster --nodes 2 --link 1gbit -- syncsgd bench allreduce --max-bytes 1M": ROOT,
+    "sudo syncsgd cluster --nodes 2 --ranks-per-node 2 --link 1gbit --levels lv --levels-png "
+    "levels.png -- --min-bytes 16K --max-bytes 8M --batches 15": ROOT,
     "sudo syncsgd cluster --nodes 2 --link 1gbit -- syncsgd bench allreduce --min-bytes 64K "
     "--max-bytes 16M --batches 7 --json p2.json": ROOT,
     "sudo syncsgd cluster --nodes 4 --link 1gbit -- syncsgd bench allreduce --min-bytes 64K "
@@ -65,6 +71,8 @@ EXCLUDED = {
     "auto": "a sweep to 64 MiB under MPI (minutes); tests/test_bench_algorithms.py tests "
     "--algorithms",
     "mpiexec -n 4 syncsgd bench collective --max-bytes 4M --json parts.json --csv parts.csv":
+        MPI_MANY.format(4, "test_collective_parts.py runs every collective under mpiexec"),
+    "mpiexec -n 4 syncsgd bench collective --max-bytes 4M --json parts.json":
         MPI_MANY.format(4, "test_collective_parts.py runs every collective under mpiexec"),
     "syncsgd bench collective --ranks 4 --collectives allgather,reduce-scatter":
         LONG.format("a sweep to 64 MiB; the README runs it to 8 KiB"),
@@ -175,7 +183,10 @@ def test_every_documented_command_parses(command, capsys):
     parse(command.arguments)
     if command.arguments[0] == "cluster":  # and the command it runs on the nodes
         inner = command.arguments[command.arguments.index("--") + 1 :]
-        parse(inner[inner.index("syncsgd") + 1 :])
+        if "--levels" in command.arguments:  # no command: the level sweep's own options
+            cluster_levels.sweep_arguments(inner)
+        else:
+            parse(inner[inner.index("syncsgd") + 1 :])
     capsys.readouterr()
 
 

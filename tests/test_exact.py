@@ -534,3 +534,25 @@ def test_bad_arguments_get_one_line_messages():
         with pytest.raises(ValueError, match=message) as info:
             call()
         assert "\n" not in str(info.value)
+
+
+@given(m=st.integers(0, 11), depth=st.integers(1, 13), width=st.sampled_from([1, 3, 8, 2100]),
+       seed=st.integers(0, 2**16), batch=st.integers(12, 300))  # fmt: skip
+def test_the_extraction_of_float32_factors_is_the_general_ones_bit_for_bit(m, depth, width, seed,
+                                                                          batch):  # fmt: skip
+    from syncsgd.nn import exact as ex
+
+    rng = np.random.default_rng(seed)
+    spread = np.exp2(rng.integers(-30, 10, (m, depth)))  # factors of many binades, and zeros
+    A = (rng.standard_normal((m, depth)) * spread).astype(np.float32)
+    A[rng.random((m, depth)) < 0.4] = 0.0
+    D = (rng.standard_normal((m, width)) * np.exp2(rng.integers(-20, 5, (m, width))))
+    D = D.astype(np.float32).astype(np.float64)  # float32 deltas, widened as the numerics do
+    peak = float(np.abs(A).max(initial=0.0)) * float(np.abs(D).max(initial=0.0))
+    exponent = slot_exponent(peak, batch)
+    magic, unit = float(np.ldexp(1.5, exponent)), float(np.ldexp(1.0, exponent - ex.UNIT_BITS))
+    counts = np.zeros((ex.accumulator_rows(width), width), np.int64)
+    general, widened = np.full((depth, width), np.nan), np.full((depth, width), np.nan)
+    ex.extract_outer_sum_(A, D, magic, unit, general, counts)
+    ex.extract_outer_sum_widened_(A, D, magic, unit, widened, counts)
+    assert general.tobytes() == widened.tobytes()

@@ -108,6 +108,53 @@ def test_a_relu_absorbed_by_its_conv_layer_gives_the_relus_own_bits(mode, precis
     assert ours[0] == theirs[0] and ours[1].tobytes() == theirs[1].tobytes()
 
 
+dense_alone = st.lists(st.tuples(st.integers(1, 7), st.booleans()), max_size=3)
+
+
+@given(layers=dense_alone, in_out=st.booleans(), m=st.integers(0, 9), cut=st.integers(0, 7),
+       dtype=st.sampled_from(["float32", "float64"]))  # fmt: skip
+def test_dense_layers_alone_take_each_pass_in_one_call_with_the_layers_own_bits(
+        layers, in_out, m, cut, dtype):  # fmt: skip
+    from syncsgd.nn.backprop import Backprop
+    from syncsgd.nn.mlp import mlp
+    from syncsgd.nn.numerics import Float
+
+    if in_out:  # the --hidden MLP: W stored (in, out), every hidden layer's relu absorbed
+        network = mlp((4, *(width for width, _ in layers), 3), dtype=dtype)
+    else:
+        spec = " ".join(f"dense({width})" + " relu" * relu for width, relu in layers)
+        network = build(f"{spec} dense".strip(), (4,), 3, "xent", dtype)
+    rng = np.random.default_rng(m)
+    X, y = rng.standard_normal((m, 4)), rng.integers(0, 3, m)
+    params = network.init_params(1)
+    results = []
+    for chained in (True, False):
+        nx = Float(network.dtype, network.largest_weight())
+        passes = Backprop(network, 9, nx)
+        assert passes.chain is not None
+        if not chained:
+            passes.chain = None
+        nx.begin_micro_batch_(0, 1.0)
+        sums = np.full(network.n_params, np.nan, network.dtype)  # the first sums are written
+        loss_sum, hits = passes.forward_loss_(params, X, y)
+        top, split = network.n_layers - 1, min(cut, network.n_layers - 1)
+        passes.backward_(sums, top, split + 1)  # in two pieces, as --overlap takes them
+        passes.backward_(sums, split, 0)
+        results.append((loss_sum, hits, sums.tobytes()))
+    assert results[0] == results[1]
+
+
+def test_only_float_mode_on_dense_layers_alone_takes_the_chain():
+    from syncsgd.nn.local import local_gradient
+
+    dense = build("dense(5) relu dense", (4,), 3, "xent", "float32")
+    assert local_gradient(dense, 4).passes.chain is not None
+    assert local_gradient(dense, 4, exact=True).passes.chain is None
+    assert local_gradient(dense, 4, precision="bf16").passes.chain is None
+    tanh = build("dense(5) tanh dense", (4,), 3, "xent", "float32")
+    assert local_gradient(tanh, 4).passes.chain is None
+
+
 # -- the headline: distributed == serial for any P, exact mode bitwise for any P -------------------
 
 

@@ -99,6 +99,56 @@ def test_a_future_token_moves_no_earlier_output():
     assert np.abs(oracle_logits - before).max() < 1e-12
 
 
+def test_float32_kernels_are_within_their_stated_errors():
+    import math
+
+    from numba import njit
+
+    from syncsgd.nn.layers import gelu
+
+    @njit
+    def apply(kernel_index, values, out):  # type: ignore[no-untyped-def]
+        for i in range(values.size):
+            out[i] = gelu.erf_float32(values[i]) if kernel_index == 0 else gelu.exp_float32(
+                values[i])  # fmt: skip
+
+    x = np.linspace(-8, 8, 20_001).astype(np.float32)
+    wide = x.astype(np.float64)
+    erf, exp = np.empty_like(x), np.empty_like(x)
+    apply(0, x, erf)
+    assert np.abs(erf - np.array([math.erf(v) for v in wide])).max() < 4.5e-7
+    powers = np.linspace(-87, 88, 20_001).astype(np.float32)
+    apply(1, powers, exp)
+    reference = np.exp(powers.astype(np.float64))
+    assert (np.abs(exp - reference) / reference).max() < 1.0e-7
+    y, dx = np.empty_like(x), np.empty_like(x)
+    gelu.gelu_float32_(x, y)
+    gelu.gelu_backward_float32_(x, np.ones_like(x), dx)
+    y_wide, dx_wide = np.empty_like(wide), np.empty_like(wide)
+    gelu.gelu_(wide, np.empty_like(wide), y_wide)
+    gelu.gelu_backward_(wide, np.array([math.erf(v / math.sqrt(2)) for v in wide]),
+                        np.ones_like(wide), dx_wide)  # fmt: skip
+    assert (np.abs(y - y_wide) / np.maximum(1.0, np.abs(wide))).max() < 2.7e-7
+    assert np.abs(dx - dx_wide).max() < 2.8e-7
+
+
+@pytest.mark.parametrize("spec", ["embed(8) gelu dense", "gpt(layers=2,d=16,heads=4)"])
+def test_float_modes_float32_kernels_give_its_float64_gradient_to_float32_rounding(spec):
+    positions = 12
+    wide, narrow = (build(spec, (positions,), VOCABULARY, "xent", dtype)
+                    for dtype in ("float64", "float32"))  # fmt: skip
+    params = wide.init_params(2)
+    X, y = tokens(6, positions)
+    grads = {}
+    for network in (wide, narrow):
+        grads[network.dtype] = np.zeros(network.n_params, network.dtype)
+        local_gradient(network, 6)(params.astype(network.dtype), X.astype(network.dtype), y,
+                                   grads[network.dtype])  # fmt: skip
+    expected = grads[np.dtype(np.float64)]
+    error = np.abs(grads[np.dtype(np.float32)] - expected).max() / np.abs(expected).max()
+    assert 0 < error < 2e-6  # about 2e-7 seen
+
+
 def test_a_narrow_format_does_not_round_token_ids():
     network = build("embed(4) dense", (3,), 400, "xent", "float64")  # bf16 holds integers to 256
     params = network.init_params(0)

@@ -19,9 +19,10 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from syncsgd.apps import cluster_launch, cluster_net
+from syncsgd.apps import cluster_launch, cluster_levels, cluster_net
 from syncsgd.util.argtypes import positive_float, positive_int
-from syncsgd.util.options import reads
+from syncsgd.util.figures import figure_path
+from syncsgd.util.options import reads, writes, writes_into
 from syncsgd.util.signals import handling
 
 GRACE = 5.0  # seconds between asking the launcher to stop and killing it
@@ -42,6 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="end the job after this long: exit status 124 (default none)")
     parser.add_argument("--cleanup", action="store_true",
                         help="only delete the namespaces of killed clusters' processes")
+    writes_into(parser.add_argument(
+        "--levels", metavar="DIR",
+        help="instead of a COMMAND: measure, in one job, the ring inside the nodes and between "
+        "them (alone and R at once) beside the flat ring and the hierarchical allreduce, into "
+        "DIR, and print `syncsgd model`'s two-level prediction beside the measurement; after --, "
+        "--min-bytes, --max-bytes, --batches (16K, 8M, 7)"))  # fmt: skip
+    writes(parser.add_argument("--levels-png", metavar="PATH", type=figure_path,
+                               help="--levels: the measured and predicted times as a slide "
+                               "(.png, .svg or .pdf)"))  # fmt: skip
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the MPI program and its arguments")  # fmt: skip
 
@@ -70,6 +80,10 @@ def main(options: argparse.Namespace) -> int:
     argv = list(options.command)
     if argv[:1] == ["--"]:
         argv = argv[1:]
+    if options.levels_png and not options.levels:
+        raise ValueError("--levels-png draws the --levels measurement: give --levels DIR too")
+    if options.levels:
+        argv = levels_command(options, argv)
     if not argv:
         raise ValueError("no command: syncsgd cluster [options] -- COMMAND...")
     argv[0] = shutil.which(argv[0]) or argv[0]  # the nodes get our PATH, but be explicit
@@ -85,7 +99,42 @@ def main(options: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)  # fmt: skip
             # The launcher starts in node 0: no address of the emulated network on the machine.
             entered = ["ip", "netns", "exec", cluster.nodes[0].namespace, *launch]
-            return supervise(entered, env, options.timeout)
+            load = os.getloadavg()[0]
+            status = supervise(entered, env, options.timeout)
+    if options.levels:
+        print(f"syncsgd cluster: load average {load:.1f} before the job, "
+              f"{os.getloadavg()[0]:.1f} after", file=sys.stderr, flush=True)  # fmt: skip
+        return status or compare_levels(options)
+    return status
+
+
+def levels_command(options: argparse.Namespace, given: list[str]) -> list[str]:
+    """The MPI program that measures the levels into --levels DIR (made if missing)."""
+    if options.nodes < 2:
+        raise ValueError("--levels needs --nodes 2 or more: one node has no link between nodes")
+    cluster_levels.sweep_arguments(given)
+    directory = os.path.abspath(options.levels)
+    os.makedirs(directory, exist_ok=True)
+    return [sys.executable, "-m", "syncsgd.apps.cluster_levels", directory, *given]
+
+
+def compare_levels(options: argparse.Namespace) -> int:
+    """`syncsgd model`: the levels fitted, the two-level prediction beside the measurement."""
+    from syncsgd.apps import costmodel_parts
+
+    where = {name: os.path.join(options.levels, f"{name}.json")
+             for name in ("intra", "link", "shared", "measured", "model")}  # fmt: skip
+    per_node = options.ranks_per_node
+    argv = ["model", "--ranks", str(options.nodes * per_node), "--sizes", "1M", "--algorithms",
+            "ring", "--nodes", str(options.nodes), "--ranks-per-node", str(per_node),
+            *(["--intra-fit", where["intra"]] if per_node > 1 else []),
+            "--inter-fit", where["link"], "--shared-fit", where["shared"],
+            "--measured", where["measured"], "--json", where["model"],
+            *(["--levels-png", options.levels_png] if options.levels_png else [])]  # fmt: skip
+    print(f"syncsgd cluster: {' '.join(['syncsgd', *argv])}", file=sys.stderr, flush=True)
+    parser = argparse.ArgumentParser(prog="syncsgd model")
+    costmodel_parts.add_arguments(parser)
+    return costmodel_parts.main(parser.parse_args(argv[1:]))
 
 
 def describe(cluster: cluster_net.Cluster, per_node: int, kind: str) -> str:

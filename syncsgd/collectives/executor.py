@@ -35,6 +35,9 @@ NO_DTYPE = 3  # the code of an unusable buffer
 _LENGTH_MODULUS = 4096  # signature = (length mod 4096) * 4 + dtype code < 2**14; tag < 2**15
 _NOTHING = np.empty(0, np.uint8)  # what a rank with an unusable buffer sends and receives
 _COPIED = -1  # `arriving` of a step whose data lands straight in its place: nothing to add
+# Under MPI, a step's send of at least this many bytes is left to finish during later steps;
+# a shorter one goes eagerly (its send ends at once), where one Sendrecv is one call less.
+OPEN_SEND_BYTES = 64 << 10
 # The name each algorithm's errors carry: the function the user called.
 FUNCTION_NAMES = {name: name.replace("-", "_") + "_allreduce" for name in SCHEDULES}
 
@@ -96,6 +99,9 @@ class Plan(NamedTuple):
     rank: int = 0
     size: int = 1
     comm: Any = None  # kept, so that its id, which finds the plan, is not another's
+    # A step's send may finish during later steps: under MPI, on more than two ranks (on two, each
+    # step of the ring and of Rabenseifner receives into the bytes the step before sent)
+    open_sends: bool = False
 
 
 class Gathering(NamedTuple):
@@ -183,9 +189,10 @@ def plan_for(
         _forget_plans()
         _local.scratch = {}
     mpi = constants(comm)
-    result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), (),
-                  _truncation_unsafe(comm), function_name(algorithm), type(comm) is ThreadComm,
-                  None, rank, size, comm)  # fmt: skip
+    probe = _truncation_unsafe(comm)
+    result = Plan(signature(length, dtype) << 1, mpi.ANY_TAG, mpi.Status(), (), probe,
+                  function_name(algorithm), type(comm) is ThreadComm, None, rank, size, comm,
+                  _is_mpi(comm) and not probe and size > 2)  # fmt: skip
     if not traced and gathers(algorithm, length * dtype.itemsize, size):
         result = _gathering(result, str(algorithm), length, dtype, size, rank, comm)
     else:
@@ -360,6 +367,9 @@ def _take_steps(
     message, any_tag, status, mismatch = flat.data.cast("B"), plan.any_tag, plan.status, ""
     probe = plan.probe
     sendrecv = comm.exchange if plan.threads else comm.Sendrecv  # thread ranks: no re-checks
+    # Under MPI a step's send is left to finish while the next steps run (the step waits for its
+    # receive only), and is waited for before anything overwrites the bytes it sends, or at the end.
+    pending: list[tuple[Any, slice]] = []  # (request, bytes sent) of the sends left to finish
     for step in plan.steps:  # `plan`, `step`: read from this frame by a collective timeout
         send, dest, recv, arrival, source, expected, target, incoming, arriving, own_first, _ = step
         start = time.perf_counter() if trace is not None else 0.0
@@ -371,12 +381,8 @@ def _take_steps(
                 if probe:
                     count = _probed_exchange(comm, message[send], dest, tag, into, source,
                                              any_tag, status)  # fmt: skip
-                elif dest < 0:
-                    comm.Recv(into, source, any_tag, status)
                 else:
-                    sendrecv(message[send], dest, tag, into, source, any_tag, status)
-                if not probe:
-                    count = status.Get_count()
+                    count = _exchange(comm, plan, step, message, tag, into, sendrecv, pending)
             except Exception as exc:
                 count = _truncated(exc)
             if status.Get_tag() != tag or count != expected:  # disagreement, or a flag
@@ -394,7 +400,41 @@ def _take_steps(
                     np.add(incoming, part, out=part)
         if trace is not None:
             trace(step_event(step.about, comm.Get_rank(), flat.itemsize, start))
+    for request, _ in pending:
+        request.Wait()
     return tag, mismatch
+
+
+def _exchange(comm: Any, plan: Plan, step: PlannedStep, message: memoryview, tag: int,
+              into: memoryview, sendrecv: Callable[..., Any],
+              pending: list[tuple[Any, slice]]) -> int:  # fmt: skip
+    """A step's receive, with its send if it has one: the bytes that came. Under MPI a long send
+    apart from the bytes received is started and left in `pending`; else both go in one exchange."""
+    send, dest, source = step.send, step.dest, step.source
+    any_tag, status = plan.any_tag, plan.status
+    if pending:  # first let the sends of bytes this step overwrites finish
+        _settle(pending, step.recv)
+    if dest < 0:
+        comm.Recv(into, source, any_tag, status)
+    elif (plan.open_sends and send.stop - send.start >= OPEN_SEND_BYTES
+          and not _overlap(send, step.recv)):  # fmt: skip
+        pending.append((comm.Isend(message[send], dest, tag), send))
+        comm.Recv(into, source, any_tag, status)
+    else:
+        sendrecv(message[send], dest, tag, into, source, any_tag, status)
+    return int(status.Get_count())
+
+
+def _overlap(one: slice, other: slice) -> bool:
+    """True if the byte ranges `one` and `other` share a byte."""
+    return one.start < other.stop and other.start < one.stop and one.start < one.stop
+
+
+def _settle(pending: list[tuple[Any, slice]], written: slice) -> None:
+    """Wait for the pending sends of bytes that `written` is about to overwrite."""
+    for sent in [sent for sent in pending if _overlap(sent[1], written)]:
+        sent[0].Wait()
+        pending.remove(sent)
 
 
 def _gathered(plan: Plan, gathering: Gathering, flat: np.ndarray, comm: Any,
@@ -439,12 +479,15 @@ def _gathered(plan: Plan, gathering: Gathering, flat: np.ndarray, comm: Any,
     return tag, mismatch
 
 
+def _is_mpi(comm: Any) -> bool:
+    """True for an mpi4py communicator."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(comm, mpi.Comm)
+
+
 def _truncation_unsafe(comm: Any) -> bool:
     """True under Open MPI, whose truncated receives of large messages corrupt memory."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not isinstance(comm, mpi.Comm):
-        return False
-    return bool(mpi.get_vendor()[0] == "Open MPI")
+    return _is_mpi(comm) and sys.modules["mpi4py.MPI"].get_vendor()[0] == "Open MPI"
 
 
 def _probed_exchange(

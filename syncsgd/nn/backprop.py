@@ -16,6 +16,7 @@ import numpy as np
 
 from syncsgd.nn.arrays import describe, shape_size
 from syncsgd.nn.kernels import check_count, first_load, label_range
+from syncsgd.nn.layers.dense import DenseChain
 from syncsgd.nn.losses import loss_entry, make_loss
 from syncsgd.nn.network import Network
 from syncsgd.nn.numerics import Float, LocalGroup, Numerics
@@ -55,6 +56,8 @@ class Backprop:
         self._running: np.ndarray | None = None
         self._plan: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.m = 0  # samples of the pass under way
+        # A network of dense layers alone, in float mode: each pass one kernel call (same bits)
+        self.chain = DenseChain.of(network.layers, network.absorbed, nx)
 
     def _workspaces(self, dtype: np.dtype) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per layer, where its output and the gradient at it live: a buffer of its own, or
@@ -83,6 +86,22 @@ class Backprop:
         views = self.views(weights, running)
         ready_ = weights.ready_ if isinstance(weights, Placed) else no_wait
         self._plan = plan = self._plan_for(m, self.inputs_(X))
+        if self.chain is None or ready_ is not no_wait:
+            self._layers_forward_(views, plan, ready_)
+        elif first_load.armed is None:
+            self.chain.forward_(views, plan[0][0], plan)
+        else:
+            with first_load.timing():  # the first call compiles or loads the kernels: say so
+                self.chain.forward_(views, plan[0][0], plan)
+        losses = self._losses[: m * self.positions]
+        _, logits, delta = plan[-1]
+        correct = self.loss.forward_delta_(self.nx, logits, y, delta, losses)
+        return self.nx.loss_sum(losses, self.positions), correct
+
+    def _layers_forward_(self, views: list[dict[str, np.ndarray]],
+                         plan: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                         ready_: Callable[[int], None]) -> None:  # fmt: skip
+        """Each layer's forward pass in turn (an absorbed one's is the layer before's)."""
         absorbed = self.network.absorbed
         for layer, (x, out, _) in zip(self.network.layers, plan, strict=True):
             if layer.position in absorbed:  # the layer before it applied it
@@ -93,10 +112,6 @@ class Backprop:
                 continue
             with first_load.timing():  # the first call compiles or loads the kernels: say so
                 layer.forward_(self.nx, views[layer.position], x, out)
-        losses = self._losses[: m * self.positions]
-        _, logits, delta = plan[-1]
-        correct = self.loss.forward_delta_(self.nx, logits, y, delta, losses)
-        return self.nx.loss_sum(losses, self.positions), correct
 
     def inputs_(self, X: np.ndarray) -> np.ndarray:
         """The shard's inputs as the passes read them; token ids copied as they are (a format
@@ -115,6 +130,9 @@ class Backprop:
         ready_ = self._weights.ready_ if isinstance(self._weights, Placed) else no_wait
         sums_ready_ = grads.ready_ if isinstance(grads, Placed) else no_wait
         layers, plan, nx = self.network.layers, self._plan, self.nx
+        if self.chain is not None and ready_ is sums_ready_ is no_wait and self.chain.nx.first_sums:
+            self.chain.backward_(views, grad_views, plan[0][0], plan, top, bottom)
+            return
         absorbed = self.network.absorbed
         for position in range(top, bottom - 1, -1):
             above = position + 1

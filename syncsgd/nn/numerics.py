@@ -722,7 +722,9 @@ class Exact(Float):
             wide[...] = term.b
             tile = ex.accumulator_rows(width)
             counts = self._counts[: tile * width].reshape(tile, width)
-            ex.extract_outer_sum_(term.a, wide, magic, unit, sums, counts)
+            widened = term.a.dtype == term.b.dtype == np.float32  # exact float64 products
+            extract_ = ex.extract_outer_sum_widened_ if widened else ex.extract_outer_sum_
+            extract_(term.a, wide, magic, unit, sums, counts)
         else:
             ex.extract_column_sum_(term.a, magic, sums)
         if term.kind == "loss":

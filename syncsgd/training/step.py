@@ -128,9 +128,11 @@ class DataParallelStep:
                           else np.empty(model.n_params, model.dtype))  # fmt: skip
         self.buckets = [self.comm_buffer[bucket] for bucket in buckets] if placed is None else []
         # check=False: every rank built the same buffer from options and data that the start-up
-        # fingerprint showed to be the same on every rank; no agreement round per call.
+        # fingerprint showed to be the same on every rank; no agreement round per call. One rank
+        # untraced: the sums are already the sum over the ranks, and the call would only return.
         self.allreduce_ = variant.allreduce(functools.partial(
-            collective_allreduce, algorithm=config.algorithm, check=False, trace=trace))
+            collective_allreduce, algorithm=config.algorithm, check=False, trace=trace)
+            if self.size > 1 or trace is not None else alone)  # fmt: skip
         self.X_shard = np.empty((largest_shard, run.X.shape[1]), run.X.dtype)
         self.y_shard = np.empty((largest_shard, *run.y.shape[1:]), run.y.dtype)
         self.want_grad_norm = False  # a log that records the norm sets this
@@ -287,6 +289,11 @@ class DataParallelStep:
         info = self.optimizer.step_(self.params, self.grad_mean, step,
                                     want_norm=self.want_grad_norm)  # fmt: skip
         return info["lr"], info["grad_norm"]
+
+
+def alone(buf: np.ndarray, comm: Any) -> np.ndarray:
+    """The allreduce on one rank: the buffer is already its sum over the ranks."""
+    return buf
 
 
 def placed_sums(config: Any, model: Network, buckets: list[slice], variant: Variant,

@@ -55,6 +55,9 @@ from syncsgd.util.machine import check_memory
 from syncsgd.util.options import BACKEND, JSON, RANKS, TIMEOUT, writes
 
 BASELINE = "mpi"  # the role: the communicator's own Allreduce
+# With --check under MPI, the library's Allreduce timed a second time in the same rounds, as if it
+# were another algorithm: its ratio to the baseline is the noise the bar is read against.
+CONTROL = "mpi-control"
 THREADS_BASELINE = "numpy-sum"  # what that is on the threads backend
 PAIRED = "paired = median over the rounds of (baseline time / this time) within a round"
 MEDIANS = "medians = the baseline's median time / this median time (the printed times' ratio)"
@@ -86,6 +89,15 @@ def algorithms(comm: Any, names: Sequence[str] = ("ring",),
         ops["ring"] = lambda buf: execute("ring", buf, comm)  # no dispatch in the way
     ops[BASELINE] = lambda buf: comm.Allreduce(in_place, buf, add)
     return ops
+
+
+def with_control(comm: Any, ops: dict[str, Callable[[np.ndarray], Any]]
+                 ) -> dict[str, Callable[[np.ndarray], Any]]:  # fmt: skip
+    """`ops` and, last, the library's Allreduce again under the name CONTROL: in ABBA order the
+    control then stands where the first algorithm stands, on the baseline's other side."""
+    mpi = constants(comm)
+    in_place, add = mpi.IN_PLACE, mpi.SUM
+    return {**ops, CONTROL: lambda buf: comm.Allreduce(in_place, buf, add)}
 
 
 def algorithm_list(text: str) -> list[str]:
@@ -175,6 +187,8 @@ def sweep(comm: Any, options: argparse.Namespace, report: Callable[[dict], None]
     size = comm.Get_size()
     dtype = np.dtype(options.dtype)
     ops = algorithms(comm, options.algorithms)
+    if getattr(options, "check", False) and not isinstance(comm, ThreadComm):
+        ops = with_control(comm, ops)
     rows = []
     for nbytes in message_sizes(options.min_bytes, options.max_bytes, dtype.itemsize):
         count = nbytes // dtype.itemsize
@@ -250,6 +264,8 @@ def performance_bar(rows: list[dict]) -> dict | None:
                key=lambda row: row["vs_mpi"], default=None)  # fmt: skip
     if latency is None and worst is None and auto is None:
         return None
+    control = {row["size_bytes"]: row["vs_mpi"] for row in rows if row["algorithm"] == CONTROL}
+    large_control = [ratio for size, ratio in control.items() if size >= BUSBW_FROM]
     return {
         "latency_bytes": smallest,
         "latency_ratio": latency,
@@ -260,6 +276,10 @@ def performance_bar(rows: list[dict]) -> dict | None:
         "auto_worst_bytes": auto["size_bytes"] if auto else None,
         "auto_worst_ratio": auto["vs_mpi"] if auto else None,
         "auto_met": auto is None or auto["vs_mpi"] >= AUTO_BAR,
+        # the library against itself, time at the latency size and from 1 MiB the range of busbw
+        # ratios: what noise alone gave in this run
+        "control_latency_ratio": 1 / control[smallest] if smallest in control else None,
+        "control_range": [min(large_control), max(large_control)] if large_control else None,
     }
 
 
@@ -287,6 +307,14 @@ def describe_bar(bar: dict) -> str:
             f"worst auto/mpi speed = {bar['auto_worst_ratio']:.2f}x at {bar['auto_worst_bytes']} B "
             f"(>= {AUTO_BAR:g}x: {verdict[bar['auto_met']]})"
         )
+    if bar.get("control_latency_ratio"):
+        parts.append(f"{CONTROL}/mpi time at {bar['latency_bytes']} B = "
+                     f"{bar['control_latency_ratio']:.2f}x")  # fmt: skip
+    if bar.get("control_range"):
+        low, high = bar["control_range"]
+        parts.append(f"{CONTROL}/mpi busbw from {BUSBW_FROM >> 20} MiB = {low:.2f}-{high:.2f}x")
+    if bar.get("control_latency_ratio") or bar.get("control_range"):
+        parts[-1] += " (the library against itself: the ratios' noise in this run)"
     return "# bar: " + "; ".join(parts)
 
 
@@ -435,6 +463,14 @@ def sweep_figure(rows: list[dict], title: str) -> Any:
     return figure
 
 
+CHECK_HELP = (
+    f"exit with status 1 if a bar is missed (MPI backend): the ring's time at 8 B "
+    f"<= {LATENCY_BAR:g}x MPI's and its busbw >= {BUSBW_BAR:g}x MPI's from 1 MiB; auto's speed "
+    f">= {AUTO_BAR:g}x MPI's at every size (with --algorithms auto); the library's Allreduce is "
+    f"also timed against itself ('{CONTROL}'), to show the ratios' noise"
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `syncsgd bench allreduce`."""
     parser.epilog = (
@@ -488,13 +524,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     writes(parser.add_argument("--timeline-png", metavar="PATH", type=figure_path,
                                help="the same traced calls as a Gantt chart per rank: .png, "
                                ".svg or .pdf"))  # fmt: skip
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help=f"exit with status 1 if a bar is missed (MPI backend): the ring's time at 8 B "
-        f"<= {LATENCY_BAR:g}x MPI's and its busbw >= {BUSBW_BAR:g}x MPI's from 1 MiB; auto's "
-        f"speed >= {AUTO_BAR:g}x MPI's at every size (with --algorithms auto)",
-    )
+    parser.add_argument("--check", action="store_true", help=CHECK_HELP)
 
 
 def main(options: argparse.Namespace) -> int:

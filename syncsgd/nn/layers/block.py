@@ -14,6 +14,10 @@ order (its products loop over positions and a head's features in index order): a
 output and gradient do not depend on the sequences beside it. Its backward pass, from do:
   dP_tu = do_t . v_u,  dv_u = sum_t P_tu do_t,  ds_tu = P_tu (dP_tu - sum_u' P_tu' dP_tu'),
   dq_t = sum_u ds_tu k_u / sqrt(e),  dk_u = sum_t ds_tu q_t / sqrt(e)
+Float mode (`nx.free_order`) takes the core's products through BLAS instead, one per sample and
+head on the heads' copies side by side ((m, heads, T, e): q scaled by 1 / sqrt(e) as it is
+copied), the whole T x T scores (the masked ones zeroed by the softmax, so that the products
+after it may run whole too); its softmax is one pass per row (in float32 with `exp_float32`).
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from syncsgd.nn.layers.base import Layer, Param, Primitives, Shape
 from syncsgd.nn.layers.dense import Dense
-from syncsgd.nn.layers.gelu import GELU
+from syncsgd.nn.layers.gelu import GELU, exp_float32
 from syncsgd.nn.layers.layernorm import LayerNorm
 
 # each inner layer with its parameters' names in the block (weight, bias), in PyTorch's order
@@ -109,13 +114,47 @@ class Block(Layer):
         made["head"] = spaces.get("head", (d // self.heads, positions), like.dtype)
         return made
 
+    def _head_spaces(self, nx: Primitives, like: np.ndarray) -> dict[str, np.ndarray]:
+        """Float mode's copies of [q | k | v] by head (kept), and the heads' outputs or their
+        gradients by head and the gradients at q, k, v by head (scratch): (3 or 1, m, heads,
+        T, e) each."""
+        spaces, (m, positions, d) = self.workspaces(nx), like.shape
+        shape = (m, self.heads, positions, d // self.heads)
+        return {"qkv_heads": spaces.keep("qkv_heads", (3, *shape), like.dtype),
+                "out_heads": spaces.get("out_heads", (1, *shape), like.dtype),
+                "d_qkv_heads": spaces.get("d_qkv_heads", (3, *shape), like.dtype)}  # fmt: skip
+
+    def _attention_(self, nx: Primitives, s: dict[str, np.ndarray]) -> None:
+        """att = the heads' attention of qkv (probs: their weights), as the mode runs it."""
+        if not nx.free_order:
+            attention_(nx, self.heads, s["qkv"], s["probs"], s["att"], s["head"])
+            return
+        h = self._head_spaces(nx, s["att"])
+        scale = 1.0 / math.sqrt(self.d // self.heads)
+        split_heads_(s["qkv"], scale, h["qkv_heads"])
+        free_attention_(h["qkv_heads"], s["probs"], h["out_heads"][0])
+        merge_heads_(h["out_heads"], 1.0, s["att"])
+
+    def _attention_backward_(self, nx: Primitives, s: dict[str, np.ndarray]) -> None:
+        """d_qkv = the gradient at qkv from d_att, as the mode runs it."""
+        if not nx.free_order:
+            attention_backward_(nx, self.heads, s["qkv"], s["probs"], s["d_att"], s["d_probs"],
+                                s["d_qkv"], s["head"])  # fmt: skip
+            return
+        h = self._head_spaces(nx, s["att"])
+        scale = 1.0 / math.sqrt(self.d // self.heads)
+        split_heads_(s["d_att"], 1.0, h["out_heads"])
+        free_attention_backward_(h["qkv_heads"], s["probs"], h["out_heads"][0], s["d_probs"],
+                                 h["d_qkv_heads"])  # fmt: skip
+        merge_heads_(h["d_qkv_heads"], scale, s["d_qkv"])
+
     def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                  y: np.ndarray) -> None:  # fmt: skip
         """r = round(x + attn(ln1(x))), y = round(r + fc2(gelu(fc1(ln2(r)))))."""
         s = self._spaces(nx, x)
         self.ln1.forward_(nx, self._views(p, "ln1"), x, s["h1"])
         self.in_proj.forward_(nx, self._views(p, "in_proj"), s["h1"], s["qkv"])
-        attention_(nx, self.heads, s["qkv"], s["probs"], s["att"], s["head"])
+        self._attention_(nx, s)
         self.out_proj.forward_(nx, self._views(p, "out_proj"), s["att"], s["a"])
         np.add(x, s["a"], out=s["r1"])
         nx.round_(s["r1"])
@@ -145,8 +184,7 @@ class Block(Layer):
         self.out_proj.backward_sums_(nx, w["out_proj"], sums["out_proj"], s["att"], s["a"],
                                      s["d_r1"])  # fmt: skip
         self.out_proj.backward_input_(nx, w["out_proj"], s["att"], s["a"], s["d_r1"], s["d_att"])
-        attention_backward_(nx, self.heads, s["qkv"], s["probs"], s["d_att"], s["d_probs"],
-                            s["d_qkv"], s["head"])  # fmt: skip
+        self._attention_backward_(nx, s)
         self.in_proj.backward_sums_(nx, w["in_proj"], sums["in_proj"], s["h1"], s["qkv"],
                                     s["d_qkv"])  # fmt: skip
         self.in_proj.backward_input_(nx, w["in_proj"], s["h1"], s["qkv"], s["d_qkv"], s["d_h1"])
@@ -164,14 +202,14 @@ class Block(Layer):
         """Its inner activations and their gradients, the attention's weights, its layers'."""
         positions, d = self.in_shape
         inner = 2 * positions * d * sum(INNER_WIDTHS.values()) + 2 * self.heads * positions**2
-        return inner + self.ln1.inner_size() + self.ln2.inner_size()
+        return inner + self.ln1.inner_size() + self.ln2.inner_size() + self.gelu.inner_size()
 
     def kept_bytes(self, m: int, itemsize: int) -> int:
         """Its inner activations, the attention's T x T weights per head, its layer norms'."""
         positions, d = self.in_shape
         values = m * (positions * d * sum(INNER_WIDTHS.values()) + self.heads * positions**2)
         norms = self.ln1.kept_bytes(m, itemsize) + self.ln2.kept_bytes(m, itemsize)
-        return values * itemsize + norms
+        return values * itemsize + norms + self.gelu.kept_bytes(m, itemsize)
 
     def scratch_bytes(self, m: int, itemsize: int) -> int:
         """The gradients at its inner activations and at the attention's weights, one head's
@@ -180,6 +218,18 @@ class Block(Layer):
         values = m * (positions * d * sum(INNER_WIDTHS.values()) + self.heads * positions**2)
         norms = self.ln1.scratch_bytes(m, itemsize) + self.ln2.scratch_bytes(m, itemsize)
         return (values + d // self.heads * positions) * itemsize + norms
+
+    def free_kept_bytes(self, m: int, itemsize: int) -> int:
+        """As in the other modes (but GELU's, which is its own), and float mode's copies of
+        [q | k | v] by head."""
+        positions, d = self.in_shape
+        own = self.kept_bytes(m, itemsize) - self.gelu.kept_bytes(m, itemsize)
+        return own + self.gelu.free_kept_bytes(m, itemsize) + 3 * m * positions * d * itemsize
+
+    def free_scratch_bytes(self, m: int, itemsize: int) -> int:
+        """As in the other modes, and float mode's heads' outputs and gradients by head."""
+        positions, d = self.in_shape
+        return self.scratch_bytes(m, itemsize) + 4 * m * positions * d * itemsize
 
     def model_width(self) -> int:
         """d."""
@@ -230,8 +280,8 @@ def attention_backward_(nx: Primitives, heads: int, qkv: np.ndarray, probs: np.n
 @njit(nogil=True, cache=True)
 def scores_(qkv, heads, scale, probs, keys):
     """probs[i, h, t, u] = (q_t . k_u) scale for u <= t, else 0 (head h's features); each dot
-    product summed over the features in index order (the loop over u innermost: SIMD-friendly);
-    keys: an (e, T) workspace, one head's keys a feature per row."""
+    product summed over the features in index order (`lower_products_`); keys: an (e, T)
+    workspace, one head's keys a feature per row."""
     m, positions, width = qkv.shape
     d = width // 3
     e = d // heads
@@ -240,15 +290,43 @@ def scores_(qkv, heads, scale, probs, keys):
             for u in range(positions):
                 for f in range(e):
                     keys[f, u] = qkv[i, u, d + h * e + f]
+            lower_products_(qkv[i, :, h * e : (h + 1) * e], keys, probs[i, h])
             for t in range(positions):
                 row = probs[i, h, t]
-                row[:] = 0
-                for f in range(e):
-                    query = qkv[i, t, h * e + f]
-                    for u in range(t + 1):
-                        row[u] += query * keys[f, u]
                 for u in range(t + 1):
                     row[u] *= scale
+
+
+@njit(nogil=True, cache=True)
+def lower_products_(a, b_rows, out):
+    """out[t, u] = sum over f of a[t, f] b_rows[f, u] for u <= t (f ascending, from 0), else 0:
+    four rows at a time, each element's sum in the order of a row alone."""
+    positions, e = a.shape
+    full = positions - positions % 4
+    for t0 in range(0, full, 4):
+        r0, r1, r2, r3 = out[t0], out[t0 + 1], out[t0 + 2], out[t0 + 3]
+        r0[:] = 0
+        r1[:] = 0
+        r2[:] = 0
+        r3[:] = 0
+        for f in range(e):
+            a0, a1, a2, a3 = a[t0, f], a[t0 + 1, f], a[t0 + 2, f], a[t0 + 3, f]
+            b = b_rows[f]
+            for u in range(t0 + 4):
+                r0[u] += a0 * b[u]
+                r1[u] += a1 * b[u]
+                r2[u] += a2 * b[u]
+                r3[u] += a3 * b[u]
+        r0[t0 + 1 :] = 0  # past each row's own t: as if never summed
+        r1[t0 + 2 :] = 0
+        r2[t0 + 3 :] = 0
+    for t in range(full, positions):
+        row = out[t]
+        row[:] = 0
+        for f in range(e):
+            factor = a[t, f]
+            for u in range(t + 1):
+                row[u] += factor * b_rows[f, u]
 
 
 @njit(nogil=True, cache=True)
@@ -300,13 +378,7 @@ def attend_backward_(probs, qkv, d_out, heads, d_probs, d_qkv, values):
             for u in range(positions):
                 for f in range(e):
                     values[f, u] = qkv[i, u, 2 * d + h * e + f]
-            for t in range(positions):
-                row = d_probs[i, h, t]
-                row[:] = 0
-                for f in range(e):
-                    grad = d_out[i, t, h * e + f]
-                    for u in range(t + 1):
-                        row[u] += grad * values[f, u]
+            lower_products_(d_out[i, :, h * e : (h + 1) * e], values, d_probs[i, h])
             for u in range(positions):
                 dv = d_qkv[i, u, 2 * d + h * e : 2 * d + (h + 1) * e]
                 for t in range(u, positions):
@@ -361,3 +433,114 @@ def scores_backward_(d_scores, qkv, heads, scale, d_qkv):
                         dk[f] += weight * q[f]
                 for f in range(e):
                     dk[f] *= scale
+
+
+# -- float mode's attention: BLAS products per sample and head, on the heads' copies ------------
+
+
+def exp_of(value):  # type: ignore[no-untyped-def]
+    """exp(value) in its own float type, in the kernels (float32: `exp_float32`)."""
+    return math.exp(value)
+
+
+@overload(exp_of)
+def _exp_of(value):  # type: ignore[no-untyped-def]
+    """The kernels' exp_of: exp_float32 for a float32, else the C library's."""
+    if value == types.float32:
+        return lambda value: exp_float32(value)
+    return lambda value: math.exp(value)
+
+
+@njit(nogil=True, cache=True)
+def split_heads_(rows, scale, heads_out):
+    """heads_out[c, i, h, t, f] = rows[i, t, c d + h e + f] (times `scale` for c = 0): the c-th
+    third's heads side by side, (parts, m, heads, T, e) of (m, T, parts d)."""
+    parts, m, heads, positions, e = heads_out.shape
+    d = heads * e
+    for c in range(parts):
+        factor = scale if c == 0 else 1.0
+        for i in range(m):
+            for h in range(heads):
+                for t in range(positions):
+                    source = rows[i, t, c * d + h * e : c * d + (h + 1) * e]
+                    target = heads_out[c, i, h, t]
+                    for f in range(e):
+                        target[f] = source[f] * factor
+
+
+@njit(nogil=True, cache=True)
+def merge_heads_(heads_in, scale, rows):
+    """rows[i, t, c d + h e + f] = heads_in[c, i, h, t, f] (times `scale` for c = 0): the
+    inverse of split_heads_."""
+    parts, m, heads, positions, e = heads_in.shape
+    d = heads * e
+    for c in range(parts):
+        factor = scale if c == 0 else 1.0
+        for i in range(m):
+            for t in range(positions):
+                target = rows[i, t, c * d : (c + 1) * d]
+                for h in range(heads):
+                    source = heads_in[c, i, h, t]
+                    for f in range(e):
+                        target[h * e + f] = source[f] * factor
+
+
+@njit(nogil=True, cache=True)
+def free_attention_(qkv_heads, probs, out_heads):
+    """out_heads[i, h] = softmax(q k^T, causal) v per sample and head (q already scaled)."""
+    _, m, heads, _, _ = qkv_heads.shape
+    for i in range(m):
+        for h in range(heads):
+            np.dot(qkv_heads[0, i, h], qkv_heads[1, i, h].T, probs[i, h])
+        causal_softmax_rows_(probs[i])
+        for h in range(heads):
+            np.dot(probs[i, h], qkv_heads[2, i, h], out_heads[i, h])
+
+
+@njit(nogil=True, cache=True)
+def free_attention_backward_(qkv_heads, probs, d_out_heads, d_probs, d_qkv_heads):
+    """d_qkv_heads = the gradients at (scaled q, k, v) by head from d_out_heads; d_probs: a
+    workspace (the gradient at the weights, then at the scores)."""
+    _, m, heads, _, _ = qkv_heads.shape
+    for i in range(m):
+        for h in range(heads):
+            np.dot(d_out_heads[i, h], qkv_heads[2, i, h].T, d_probs[i, h])  # dP = do v^T
+            np.dot(probs[i, h].T, d_out_heads[i, h], d_qkv_heads[2, i, h])  # dv = P^T do
+        softmax_rows_backward_(probs[i], d_probs[i])
+        for h in range(heads):
+            np.dot(d_probs[i, h], qkv_heads[1, i, h], d_qkv_heads[0, i, h])  # ds k
+            np.dot(d_probs[i, h].T, qkv_heads[0, i, h], d_qkv_heads[1, i, h])  # ds^T q
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc"})  # the row's sum in any order: it vectorises
+def causal_softmax_rows_(scores):
+    """Each (heads, T, T) row t: softmax over u <= t in the scores' dtype, 0 for u > t."""
+    heads, positions, _ = scores.shape
+    for h in range(heads):
+        for t in range(positions):
+            row = scores[h, t]
+            top = row[0]
+            for u in range(1, t + 1):
+                top = max(top, row[u])
+            total = row.dtype.type(0)
+            for u in range(t + 1):
+                row[u] = exp_of(row[u] - top)
+                total += row[u]
+            inverse = row.dtype.type(1) / total
+            for u in range(t + 1):
+                row[u] *= inverse
+            row[t + 1 :] = 0
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc"})  # the row's sum in any order
+def softmax_rows_backward_(probs, d_probs):
+    """d_probs = P (dP - sum_u P dP) row by row, in place, over the whole row (P is 0 past t)."""
+    heads, positions, _ = probs.shape
+    for h in range(heads):
+        for t in range(positions):
+            p, g = probs[h, t], d_probs[h, t]
+            inner = g.dtype.type(0)
+            for u in range(t + 1):
+                inner += p[u] * g[u]
+            for u in range(positions):
+                g[u] = p[u] * (g[u] - inner)

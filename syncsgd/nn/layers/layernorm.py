@@ -7,6 +7,7 @@ and backward, from g = dL/dy, with gh = weight g:
   d weight = sum over rows of g xhat,  d bias = sum over rows of g,
   dx = (gh - mean(gh) - xhat mean(gh xhat)) / sqrt(var + eps)
 Each row's statistics are its own: a sample's output does not depend on the samples beside it.
+Float mode (`nx.free_order`) takes each row's sums in any order (`free_layer_norm_`, vectorised).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class LayerNorm(Layer):
         """y = round(weight xhat + bias)."""
         xhat, inv_std = self._arrays(nx, x)
         width = self.in_shape[-1]
-        layer_norm_(rows(x, width), p["weight"], p["bias"], EPS, xhat, inv_std, rows(y, width))
+        kernel = free_layer_norm_ if nx.free_order else layer_norm_
+        kernel(rows(x, width), p["weight"], p["bias"], EPS, xhat, inv_std, rows(y, width))
         nx.round_(y)
 
     def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
@@ -73,7 +75,8 @@ class LayerNorm(Layer):
         """dx = round((gh - mean(gh) - xhat mean(gh xhat)) / sqrt(var + eps)), gh = weight dy."""
         xhat, inv_std = self._arrays(nx, x)
         width = self.in_shape[-1]
-        layer_norm_backward_(rows(dy, width), xhat, inv_std, p["weight"], rows(dx, width))
+        kernel = free_layer_norm_backward_ if nx.free_order else layer_norm_backward_
+        kernel(rows(dy, width), xhat, inv_std, p["weight"], rows(dx, width))
         nx.round_(dx)
 
 
@@ -100,6 +103,44 @@ def layer_norm_(x, weight, bias, eps, xhat, inv_std, y):
 @njit(nogil=True, cache=True)
 def layer_norm_backward_(dy, xhat, inv_std, weight, dx):
     """Row by row: dx = (gh - mean(gh) - xhat mean(gh xhat)) inv_std, gh = weight dy."""
+    n, width = dy.shape
+    for i in range(n):
+        mean_g, mean_gx = 0.0, 0.0
+        for j in range(width):
+            gh = np.float64(weight[j]) * np.float64(dy[i, j])
+            mean_g += gh
+            mean_gx += gh * np.float64(xhat[i, j])
+        mean_g /= width
+        mean_gx /= width
+        for j in range(width):
+            gh = np.float64(weight[j]) * np.float64(dy[i, j])
+            dx[i, j] = (gh - mean_g - np.float64(xhat[i, j]) * mean_gx) * inv_std[i]
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc"})  # the sums in any order: they vectorise
+def free_layer_norm_(x, weight, bias, eps, xhat, inv_std, y):
+    """layer_norm_, each row's two sums in float64 in any order."""
+    n, width = x.shape
+    for i in range(n):
+        total = 0.0
+        for j in range(width):
+            total += np.float64(x[i, j])
+        mean = total / width
+        squares = 0.0
+        for j in range(width):
+            centred = np.float64(x[i, j]) - mean
+            squares += centred * centred
+        inv = 1.0 / np.sqrt(squares / width + eps)
+        inv_std[i] = inv
+        for j in range(width):
+            value = (np.float64(x[i, j]) - mean) * inv
+            xhat[i, j] = value
+            y[i, j] = weight[j] * value + bias[j]
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc"})  # the sums in any order: they vectorise
+def free_layer_norm_backward_(dy, xhat, inv_std, weight, dx):
+    """layer_norm_backward_, each row's two sums in float64 in any order."""
     n, width = dy.shape
     for i in range(n):
         mean_g, mean_gx = 0.0, 0.0
