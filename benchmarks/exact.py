@@ -113,7 +113,9 @@ def rank_calls(model: Network, options: argparse.Namespace, rank: int) -> dict[s
     exact.pass_(params, X, y)
     exact_loss = exact.extract(options.global_batch)
     loss_sum, _ = gradient(params, X, y, grad)
-    tolerance = 1e-10 if model.dtype == np.float64 else 2e-4
+    # float mode's own rounding: in float32 the Simple CNN's float-mode gradient is 3.5e-4 *
+    # (1 + max |g|) / B from exact mode's at worst (deep products over 3136 inputs)
+    tolerance = 1e-10 if model.dtype == np.float64 else 1e-3
     # the stated bound per element of the gradient, then the loss (docs/exact-mode.md)
     allowed = exact.nx.error_bound(exact.bounds, options.global_batch, exact.grads)
     allowed += tolerance * (1 + np.abs(grad).max()) / options.global_batch
