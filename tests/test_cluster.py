@@ -220,7 +220,8 @@ def test_levels_measures_fits_and_sets_the_prediction_beside_the_measurement(tmp
                        str(into), "--levels-png", str(png), "--", "--min-bytes", "256K",
                        "--max-bytes", "512K", "--batches", "2", timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "# between nodes, R rings at once: fitted to the ring's 2 rows of" in done.stdout
+    assert "# between nodes: fitted to the ring's 2 rows of" in done.stdout
+    assert "R rings at once" not in done.stdout  # predicted from the link's fit, sharing counted
     assert "# measured (" in done.stdout and png.stat().st_size > 0
     assert "load average" in done.stderr
     for name, ranks in (("intra", 2), ("shared", 2), ("link", 2), ("measured", 4)):

@@ -123,12 +123,12 @@ def compare_levels(options: argparse.Namespace) -> int:
     from syncsgd.apps import costmodel_parts
 
     where = {name: os.path.join(options.levels, f"{name}.json")
-             for name in ("intra", "link", "shared", "measured", "model")}  # fmt: skip
+             for name in ("intra", "link", "measured", "model")}  # fmt: skip
     per_node = options.ranks_per_node
     argv = ["model", "--ranks", str(options.nodes * per_node), "--sizes", "1M", "--algorithms",
             "ring", "--nodes", str(options.nodes), "--ranks-per-node", str(per_node),
             *(["--intra-fit", where["intra"]] if per_node > 1 else []),
-            "--inter-fit", where["link"], "--shared-fit", where["shared"],
+            "--inter-fit", where["link"],
             "--measured", where["measured"], "--json", where["model"],
             *(["--levels-png", options.levels_png] if options.levels_png else [])]  # fmt: skip
     print(f"syncsgd cluster: {' '.join(['syncsgd', *argv])}", file=sys.stderr, flush=True)

@@ -295,7 +295,7 @@ def compare(options: argparse.Namespace, inside: Params, between: Params,
             "hierarchical_predicted_s": hierarchical_seconds(nodes, per_node, size, inside,
                                                              between, inter, shared),
         })  # fmt: skip
-    lines = [f"# measured ({options.measured}, {nodes} x {per_node}): median (least iteration) "
+    lines = [f"# measured ({options.measured}, {nodes} x {per_node}): median (fastest) "
              "beside predicted",
              f"{'size':>9} {'flat ring':>21} {'predicted':>10} {'hierarchical':>21} "
              f"{'predicted':>10} {'flat/hier':>9} {'predicted':>9}"]  # fmt: skip
@@ -358,7 +358,7 @@ def levels_figure(table: list[dict[str, Any]], nodes: int, per_node: int, inside
                   label=f"{label}, measured (median)")  # fmt: skip
         axes.plot(sizes, [row[f"{key}_least_s"] * 1e3 for row in table], linestyle="none",
                   marker=style["marker"], markersize=10, markerfacecolor="none",
-                  color=colour, label=f"{label}, least iteration")  # fmt: skip
+                  color=colour, label=f"{label}, fastest")  # fmt: skip
     axes.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="time (ms)")
     figures.slide_axes(axes)
     axes.legend(fontsize=figures.TEXT_POINTS, frameon=False)
