@@ -17,7 +17,7 @@ Float mode (`nx.free_order`), whose sums may be taken in any order, runs its own
 the patches of a few samples at a time (about PATCH_BYTES, so that they are still in the caches
 when the product reads them), gathered again for the weight's sums rather than kept; the forward
 product as rows (patches times W^T, the shape BLAS runs fastest), laid out NCHW with the bias and
-an absorbed relu in the same pass; the weight's sums as (out, positions) x (positions, C·k·k)
+an absorbed relu in the same pass; the weight's sums as (C·k·k, positions) x (positions, out)
 products over the chunks' patches laid out by columns; the gradient at the input, sample by
 sample, W^T times the sample's (out, H'·W') gradient, scattered back from the cache. A relu right
 after the conv is applied in its passes (`absorb`), in every mode, with the relu's own bits.
@@ -33,7 +33,9 @@ from numba import njit
 from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Primitives, Shape, Workspaces
 from syncsgd.nn.layers.relu import rectified, rectified_grad, relu_, relu_backward_
 
-PATCH_BYTES = 1 << 20  # float mode: the patches of a chunk of samples, about one core's L2
+# float mode: the patches of a chunk of samples; short chunks (a sample of the Simple CNN's convs)
+# ran its narrow products fastest (docs/measurements.md)
+PATCH_BYTES = 1 << 17
 
 
 class Conv(Layer):
@@ -143,11 +145,11 @@ class Conv(Layer):
         columns = spaces.get("columns", (n_columns * width,), x.dtype)
         padded = spaces.get("padded", (chunk, *self._padded_shape()), x.dtype)
         d = spaces.get("dcolumns", (self.out_channels * n_columns,), dy.dtype)
-        weight_sums = spaces.get("weight sums", (2, self.out_channels, width), dy.dtype)
+        weight_sums = spaces.get("weight sums", (2, width, self.out_channels), dy.dtype)
         bias_sums = spaces.get("bias sums", (self.out_channels,), dy.dtype)
         conv_sums_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk, padded,
                    columns, d, weight_sums, bias_sums)  # fmt: skip
-        nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums[0])
+        nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums[0].T)
         nx.add_(g["bias"], bias_sums)
 
     def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
@@ -425,10 +427,10 @@ def gradient_columns_(y, dy, activation, d, bias_sums):
 @njit(nogil=True, cache=True)
 def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, weight_sums,
                bias_sums):  # fmt: skip
-    """weight_sums[0] = the sum over samples of dy_n (out, H'W') patches_n^T, bias_sums = dy's
+    """weight_sums[0] = the sum over samples of patches_n (C·k·k, H'W') dy_n^T, bias_sums = dy's
     sums per channel, `chunk` samples at a time (dy through the relu first, in place)."""
     m, out, out_h, out_w = dy.shape
-    positions, width = out_h * out_w, weight_sums.shape[2]
+    positions, width = out_h * out_w, weight_sums.shape[1]
     bias_sums[:] = 0
     for start in range(0, m, chunk):
         stop = min(start + chunk, m)
@@ -438,9 +440,9 @@ def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, 
         grads = d[: out * n_columns].reshape((out, n_columns))
         gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
         if start == 0:
-            np.dot(grads, part.T, weight_sums[0])
+            np.dot(part, grads.T, weight_sums[0])
         else:
-            np.dot(grads, part.T, weight_sums[1])
+            np.dot(part, grads.T, weight_sums[1])
             weight_sums[0] += weight_sums[1]
 
 
