@@ -102,12 +102,7 @@ class Conv(Layer):
         then the absorbed relu."""
         spaces = nx.group.stats(self.position, Workspaces, 0)
         if nx.free_order:  # the patches a chunk at a time, not kept
-            chunk = self._chunk(x.itemsize)
-            n_rows, width, _ = self._sizes(chunk)
-            cols = spaces.get("cols", (n_rows, width), x.dtype)
-            out = spaces.get("rows", (n_rows, self.out_channels), x.dtype)
-            conv_forward_(x, self._weight(p), p["bias"], self.kernel, self.stride, self.pad,
-                          self.activation, chunk, cols, out, y)  # fmt: skip
+            self._free_forward_(spaces, p, x, y)
             return
         n_rows, width, _ = self._sizes(x.shape[0])
         cols = spaces.keep("cols", (n_rows, width), x.dtype)
@@ -118,6 +113,29 @@ class Conv(Layer):
         nx.round_(y)
         if self.activation == RELU:
             relu_(y.reshape(-1), y.reshape(-1))
+
+    def _planes_forward(self) -> bool:
+        """Float mode's forward pass as W times a sample's patches by columns, landing NCHW: for
+        patches no wider than the output channels (a first conv on one channel), where that
+        product ran faster than the rows' (docs/measurements.md)."""
+        return self._sizes(1)[1] <= self.out_channels
+
+    def _free_forward_(self, spaces: Workspaces, p: dict[str, np.ndarray], x: np.ndarray,
+                       y: np.ndarray) -> None:  # fmt: skip
+        """Float mode's forward pass, a chunk of samples (or one, by columns) at a time."""
+        if self._planes_forward():
+            _, width, positions = self._sizes(1)
+            columns = spaces.get("columns", (width, positions), x.dtype)  # the sums' too
+            padded = spaces.get("padded", (1, *self._padded_shape()), x.dtype)
+            conv_forward_planes_(x, self._weight(p), p["bias"], self.kernel, self.stride,
+                                 self.pad, self.activation, padded, columns, y)  # fmt: skip
+            return
+        chunk = self._chunk(x.itemsize)
+        n_rows, width, _ = self._sizes(chunk)
+        cols = spaces.get("cols", (n_rows, width), x.dtype)
+        out = spaces.get("rows", (n_rows, self.out_channels), x.dtype)
+        conv_forward_(x, self._weight(p), p["bias"], self.kernel, self.stride, self.pad,
+                      self.activation, chunk, cols, out, y)  # fmt: skip
 
     def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
@@ -188,13 +206,15 @@ class Conv(Layer):
         return 0
 
     def free_scratch_bytes(self, m: int, itemsize: int) -> int:
-        """Float mode's kernels: a chunk's patches and rows (forward), its patches by columns,
-        its padded samples, their gradient, the weight's and the bias's sums (backward), and a
-        sample's columns for the gradient at the input (but the first layer's)."""
+        """Float mode's kernels: a chunk's patches and rows (forward, unless by columns), its
+        patches by columns, its padded samples, their gradient, the weight's and the bias's sums
+        (backward), and a sample's columns for the gradient at the input (but the first
+        layer's)."""
         chunk = self._chunk(itemsize)
         n_rows, width, positions = self._sizes(chunk)
         channels, height, breadth = self._padded_shape()
-        values = (n_rows * width + n_rows * self.out_channels + n_rows * width
+        forward = 0 if self._planes_forward() else n_rows * width + n_rows * self.out_channels
+        values = (forward + n_rows * width
                   + chunk * channels * height * breadth + self.out_channels * n_rows
                   + 2 * self.out_channels * width + self.out_channels
                   + (width * positions if self.position else 0))  # fmt: skip
@@ -350,6 +370,28 @@ def conv_forward_(x, weight, bias, k, stride, pad, activation, chunk, cols, rows
         im2col_(x[start:stop], k, stride, pad, cols[:n_rows])
         np.dot(cols[:n_rows], weight.T, rows[:n_rows])
         rows_to_channels_act_(rows[:n_rows], bias, activation, y[start:stop])
+
+
+@njit(nogil=True, cache=True)
+def bias_act_(planes, bias, activation):
+    """planes[o, r] = act(planes[o, r] + bias[o])."""
+    zero = planes.dtype.type(0)
+    for o in range(planes.shape[0]):
+        for r in range(planes.shape[1]):
+            value = planes[o, r] + bias[o]
+            planes[o, r] = rectified(value, zero) if activation == RELU else value
+
+
+@njit(nogil=True, cache=True)
+def conv_forward_planes_(x, weight, bias, k, stride, pad, activation, padded, columns, y):
+    """y[n] = act(W patches_n + b) sample by sample, the patches by columns: the product lands
+    NCHW."""
+    m, out, out_h, out_w = y.shape
+    for n in range(m):
+        im2col_columns_(x[n : n + 1], k, stride, pad, padded, columns)
+        planes = y[n].reshape((out, out_h * out_w))
+        np.dot(weight, columns, planes)
+        bias_act_(planes, bias, activation)
 
 
 @njit(nogil=True, cache=True, inline="always")
