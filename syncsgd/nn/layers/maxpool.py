@@ -69,8 +69,11 @@ class MaxPool(Pool):
 @njit(nogil=True, cache=True)
 def max_pool_(x, k, stride, y, where):
     """y[n, c, i, j] = the window's maximum, where[n, c, i, j] = its index h W + w in the plane."""
-    # Four times faster with the window's size a constant: the common sizes get their own loops.
-    if k == 2:
+    # Four times faster with the window's size a constant (and the stride, 2 x 2 windows every 2
+    # twice as fast again): the common sizes get their own loops.
+    if k == 2 and stride == 2:
+        window_maxima_(x, 2, 2, y, where)
+    elif k == 2:
         window_maxima_(x, 2, stride, y, where)
     elif k == 3:
         window_maxima_(x, 3, stride, y, where)
