@@ -162,7 +162,8 @@ class Conv(Layer):
         n_columns, width, _ = self._sizes(chunk)
         columns = spaces.get("columns", (n_columns * width,), x.dtype)
         padded = spaces.get("padded", (chunk, *self._padded_shape()), x.dtype)
-        d = spaces.get("dcolumns", (self.out_channels * n_columns,), dy.dtype)
+        # a sample a chunk: its gradient, through the relu in place, is already (out, H'W')
+        d = spaces.get("dcolumns", (self.out_channels * n_columns if chunk > 1 else 0,), dy.dtype)
         weight_sums = spaces.get("weight sums", (2, width, self.out_channels), dy.dtype)
         bias_sums = spaces.get("bias sums", (self.out_channels,), dy.dtype)
         conv_sums_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk, padded,
@@ -207,15 +208,16 @@ class Conv(Layer):
 
     def free_scratch_bytes(self, m: int, itemsize: int) -> int:
         """Float mode's kernels: a chunk's patches and rows (forward, unless by columns), its
-        patches by columns, its padded samples, their gradient, the weight's and the bias's sums
-        (backward), and a sample's columns for the gradient at the input (but the first
-        layer's)."""
+        patches by columns, its padded samples, their gradient (unless a sample a chunk), the
+        weight's and the bias's sums (backward), and a sample's columns for the gradient at the
+        input (but the first layer's)."""
         chunk = self._chunk(itemsize)
         n_rows, width, positions = self._sizes(chunk)
         channels, height, breadth = self._padded_shape()
         forward = 0 if self._planes_forward() else n_rows * width + n_rows * self.out_channels
         values = (forward + n_rows * width
-                  + chunk * channels * height * breadth + self.out_channels * n_rows
+                  + chunk * channels * height * breadth
+                  + (self.out_channels * n_rows if chunk > 1 else 0)
                   + 2 * self.out_channels * width + self.out_channels
                   + (width * positions if self.position else 0))  # fmt: skip
         return values * itemsize
@@ -455,8 +457,8 @@ def gather_columns_(padded, k, stride, columns):
 
 @njit(nogil=True, cache=True)
 def gradient_columns_(y, dy, activation, d, bias_sums):
-    """d[o, n H'W' + r] = dy[n, o, r], through the relu (0 where y <= 0, written back into dy);
-    bias_sums[o] += them, in sample order."""
+    """d[o, n H'W' + r] = dy[n, o, r], through the relu (0 where y <= 0, written back into dy; d
+    may be dy's own values); bias_sums[o] += them, in sample order."""
     m, out, out_h, out_w = dy.shape
     positions = out_h * out_w
     zero = dy.dtype.type(0)
@@ -488,7 +490,10 @@ def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, 
         n_columns = (stop - start) * positions
         part = columns[: width * n_columns].reshape((width, n_columns))
         im2col_columns_(x[start:stop], k, stride, pad, padded[: stop - start], part)
-        grads = d[: out * n_columns].reshape((out, n_columns))
+        if chunk == 1:
+            grads = dy[start].reshape((out, n_columns))
+        else:
+            grads = d[: out * n_columns].reshape((out, n_columns))
         gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
         if start == 0:
             np.dot(part, grads.T, weight_sums[0])
