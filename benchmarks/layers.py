@@ -20,10 +20,10 @@ a relu applied in the passes of the layer before it (absorbed) shows no time of 
 are in the network's order; the slowest layer against its floor is named at the end.
 
 The second table takes the time apart by kernel: the numerics' products (`matmul_`,
-`outer_sum_`), float mode's conv kernels (`conv_forward_`, `conv_sums_`, `conv_input_grad_`),
-exact and narrow mode's conv gathers and scatters (`im2col_`, `col2im_`, `rows_to_channels_`,
-`channels_to_rows_`) and max pooling's (`max_pool_`, `max_pool_backward_`); a kernel is counted
-in its layer's row too. Nothing is asserted.
+`outer_sum_`), float mode's conv kernels (`conv_forward_`, `conv_forward_planes_`, `conv_sums_`,
+`conv_input_grad_`), exact and narrow mode's conv gathers and scatters (`im2col_`, `col2im_`,
+`rows_to_channels_`, `channels_to_rows_`) and max pooling's (`max_pool_`, `max_pool_backward_`); a
+kernel is counted in its layer's row too. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.*
 
 KERNELS = {
-    "conv": ("conv_forward_", "conv_sums_", "conv_input_grad_", "im2col_", "col2im_",
-             "rows_to_channels_", "channels_to_rows_"),
+    "conv": ("conv_forward_", "conv_forward_planes_", "conv_sums_", "conv_input_grad_", "im2col_",
+             "col2im_", "rows_to_channels_", "channels_to_rows_"),
     "maxpool": ("max_pool_", "max_pool_backward_"),
 }  # fmt: skip
 SQUARE = 512  # the other product the GEMM rate is measured on

@@ -17,7 +17,7 @@ Float mode (`nx.free_order`), whose sums may be taken in any order, runs its own
 the patches of a few samples at a time (about PATCH_BYTES, so that they are still in the caches
 when the product reads them), gathered again for the weight's sums rather than kept; the forward
 product as rows (patches times W^T, the shape BLAS runs fastest), laid out NCHW with the bias and
-an absorbed relu in the same pass; the weight's sums as (out, positions) x (positions, C·k·k)
+an absorbed relu in the same pass; the weight's sums as (C·k·k, positions) x (positions, out)
 products over the chunks' patches laid out by columns; the gradient at the input, sample by
 sample, W^T times the sample's (out, H'·W') gradient, scattered back from the cache. A relu right
 after the conv is applied in its passes (`absorb`), in every mode, with the relu's own bits.
@@ -33,7 +33,9 @@ from numba import njit
 from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Primitives, Shape, Workspaces
 from syncsgd.nn.layers.relu import rectified, rectified_grad, relu_, relu_backward_
 
-PATCH_BYTES = 1 << 20  # float mode: the patches of a chunk of samples, about one core's L2
+# float mode: the patches of a chunk of samples; short chunks (a sample of the Simple CNN's convs)
+# ran its narrow products fastest (docs/measurements.md)
+PATCH_BYTES = 1 << 17
 
 
 class Conv(Layer):
@@ -100,12 +102,7 @@ class Conv(Layer):
         then the absorbed relu."""
         spaces = nx.group.stats(self.position, Workspaces, 0)
         if nx.free_order:  # the patches a chunk at a time, not kept
-            chunk = self._chunk(x.itemsize)
-            n_rows, width, _ = self._sizes(chunk)
-            cols = spaces.get("cols", (n_rows, width), x.dtype)
-            out = spaces.get("rows", (n_rows, self.out_channels), x.dtype)
-            conv_forward_(x, self._weight(p), p["bias"], self.kernel, self.stride, self.pad,
-                          self.activation, chunk, cols, out, y)  # fmt: skip
+            self._free_forward_(spaces, p, x, y)
             return
         n_rows, width, _ = self._sizes(x.shape[0])
         cols = spaces.keep("cols", (n_rows, width), x.dtype)
@@ -116,6 +113,29 @@ class Conv(Layer):
         nx.round_(y)
         if self.activation == RELU:
             relu_(y.reshape(-1), y.reshape(-1))
+
+    def _planes_forward(self) -> bool:
+        """Float mode's forward pass as W times a sample's patches by columns, landing NCHW: for
+        patches no wider than the output channels (a first conv on one channel), where that
+        product ran faster than the rows' (docs/measurements.md)."""
+        return self._sizes(1)[1] <= self.out_channels
+
+    def _free_forward_(self, spaces: Workspaces, p: dict[str, np.ndarray], x: np.ndarray,
+                       y: np.ndarray) -> None:  # fmt: skip
+        """Float mode's forward pass, a chunk of samples (or one, by columns) at a time."""
+        if self._planes_forward():
+            _, width, positions = self._sizes(1)
+            columns = spaces.get("columns", (width, positions), x.dtype)  # the sums' too
+            padded = spaces.get("padded", (1, *self._padded_shape()), x.dtype)
+            conv_forward_planes_(x, self._weight(p), p["bias"], self.kernel, self.stride,
+                                 self.pad, self.activation, padded, columns, y)  # fmt: skip
+            return
+        chunk = self._chunk(x.itemsize)
+        n_rows, width, _ = self._sizes(chunk)
+        cols = spaces.get("cols", (n_rows, width), x.dtype)
+        out = spaces.get("rows", (n_rows, self.out_channels), x.dtype)
+        conv_forward_(x, self._weight(p), p["bias"], self.kernel, self.stride, self.pad,
+                      self.activation, chunk, cols, out, y)  # fmt: skip
 
     def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
@@ -142,12 +162,13 @@ class Conv(Layer):
         n_columns, width, _ = self._sizes(chunk)
         columns = spaces.get("columns", (n_columns * width,), x.dtype)
         padded = spaces.get("padded", (chunk, *self._padded_shape()), x.dtype)
-        d = spaces.get("dcolumns", (self.out_channels * n_columns,), dy.dtype)
-        weight_sums = spaces.get("weight sums", (2, self.out_channels, width), dy.dtype)
+        # a sample a chunk: its gradient, through the relu in place, is already (out, H'W')
+        d = spaces.get("dcolumns", (self.out_channels * n_columns if chunk > 1 else 0,), dy.dtype)
+        weight_sums = spaces.get("weight sums", (2, width, self.out_channels), dy.dtype)
         bias_sums = spaces.get("bias sums", (self.out_channels,), dy.dtype)
         conv_sums_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk, padded,
                    columns, d, weight_sums, bias_sums)  # fmt: skip
-        nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums[0])
+        nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums[0].T)
         nx.add_(g["bias"], bias_sums)
 
     def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
@@ -186,14 +207,17 @@ class Conv(Layer):
         return 0
 
     def free_scratch_bytes(self, m: int, itemsize: int) -> int:
-        """Float mode's kernels: a chunk's patches and rows (forward), its patches by columns,
-        its padded samples, their gradient, the weight's and the bias's sums (backward), and a
-        sample's columns for the gradient at the input (but the first layer's)."""
+        """Float mode's kernels: a chunk's patches and rows (forward, unless by columns), its
+        patches by columns, its padded samples, their gradient (unless a sample a chunk), the
+        weight's and the bias's sums (backward), and a sample's columns for the gradient at the
+        input (but the first layer's)."""
         chunk = self._chunk(itemsize)
         n_rows, width, positions = self._sizes(chunk)
         channels, height, breadth = self._padded_shape()
-        values = (n_rows * width + n_rows * self.out_channels + n_rows * width
-                  + chunk * channels * height * breadth + self.out_channels * n_rows
+        forward = 0 if self._planes_forward() else n_rows * width + n_rows * self.out_channels
+        values = (forward + n_rows * width
+                  + chunk * channels * height * breadth
+                  + (self.out_channels * n_rows if chunk > 1 else 0)
                   + 2 * self.out_channels * width + self.out_channels
                   + (width * positions if self.position else 0))  # fmt: skip
         return values * itemsize
@@ -223,13 +247,18 @@ def window_positions(what: str, in_shape: Shape, kernel: int, stride: int,
     return (height + 2 * pad - kernel) // stride + 1, (width + 2 * pad - kernel) // stride + 1
 
 
-# The gathers and scatters run four times faster when the kernel's size is a constant: each
-# dispatches the common sizes to a copy of its loops compiled for that size.
+# The gathers and scatters run four times faster when the kernel's size is a constant, faster
+# again with a stride of 1 a constant too: each dispatches the common sizes to a copy of its loops
+# compiled for them.
 @njit(nogil=True, cache=True)
 def im2col_(x, k, stride, pad, cols):
     """cols[(n H' + i) W' + j, (c k + a) k + b] = x[n, c, i stride + a - pad, j stride + b - pad],
     0 outside the input."""
-    if k == 3:
+    if k == 3 and stride == 1:
+        gather_rows_(x, 3, 1, pad, cols)
+    elif k == 5 and stride == 1:
+        gather_rows_(x, 5, 1, pad, cols)
+    elif k == 3:
         gather_rows_(x, 3, stride, pad, cols)
     elif k == 5:
         gather_rows_(x, 5, stride, pad, cols)
@@ -350,6 +379,28 @@ def conv_forward_(x, weight, bias, k, stride, pad, activation, chunk, cols, rows
         rows_to_channels_act_(rows[:n_rows], bias, activation, y[start:stop])
 
 
+@njit(nogil=True, cache=True)
+def bias_act_(planes, bias, activation):
+    """planes[o, r] = act(planes[o, r] + bias[o])."""
+    zero = planes.dtype.type(0)
+    for o in range(planes.shape[0]):
+        for r in range(planes.shape[1]):
+            value = planes[o, r] + bias[o]
+            planes[o, r] = rectified(value, zero) if activation == RELU else value
+
+
+@njit(nogil=True, cache=True)
+def conv_forward_planes_(x, weight, bias, k, stride, pad, activation, padded, columns, y):
+    """y[n] = act(W patches_n + b) sample by sample, the patches by columns: the product lands
+    NCHW."""
+    m, out, out_h, out_w = y.shape
+    for n in range(m):
+        im2col_columns_(x[n : n + 1], k, stride, pad, padded, columns)
+        planes = y[n].reshape((out, out_h * out_w))
+        np.dot(weight, columns, planes)
+        bias_act_(planes, bias, activation)
+
+
 @njit(nogil=True, cache=True, inline="always")
 def valid_columns(out_w, width, stride, pad, b):
     """[j_lo, j_hi): the output columns j whose input column j stride + b - pad is inside."""
@@ -375,7 +426,11 @@ def im2col_columns_(x, k, stride, pad, padded, columns):
     """columns[(c k + a) k + b, (n H' + i) W' + j] = x[n, c, i stride + a - pad, j stride + b -
     pad], 0 outside the input: the patches by columns (x padded into `padded` first)."""
     pad_(x, pad, padded)
-    if k == 3:
+    if k == 3 and stride == 1:
+        gather_columns_(padded, 3, 1, columns)
+    elif k == 5 and stride == 1:
+        gather_columns_(padded, 5, 1, columns)
+    elif k == 3:
         gather_columns_(padded, 3, stride, columns)
     elif k == 5:
         gather_columns_(padded, 5, stride, columns)
@@ -402,8 +457,8 @@ def gather_columns_(padded, k, stride, columns):
 
 @njit(nogil=True, cache=True)
 def gradient_columns_(y, dy, activation, d, bias_sums):
-    """d[o, n H'W' + r] = dy[n, o, r], through the relu (0 where y <= 0, written back into dy);
-    bias_sums[o] += them, in sample order."""
+    """d[o, n H'W' + r] = dy[n, o, r], through the relu (0 where y <= 0, written back into dy; d
+    may be dy's own values); bias_sums[o] += them, in sample order."""
     m, out, out_h, out_w = dy.shape
     positions = out_h * out_w
     zero = dy.dtype.type(0)
@@ -425,22 +480,25 @@ def gradient_columns_(y, dy, activation, d, bias_sums):
 @njit(nogil=True, cache=True)
 def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, weight_sums,
                bias_sums):  # fmt: skip
-    """weight_sums[0] = the sum over samples of dy_n (out, H'W') patches_n^T, bias_sums = dy's
+    """weight_sums[0] = the sum over samples of patches_n (C·k·k, H'W') dy_n^T, bias_sums = dy's
     sums per channel, `chunk` samples at a time (dy through the relu first, in place)."""
     m, out, out_h, out_w = dy.shape
-    positions, width = out_h * out_w, weight_sums.shape[2]
+    positions, width = out_h * out_w, weight_sums.shape[1]
     bias_sums[:] = 0
     for start in range(0, m, chunk):
         stop = min(start + chunk, m)
         n_columns = (stop - start) * positions
         part = columns[: width * n_columns].reshape((width, n_columns))
         im2col_columns_(x[start:stop], k, stride, pad, padded[: stop - start], part)
-        grads = d[: out * n_columns].reshape((out, n_columns))
+        if chunk == 1:
+            grads = dy[start].reshape((out, n_columns))
+        else:
+            grads = d[: out * n_columns].reshape((out, n_columns))
         gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
         if start == 0:
-            np.dot(grads, part.T, weight_sums[0])
+            np.dot(part, grads.T, weight_sums[0])
         else:
-            np.dot(grads, part.T, weight_sums[1])
+            np.dot(part, grads.T, weight_sums[1])
             weight_sums[0] += weight_sums[1]
 
 
@@ -450,7 +508,11 @@ def col2im_columns_(columns, k, stride, pad, padded, dx):
     i W' + j] inside the input: one sample's patches' gradient, laid out by columns, scattered
     onto `padded` (dx with `pad` around), whose inside is then dx."""
     padded[...] = 0
-    if k == 3:
+    if k == 3 and stride == 1:
+        scatter_columns_(columns, 3, 1, padded)
+    elif k == 5 and stride == 1:
+        scatter_columns_(columns, 5, 1, padded)
+    elif k == 3:
         scatter_columns_(columns, 3, stride, padded)
     elif k == 5:
         scatter_columns_(columns, 5, stride, padded)

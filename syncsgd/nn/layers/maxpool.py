@@ -48,7 +48,7 @@ class MaxPool(Pool):
                         y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
         """dx = 0, then each window's dy added at its maximum."""
         where = nx.group.stats(self.position, Workspaces, 0).keep("argmax", y.shape, self._index())
-        max_pool_backward_(dy, where, dx)
+        max_pool_backward_(dy, where, self.k, self.stride, dx)
         if self.stride < self.k:
             nx.round_(dx)
 
@@ -69,8 +69,11 @@ class MaxPool(Pool):
 @njit(nogil=True, cache=True)
 def max_pool_(x, k, stride, y, where):
     """y[n, c, i, j] = the window's maximum, where[n, c, i, j] = its index h W + w in the plane."""
-    # Four times faster with the window's size a constant: the common sizes get their own loops.
-    if k == 2:
+    # Four times faster with the window's size a constant (and the stride, 2 x 2 windows every 2
+    # twice as fast again): the common sizes get their own loops.
+    if k == 2 and stride == 2:
+        window_maxima_(x, 2, 2, y, where)
+    elif k == 2:
         window_maxima_(x, 2, stride, y, where)
     elif k == 3:
         window_maxima_(x, 3, stride, y, where)
@@ -100,8 +103,44 @@ def window_maxima_(x, k, stride, y, where):
 
 
 @njit(nogil=True, cache=True)
-def max_pool_backward_(dy, where, dx):
+def max_pool_backward_(dy, where, k, stride, dx):
     """dx = 0; dx at each window's maximum += dy."""
+    # Windows that tile the input (stride k) are written whole, without a pass of zeros first.
+    if stride == k == 2:
+        tiled_backward_(dy, where, 2, dx)
+    elif stride == k:
+        tiled_backward_(dy, where, k, dx)
+    else:
+        scattered_backward_(dy, where, dx)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def tiled_backward_(dy, where, k, dx):
+    """max_pool_backward_ for windows every k: each window's values dy at its maximum, else 0;
+    the rows and columns no window covers, 0."""
+    m, channels, out_h, out_w = dy.shape
+    height, width = dx.shape[2], dx.shape[3]
+    zero = dx.dtype.type(0)
+    for n in range(m):
+        for c in range(channels):
+            for h in range(out_h * k, height):
+                dx[n, c, h] = 0
+            for i in range(out_h):
+                for a in range(k):
+                    h = i * k + a
+                    line = dx[n, c, h]
+                    for w in range(out_w * k, width):
+                        line[w] = 0
+                    for j in range(out_w):
+                        index, value = where[n, c, i, j], zero + dy[n, c, i, j]  # as 0 += dy
+                        for b in range(k):
+                            w = j * k + b
+                            line[w] = value if h * width + w == index else zero
+
+
+@njit(nogil=True, cache=True)
+def scattered_backward_(dy, where, dx):
+    """max_pool_backward_'s loops for any windows: dx = 0, then each dy added at its maximum."""
     m, channels, out_h, out_w = dy.shape
     width = dx.shape[3]
     for n in range(m):
