@@ -454,7 +454,7 @@ def test_the_sparse_exact_kernels_give_the_dense_kernels_bits(data, m, depth, n,
             st.sampled_from([np.inf, -np.inf, np.nan]))  # fmt: skip
     dense, sparse = np.full((m, n), 7.0, dtype), np.full((m, n), 7.0, dtype)
     ex.fixed_order_product_(x, W, dense)
-    ex.sparse_fixed_order_product_(x, W, sparse)
+    ex.sparse_fixed_order_product_(x, W, sparse, np.empty(depth, np.int64))
     assert dense.tobytes() == sparse.tobytes()
 
     b = np.random.default_rng(seed + 2).standard_normal((m, n)).astype(dtype)

@@ -282,8 +282,9 @@ def all_finite(values):
 
 
 @njit(nogil=True, cache=True)
-def sparse_fixed_order_product_(x, W, out):
-    """out = x W as fixed_order_product_ gives it, for an x mostly of zeros, skipping its zeros."""
+def sparse_fixed_order_product_(x, W, out, taken):
+    """out = x W as fixed_order_product_ gives it, for an x mostly of zeros, skipping its zeros
+    (taken: int64 scratch of at least x's columns)."""
     # A sum that starts at +0 never becomes -0 (x + -x rounds to +0), and a finite W makes
     # 0 * W[k, j] a zero: adding it leaves the sum's bits as they are. Skipping it is then the
     # same order over ascending k. A W with an inf or NaN takes every term.
@@ -293,7 +294,7 @@ def sparse_fixed_order_product_(x, W, out):
     m, depth = x.shape
     n = W.shape[1]
     zero = out.dtype.type(0)
-    taken = np.empty(depth, np.int64)  # a row's nonzero k, ascending
+    # taken[:count]: a row's nonzero k, ascending
     for i in range(m):
         count = 0
         for k in range(depth):

@@ -613,7 +613,8 @@ class Exact(Float):
 
     def sparse_matmul_(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         """out = a b as matmul_ gives it, skipping the zeros of `a` (the same bits)."""
-        ex.sparse_fixed_order_product_(a, b, out)
+        # the counts' scratch is free during the passes: the extraction comes after them all
+        ex.sparse_fixed_order_product_(a, b, out, self._counts[: a.shape[1]])
 
     def sparse_outer_sum_(self, layer: int, a: np.ndarray, b: np.ndarray, g: np.ndarray,
                           per_sample: int = 1) -> None:  # fmt: skip
