@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 # same examples on every run (derandomize), so that a red CI names a change, not a lucky draw; the
 # dev and thorough profiles draw afresh.
 settings.register_profile(
-    "ci", max_examples=25, deadline=None, derandomize=True,
+    "ci", max_examples=20, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(

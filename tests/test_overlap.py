@@ -259,7 +259,7 @@ ONCE = pytest.mark.mpi_once
 
 
 @requires_mpi
-@pytest.mark.parametrize("ranks, mode", [pytest.param(3, [], marks=ONCE), (3, ["--exact"]),
+@pytest.mark.parametrize("ranks, mode", [(3, ["--exact"]),
                                          pytest.param(3, ["--dtype", "float32", "--noise-scale"],
                                                       marks=ONCE),
                                          (2, ["--algorithm", "mpi"])])  # fmt: skip
@@ -268,8 +268,7 @@ def test_mpiexec_overlap_is_bitwise_the_step_without_it(tmp_path, ranks, mode):
 
 
 @requires_mpi
-@pytest.mark.parametrize("ranks, mode", [pytest.param(3, ["--batchnorm", "sync"], marks=ONCE),
-                                         (3, ["--batchnorm", "sync", "--exact"]),
+@pytest.mark.parametrize("ranks, mode", [(3, ["--batchnorm", "sync", "--exact"]),
                                          pytest.param(3, ["--batchnorm", "local", "--dtype",
                                                           "float32"], marks=ONCE),
                                          (2, ["--batchnorm", "sync", "--algorithm", "mpi"])])
