@@ -80,14 +80,16 @@ def peak_magnitude(values):
 
 @intrinsic
 def float_bits(typingctx, value):
-    """The IEEE-754 bit pattern of a float64, as an int64 (a bitcast: no instruction at all)."""
-    if value != types.float64:
+    """The IEEE-754 bit pattern of a float64 or float32, as an int64 or int32 (a bitcast: no
+    instruction at all)."""
+    width = {types.float64: types.int64, types.float32: types.int32}.get(value)
+    if width is None:
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.int64))
+        return builder.bitcast(args[0], context.get_value_type(width))
 
-    return types.int64(types.float64), codegen
+    return width(value), codegen
 
 
 @njit(nogil=True, cache=True)

@@ -18,6 +18,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from syncsgd.nn.arrays import shape_size
+from syncsgd.nn.exact import float_bits
 from syncsgd.nn.layers.base import Layer, Primitives
 
 F32 = np.float32  # the float32 kernels' constants: a float64 one would widen their arithmetic
@@ -98,18 +99,6 @@ def gelu_backward_(x, erf, dy, dx):
 
 
 @intrinsic
-def float32_bits(typingctx, value):
-    """The bit pattern of a float32, as an int32 (a bitcast)."""
-    if value != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.int32))
-
-    return types.int32(types.float32), codegen
-
-
-@intrinsic
 def bits_float32(typingctx, value):
     """The float32 of a bit pattern held in an integer's low 32 bits (a bitcast)."""
     if not isinstance(value, types.Integer):
@@ -135,7 +124,7 @@ def exp_float32(v):
     for c in EXP_TAYLOR[1:]:
         p = p * r + c
     p = (p * r + ONE) * r + ONE
-    power = (float32_bits(shifted) - float32_bits(ROUNDER) + 127) << 23  # 2^n's bits
+    power = (float_bits(shifted) - float_bits(ROUNDER) + 127) << 23  # 2^n's bits
     return p * bits_float32(power)
 
 
