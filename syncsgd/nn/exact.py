@@ -106,9 +106,7 @@ def extract_outer_sum_(A, D, magic, unit, sums, counts):
     tile = accumulator_rows(n)
     for start in range(0, depth, tile):
         stop = min(start + tile, depth)
-        for row in range(stop - start):
-            for j in range(n):
-                counts[row, j] = 0
+        counts[: stop - start, :n] = 0
         for i in range(0, m - 3, 4):
             d0, d1, d2, d3 = D[i], D[i + 1], D[i + 2], D[i + 3]
             for k in range(start, stop):
@@ -117,13 +115,9 @@ def extract_outer_sum_(A, D, magic, unit, sums, counts):
                 if f0 == 0.0 and f1 == 0.0 and f2 == 0.0 and f3 == 0.0:
                     continue  # every product extracts to 0
                 row = counts[k - start]
-                for j in range(n):
-                    # The products of widened float32 factors are exact.
-                    c0 = float_bits(magic + f0 * d0[j]) - magic_bits
-                    c1 = float_bits(magic + f1 * d1[j]) - magic_bits
-                    c2 = float_bits(magic + f2 * d2[j]) - magic_bits
-                    c3 = float_bits(magic + f3 * d3[j]) - magic_bits
-                    row[j] += (c0 + c1) + (c2 + c3)
+                for j in range(n):  # the products of widened float32 factors are exact
+                    row[j] += four_counts(magic, magic_bits, f0, f1, f2, f3, d0[j], d1[j], d2[j],
+                                          d3[j])  # fmt: skip
         for i in range(m - m % 4, m):
             delta = D[i]
             for k in range(start, stop):
@@ -133,9 +127,7 @@ def extract_outer_sum_(A, D, magic, unit, sums, counts):
                 row = counts[k - start]
                 for j in range(n):
                     row[j] += float_bits(magic + factor * delta[j]) - magic_bits
-        for k in range(start, stop):
-            for j in range(n):
-                sums[k, j] = np.float64(counts[k - start, j]) * unit  # |count| < 2^53: exact
+        counts_to_sums_(counts, sums, start, stop, unit)
 
 
 @njit(nogil=True, cache=True, fastmath={"contract"})
@@ -151,9 +143,7 @@ def extract_outer_sum_widened_(A, D, magic, unit, sums, counts):
     tile = accumulator_rows(n)
     for start in range(0, depth, tile):
         stop = min(start + tile, depth)
-        for row in range(stop - start):
-            for j in range(n):
-                counts[row, j] = 0
+        counts[: stop - start, :n] = 0
         for i in range(0, m - 3, 4):
             d0, d1, d2, d3 = D[i], D[i + 1], D[i + 2], D[i + 3]
             k = start
@@ -184,9 +174,15 @@ def extract_outer_sum_widened_(A, D, magic, unit, sums, counts):
                 row = counts[k - start]
                 for j in range(n):
                     row[j] += float_bits(magic + factor * delta[j]) - magic_bits
-        for k in range(start, stop):
-            for j in range(n):
-                sums[k, j] = np.float64(counts[k - start, j]) * unit  # |count| < 2^53: exact
+        counts_to_sums_(counts, sums, start, stop, unit)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def counts_to_sums_(counts, sums, start, stop, unit):
+    """sums[start:stop] = the tile's counts (its rows from 0) times `unit`."""
+    for k in range(start, stop):
+        for j in range(sums.shape[1]):
+            sums[k, j] = np.float64(counts[k - start, j]) * unit  # |count| < 2^53: exact
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -257,9 +253,7 @@ def extract_sparse_outer_sum_(A, B, magic, unit, sums, counts):
     m, depth = A.shape
     n = B.shape[1]
     magic_bits = float_bits(magic)
-    for k in range(depth):
-        for j in range(n):
-            counts[k, j] = 0
+    counts[:depth, :n] = 0
     for i in range(m):
         factors = B[i]
         for k in range(depth):
@@ -269,9 +263,7 @@ def extract_sparse_outer_sum_(A, B, magic, unit, sums, counts):
             row = counts[k]
             for j in range(n):
                 row[j] += float_bits(magic + factor * np.float64(factors[j])) - magic_bits
-    for k in range(depth):
-        for j in range(n):
-            sums[k, j] = np.float64(counts[k, j]) * unit  # |count| < 2^53: exact
+    counts_to_sums_(counts, sums, 0, depth, unit)
 
 
 @njit(nogil=True, cache=True)
