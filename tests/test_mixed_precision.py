@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -266,3 +268,26 @@ def test_resume_restores_the_scale_and_the_count_of_finite_steps_bitwise(tmp_pat
     resumed = train(config, ranks=2, resume=directory)
     assert first.loss_scales + resumed.loss_scales == whole.loss_scales
     assert resumed.params.tobytes() == whole.params.tobytes()
+
+
+def test_adam_in_bf16_steps_apart_where_a_gradient_cancels_and_verify_says_why(capsys) -> None:
+    config = TrainConfig(steps=1, optimizer="adam", precision="bf16")
+    start = first_params(prepare(config))
+    serial_step = verify.run(config, 1).params - start
+    split_step = verify.run(config, 2).params - start
+    apart = np.abs(split_step - serial_step) > 1e-2 * config.lr
+    assert 0 < np.count_nonzero(apart) < 1e-2 * start.size
+    # where they part, one run stepped by about lr and the other the other way or not at all
+    assert np.all(np.sign(serial_step[apart]) * np.sign(split_step[apart]) <= 0)
+    assert np.all(np.abs(split_step - serial_step) <= 2 * config.lr)
+    assert verify.main(replace(config, steps=3), [1, 2], None, None) == 1
+    out = capsys.readouterr().out.replace("\n# ", " ")
+    assert "Adam divides each element's step by that element's own gradient size" in out
+
+
+def test_verify_names_no_such_cause_where_the_passes_are_in_the_dtype() -> None:
+    plain = TrainConfig(optimizer="adam")
+    assert verify.reasons(plain, [2]) == []
+    assert verify.reasons(replace(plain, precision="bf16", exact=True), [2]) == []
+    fp16 = verify.reasons(replace(plain, optimizer="sgd", precision="fp16"), [2, 3])
+    assert len(fp16) == 1 and "skip different steps" in fp16[0]
