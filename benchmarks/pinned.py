@@ -6,13 +6,16 @@
 Purpose: a refactor of the optimizer or the network (the layers refactor) must not change what
 training computes. The record, benchmarks/pinned-hashes.json, holds per configuration the SHA-256
 of the final flat parameters (and of BatchNorm's running statistics where present); it was written
-from commit 57613f2, the code as it was before the layers refactor, on the machine kind named in
-the JSON (`recorded_on`), with `PYTHONPATH` pointing at a worktree of that commit.
+from the commit named in the JSON (`recorded_from`), on the machine kind named there
+(`recorded_on`); it is re-recorded only where a change of bits is deliberate, and the commit says
+why.
 
 Exact-mode configurations (--exact) must reproduce their hashes bitwise on any machine. Float mode
 goes through BLAS, whose order of additions may differ between machines (and BLAS builds), so a
-float-mode configuration passes bitwise or within a relative 1e-12, max|Δθ| / max(1, max|θ|):
-its final parameters are stored in benchmarks/pinned-params.npz for that comparison (140 KB).
+float-mode configuration passes bitwise or within a relative max|Δθ| / max(1, max|θ|): 1e-12
+where the passes are float64, else verify's float-mode tolerance (1e-4 for float32; u sqrt(T) / 4
+for bf16 and fp16 passes, whose rounding turns a BLAS order's last bit into the format's). Its final
+parameters are stored in benchmarks/pinned-params.npz for that comparison (140 KB).
 
 Every run is tiny (256 samples, 8 features, hidden 16,16, batch 32, 10 steps, thread ranks), so
 the whole check takes about a minute on two cores when Numba compiles the kernels, seconds when
@@ -202,7 +205,7 @@ def check() -> int:
         mode = "exact" if entry["exact"] else "float"
         print(f"{key(name, ranks):<28} {mode:<5} {verdict}", flush=True)
     print(f"{len(CONFIGS)} configurations: {counts['bitwise']} bitwise, {counts['within']} "
-          f"within {TOLERANCE:g} relative, {counts['DIFFERS']} DIFFERS (recorded from "
+          f"within tolerance, {counts['DIFFERS']} DIFFERS (recorded from "
           f"{document['recorded_from'][:12]})")  # fmt: skip
     return 1 if counts["DIFFERS"] else 0
 
@@ -221,9 +224,21 @@ def compare(entry: dict[str, Any], params: np.ndarray, running: np.ndarray | Non
         return f"DIFFERS (shape {ours.shape} against {reference.shape})"
     max_abs = float(np.max(np.abs(ours.astype(np.float64) - reference), initial=0.0))
     relative = max_abs / max(1.0, float(np.max(np.abs(reference), initial=0.0)))
-    if relative <= TOLERANCE:
-        return f"within {TOLERANCE:g} relative ({relative:.3g})"
-    return f"DIFFERS (relative {relative:.3g})"
+    allowed = tolerance(entry["options"])
+    if relative <= allowed:
+        return f"within {allowed:g} relative ({relative:.3g})"
+    return f"DIFFERS (relative {relative:.3g} > {allowed:g})"
+
+
+def tolerance(options: dict[str, Any]) -> float:
+    """Float mode's allowance: TOLERANCE for float64 passes, else verify's for the format."""
+    from syncsgd.apps.verify import float_tolerance
+    from syncsgd.training.config import TrainConfig
+
+    config = TrainConfig(**{**options, "hidden": tuple(options["hidden"])})
+    if config.dtype == "float64" and config.precision == "fp32":
+        return TOLERANCE
+    return float_tolerance(config, options["steps"])[0]
 
 
 def main() -> int:
