@@ -45,25 +45,58 @@ from syncsgd.nn.network import Network, build
 from syncsgd.util.argtypes import dimensions, dtype_list
 
 MODES = ("float", "exact", "passes", "extract")  # the last two: exact's phases alone
+CONTEXT = 64  # a token model's window, characters
+Windows = tuple[np.ndarray, np.ndarray] | None  # token data's ids and next ids, every rank's
 
 
-def make_network(options: argparse.Namespace, dtype: str) -> Network:
-    """The --model network on --input-shape, or the --hidden MLP."""
+def reads_tokens(options: argparse.Namespace) -> bool:
+    """Whether --model starts with embed: a token model, on token data."""
+    from syncsgd.nn.network import parse_spec
+
+    return options.model is not None and parse_spec(options.model)[0].kind == "embed"
+
+
+def token_config(options: argparse.Namespace) -> dict:
+    """The TrainConfig fields of token data: windows of --context characters of
+    numbers-to-words, as many outputs as its characters."""
+    return {"model": options.model, "data": "numbers-to-words",
+            "context": options.context or CONTEXT, "classes": None}  # fmt: skip
+
+
+def make_network(options: argparse.Namespace, dtype: str) -> tuple[Network, Windows]:
+    """The --model network on --input-shape, or the --hidden MLP; a token model on the first
+    windows of numbers-to-words (--batch of them for each of --ranks), as train reads them."""
+    if reads_tokens(options):
+        from syncsgd.training.config import TrainConfig
+        from syncsgd.training.run import prepare
+
+        run = prepare(TrainConfig(**token_config(options), samples=options.batch * options.ranks,
+                                  batch_size=options.batch, steps=1, dtype=dtype,
+                                  seed=options.seed))  # fmt: skip
+        return run.model, (run.X, run.y)
     if options.model is not None:
-        return build(options.model, options.input_shape, options.classes, "xent", dtype)
+        return build(options.model, options.input_shape, options.classes, "xent", dtype), None
     sizes = (options.features, *parse_hidden(options.hidden), options.classes)
-    return mlp(sizes, "relu", loss="xent", dtype=np.dtype(dtype))
+    return mlp(sizes, "relu", loss="xent", dtype=np.dtype(dtype)), None
 
 
 def describe(options: argparse.Namespace) -> str:
     """The network as the output names it."""
+    if reads_tokens(options):
+        return (f"{options.model} on windows of {options.context or CONTEXT} characters of "
+                "numbers-to-words")  # fmt: skip
     if options.model is not None:
         return f"{options.model} on {','.join(map(str, options.input_shape))}"
     return f"MLP {options.features}-{options.hidden.replace(',', '-')}-{options.classes} relu"
 
 
-def setup(model: Network, batch: int, seed: int, rank: int) -> tuple[np.ndarray, ...]:
-    """Parameters and one rank's micro-batch of inputs and labels."""
+def setup(model: Network, batch: int, seed: int, rank: int,
+          windows: Windows = None) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """Parameters and one rank's micro-batch of inputs and labels (token data: its windows)."""
+    if windows is not None:
+        ids, next_ids = windows
+        return model.init_params(seed), *(part[rank * batch : (rank + 1) * batch]
+                                          for part in (ids, next_ids))  # fmt: skip
     rng = np.random.default_rng([seed, rank])
     X = rng.standard_normal((batch, int(np.prod(model.in_shape)))).astype(model.dtype)
     y = rng.integers(0, model.outputs, batch)
@@ -103,11 +136,12 @@ class ExactPhases:
         return loss_sum
 
 
-def rank_calls(model: Network, options: argparse.Namespace, rank: int) -> dict[str, Callable]:
+def rank_calls(model: Network, options: argparse.Namespace, rank: int,
+               windows: Windows = None) -> dict[str, Callable]:  # fmt: skip
     """One rank's calls of every mode, after checking that exact and float mode agree."""
     from syncsgd.nn.local import local_gradient
 
-    params, X, y = setup(model, options.batch, options.seed, rank)
+    params, X, y = setup(model, options.batch, options.seed, rank, windows)
     gradient, exact = local_gradient(model, options.batch), ExactPhases(model, options.batch)
     grad = np.empty(model.n_params, model.dtype)
     exact.pass_(params, X, y)
@@ -116,11 +150,13 @@ def rank_calls(model: Network, options: argparse.Namespace, rank: int) -> dict[s
     # float mode's own rounding: in float32 the Simple CNN's float-mode gradient is 3.5e-4 *
     # (1 + max |g|) / B from exact mode's at worst (deep products over 3136 inputs)
     tolerance = 1e-10 if model.dtype == np.float64 else 1e-3
-    # the stated bound per element of the gradient, then the loss (docs/exact-mode.md)
+    # the stated bound per element of the gradient, then the loss (docs/exact-mode.md), on the
+    # means over the loss's terms: B, or B x T tokens
+    terms = options.global_batch * exact.passes.positions
     allowed = exact.nx.error_bound(exact.bounds, options.global_batch, exact.grads)
-    allowed += tolerance * (1 + np.abs(grad).max()) / options.global_batch
-    if np.any(np.abs(exact.grads - grad) / options.global_batch > allowed[:-1]) or (
-            abs(exact_loss - loss_sum) / options.global_batch > allowed[-1]):  # fmt: skip
+    allowed += tolerance * (1 + np.abs(grad).max()) / terms
+    if np.any(np.abs(exact.grads - grad) / terms > allowed[:-1]) or (
+            abs(exact_loss - loss_sum) / terms > allowed[-1]):  # fmt: skip
         raise ValueError(f"exact and float mode disagree beyond the bound ({model.dtype})")
 
     def both() -> None:
@@ -140,9 +176,9 @@ def run(options: argparse.Namespace) -> list[dict]:
     calls: dict[tuple[str, str], list[Callable]] = {}
     first_call = {}
     for dtype in options.dtypes:
-        model = make_network(options, dtype)
+        model, windows = make_network(options, dtype)
         started = time.perf_counter()
-        per_rank = [rank_calls(model, options, rank) for rank in range(options.ranks)]
+        per_rank = [rank_calls(model, options, rank, windows) for rank in range(options.ranks)]
         first_call[dtype] = time.perf_counter() - started  # compile or cache load, and checks
         for mode in MODES:
             calls[dtype, mode] = [rank[mode] for rank in per_rank]
@@ -199,8 +235,10 @@ def whole_steps(options: argparse.Namespace) -> list[dict]:
     from syncsgd.training.loop import prepare, train_rank
 
     layers: dict = (
-        {"model": options.model, "input_shape": options.input_shape} if options.model else
-        {"hidden": parse_hidden(options.hidden)}
+        token_config(options) if reads_tokens(options) else
+        {"model": options.model, "input_shape": options.input_shape,
+         "classes": options.classes} if options.model else
+        {"hidden": parse_hidden(options.hidden), "classes": options.classes}
     )  # fmt: skip
     features = int(np.prod(options.input_shape)) if options.model else options.features
     rows = []
@@ -212,7 +250,7 @@ def whole_steps(options: argparse.Namespace) -> list[dict]:
         problems = {
             mode: prepare(TrainConfig(
                 samples=max(2048, options.global_batch), features=features, **layers,
-                classes=options.classes, batch_size=options.global_batch, steps=options.steps,
+                batch_size=options.global_batch, steps=options.steps,
                 dtype=dtype, exact=mode == "exact", seed=options.seed,
             ))
             for mode in ("float", "exact")
@@ -248,6 +286,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-shape", type=dimensions, default=(1, 28, 28),
                         help="--model: one sample's shape (1,28,28)")
     parser.add_argument("--classes", type=int, default=10, help="output size (10)")
+    parser.add_argument("--context", type=int, help="a --model that starts with embed (gpt): "
+                        f"its windows of token data, characters ({CONTEXT})")  # fmt: skip
     parser.add_argument("--batch", type=int, default=128, help="micro-batch per rank (128)")
     parser.add_argument("--global-batch", type=int, default=256, help="global batch B (256)")
     parser.add_argument("--ranks", type=int, default=1, help="threads computing at once (1)")
@@ -278,6 +318,11 @@ def main(options: argparse.Namespace) -> int:
     if options.batch > options.global_batch:
         raise ValueError("--batch (one rank's share) cannot exceed --global-batch")
     parse_hidden(options.hidden)
+    if options.context is not None and not reads_tokens(options):
+        raise ValueError("--context is the window of a token model (a --model that starts with "
+                         "embed, e.g. gpt(layers=2,d=128,heads=4))")  # fmt: skip
+    if options.context is not None and options.context < 1:
+        raise ValueError("--context must be >= 1")
     from syncsgd.nn.kernels import limit_blas_threads
 
     limit_blas_threads(1)  # as training does; before the first kernel call loads the BLAS

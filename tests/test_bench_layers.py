@@ -34,3 +34,42 @@ def test_layers_names_every_layer_with_its_floor(exact):
     assert rows["maxpool(2)"][-1] == "-"  # no products: no floor
     assert any(line.startswith("# the most time beyond its floor: ") for line in lines)
     assert any(line.split()[:1] == ["maxpool"] for line in lines)  # the kernels' table
+
+
+def test_layers_takes_a_token_model_apart_by_piece():
+    command = [sys.executable, str(ROOT / "benchmarks" / "layers.py"), "--model",
+               "gpt(layers=1,d=16,heads=2)", "--context", "8", "--batch", "4", "--repeats", "1"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("# embed(16) block(16, 2) layernorm dense(") and " on 8," in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[2:16]}
+    pieces = ["1.ln1", "1.in_proj", "1.attention", "1.out_proj", "1.ln2", "1.fc1", "1.gelu",
+              "1.fc2", "1.rest"]  # fmt: skip
+    assert list(rows) == ["0", "1", *pieces, "2", "3", "outside"]
+    for name in ("1", "1.attention", "1.fc1", "3"):  # products: rates each way, a floor share
+        assert float(rows[name][-4]) > 0 and float(rows[name][-3]) > 0 and rows[name][-1] != "-"
+    assert rows["0"][-4] == "-" and float(rows["0"][-3]) > 0  # embed: its backward product only
+    assert rows["1.ln1"][-1] == "-" and rows["1.gelu"][-1] == "-"
+    assert any(line.startswith("# the most time beyond its floor: ") for line in lines)
+    assert any(line.split()[:1] == ["block"] for line in lines)  # the attention's kernels
+
+
+def test_layers_counts_a_token_models_products_by_hand():
+    from benchmarks.layers import layer_flops, piece_flops
+    from syncsgd.nn.network import build
+
+    net = build("gpt(layers=1,d=16,heads=2)", (8,), 20, "xent", "float64")  # T 8, V 20
+    embed, block, head = net.layers[0], net.layers[1], net.layers[3]
+    batch = 3
+    assert layer_flops(embed, batch) == (0, 2 * 3 * 8 * 20 * 16)  # one-hot^T dy: T x V x d
+    # per head (e = 8): q k^T 8 x 8 x 8 and P v 8 x 8 x 8; two heads
+    attention = 2 * (8 * 8 * 8 + 8 * 8 * 8)
+    assert block.attention_multiply_adds() == attention == 2048
+    assert piece_flops(block, "attention", batch) == (2 * 3 * 2048, 4 * 3 * 2048)
+    dense = 8 * 16 * 48 + 8 * 16 * 16 + 8 * 16 * 64 + 8 * 64 * 16  # in/out_proj, fc1, fc2
+    assert layer_flops(block, batch) == (2 * 3 * (dense + 2048), 4 * 3 * (dense + 2048))
+    assert piece_flops(block, "fc1", batch) == (2 * 3 * 8 * 16 * 64, 4 * 3 * 8 * 16 * 64)
+    assert piece_flops(block, "ln1", batch) == (0, 0)
+    assert layer_flops(head, batch) == (2 * 3 * 8 * 16 * 20, 4 * 3 * 8 * 16 * 20)

@@ -237,9 +237,13 @@ class Block(Layer):
 
     def multiply_adds(self) -> int:
         """Its four dense products, and attention's two T x T x d ones (scores, then values)."""
-        positions = self.in_shape[0]
         dense = (self.in_proj, self.out_proj, self.fc1, self.fc2)
-        return sum(layer.multiply_adds() for layer in dense) + 2 * positions * positions * self.d
+        return sum(layer.multiply_adds() for layer in dense) + self.attention_multiply_adds()
+
+    def attention_multiply_adds(self) -> int:
+        """The attention core's per sample: q k^T and P v, T x T x e for each of the heads."""
+        positions = self.in_shape[0]
+        return 2 * positions * positions * self.d
 
     def describe(self) -> str:
         """block(d, heads)."""
