@@ -237,8 +237,9 @@ def problem(options: argparse.Namespace) -> tuple[Any, np.ndarray, np.ndarray]:
                                   seed=0))  # fmt: skip
         return run.model, run.X[: options.batch], run.y[: options.batch]
     if options.context is not None:
-        raise ValueError(f"--context is the window of a token model (a --model that starts with "
-                         f"embed, e.g. gpt(layers=2,d=128,heads=4)), not of {options.model}")  # fmt: skip
+        raise ValueError(f"--context is the window of a token model (a --model that starts "
+                         f"with embed, e.g. gpt(layers=2,d=128,heads=4)), not of "
+                         f"{options.model}")  # fmt: skip
     net = build(options.model, options.input_shape, options.classes, "xent", options.dtype)
     rng = np.random.default_rng(0)
     X = rng.random((options.batch, int(np.prod(options.input_shape)))).astype(options.dtype)

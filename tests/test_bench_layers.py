@@ -38,7 +38,8 @@ def test_layers_names_every_layer_with_its_floor(exact):
 
 def test_layers_takes_a_token_model_apart_by_piece():
     command = [sys.executable, str(ROOT / "benchmarks" / "layers.py"), "--model",
-               "gpt(layers=1,d=16,heads=2)", "--context", "8", "--batch", "4", "--repeats", "1"]  # fmt: skip
+               "gpt(layers=1,d=16,heads=2)", "--context", "8", "--batch", "4",
+               "--repeats", "1"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
