@@ -5,8 +5,13 @@
     python benchmarks/exact.py --ranks 2        # two thread ranks computing at the same time
     OPENBLAS_NUM_THREADS=1 python benchmarks/exact.py --clock cpu --json exact.json
     python benchmarks/exact.py --model simple-cnn --input-shape 1,28,28 --batches 3 --iters 1
+    python benchmarks/exact.py --model "gpt(layers=2,d=128,heads=4)" --batch 16 --global-batch 32
 
-`--model SPEC --input-shape C,H,W` benchmarks any --model network instead of the --hidden MLP.
+`--model SPEC --input-shape C,H,W` benchmarks any --model network instead of the --hidden MLP. A
+--model that starts with embed (gpt(...)) is a token model: each rank's micro-batch is its own
+`--batch` windows of `--context` characters of numbers-to-words (the whole steps: the global batch
+of them), as `syncsgd train --data numbers-to-words` reads them, the loss over the B x T tokens
+(--context 64 by default).
 The default setting is global batch 256 on P = 2 ranks, so each rank's micro-batch is 128. Exact
 mode is `passes` (Backprop with the Exact numerics: the batch-invariant forward and backward
 passes, every sum registered with its peaks) then `extract` (`Exact.scales` and the extraction of

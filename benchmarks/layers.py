@@ -4,11 +4,16 @@
     python benchmarks/layers.py --batch 256 --repeats 3       # the issue's batch
     python benchmarks/layers.py --model "conv(16, 3, pad=1) batchnorm relu maxpool(2) flatten dense"
     python benchmarks/layers.py --model lenet5 --dtype float64 --batch 256 --exact
+    python benchmarks/layers.py --model "gpt(layers=2,d=128,heads=4)" --context 64 --batch 32
 
 One `nn.local.local_gradient` call (the step's forward and backward passes over one shard, one BLAS
 thread) is timed `--repeats` times after one burn-in call, in this thread's CPU seconds
 (`time.thread_time`: steadier than wall-clock on a shared machine; the passes run on the calling
 thread). Each layer's `forward_`, `backward_sums_` and `backward_input_` are wrapped with a timer.
+The shard: random samples of `--input-shape` and labels of `--classes`; for a token model (a
+--model that starts with embed, as gpt(...)) the first `--batch` windows of `--context` characters
+of numbers-to-words and their next characters, as `syncsgd train --data numbers-to-words` reads
+them (the loss over the B x T tokens, as many outputs as the text's characters).
 
 The first table has a row per layer: its forward and backward milliseconds (sums and input
 gradient together), the GFLOP/s of its products (2 x `Layer.multiply_adds` per sample forward,
@@ -17,13 +22,20 @@ its floating-point operations at the best single-thread GEMM rate measured in th
 (the better of the step's largest product and a 512^3 one, as benchmarks/peers.py's floor), and
 floor / its time. A layer without products (relu, maxpool, batchnorm, flatten) has a floor of 0;
 a relu applied in the passes of the layer before it (absorbed) shows no time of its own. The rows
-are in the network's order; the slowest layer against its floor is named at the end.
+are in the network's order. A transformer block's row is followed by a row per piece, in the
+order its passes run them (ln1, in_proj, attention, out_proj, ln2, fc1, gelu, fc2; attention the
+core between the projections, its q k^T and P v products `Block.attention_multiply_adds`), and
+`rest`, the block's time outside them (the residual sums). embed's products: none forward, the
+one-hot rows of its T tokens times the gradient at its output backward (T x V x d a sample). The
+slowest layer against its floor (a block's slowest piece) is named at the end.
 
 The second table takes the time apart by kernel: the numerics' products (`matmul_`,
 `outer_sum_`), float mode's conv kernels (`conv_forward_`, `conv_forward_planes_`, `conv_sums_`,
 `conv_input_grad_`), exact and narrow mode's conv gathers and scatters (`im2col_`, `col2im_`,
-`rows_to_channels_`, `channels_to_rows_`) and max pooling's (`max_pool_`, `max_pool_backward_`); a
-kernel is counted in its layer's row too. Nothing is asserted.
+`rows_to_channels_`, `channels_to_rows_`) and max pooling's (`max_pool_`, `max_pool_backward_`),
+and for a token model every Numba kernel of embed, block, layernorm and gelu that Python calls; a
+kernel is counted in its layer's row too (a kernel another kernel calls, in its caller's). Nothing
+is asserted.
 """
 
 from __future__ import annotations
