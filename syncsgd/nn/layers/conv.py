@@ -499,26 +499,25 @@ def gather_columns_(padded, k, stride, columns):
                             columns[first + b, base + j] = padded[n, c, h, j * stride + b]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath={"reassoc"})  # the bias's sums in any order: they vectorise
 def gradient_columns_(y, dy, activation, d, bias_sums):
-    """d[o, n H'W' + r] = dy[n, o, r], through the relu (0 where y <= 0, written back into dy; d
-    may be dy's own values); bias_sums[o] += them, in sample order."""
+    """dy through the relu in place (0 where y <= 0); bias_sums[o] += dy's values of channel o;
+    d[o, n H'W' + r] = dy[n, o, r] unless d is empty (a sample a chunk: its dy is already so)."""
     m, out, out_h, out_w = dy.shape
     positions = out_h * out_w
     zero = dy.dtype.type(0)
     for n in range(m):
         for o in range(out):
             grads, outputs = dy[n, o].reshape(positions), y[n, o].reshape(positions)
-            base = n * positions
+            if activation == RELU:
+                for r in range(positions):
+                    grads[r] = rectified_grad(outputs[r], grads[r], zero)
             total = zero
             for r in range(positions):
-                value = grads[r]
-                if activation == RELU:
-                    value = rectified_grad(outputs[r], value, zero)
-                    grads[r] = value
-                d[o, base + r] = value
-                total += value
+                total += grads[r]
             bias_sums[o] += total
+            if d.size:
+                d[o, n * positions : (n + 1) * positions] = grads
 
 
 @njit(nogil=True, cache=True)
@@ -536,9 +535,10 @@ def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, 
         im2col_columns_(x[start:stop], k, stride, pad, padded[: stop - start], part)
         if chunk == 1:
             grads = dy[start].reshape((out, n_columns))
+            gradient_columns_(y[start:stop], dy[start:stop], activation, grads[:0], bias_sums)
         else:
             grads = d[: out * n_columns].reshape((out, n_columns))
-        gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
+            gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
         if start == 0:
             np.dot(part, grads.T, weight_sums[0])
         else:
@@ -675,9 +675,10 @@ def conv_sums_last_(x, y, dy, k, stride, pad, activation, chunk, padded, cols, d
         patches_last_(x[start:stop], k, stride, pad, padded, cols[:n_rows])
         if chunk == 1:
             grads = dy[start].reshape((out, n_rows))
+            gradient_columns_(y[start:stop], dy[start:stop], activation, grads[:0], bias_sums)
         else:
             grads = d[: out * n_rows].reshape((out, n_rows))
-        gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
+            gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
         if start == 0:
             np.dot(cols[:n_rows].T, grads.T, weight_sums[0])
         else:
