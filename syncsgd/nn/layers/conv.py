@@ -30,6 +30,7 @@ import math
 import numpy as np
 from numba import njit
 
+from syncsgd.nn.gemm import gemm_add_
 from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Primitives, Shape, Workspaces
 from syncsgd.nn.layers.relu import rectified, rectified_grad, relu_, relu_backward_
 
@@ -188,7 +189,7 @@ class Conv(Layer):
         n_columns, width, _ = self._sizes(chunk)
         # a sample a chunk: its gradient, through the relu in place, is already (out, H'W')
         d = spaces.get("dcolumns", (self.out_channels * n_columns if chunk > 1 else 0,), dy.dtype)
-        weight_sums = spaces.get("weight sums", (2, width, self.out_channels), dy.dtype)
+        weight_sums = spaces.get("weight sums", (width, self.out_channels), dy.dtype)
         bias_sums = spaces.get("bias sums", (self.out_channels,), dy.dtype)
         if self._channels_last():
             cols = spaces.get("cols", (n_columns, width), x.dtype)
@@ -196,13 +197,13 @@ class Conv(Layer):
             conv_sums_last_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk,
                             padded, cols, d, weight_sums, bias_sums)  # fmt: skip
             channels, k = self.in_shape[0], self.kernel  # (k, k, C, out) to (out, C, k, k)
-            nx.add_(g["weight"], weight_sums[0].reshape(k, k, channels, -1).transpose(3, 2, 0, 1))
+            nx.add_(g["weight"], weight_sums.reshape(k, k, channels, -1).transpose(3, 2, 0, 1))
         else:
             columns = spaces.get("columns", (n_columns * width,), x.dtype)
             padded = spaces.get("padded", (chunk, *self._padded_shape()), x.dtype)
             conv_sums_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk,
                        padded, columns, d, weight_sums, bias_sums)  # fmt: skip
-            nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums[0].T)
+            nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums.T)
         nx.add_(g["bias"], bias_sums)
 
     def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
@@ -262,7 +263,7 @@ class Conv(Layer):
             patches = n_rows * width + chunk * channels * height * breadth
         values = (forward + patches
                   + (self.out_channels * n_rows if chunk > 1 else 0)
-                  + 2 * self.out_channels * width + self.out_channels
+                  + self.out_channels * width + self.out_channels
                   + (width * positions if self.position else 0))  # fmt: skip
         return values * itemsize
 
@@ -523,10 +524,10 @@ def gradient_columns_(y, dy, activation, d, bias_sums):
 @njit(nogil=True, cache=True)
 def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, weight_sums,
                bias_sums):  # fmt: skip
-    """weight_sums[0] = the sum over samples of patches_n (C·k·k, H'W') dy_n^T, bias_sums = dy's
+    """weight_sums = the sum over samples of patches_n (C·k·k, H'W') dy_n^T, bias_sums = dy's
     sums per channel, `chunk` samples at a time (dy through the relu first, in place)."""
     m, out, out_h, out_w = dy.shape
-    positions, width = out_h * out_w, weight_sums.shape[1]
+    positions, width = out_h * out_w, weight_sums.shape[0]
     bias_sums[:] = 0
     for start in range(0, m, chunk):
         stop = min(start + chunk, m)
@@ -540,10 +541,9 @@ def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, 
             grads = d[: out * n_columns].reshape((out, n_columns))
             gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
         if start == 0:
-            np.dot(part, grads.T, weight_sums[0])
+            np.dot(part, grads.T, weight_sums)
         else:
-            np.dot(part, grads.T, weight_sums[1])
-            weight_sums[0] += weight_sums[1]
+            gemm_add_(part, grads.T, weight_sums)
 
 
 @njit(nogil=True, cache=True)
@@ -663,7 +663,7 @@ def conv_forward_last_(x, weight_last, bias, k, stride, pad, activation, chunk, 
 @njit(nogil=True, cache=True)
 def conv_sums_last_(x, y, dy, k, stride, pad, activation, chunk, padded, cols, d, weight_sums,
                     bias_sums):  # fmt: skip
-    """weight_sums[0] = the sum over samples of patches_n^T (C·k·k channels last, H'W') dy_n^T,
+    """weight_sums = the sum over samples of patches_n^T (C·k·k channels last, H'W') dy_n^T,
     bias_sums = dy's sums per channel, `chunk` samples at a time (dy through the relu first, in
     place)."""
     m, out, out_h, out_w = dy.shape
@@ -680,10 +680,9 @@ def conv_sums_last_(x, y, dy, k, stride, pad, activation, chunk, padded, cols, d
             grads = d[: out * n_rows].reshape((out, n_rows))
             gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
         if start == 0:
-            np.dot(cols[:n_rows].T, grads.T, weight_sums[0])
+            np.dot(cols[:n_rows].T, grads.T, weight_sums)
         else:
-            np.dot(cols[:n_rows].T, grads.T, weight_sums[1])
-            weight_sums[0] += weight_sums[1]
+            gemm_add_(cols[:n_rows].T, grads.T, weight_sums)
 
 
 @njit(nogil=True, cache=True)
