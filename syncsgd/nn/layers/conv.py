@@ -404,11 +404,12 @@ def rows_to_channels_act_(rows, bias, activation, y):
     positions = out_h * out_w
     zero = y.dtype.type(0)
     for n in range(m):
-        for o in range(out):
-            plane = y[n, o].reshape(positions)
-            for r in range(positions):
-                value = rows[n * positions + r, o] + bias[o]
-                plane[r] = rectified(value, zero) if activation == RELU else value
+        planes = y[n].reshape((out, positions))
+        for r in range(positions):
+            row = rows[n * positions + r]  # read along the row, written across the planes
+            for o in range(out):
+                value = row[o] + bias[o]
+                planes[o, r] = rectified(value, zero) if activation == RELU else value
 
 
 @njit(nogil=True, cache=True)
@@ -612,11 +613,17 @@ def channels_last_weight_(weight, last):
 def pad_channels_last_(x, pad, padded):
     """padded[h + pad, w + pad, c] = x[c, h, w], 0 around: one sample, channels last."""
     channels, height, width = x.shape
-    padded[...] = 0
+    for h in range(pad):
+        padded[h] = 0
+        padded[padded.shape[0] - 1 - h] = 0
     for h in range(height):
-        for w in range(width):
-            for c in range(channels):
-                padded[h + pad, w + pad, c] = x[c, h, w]
+        row = padded[h + pad]
+        row[:pad] = 0
+        row[pad + width :] = 0
+        for c in range(channels):
+            line = x[c, h]
+            for w in range(width):
+                row[w + pad, c] = line[w]
 
 
 @njit(nogil=True, cache=True)
