@@ -19,8 +19,12 @@ when the product reads them), gathered again for the weight's sums rather than k
 product as rows (patches times W^T, the shape BLAS runs fastest), laid out NCHW with the bias and
 an absorbed relu in the same pass; the weight's sums as (C·k·k, positions) x (positions, out)
 products over the chunks' patches laid out by columns; the gradient at the input, sample by
-sample, W^T times the sample's (out, H'·W') gradient, scattered back from the cache. A relu right
-after the conv is applied in its passes (`absorb`), in every mode, with the relu's own bits.
+sample, W^T times the sample's (out, H'·W') gradient, scattered back from the cache. On
+CHANNELS_LAST or more input channels the patches come from a channels-last copy of each sample (k
+runs of k·C contiguous values a patch, the weight permuted to match): the forward product as rows,
+the weight's sums as the rows' transpose times dy^T, the gradient at the input as dy^T W's rows
+added back onto the copy. A relu right after the conv is applied in its passes (`absorb`), in
+every mode, with the relu's own bits.
 """
 
 from __future__ import annotations
