@@ -31,7 +31,8 @@ slowest layer against its floor (a block's slowest piece) is named at the end.
 
 The second table takes the time apart by kernel: the numerics' products (`matmul_`,
 `outer_sum_`), float mode's conv kernels (`conv_forward_`, `conv_forward_planes_`, `conv_sums_`,
-`conv_input_grad_`), exact and narrow mode's conv gathers and scatters (`im2col_`, `col2im_`,
+`conv_input_grad_`, and the channels-last `conv_forward_last_`, `conv_sums_last_`,
+`conv_input_grad_last_`), exact and narrow mode's conv gathers and scatters (`im2col_`, `col2im_`,
 `rows_to_channels_`, `channels_to_rows_`) and max pooling's (`max_pool_`, `max_pool_backward_`),
 and for a token model every Numba kernel of embed, block, layernorm and gelu that Python calls; a
 kernel is counted in its layer's row too (a kernel another kernel calls, in its caller's). Nothing
@@ -53,7 +54,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.*
 
 KERNELS = {
-    "conv": ("conv_forward_", "conv_forward_planes_", "conv_sums_", "conv_input_grad_", "im2col_",
+    "conv": ("conv_forward_", "conv_forward_planes_", "conv_sums_", "conv_input_grad_",
+             "conv_forward_last_", "conv_sums_last_", "conv_input_grad_last_", "im2col_",
              "col2im_", "rows_to_channels_", "channels_to_rows_"),
     "maxpool": ("max_pool_", "max_pool_backward_"),
 }  # fmt: skip

@@ -89,3 +89,21 @@ def test_no_choice_once_scipys_blas_is_loaded():
 def test_describe_names_the_running_kernels():
     line = run_python(CALL_KERNEL.replace("print(", "print(blas.describe()) or print("))
     assert "running its" in line.splitlines()[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("a_order", "b_order"), [("C", "C"), ("C", "F"), ("F", "C"), ("F", "F")])
+def test_gemm_add_adds_the_product_to_out_for_every_layout(dtype, a_order, b_order):
+    import numpy as np
+    from numba import njit
+
+    from syncsgd.nn.gemm import gemm_add_
+
+    add = njit(lambda a, b, out: gemm_add_(a, b, out))
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((5, 3)), rng.standard_normal((3, 4))
+    out = rng.standard_normal((5, 4)).astype(dtype)
+    expected = out + (a @ b).astype(dtype)
+    add(np.asarray(a, dtype, order=a_order), np.asarray(b, dtype, order=b_order), out)
+    tolerance = 1e-5 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)

@@ -119,12 +119,15 @@ def test_any_conv_is_the_oracles(channels, out, height, width, kernel, stride, p
                                    atol=SUMS["exact" if exact else "float"])  # fmt: skip
 
 
+@pytest.mark.parametrize("channels_last", [8, 1])  # the patches from NCHW; from channels last
 @pytest.mark.parametrize("patch_bytes", [1, 2 * 50 * 36 * 8])  # a sample a chunk; 2, 2 and 1
 @pytest.mark.parametrize("text", ["conv(3, 5, pad=2)", "conv(2, 3, stride=2, pad=1)"])
-def test_float_mode_conv_in_chunks_of_samples_is_the_oracles(text, patch_bytes, monkeypatch):
+def test_float_mode_conv_in_chunks_of_samples_is_the_oracles(text, patch_bytes, channels_last,
+                                                             monkeypatch):  # fmt: skip
     from syncsgd.nn.layers import conv
 
     monkeypatch.setattr(conv, "PATCH_BYTES", patch_bytes)
+    monkeypatch.setattr(conv, "CHANNELS_LAST", channels_last)
     x = np.random.default_rng(5).standard_normal((5, 2, 6, 6))
     _, p, y, g, dy, dx = one_layer(text, (2, 6, 6), "float", x)
     y_expected, sums_expected, dx_expected = oracle_of(text, p, x, dy)
@@ -187,9 +190,13 @@ def test_each_layer_is_pytorchs(text):
         np.testing.assert_allclose(g[name], param.grad.numpy(), rtol=1e-12, atol=1e-13)
 
 
-def test_a_torch_sequential_has_the_same_state_dict_and_gradient():
+@pytest.mark.parametrize("channels_last", [8, 1])  # the conv + relu's patches from NCHW; not
+def test_a_torch_sequential_has_the_same_state_dict_and_gradient(channels_last, monkeypatch):
     torch = pytest.importorskip("torch", reason="PyTorch (the peers extra) is not installed")
+    from syncsgd.nn.layers import conv
     from syncsgd.nn.local import local_gradient
+
+    monkeypatch.setattr(conv, "CHANNELS_LAST", channels_last)
 
     network = build(SPEC, SHAPE, 3, "xent", "float64")
     module = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(),

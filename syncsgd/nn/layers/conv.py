@@ -19,8 +19,12 @@ when the product reads them), gathered again for the weight's sums rather than k
 product as rows (patches times W^T, the shape BLAS runs fastest), laid out NCHW with the bias and
 an absorbed relu in the same pass; the weight's sums as (C·k·k, positions) x (positions, out)
 products over the chunks' patches laid out by columns; the gradient at the input, sample by
-sample, W^T times the sample's (out, H'·W') gradient, scattered back from the cache. A relu right
-after the conv is applied in its passes (`absorb`), in every mode, with the relu's own bits.
+sample, W^T times the sample's (out, H'·W') gradient, scattered back from the cache. On
+CHANNELS_LAST or more input channels the patches come from a channels-last copy of each sample (k
+runs of k·C contiguous values a patch, the weight permuted to match): the forward product as rows,
+the weight's sums as the rows' transpose times dy^T, the gradient at the input as dy^T W's rows
+added back onto the copy. A relu right after the conv is applied in its passes (`absorb`), in
+every mode, with the relu's own bits.
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ import math
 import numpy as np
 from numba import njit
 
+from syncsgd.nn.gemm import gemm_add_
 from syncsgd.nn.layers.base import IDENTITY, RELU, Layer, Param, Primitives, Shape, Workspaces
 from syncsgd.nn.layers.relu import rectified, rectified_grad, relu_, relu_backward_
 
 # float mode: the patches of a chunk of samples; short chunks (a sample of the Simple CNN's convs)
 # ran its narrow products fastest (docs/measurements.md)
 PATCH_BYTES = 1 << 17
+# float mode: inputs of at least these channels gather their patches from a channels-last copy of
+# each sample, k runs of k·C contiguous values a patch (docs/measurements.md)
+CHANNELS_LAST = 8
 
 
 class Conv(Layer):
@@ -74,6 +82,11 @@ class Conv(Layer):
         """(rows of the pass: m·H'·W', patch width C·k·k, output positions per sample H'·W')."""
         positions = self.out_shape[1] * self.out_shape[2]
         return m * positions, self.in_shape[0] * self.kernel * self.kernel, positions
+
+    def _padded_last_shape(self) -> tuple[int, int, int]:
+        """(H + 2 pad, W + 2 pad, C): a padded sample, channels last."""
+        channels, height, width = self._padded_shape()
+        return height, width, channels
 
     def _padded_shape(self) -> tuple[int, int, int]:
         """(C, H + 2 pad, W + 2 pad): a sample with its padding, for float mode's kernels."""
@@ -120,6 +133,18 @@ class Conv(Layer):
         product ran faster than the rows' (docs/measurements.md)."""
         return self._sizes(1)[1] <= self.out_channels
 
+    def _channels_last(self) -> bool:
+        """Float mode's patches from a channels-last copy of each sample (rows of k runs of k·C
+        contiguous values), for inputs of at least CHANNELS_LAST channels."""
+        return not self._planes_forward() and self.in_shape[0] >= CHANNELS_LAST
+
+    def _last_weight(self, spaces: Workspaces, p: dict[str, np.ndarray]) -> np.ndarray:
+        """The weight as (out, k·k·C), channels last: the channels-last patches' order."""
+        _, width, _ = self._sizes(1)
+        last = spaces.get("weight last", (self.out_channels, width), p["weight"].dtype)
+        channels_last_weight_(p["weight"], last)
+        return last
+
     def _free_forward_(self, spaces: Workspaces, p: dict[str, np.ndarray], x: np.ndarray,
                        y: np.ndarray) -> None:  # fmt: skip
         """Float mode's forward pass, a chunk of samples (or one, by columns) at a time."""
@@ -134,6 +159,12 @@ class Conv(Layer):
         n_rows, width, _ = self._sizes(chunk)
         cols = spaces.get("cols", (n_rows, width), x.dtype)
         out = spaces.get("rows", (n_rows, self.out_channels), x.dtype)
+        if self._channels_last():
+            padded = spaces.get("padded last", self._padded_last_shape(), x.dtype)
+            conv_forward_last_(x, self._last_weight(spaces, p), p["bias"], self.kernel,
+                               self.stride, self.pad, self.activation, chunk, padded, cols, out,
+                               y)  # fmt: skip
+            return
         conv_forward_(x, self._weight(p), p["bias"], self.kernel, self.stride, self.pad,
                       self.activation, chunk, cols, out, y)  # fmt: skip
 
@@ -160,15 +191,23 @@ class Conv(Layer):
         """Float mode's sums, chunk by chunk of samples, then added into g."""
         chunk = self._chunk(x.itemsize)
         n_columns, width, _ = self._sizes(chunk)
-        columns = spaces.get("columns", (n_columns * width,), x.dtype)
-        padded = spaces.get("padded", (chunk, *self._padded_shape()), x.dtype)
         # a sample a chunk: its gradient, through the relu in place, is already (out, H'W')
         d = spaces.get("dcolumns", (self.out_channels * n_columns if chunk > 1 else 0,), dy.dtype)
-        weight_sums = spaces.get("weight sums", (2, width, self.out_channels), dy.dtype)
+        weight_sums = spaces.get("weight sums", (width, self.out_channels), dy.dtype)
         bias_sums = spaces.get("bias sums", (self.out_channels,), dy.dtype)
-        conv_sums_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk, padded,
-                   columns, d, weight_sums, bias_sums)  # fmt: skip
-        nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums[0].T)
+        if self._channels_last():
+            cols = spaces.get("cols", (n_columns, width), x.dtype)
+            padded = spaces.get("padded last", self._padded_last_shape(), x.dtype)
+            conv_sums_last_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk,
+                            padded, cols, d, weight_sums, bias_sums)  # fmt: skip
+            channels, k = self.in_shape[0], self.kernel  # (k, k, C, out) to (out, C, k, k)
+            nx.add_(g["weight"], weight_sums.reshape(k, k, channels, -1).transpose(3, 2, 0, 1))
+        else:
+            columns = spaces.get("columns", (n_columns * width,), x.dtype)
+            padded = spaces.get("padded", (chunk, *self._padded_shape()), x.dtype)
+            conv_sums_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk,
+                       padded, columns, d, weight_sums, bias_sums)  # fmt: skip
+            nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums.T)
         nx.add_(g["bias"], bias_sums)
 
     def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
@@ -176,6 +215,12 @@ class Conv(Layer):
         """dx = round(col2im(dy_rows W)): from what backward_sums_ laid out (it runs first)."""
         n_rows, width, positions = self._sizes(x.shape[0])
         spaces = nx.group.stats(self.position, Workspaces, 0)
+        if nx.free_order and self._channels_last():
+            dcols = spaces.get("sample columns", (positions, width), dy.dtype)
+            padded = spaces.get("padded last", self._padded_last_shape(), dy.dtype)
+            conv_input_grad_last_(dy, self._last_weight(spaces, p), self.kernel, self.stride,
+                                  self.pad, dcols, padded, dx)  # fmt: skip
+            return
         if nx.free_order:
             columns = spaces.get("sample columns", (width, positions), dy.dtype)
             padded = spaces.get("padded", (1, *self._padded_shape()), dy.dtype)
@@ -210,15 +255,19 @@ class Conv(Layer):
         """Float mode's kernels: a chunk's patches and rows (forward, unless by columns), its
         patches by columns, its padded samples, their gradient (unless a sample a chunk), the
         weight's and the bias's sums (backward), and a sample's columns for the gradient at the
-        input (but the first layer's)."""
+        input (but the first layer's). Channels last: the rows' patches serve the sums too, one
+        padded sample, and the weight in their order."""
         chunk = self._chunk(itemsize)
         n_rows, width, positions = self._sizes(chunk)
         channels, height, breadth = self._padded_shape()
         forward = 0 if self._planes_forward() else n_rows * width + n_rows * self.out_channels
-        values = (forward + n_rows * width
-                  + chunk * channels * height * breadth
+        if self._channels_last():
+            patches = height * breadth * channels + self.out_channels * width
+        else:
+            patches = n_rows * width + chunk * channels * height * breadth
+        values = (forward + patches
                   + (self.out_channels * n_rows if chunk > 1 else 0)
-                  + 2 * self.out_channels * width + self.out_channels
+                  + self.out_channels * width + self.out_channels
                   + (width * positions if self.position else 0))  # fmt: skip
         return values * itemsize
 
@@ -359,11 +408,12 @@ def rows_to_channels_act_(rows, bias, activation, y):
     positions = out_h * out_w
     zero = y.dtype.type(0)
     for n in range(m):
-        for o in range(out):
-            plane = y[n, o].reshape(positions)
-            for r in range(positions):
-                value = rows[n * positions + r, o] + bias[o]
-                plane[r] = rectified(value, zero) if activation == RELU else value
+        planes = y[n].reshape((out, positions))
+        for r in range(positions):
+            row = rows[n * positions + r]  # read along the row, written across the planes
+            for o in range(out):
+                value = row[o] + bias[o]
+                planes[o, r] = rectified(value, zero) if activation == RELU else value
 
 
 @njit(nogil=True, cache=True)
@@ -455,35 +505,34 @@ def gather_columns_(padded, k, stride, columns):
                             columns[first + b, base + j] = padded[n, c, h, j * stride + b]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath={"reassoc"})  # the bias's sums in any order: they vectorise
 def gradient_columns_(y, dy, activation, d, bias_sums):
-    """d[o, n H'W' + r] = dy[n, o, r], through the relu (0 where y <= 0, written back into dy; d
-    may be dy's own values); bias_sums[o] += them, in sample order."""
+    """dy through the relu in place (0 where y <= 0); bias_sums[o] += dy's values of channel o;
+    d[o, n H'W' + r] = dy[n, o, r] unless d is empty (a sample a chunk: its dy is already so)."""
     m, out, out_h, out_w = dy.shape
     positions = out_h * out_w
     zero = dy.dtype.type(0)
     for n in range(m):
         for o in range(out):
             grads, outputs = dy[n, o].reshape(positions), y[n, o].reshape(positions)
-            base = n * positions
+            if activation == RELU:
+                for r in range(positions):
+                    grads[r] = rectified_grad(outputs[r], grads[r], zero)
             total = zero
             for r in range(positions):
-                value = grads[r]
-                if activation == RELU:
-                    value = rectified_grad(outputs[r], value, zero)
-                    grads[r] = value
-                d[o, base + r] = value
-                total += value
+                total += grads[r]
             bias_sums[o] += total
+            if d.size:
+                d[o, n * positions : (n + 1) * positions] = grads
 
 
 @njit(nogil=True, cache=True)
 def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, weight_sums,
                bias_sums):  # fmt: skip
-    """weight_sums[0] = the sum over samples of patches_n (C·k·k, H'W') dy_n^T, bias_sums = dy's
+    """weight_sums = the sum over samples of patches_n (C·k·k, H'W') dy_n^T, bias_sums = dy's
     sums per channel, `chunk` samples at a time (dy through the relu first, in place)."""
     m, out, out_h, out_w = dy.shape
-    positions, width = out_h * out_w, weight_sums.shape[1]
+    positions, width = out_h * out_w, weight_sums.shape[0]
     bias_sums[:] = 0
     for start in range(0, m, chunk):
         stop = min(start + chunk, m)
@@ -492,14 +541,14 @@ def conv_sums_(x, y, dy, k, stride, pad, activation, chunk, padded, columns, d, 
         im2col_columns_(x[start:stop], k, stride, pad, padded[: stop - start], part)
         if chunk == 1:
             grads = dy[start].reshape((out, n_columns))
+            gradient_columns_(y[start:stop], dy[start:stop], activation, grads[:0], bias_sums)
         else:
             grads = d[: out * n_columns].reshape((out, n_columns))
-        gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
+            gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
         if start == 0:
-            np.dot(part, grads.T, weight_sums[0])
+            np.dot(part, grads.T, weight_sums)
         else:
-            np.dot(part, grads.T, weight_sums[1])
-            weight_sums[0] += weight_sums[1]
+            gemm_add_(part, grads.T, weight_sums)
 
 
 @njit(nogil=True, cache=True)
@@ -547,3 +596,140 @@ def conv_input_grad_(dy, weight, k, stride, pad, columns, padded, dx):
     for n in range(m):
         np.dot(weight.T, dy[n].reshape((out, out_h * out_w)), columns)
         col2im_columns_(columns, k, stride, pad, padded, dx[n])
+
+
+# -- float mode's channels-last kernels: a patch is k runs of k·C contiguous values ---------------
+
+
+@njit(nogil=True, cache=True)
+def channels_last_weight_(weight, last):
+    """last[o, (a k + b) C + c] = weight[o, c, a, b]: the weight in the patches' order."""
+    out, channels, k, _ = weight.shape
+    for o in range(out):
+        for a in range(k):
+            for b in range(k):
+                base = (a * k + b) * channels
+                for c in range(channels):
+                    last[o, base + c] = weight[o, c, a, b]
+
+
+@njit(nogil=True, cache=True)
+def pad_channels_last_(x, pad, padded):
+    """padded[h + pad, w + pad, c] = x[c, h, w], 0 around: one sample, channels last."""
+    channels, height, width = x.shape
+    for h in range(pad):
+        padded[h] = 0
+        padded[padded.shape[0] - 1 - h] = 0
+    for h in range(height):
+        row = padded[h + pad]
+        row[:pad] = 0
+        row[pad + width :] = 0
+        for c in range(channels):
+            line = x[c, h]
+            for w in range(width):
+                row[w + pad, c] = line[w]
+
+
+@njit(nogil=True, cache=True)
+def gather_last_(padded, k, stride, cols):
+    """cols[i W' + j, (a k + b) C + c] = padded[i stride + a, j stride + b, c]: a sample's patches
+    as rows, each k copies of k·C contiguous values."""
+    height, width, channels = padded.shape
+    out_h, out_w = (height - k) // stride + 1, (width - k) // stride + 1
+    run = k * channels
+    flat = padded.reshape(-1)
+    for i in range(out_h):
+        for j in range(out_w):
+            row = cols[i * out_w + j]
+            for a in range(k):
+                start, first = ((i * stride + a) * width + j * stride) * channels, a * run
+                source, target = flat[start : start + run], row[first : first + run]
+                for q in range(run):  # one loop over two slices: Numba vectorises it
+                    target[q] = source[q]
+
+
+@njit(nogil=True, cache=True)
+def patches_last_(x, k, stride, pad, padded, cols):
+    """cols = the patches of x's samples as rows, channels last, sample after sample."""
+    positions = cols.shape[0] // x.shape[0]
+    for n in range(x.shape[0]):
+        pad_channels_last_(x[n], pad, padded)
+        gather_last_(padded, k, stride, cols[n * positions : (n + 1) * positions])
+
+
+@njit(nogil=True, cache=True)
+def conv_forward_last_(x, weight_last, bias, k, stride, pad, activation, chunk, padded, cols,
+                       rows, y):  # fmt: skip
+    """y = act(patches W^T + b), laid out NCHW, `chunk` samples at a time, channels last."""
+    m = x.shape[0]
+    positions = y.shape[2] * y.shape[3]
+    for start in range(0, m, chunk):
+        stop = min(start + chunk, m)
+        n_rows = (stop - start) * positions
+        patches_last_(x[start:stop], k, stride, pad, padded, cols[:n_rows])
+        np.dot(cols[:n_rows], weight_last.T, rows[:n_rows])
+        rows_to_channels_act_(rows[:n_rows], bias, activation, y[start:stop])
+
+
+@njit(nogil=True, cache=True)
+def conv_sums_last_(x, y, dy, k, stride, pad, activation, chunk, padded, cols, d, weight_sums,
+                    bias_sums):  # fmt: skip
+    """weight_sums = the sum over samples of patches_n^T (C·k·k channels last, H'W') dy_n^T,
+    bias_sums = dy's sums per channel, `chunk` samples at a time (dy through the relu first, in
+    place)."""
+    m, out, out_h, out_w = dy.shape
+    positions = out_h * out_w
+    bias_sums[:] = 0
+    for start in range(0, m, chunk):
+        stop = min(start + chunk, m)
+        n_rows = (stop - start) * positions
+        patches_last_(x[start:stop], k, stride, pad, padded, cols[:n_rows])
+        if chunk == 1:
+            grads = dy[start].reshape((out, n_rows))
+            gradient_columns_(y[start:stop], dy[start:stop], activation, grads[:0], bias_sums)
+        else:
+            grads = d[: out * n_rows].reshape((out, n_rows))
+            gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
+        if start == 0:
+            np.dot(cols[:n_rows].T, grads.T, weight_sums)
+        else:
+            gemm_add_(cols[:n_rows].T, grads.T, weight_sums)
+
+
+@njit(nogil=True, cache=True)
+def scatter_last_(dcols, k, stride, padded):
+    """padded[i stride + a, j stride + b, c] += dcols[i W' + j, (a k + b) C + c]."""
+    height, width, channels = padded.shape
+    out_h, out_w = (height - k) // stride + 1, (width - k) // stride + 1
+    run = k * channels
+    flat = padded.reshape(-1)
+    for i in range(out_h):
+        for j in range(out_w):
+            row = dcols[i * out_w + j]
+            for a in range(k):
+                start, first = ((i * stride + a) * width + j * stride) * channels, a * run
+                target, source = flat[start : start + run], row[first : first + run]
+                for q in range(run):
+                    target[q] += source[q]
+
+
+@njit(nogil=True, cache=True)
+def unpad_channels_last_(padded, pad, dx):
+    """dx[c, h, w] = padded[h + pad, w + pad, c]."""
+    channels, height, width = dx.shape
+    for c in range(channels):
+        for h in range(height):
+            for w in range(width):
+                dx[c, h, w] = padded[h + pad, w + pad, c]
+
+
+@njit(nogil=True, cache=True)
+def conv_input_grad_last_(dy, weight_last, k, stride, pad, dcols, padded, dx):
+    """dx = col2im(dy_n^T W) sample by sample, channels last: the product's (H'W', k·k·C) rows
+    added onto a padded channels-last sample in the caches."""
+    m, out, out_h, out_w = dy.shape
+    for n in range(m):
+        np.dot(dy[n].reshape((out, out_h * out_w)).T, weight_last, dcols)
+        padded[...] = 0
+        scatter_last_(dcols, k, stride, padded)
+        unpad_channels_last_(padded, pad, dx[n])
