@@ -99,12 +99,29 @@ def test_a_relu_absorbed_by_its_conv_layer_gives_the_relus_own_bits(mode, precis
     apart = build(spec, (2, 6, 6), 3, "xent", "float32")
     apart.absorbed = frozenset()
     for layer in apart.layers:
-        layer.activation = IDENTITY
+        layer.activation, layer.mask_handed, layer.masks = IDENTITY, False, False
     rng = np.random.default_rng(0)
     X, y = rng.standard_normal((9, 72)), rng.integers(0, 3, 9)
     X[0] = 0.0  # a sample whose first pre-activations are the bias alone
     ours = local_sums(absorbing, X, y, mode, precision, micro_batches)
     theirs = local_sums(apart, X, y, mode, precision, micro_batches)
+    assert ours[0] == theirs[0] and ours[1].tobytes() == theirs[1].tobytes()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["float", "exact"])
+def test_a_max_pool_after_a_convs_relu_applies_its_mask_with_the_relus_own_bits(mode, precision):
+    spec = "conv(3, 3, pad=1) relu maxpool(2) conv(2, 3) relu maxpool(2, stride=1) flatten dense"
+    masking = build(spec, (2, 10, 10), 3, "xent", "float32")
+    assert [layer.mask_handed for layer in masking.layers if layer.kind == "conv"] == [True, True]
+    apart = build(spec, (2, 10, 10), 3, "xent", "float32")
+    for layer in apart.layers:
+        layer.mask_handed, layer.masks = False, False  # the conv's passes apply the mask
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((9, 200)), rng.integers(0, 3, 9)
+    X[0] = 0.0  # a sample whose first pre-activations are the bias alone: whole windows at 0
+    ours = local_sums(masking, X, y, mode, precision)
+    theirs = local_sums(apart, X, y, mode, precision)
     assert ours[0] == theirs[0] and ours[1].tobytes() == theirs[1].tobytes()
 
 

@@ -240,6 +240,11 @@ class Network:
             enumerate(zip(self.layers[:-1], self.layers[1:], strict=True))
             if following.in_place and not layer.reads_output
             and layer.absorb(following))  # fmt: skip
+        # The layer after an absorbed relu may apply the relu's mask in its backward pass (a
+        # max-pool, from where its forward pass found the maxima): the absorber's skips it.
+        for position in sorted(self.absorbed):
+            if position + 1 < len(self.layers):
+                self.layers[position - 1].hand_mask(self.layers[position + 1])
         # by "<position>.<PyTorch name>" for the passes, by their names for everything else
         self._own_layout = self._make_layout("params")
         self._own_running = self._make_layout("buffers")

@@ -146,6 +146,16 @@ class Layer:
         its output and the gradient at it): then the passes skip that layer. None by default."""
         return False
 
+    def take_mask(self) -> bool:
+        """Whether its backward pass can apply the mask of a relu before it (the gradient at its
+        input 0 where that input is not positive): then it does from now on. No by default."""
+        return False
+
+    def hand_mask(self, following: Layer) -> bool:
+        """Whether the layer after the relu it absorbed takes that relu's mask (`take_mask`):
+        then its own backward pass skips the mask. No by default."""
+        return False
+
     def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                  y: np.ndarray) -> None:  # fmt: skip
         """y = the layer applied to x, sample by sample."""

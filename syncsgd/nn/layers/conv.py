@@ -22,9 +22,10 @@ products over the chunks' patches laid out by columns; the gradient at the input
 sample, W^T times the sample's (out, H'·W') gradient, scattered back from the cache. On
 CHANNELS_LAST or more input channels the patches come from a channels-last copy of each sample (k
 runs of k·C contiguous values a patch, the weight permuted to match): the forward product as rows,
-the weight's sums as the rows' transpose times dy^T, the gradient at the input as dy^T W's rows
+the weight's sums as dy times the rows, the gradient at the input as dy^T W's rows
 added back onto the copy. A relu right after the conv is applied in its passes (`absorb`), in
-every mode, with the relu's own bits.
+every mode, with the relu's own bits; its mask in the backward pass by a max-pool after it
+(`hand_mask`: from where the pool's forward pass found the maxima), then not by the conv.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Conv(Layer):
                 raise ValueError(f"conv: {name} must be >= {low}, got {value}")
         self.out_channels, self.kernel, self.stride, self.pad = out_channels, kernel, stride, pad
         self.activation = IDENTITY  # RELU: the relu after it, applied in its passes (absorb)
+        self.mask_handed = False  # True: the layer after that relu applies its mask backward
 
     def output_shape(self, in_shape: Shape, outputs: int, last: bool) -> Shape:
         """(out_channels, H', W') of a (C, H, W) input."""
@@ -103,6 +105,16 @@ class Conv(Layer):
             return False
         self.activation = RELU
         return True
+
+    def hand_mask(self, following: Layer) -> bool:
+        """The layer after its absorbed relu (a max-pool) applies the relu's mask in its backward
+        pass, if it can: then the conv's backward pass takes the gradient as it is."""
+        self.mask_handed = self.activation == RELU and following.take_mask()
+        return self.mask_handed
+
+    def _backward_activation(self) -> int:
+        """The element-wise function whose gradient its backward pass applies to dy."""
+        return IDENTITY if self.mask_handed else self.activation
 
     def _chunk(self, itemsize: int) -> int:
         """Samples per chunk of float mode's patches: about PATCH_BYTES of them, at least one."""
@@ -170,14 +182,14 @@ class Conv(Layer):
 
     def backward_sums_(self, nx: Primitives, p: dict[str, np.ndarray], g: dict[str, np.ndarray],
                        x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> None:  # fmt: skip
-        """dy through the absorbed relu (in place); g.weight += dy_rows^T patches, g.bias +=
-        column sums of dy_rows (H'·W' rows a sample)."""
+        """dy through the absorbed relu (in place, unless the layer above applied its mask);
+        g.weight += dy_rows^T patches, g.bias += column sums of dy_rows (H'·W' rows a sample)."""
         n_rows, width, positions = self._sizes(x.shape[0])
         spaces = nx.group.stats(self.position, Workspaces, 0)
         if nx.free_order:
             self._free_sums_(nx, spaces, g, x, y, dy)
             return
-        if self.activation == RELU:
+        if self._backward_activation() == RELU:
             relu_backward_(y.reshape(-1), dy.reshape(-1), dy.reshape(-1))
         d = spaces.get("rows", (n_rows, self.out_channels), dy.dtype)
         channels_to_rows_(dy, d)
@@ -193,20 +205,22 @@ class Conv(Layer):
         n_columns, width, _ = self._sizes(chunk)
         # a sample a chunk: its gradient, through the relu in place, is already (out, H'W')
         d = spaces.get("dcolumns", (self.out_channels * n_columns if chunk > 1 else 0,), dy.dtype)
-        weight_sums = spaces.get("weight sums", (width, self.out_channels), dy.dtype)
         bias_sums = spaces.get("bias sums", (self.out_channels,), dy.dtype)
         if self._channels_last():
+            weight_sums = spaces.get("weight sums", (self.out_channels, width), dy.dtype)
             cols = spaces.get("cols", (n_columns, width), x.dtype)
             padded = spaces.get("padded last", self._padded_last_shape(), x.dtype)
-            conv_sums_last_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk,
-                            padded, cols, d, weight_sums, bias_sums)  # fmt: skip
-            channels, k = self.in_shape[0], self.kernel  # (k, k, C, out) to (out, C, k, k)
-            nx.add_(g["weight"], weight_sums.reshape(k, k, channels, -1).transpose(3, 2, 0, 1))
+            conv_sums_last_(x, y, dy, self.kernel, self.stride, self.pad,
+                            self._backward_activation(), chunk, padded, cols, d, weight_sums,
+                            bias_sums)  # fmt: skip
+            channels, k = self.in_shape[0], self.kernel  # (out, k, k, C) to (out, C, k, k)
+            nx.add_(g["weight"], weight_sums.reshape(-1, k, k, channels).transpose(0, 3, 1, 2))
         else:
+            weight_sums = spaces.get("weight sums", (width, self.out_channels), dy.dtype)
             columns = spaces.get("columns", (n_columns * width,), x.dtype)
             padded = spaces.get("padded", (chunk, *self._padded_shape()), x.dtype)
-            conv_sums_(x, y, dy, self.kernel, self.stride, self.pad, self.activation, chunk,
-                       padded, columns, d, weight_sums, bias_sums)  # fmt: skip
+            conv_sums_(x, y, dy, self.kernel, self.stride, self.pad, self._backward_activation(),
+                       chunk, padded, columns, d, weight_sums, bias_sums)  # fmt: skip
             nx.add_(g["weight"].reshape(self.out_channels, -1), weight_sums.T)
         nx.add_(g["bias"], bias_sums)
 
@@ -674,9 +688,9 @@ def conv_forward_last_(x, weight_last, bias, k, stride, pad, activation, chunk, 
 @njit(nogil=True, cache=True)
 def conv_sums_last_(x, y, dy, k, stride, pad, activation, chunk, padded, cols, d, weight_sums,
                     bias_sums):  # fmt: skip
-    """weight_sums = the sum over samples of patches_n^T (C·k·k channels last, H'W') dy_n^T,
-    bias_sums = dy's sums per channel, `chunk` samples at a time (dy through the relu first, in
-    place)."""
+    """weight_sums = the sum over samples of dy_n (out, H'W') patches_n (H'W', k·k·C, channels
+    last), bias_sums = dy's sums per channel, `chunk` samples at a time (dy through the relu
+    first, in place)."""
     m, out, out_h, out_w = dy.shape
     positions = out_h * out_w
     bias_sums[:] = 0
@@ -691,9 +705,9 @@ def conv_sums_last_(x, y, dy, k, stride, pad, activation, chunk, padded, cols, d
             grads = d[: out * n_rows].reshape((out, n_rows))
             gradient_columns_(y[start:stop], dy[start:stop], activation, grads, bias_sums)
         if start == 0:
-            np.dot(cols[:n_rows].T, grads.T, weight_sums)
+            np.dot(grads, cols[:n_rows], weight_sums)  # both as they lie: the faster product
         else:
-            gemm_add_(cols[:n_rows].T, grads.T, weight_sums)
+            gemm_add_(grads, cols[:n_rows], weight_sums)
 
 
 @njit(nogil=True, cache=True)

@@ -5,6 +5,11 @@ the window's row-major order, and a NaN wins, as PyTorch's kernel. The forward p
 each maximum is (an int32 workspace per numerics, grown once, as conv's); the backward pass
 scatters the gradient there. No new value is formed, so nothing is rounded, unless windows overlap
 (stride < k): then the gradients that meet at one input are a sum, rounded in narrow modes.
+
+After a relu that the layer before absorbed (`take_mask`), the pool applies the relu's mask too:
+a window whose maximum is not positive (so all its values are 0) records no maximum (-1), and
+its gradient lands nowhere; elsewhere the maximum is positive and the relu passes its gradient.
+The gradient at the input is the one the relu's own pass would give, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,15 +43,25 @@ class MaxPool(Pool):
     kind = "maxpool"
     signature = "maxpool(k, stride=k)"
 
+    def __init__(self, k: int, stride: int | None = None) -> None:
+        super().__init__(k, stride)
+        self.masks = False  # True: its input is a relu's output, whose mask it applies
+
+    def take_mask(self) -> bool:
+        """It applies the mask of the relu before it: windows whose maximum is not positive pass
+        no gradient."""
+        self.masks = True
+        return True
+
     def forward_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                  y: np.ndarray) -> None:  # fmt: skip
         """y = the maximum of each window; where it is, recorded."""
         where = nx.group.stats(self.position, Workspaces, 0).keep("argmax", y.shape, self._index())
-        max_pool_(x, self.k, self.stride, y, where)
+        max_pool_(x, self.k, self.stride, self.masks, y, where)
 
     def backward_input_(self, nx: Primitives, p: dict[str, np.ndarray], x: np.ndarray,
                         y: np.ndarray, dy: np.ndarray, dx: np.ndarray) -> None:  # fmt: skip
-        """dx = 0, then each window's dy added at its maximum."""
+        """dx = 0, then each window's dy added at its maximum (none where it recorded -1)."""
         where = nx.group.stats(self.position, Workspaces, 0).keep("argmax", y.shape, self._index())
         max_pool_backward_(dy, where, self.k, self.stride, dx)
         if self.stride < self.k:
@@ -67,25 +82,27 @@ class MaxPool(Pool):
 
 
 @njit(nogil=True, cache=True)
-def max_pool_(x, k, stride, y, where):
-    """y[n, c, i, j] = the window's maximum, where[n, c, i, j] = its index h W + w in the plane."""
+def max_pool_(x, k, stride, masks, y, where):
+    """y[n, c, i, j] = the window's maximum, where[n, c, i, j] = its index h W + w in the plane
+    (-1 if `masks` and the maximum is not positive: the relu's mask)."""
     # Four times faster with the window's size a constant (and the stride, 2 x 2 windows every 2
     # twice as fast again): the common sizes get their own loops.
     if k == 2 and stride == 2:
-        window_maxima_(x, 2, 2, y, where)
+        window_maxima_(x, 2, 2, masks, y, where)
     elif k == 2:
-        window_maxima_(x, 2, stride, y, where)
+        window_maxima_(x, 2, stride, masks, y, where)
     elif k == 3:
-        window_maxima_(x, 3, stride, y, where)
+        window_maxima_(x, 3, stride, masks, y, where)
     else:
-        window_maxima_(x, k, stride, y, where)
+        window_maxima_(x, k, stride, masks, y, where)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def window_maxima_(x, k, stride, y, where):
+def window_maxima_(x, k, stride, masks, y, where):
     """max_pool_'s loops: the first maximum in row-major order wins, a NaN wins over numbers."""
     m, channels, out_h, out_w = y.shape
     width = x.shape[3]
+    zero = x.dtype.type(0)
     for n in range(m):
         for c in range(channels):
             for i in range(out_h):
@@ -99,7 +116,8 @@ def window_maxima_(x, k, stride, y, where):
                             best = value if taken else best
                             index = (top + a) * width + left + b if taken else index
                     y[n, c, i, j] = best
-                    where[n, c, i, j] = index
+                    # as the relu's gradient: none where its output is <= 0 (a NaN passes)
+                    where[n, c, i, j] = -1 if masks and best <= zero else index
 
 
 @njit(nogil=True, cache=True)
@@ -140,7 +158,8 @@ def tiled_backward_(dy, where, k, dx):
 
 @njit(nogil=True, cache=True)
 def scattered_backward_(dy, where, dx):
-    """max_pool_backward_'s loops for any windows: dx = 0, then each dy added at its maximum."""
+    """max_pool_backward_'s loops for any windows: dx = 0, then each dy added at its maximum
+    (none at -1)."""
     m, channels, out_h, out_w = dy.shape
     width = dx.shape[3]
     for n in range(m):
@@ -149,4 +168,5 @@ def scattered_backward_(dy, where, dx):
             for i in range(out_h):
                 for j in range(out_w):
                     index = where[n, c, i, j]
-                    dx[n, c, index // width, index % width] += dy[n, c, i, j]
+                    if index >= 0:
+                        dx[n, c, index // width, index % width] += dy[n, c, i, j]
