@@ -108,9 +108,10 @@ def requires_mpi(test: Callable) -> Callable:
     return pytest.mark.mpi(_skip_without_mpiexec(test))
 
 
-def run_in_process(arguments: list[str], cwd: object) -> subprocess.CompletedProcess:
+def run_in_process(arguments: list[str], cwd: object = ".") -> subprocess.CompletedProcess:
     """`syncsgd arguments` run by the console script's main in this process, in `cwd`: its exit
-    status and output as a fresh process gives them, without a fresh interpreter's start-up."""
+    status and output as a fresh process gives them, without a fresh interpreter's start-up and
+    its loading of the compiled kernels (a second or more a command)."""
     from syncsgd.cli import main
 
     stdout, stderr = io.StringIO(), io.StringIO()
