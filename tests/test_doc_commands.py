@@ -3,7 +3,9 @@ parser, and run here unless tests/test_tutorial.py runs it (the tutorial's and t
 `$ ` lines) or EXCLUDED says why not. A run gets the arguments OVERRIDES lists appended (argparse
 keeps the last value of an option), and must exit with the status its comment announces
 ("exit status 1"), else 0. The commands of one run share a directory, in document order, so that
-`model --fit sweep.json` reads the sweep the README's `bench allreduce` wrote."""
+`model --fit sweep.json` reads the sweep the README's `bench allreduce` wrote. The first command
+of each subcommand, and every mpiexec one, runs in a fresh Python; the others by syncsgd's main
+in this process."""
 
 from __future__ import annotations
 

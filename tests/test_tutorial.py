@@ -1,4 +1,5 @@
-"""Every command in docs/tutorial.md and docs/instructor.md runs, in order, and exits as it says."""
+"""Every command in docs/tutorial.md and docs/instructor.md runs, in order, and exits as it says
+(the first of each subcommand in a fresh Python, the others by syncsgd's main in this process)."""
 
 from __future__ import annotations
 
