@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import re
 import shutil
@@ -104,6 +106,30 @@ _skip_without_mpiexec = pytest.mark.skipif(
 def requires_mpi(test: Callable) -> Callable:
     """Mark a test that runs a real mpiexec: marked `mpi`, skipped when there is none."""
     return pytest.mark.mpi(_skip_without_mpiexec(test))
+
+
+def run_in_process(arguments: list[str], cwd: object = ".") -> subprocess.CompletedProcess:
+    """`syncsgd arguments` run by the console script's main in this process, in `cwd`: its exit
+    status and output as a fresh process gives them, without a fresh interpreter's start-up and
+    its loading of the compiled kernels (a second or more a command)."""
+    from syncsgd.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(str(cwd))
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                status = main(arguments)
+            except SystemExit as done:  # argparse's; a text is printed with status 1, as sys.exit
+                status = done.code if isinstance(done.code, int) or done.code is None else 1
+                if isinstance(done.code, str):
+                    print(done.code, file=sys.stderr)
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(
+        ["syncsgd", *arguments], status or 0, stdout.getvalue(), stderr.getvalue()
+    )
 
 
 def run_mpiexec(ranks: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:

@@ -7,11 +7,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from conftest import run_in_process
 from oracle import serial_sgd
 
 from syncsgd import TrainConfig, train
@@ -293,8 +293,9 @@ def test_the_defaults_are_pytorchs():
 
 
 def syncsgd_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "syncsgd.cli", *args], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    """`syncsgd args` by the console script's main in this process (tests/test_cli_train.py runs
+    it in fresh ones)."""
+    return run_in_process(list(args))
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import requires_mpi, run_mpiexec
+from conftest import requires_mpi, run_in_process, run_mpiexec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import evaluation_loss, serial_sgd
@@ -217,9 +216,9 @@ def test_save_and_init_carry_the_batchnorm_keys(tmp_path):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    """`syncsgd` as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "syncsgd.cli", *args], capture_output=True,
-                          text=True, timeout=180)  # fmt: skip
+    """`syncsgd args` by the console script's main in this process (tests/test_cli_train.py runs
+    it in fresh ones)."""
+    return run_in_process(list(args))
 
 
 @pytest.mark.parametrize("args, says", [

@@ -3,7 +3,9 @@ parser, and run here unless tests/test_tutorial.py runs it (the tutorial's and t
 `$ ` lines) or EXCLUDED says why not. A run gets the arguments OVERRIDES lists appended (argparse
 keeps the last value of an option), and must exit with the status its comment announces
 ("exit status 1"), else 0. The commands of one run share a directory, in document order, so that
-`model --fit sweep.json` reads the sweep the README's `bench allreduce` wrote."""
+`model --fit sweep.json` reads the sweep the README's `bench allreduce` wrote. The first command
+of each subcommand, and every mpiexec one, runs in a fresh Python; the others by syncsgd's main
+in this process."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import mpiexec_command, mpiexec_path
+from conftest import mpiexec_command, mpiexec_path, run_in_process
 from doc_commands import Documented, every_command
 from test_tutorial import INSTRUCTOR, TUTORIAL, tutorial_commands
 
@@ -151,6 +153,22 @@ def to_run() -> list[Documented]:
     return [command for command in documented() if command.text not in EXCLUDED]
 
 
+def subcommand(command: Documented) -> tuple[str, ...]:
+    """The subcommand a command runs: train, ring-demo, ...; bench step, lab new, ..."""
+    arguments = command.arguments
+    return tuple(arguments[:2] if arguments[0] in ("bench", "study", "lab") else arguments[:1])
+
+
+def in_fresh_processes() -> set[str]:
+    """The commands run in a fresh Python: under mpiexec, and the first of each subcommand; the
+    others run by syncsgd's main in the test's own process (the same parser, checks and run)."""
+    first: dict[tuple[str, ...], str] = {}
+    for command in to_run():
+        first.setdefault(subcommand(command), command.text)
+    mpi = {command.text for command in to_run() if command.launcher}
+    return set(first.values()) | mpi
+
+
 def test_the_documents_have_commands():
     documents = {command.document for command in every_command()}
     assert {"README.md", "docs/train.md", "docs/verify.md", "docs/benchmarks.md"} <= documents
@@ -199,8 +217,13 @@ def workdir(tmp_path_factory):
 def _marks(command: Documented) -> list:
     if command.launcher[:1] != ["mpiexec"]:
         return []
-    return [pytest.mark.mpi,
+    # mpi_once: tests/test_mpi_launcher.py and test_bench_allreduce.py run bench allreduce under
+    # mpiexec -n 2 under each library
+    return [pytest.mark.mpi, pytest.mark.mpi_once,
             pytest.mark.skipif(mpiexec_path() is None, reason="needs mpiexec")]  # fmt: skip
+
+
+FRESH = in_fresh_processes()
 
 
 @pytest.mark.timeout(300)
@@ -211,11 +234,14 @@ def test_documented_command_runs(command, workdir):
     arguments = command.arguments + shlex.split(OVERRIDES.get(command.text, ""))
     if "--fit" in arguments and not (workdir / arguments[arguments.index("--fit") + 1]).exists():
         pytest.skip("the sweep it fits was not written (its mpiexec run did not run)")
-    argv = [sys.executable, "-m", "syncsgd.cli", *arguments]
-    if command.launcher:
-        assert command.launcher[:2] == ["mpiexec", "-n"], command.launcher
-        argv = mpiexec_command(int(command.launcher[2])) + argv
-    done = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "MPLBACKEND": "Agg"})  # fmt: skip
+    if command.text in FRESH:
+        argv = [sys.executable, "-m", "syncsgd.cli", *arguments]
+        if command.launcher:
+            assert command.launcher[:2] == ["mpiexec", "-n"], command.launcher
+            argv = mpiexec_command(int(command.launcher[2])) + argv
+        done = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=240,
+                              env={**os.environ, "MPLBACKEND": "Agg"})  # fmt: skip
+    else:
+        done = run_in_process(arguments, workdir)
     assert done.returncode == command.status, f"{command.text}\n{done.stdout}\n{done.stderr}"
     assert "Traceback" not in done.stderr

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import run_in_process
 from hypothesis import given
 from hypothesis import strategies as st
 from oracle import network_loss_and_grad, serial_sgd
@@ -309,8 +310,7 @@ def test_the_command_line_refuses_a_bad_spec_in_one_line():
 
 
 def test_help_lists_every_layer():
-    done = subprocess.run([sys.executable, "-m", "syncsgd.cli", "train", "--help"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = run_in_process(["train", "--help"])
     for signature in ("dense(width)", "relu", "tanh"):
         assert signature in done.stdout
 

@@ -253,13 +253,14 @@ def saved_bytes(saved) -> bytes:
 
 # Each case launches one job with --overlap and compares it with the run without it, on thread
 # ranks (P = 2 with the library's allreduce: a second job). Under the second MPI library CI runs
-# the exact ring and the library's allreduce (mpi_once: the ring in other dtypes adds nothing
-# that depends on the library).
+# the library's allreduce, and the exact ring beside BatchNorm's allreduces (mpi_once: the ring in
+# other dtypes, and without BatchNorm, adds nothing that depends on the library). A failure and
+# a stuck rank: with BatchNorm sync, the two threads in MPI (mpi_once: the one thread).
 ONCE = pytest.mark.mpi_once
 
 
 @requires_mpi
-@pytest.mark.parametrize("ranks, mode", [(3, ["--exact"]),
+@pytest.mark.parametrize("ranks, mode", [pytest.param(3, ["--exact"], marks=ONCE),
                                          pytest.param(3, ["--dtype", "float32", "--noise-scale"],
                                                       marks=ONCE),
                                          (2, ["--algorithm", "mpi"])])  # fmt: skip
@@ -279,7 +280,7 @@ def test_mpiexec_overlap_with_batchnorm_is_bitwise_the_step_without_it(tmp_path,
 
 
 @requires_mpi
-@pytest.mark.parametrize("extra", [[], ["--batchnorm", "sync"]])  # sync: the two threads in MPI
+@pytest.mark.parametrize("extra", [pytest.param([], marks=ONCE), ["--batchnorm", "sync"]])
 def test_mpiexec_a_failure_on_the_communication_thread_ends_the_job(tmp_path, extra):
     script = tmp_path / "failing.py"
     script.write_text(FAILING)

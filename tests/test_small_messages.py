@@ -205,7 +205,7 @@ if rank == 0:
 
 
 @requires_mpi
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.mpi_once), 3])  # P = 3: odd
 def test_a_short_ring_under_mpi_gives_the_rings_bits_on_every_communicator(ranks, tmp_path):
     script = tmp_path / "short.py"
     script.write_text(SHORT_RING_UNDER_MPI)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
+from conftest import run_in_process
 
 from syncsgd.training import timeline
 
@@ -18,9 +17,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def syncsgd(*args: str, cwd) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "syncsgd.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=200, cwd=cwd,
-                          env={**os.environ, "MPLBACKEND": "Agg"})  # fmt: skip
+    """`syncsgd args` by its main in this process, in `cwd` (tests/test_tutorial.py runs train
+    and bench allreduce in fresh ones)."""
+    return run_in_process(list(args), cwd)
 
 
 def test_train_draws_the_gantt_chart_with_or_without_the_trace(tmp_path):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import run_in_process
 
 from syncsgd.apps.verify import same_sign_ulps, ulp_distance
 from syncsgd.training.variants import VARIANTS
@@ -19,8 +19,9 @@ SMALL = ["--samples", "150", "--features", "5", "--hidden", "7", "--batch-size",
 
 
 def verify(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "syncsgd.cli", "verify", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=240)
+    """`syncsgd verify args` by its main in this process (tests/test_reproducibility.py runs the
+    command in a fresh one)."""
+    return run_in_process(["verify", *args])
 
 
 def test_ulps_are_counted_of_the_larger_value_at_least_one():
