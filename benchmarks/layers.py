@@ -210,7 +210,8 @@ def layer_rows(net: Any, parts: dict[str, float], repeats: int, batch: int,
 def print_row(row: dict[str, Any], seconds: float) -> None:
     """One row of the layers' table."""
     total = row["forward"] + row["backward"]
-    rates = [f"{flops / t / 1e9:8.1f}" if flops and t else f"{'-':>8}" for flops, t in
+    # three significant digits: a tiny layer's rate is not printed as 0.0
+    rates = [f"{flops / t / 1e9:8.3g}" if flops and t else f"{'-':>8}" for flops, t in
              ((row["flops_forward"], row["forward"]),
               (row["flops_backward"], row["backward"]))]  # fmt: skip
     share = f"{row['floor'] / total:7.2f}" if row["floor"] and total else f"{'-':>7}"
