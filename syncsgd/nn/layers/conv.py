@@ -513,10 +513,11 @@ def gather_columns_(padded, k, stride, columns):
             first = (c * k + a) * k
             for n in range(m):
                 for i in range(out_h):
-                    base, h = n * positions + i * out_w, i * stride + a
-                    for j in range(out_w):
-                        for b in range(k):
-                            columns[first + b, base + j] = padded[n, c, h, j * stride + b]
+                    base, line = n * positions + i * out_w, padded[n, c, i * stride + a]
+                    for b in range(k):  # along a column's row: Numba vectorises the copy
+                        target = columns[first + b, base : base + out_w]
+                        for j in range(out_w):
+                            target[j] = line[j * stride + b]
 
 
 @njit(nogil=True, cache=True, fastmath={"reassoc"})  # the bias's sums in any order: they vectorise
