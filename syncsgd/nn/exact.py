@@ -68,6 +68,53 @@ def add_scaled_row_(row, factor, weights):
 
 
 @njit(nogil=True, cache=True)
+def fixed_order_product_by_eights_(x, W, out):
+    """out = x W as fixed_order_product_ gives it, eight terms of four rows per pass over a row
+    (a third faster for a wide W: half the loads and stores of the rows per term)."""
+    # The same acc = acc + x[i, k] * W[k, j] in ascending k for every element, whatever the
+    # grouping: eight k at a time for four rows, then the leftover k and rows one at a time.
+    m, depth = x.shape
+    n = W.shape[1]
+    zero = out.dtype.type(0)
+    for i in range(m):
+        for j in range(n):
+            out[i, j] = zero
+    block = max(8, PRODUCT_BLOCK_BYTES // max(n * W.itemsize, 1) // 8 * 8)  # a block of W in L2
+    for k_start in range(0, depth, block):  # blocks in ascending k: each element's order is kept
+        k_stop = min(k_start + block, depth)
+        for i in range(0, m - 3, 4):
+            r0, r1, r2, r3 = out[i], out[i + 1], out[i + 2], out[i + 3]
+            k = k_start
+            while k + 8 <= k_stop:
+                w0, w1, w2, w3, w4, w5, w6, w7 = W[k], W[k + 1], W[k + 2], W[k + 3], W[k + 4], \
+                    W[k + 5], W[k + 6], W[k + 7]  # fmt: skip
+                a, b, c, d = x[i, k : k + 8], x[i + 1, k : k + 8], x[i + 2, k : k + 8], \
+                    x[i + 3, k : k + 8]  # fmt: skip
+                a0, a1, a2, a3, a4, a5, a6, a7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+                b0, b1, b2, b3, b4, b5, b6, b7 = b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]
+                c0, c1, c2, c3, c4, c5, c6, c7 = c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
+                d0, d1, d2, d3, d4, d5, d6, d7 = d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]
+                for j in range(n):
+                    v0, v1, v2, v3 = w0[j], w1[j], w2[j], w3[j]
+                    v4, v5, v6, v7 = w4[j], w5[j], w6[j], w7[j]
+                    r0[j] = (((((((r0[j] + a0 * v0) + a1 * v1) + a2 * v2) + a3 * v3) + a4 * v4)
+                              + a5 * v5) + a6 * v6) + a7 * v7  # fmt: skip
+                    r1[j] = (((((((r1[j] + b0 * v0) + b1 * v1) + b2 * v2) + b3 * v3) + b4 * v4)
+                              + b5 * v5) + b6 * v6) + b7 * v7  # fmt: skip
+                    r2[j] = (((((((r2[j] + c0 * v0) + c1 * v1) + c2 * v2) + c3 * v3) + c4 * v4)
+                              + c5 * v5) + c6 * v6) + c7 * v7  # fmt: skip
+                    r3[j] = (((((((r3[j] + d0 * v0) + d1 * v1) + d2 * v2) + d3 * v3) + d4 * v4)
+                              + d5 * v5) + d6 * v6) + d7 * v7  # fmt: skip
+                k += 8
+            for tail in range(k, k_stop):
+                for row in range(i, i + 4):
+                    add_scaled_row_(out[row], x[row, tail], W[tail])
+        for row in range(m - m % 4, m):  # leftover rows, one term at a time
+            for k in range(k_start, k_stop):
+                add_scaled_row_(out[row], x[row, k], W[k])
+
+
+@njit(nogil=True, cache=True)
 def peak_magnitude(values):
     """max |v| over a 1-D array, in float64; inf if any value is NaN or infinite (0 if empty)."""
     peak = 0.0
