@@ -23,44 +23,6 @@ MIN_PANEL_COLUMNS = 128  # narrower panels would read the other factor too often
 
 
 @njit(nogil=True, cache=True)
-def fixed_order_product_(x, W, out):
-    """out[i, j] = sum over ascending k of x[i, k] * W[k, j], the same order for any row count."""
-    # Grouped rows (four share each loaded row of W) and leftover rows go through the same
-    # acc = acc + x[i, k] * W[k, j] in ascending k; no term is skipped, so a NaN in W always shows.
-    m, depth = x.shape
-    n = W.shape[1]
-    zero = out.dtype.type(0)
-    for i in range(m):
-        for j in range(n):
-            out[i, j] = zero
-    block = max(4, PRODUCT_BLOCK_BYTES // max(n * W.itemsize, 1) // 4 * 4)  # a block of W in L2
-    for k_start in range(0, depth, block):  # blocks in ascending k: each element's order is kept
-        k_stop = min(k_start + block, depth)
-        for i in range(0, m - 3, 4):
-            r0, r1, r2, r3 = out[i], out[i + 1], out[i + 2], out[i + 3]
-            k = k_start
-            while k + 4 <= k_stop:
-                w0, w1, w2, w3 = W[k], W[k + 1], W[k + 2], W[k + 3]
-                f00, f01, f02, f03 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
-                f10, f11, f12, f13 = x[i + 1, k], x[i + 1, k + 1], x[i + 1, k + 2], x[i + 1, k + 3]
-                f20, f21, f22, f23 = x[i + 2, k], x[i + 2, k + 1], x[i + 2, k + 2], x[i + 2, k + 3]
-                f30, f31, f32, f33 = x[i + 3, k], x[i + 3, k + 1], x[i + 3, k + 2], x[i + 3, k + 3]
-                for j in range(n):
-                    v0, v1, v2, v3 = w0[j], w1[j], w2[j], w3[j]
-                    r0[j] = (((r0[j] + f00 * v0) + f01 * v1) + f02 * v2) + f03 * v3
-                    r1[j] = (((r1[j] + f10 * v0) + f11 * v1) + f12 * v2) + f13 * v3
-                    r2[j] = (((r2[j] + f20 * v0) + f21 * v1) + f22 * v2) + f23 * v3
-                    r3[j] = (((r3[j] + f30 * v0) + f31 * v1) + f32 * v2) + f33 * v3
-                k += 4
-            for tail in range(k, k_stop):
-                for row in range(i, i + 4):
-                    add_scaled_row_(out[row], x[row, tail], W[tail])
-        for row in range(m - m % 4, m):  # leftover rows, one term at a time
-            for k in range(k_start, k_stop):
-                add_scaled_row_(out[row], x[row, k], W[k])
-
-
-@njit(nogil=True, cache=True)
 def add_scaled_row_(row, factor, weights):
     """row += factor * weights, element by element (one rounding for the product, one for +)."""
     for j in range(row.shape[0]):
@@ -68,9 +30,9 @@ def add_scaled_row_(row, factor, weights):
 
 
 @njit(nogil=True, cache=True)
-def fixed_order_product_by_eights_(x, W, out):
-    """out = x W as fixed_order_product_ gives it, eight terms of four rows per pass over a row
-    (a third faster for a wide W: half the loads and stores of the rows per term)."""
+def fixed_order_product_(x, W, out):
+    """out[i, j] = sum over ascending k of x[i, k] * W[k, j], the same order for any row count;
+    eight terms of four rows per pass over a row of W."""
     # The same acc = acc + x[i, k] * W[k, j] in ascending k for every element, whatever the
     # grouping: eight k at a time for four rows, then the leftover k and rows one at a time.
     m, depth = x.shape

@@ -133,28 +133,9 @@ def add_narrow_(values, g, fmt, first):
 
 
 @njit(nogil=True, cache=True)
-def copy_transposed_(W, out):
-    """out = W^T, element by element."""
-    for i in range(W.shape[0]):
-        for j in range(W.shape[1]):
-            out[j, i] = W[i, j]
-
-
-@njit(nogil=True, cache=True)
-def copy_transposed_in_blocks_(W, out):
-    """out = W^T, in 32 x 32 blocks that stay in the L1 cache (twice as fast for a large W)."""
-    rows, columns = W.shape
-    for top in range(0, rows, 32):
-        for left in range(0, columns, 32):
-            for i in range(top, min(top + 32, rows)):
-                for j in range(left, min(left + 32, columns)):
-                    out[j, i] = W[i, j]
-
-
-@njit(nogil=True, cache=True)
 def copy_transposed_in_strips_(W, out):
     """out = W^T, eight rows of W at a time: each column's eight values are one short run of a
-    row of out (three times as fast as 32 x 32 blocks for a weight beyond the L2 cache)."""
+    row of out."""
     rows, columns = W.shape
     for top in range(0, rows - 7, 8):
         for j in range(columns):
@@ -614,7 +595,7 @@ class Exact(Float):
             b_T = self._transposed[: b.size].reshape(b.shape[1], b.shape[0])
             copy_transposed_in_strips_(b, b_T)
             b = b_T
-        ex.fixed_order_product_by_eights_(a, b, out)
+        ex.fixed_order_product_(a, b, out)
 
     affine_ = Float.affine_apart_
     affine_sums_ = Float.affine_sums_apart_
