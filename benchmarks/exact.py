@@ -44,21 +44,23 @@ from collections.abc import Callable
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.*
+
+from benchmarks.layers import CONTEXT
 from syncsgd.apps.bench.timing import CLOCKS, interleaved_rounds
 from syncsgd.nn.mlp import mlp, parse_hidden
 from syncsgd.nn.network import Network, build
 from syncsgd.util.argtypes import dimensions, dtype_list
 
 MODES = ("float", "exact", "passes", "extract")  # the last two: exact's phases alone
-CONTEXT = 64  # a token model's window, characters
 Windows = tuple[np.ndarray, np.ndarray] | None  # token data's ids and next ids, every rank's
 
 
 def reads_tokens(options: argparse.Namespace) -> bool:
-    """Whether --model starts with embed: a token model, on token data."""
-    from syncsgd.nn.network import parse_spec
+    """Whether --model starts with embed: a token model, on token data (as peers.py reads it)."""
+    from benchmarks.peers import reads_tokens as spec_reads_tokens
 
-    return options.model is not None and parse_spec(options.model)[0].kind == "embed"
+    return spec_reads_tokens(options.model)
 
 
 def token_config(options: argparse.Namespace) -> dict:

@@ -465,14 +465,6 @@ def conv_forward_planes_(x, weight, bias, k, stride, pad, activation, padded, co
         bias_act_(planes, bias, activation)
 
 
-@njit(nogil=True, cache=True, inline="always")
-def valid_columns(out_w, width, stride, pad, b):
-    """[j_lo, j_hi): the output columns j whose input column j stride + b - pad is inside."""
-    j_lo = min(out_w, max(0, (pad - b + stride - 1) // stride))
-    j_hi = max(j_lo, min(out_w, (width - 1 + pad - b) // stride + 1))
-    return j_lo, j_hi
-
-
 @njit(nogil=True, cache=True)
 def pad_(x, pad, padded):
     """padded = x with `pad` zeros around every plane."""
